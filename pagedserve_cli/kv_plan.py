@@ -1,0 +1,48 @@
+"""`pagedserve kv-plan`: KV-cache bytes per token, block and sequence for a model, and what fits in memory."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from pagedserve_cli.units import parse_bytes
+from scheduler_svc.kv.capacity import DTYPE_BYTES, KVShape, plan
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("kv-plan", help="KV-cache capacity planning from a model's config.json")
+    p.add_argument("--model", required=True, help="model directory (holding config.json) or a known model name")
+    p.add_argument("--seq-len", type=int, required=True, help="sequence length S (prompt + output tokens)")
+    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="KV element type (default: the model's)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--memory", type=parse_bytes, help="KV memory budget: bytes, or e.g. 80GiB")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run)
+
+
+def _model_dir(spec: str) -> str:
+    from pathlib import Path
+    if (Path(spec) / "config.json").is_file():
+        return spec
+    from worker_svc.model_store import resolve_model  # NOTE: only for names; pulls the model once
+    return str(resolve_model(spec))
+
+
+def run(args: argparse.Namespace) -> int:
+    kv = plan(KVShape.from_model_dir(_model_dir(args.model), args.dtype), args.seq_len, args.block_size,
+              args.memory)
+    if args.json:
+        print(json.dumps(kv.to_dict()))
+        return 0
+    print(f"model: {kv.num_layers} layers x {kv.num_kv_heads} kv heads x head_dim {kv.head_dim}, {kv.dtype}")
+    print(f"KV bytes per token:    {kv.bytes_per_token:,}  (2 x {kv.num_layers} x {kv.num_kv_heads} x "
+          f"{kv.head_dim} x {DTYPE_BYTES[kv.dtype]})")
+    print(f"bytes per block:       {kv.bytes_per_block:,}  ({kv.block_size} tokens)")
+    print(f"bytes per sequence:    {kv.bytes_per_sequence:,}  ({kv.blocks_per_sequence} blocks for "
+          f"S={kv.seq_len})")
+    if kv.memory is not None:
+        print(f"in {kv.memory:,} bytes:  {kv.num_blocks:,} blocks = {kv.num_tokens:,} tokens")
+        print(f"  paged:      {kv.num_sequences:,} concurrent sequences of {kv.seq_len} tokens")
+        print(f"  contiguous: {kv.contiguous_num_sequences:,} sequences preallocated at max length "
+              f"{kv.max_model_len}")
+    return 0

@@ -1,0 +1,29 @@
+"""The `pagedserve` command: one subcommand per job; each imports only what it needs."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pagedserve_cli import kv_plan, model_cmd
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pagedserve", description="LLM serving with PagedAttention")
+    sub = p.add_subparsers(dest="command", required=True)
+    kv_plan.add_parser(sub)
+    model_cmd.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        print(f"pagedserve {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,22 @@
+"""`pagedserve model pull [NAME]`: fetch and convert a known model once; print its directory last."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("model", help="manage the local model cache")
+    msub = p.add_subparsers(dest="model_command", required=True)
+    pull = msub.add_parser("pull", help="fetch and convert a known model into the cache; prints its directory")
+    pull.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    pull.set_defaults(func=run_pull)
+
+
+def run_pull(args: argparse.Namespace) -> int:
+    from worker_svc.model_store import REGISTRY, pull
+
+    if args.name not in REGISTRY:
+        raise ValueError(f"unknown model {args.name!r}; known: {', '.join(sorted(REGISTRY))}")
+    print(pull(args.name))
+    return 0

@@ -1,0 +1,1 @@
+"""Generated protobuf modules of the pagedserve.v1 API (import as pagedserve.v1)."""

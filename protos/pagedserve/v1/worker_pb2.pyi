@@ -1,0 +1,104 @@
+from pagedserve.v1 import generate_pb2 as _generate_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerMessage(_message.Message):
+    __slots__ = ("registration", "result")
+    REGISTRATION_FIELD_NUMBER: _ClassVar[int]
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    registration: WorkerRegistration
+    result: StepResult
+    def __init__(self, registration: _Optional[_Union[WorkerRegistration, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ...) -> None: ...
+
+class WorkerRegistration(_message.Message):
+    __slots__ = ("model_id", "num_blocks", "block_size", "dtype", "max_model_len", "device")
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    model_id: str
+    num_blocks: int
+    block_size: int
+    dtype: str
+    max_model_len: int
+    device: str
+    def __init__(self, model_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class NewRequest(_message.Message):
+    __slots__ = ("seq_id", "token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling", "seed")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_computed_tokens: int
+    num_scheduled_tokens: int
+    sampling: _generate_pb2.SamplingParams
+    seed: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
+
+class RunningRequest(_message.Message):
+    __slots__ = ("seq_id", "new_block_ids", "num_scheduled_tokens")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    new_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_scheduled_tokens: int
+    def __init__(self, seq_id: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
+
+class BlockCopy(_message.Message):
+    __slots__ = ("src", "dst")
+    SRC_FIELD_NUMBER: _ClassVar[int]
+    DST_FIELD_NUMBER: _ClassVar[int]
+    src: int
+    dst: int
+    def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
+
+class StepPlan(_message.Message):
+    __slots__ = ("step_id", "new_requests", "running", "finished_seq_ids", "preempted_seq_ids", "copies")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
+    COPIES_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
+    running: _containers.RepeatedCompositeFieldContainer[RunningRequest]
+    finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    preempted_seq_ids: _containers.RepeatedScalarFieldContainer[int]
+    copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., preempted_seq_ids: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+
+class SampledToken(_message.Message):
+    __slots__ = ("seq_id", "token_id", "logprobs")
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    seq_id: int
+    token_id: int
+    logprobs: _generate_pb2.PositionLogprobs
+    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[_generate_pb2.PositionLogprobs, _Mapping]] = ...) -> None: ...
+
+class StepResult(_message.Message):
+    __slots__ = ("step_id", "tokens", "step_seconds")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    tokens: _containers.RepeatedCompositeFieldContainer[SampledToken]
+    step_seconds: float
+    def __init__(self, step_id: _Optional[int] = ..., tokens: _Optional[_Iterable[_Union[SampledToken, _Mapping]]] = ..., step_seconds: _Optional[float] = ...) -> None: ...

@@ -1,0 +1,227 @@
+"""Per-request block tables over a BlockPool: prefix lookup, allocation, fork with copy-on-write, free."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from scheduler_svc.kv.block_pool import BlockPool
+
+VALID_BLOCK_SIZES = tuple(2**i for i in range(3, 9))  # 8 .. 256
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    """The longest run of cached blocks from a prompt's start. Valid until the next allocation."""
+
+    block_ids: list[int]
+    num_tokens: int
+    parent: object  # chain id of the last hit block, or the chain's root when nothing hit
+
+
+@dataclass(slots=True, frozen=True)
+class Allocation:
+    """What one allocate() changed: blocks appended to the table, and copies the worker must run first."""
+
+    new_block_ids: Sequence[int] = ()
+    copies: Sequence[tuple[int, int]] = ()  # copy-on-write (src, dst) block pairs
+
+
+NO_CHANGE = Allocation()
+
+
+@dataclass(slots=True)
+class KVCacheStats:
+    num_blocks: int
+    block_size: int
+    num_used_blocks: int  # ref count > 0
+    num_cached_free_blocks: int  # ref count 0, still in the prefix cache
+    num_free_blocks: int  # ref count 0, cached or not
+    usage: float  # num_used_blocks / num_blocks
+    num_slots_allocated: int  # token slots in used blocks
+    num_slots_filled: int  # of those, slots holding a token (the rest is internal fragmentation)
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_evictions: int
+
+
+@dataclass(slots=True)
+class _Seq:
+    block_ids: list[int]
+    num_tokens: int  # tokens the table covers: computed or scheduled this step
+    num_cached_blocks: int  # leading full blocks already registered in (or found in) the prefix cache
+    parent: object  # chain id of block num_cached_blocks - 1, or the chain's root
+    cow_pending: bool = False  # forked onto a shared partial block: copy it before the first write
+
+
+def _root(extra_key: object) -> object:
+    # NOTE: chain ids are ints; the root is None or a tuple, so a root can never equal a chain id.
+    return None if extra_key is None else ("extra", extra_key)
+
+
+class KVCacheManager:
+    """Owns every request's block table (logical block i -> physical block id) on one worker's pool.
+
+    NOTE: tables are append-only while a request runs, except that a forked request's first write into the
+    partial block it shares replaces that last entry (copy-on-write) before the worker ever saw the old one.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+        if block_size not in VALID_BLOCK_SIZES:
+            raise ValueError(f"block_size must be a power of two from 8 to 256, got {block_size}")
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._seqs: dict[str, _Seq] = {}
+        self.prefix_query_tokens = 0
+        self.prefix_hit_tokens = 0
+
+    # -- queries ------------------------------------------------------------------------------------------
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._seqs
+
+    def block_table(self, request_id: str) -> list[int]:
+        return list(self._seqs[request_id].block_ids)
+
+    def num_tokens(self, request_id: str) -> int:
+        return self._seqs[request_id].num_tokens
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def lookup(self, token_ids: Sequence[int], extra_key: object = None) -> PrefixHit:
+        """Finds the cached prefix of a prompt. NOTE: never covers the last token, whose logits are needed."""
+        parent = _root(extra_key)
+        self.prefix_query_tokens += len(token_ids)
+        if not self.enable_prefix_caching:
+            return PrefixHit([], 0, parent)
+        bs = self.block_size
+        cached, chain_id = self.pool._cached, self.pool.chain_id
+        block_ids: list[int] = []
+        for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
+            bid = cached.get((parent, tuple(token_ids[start:start + bs])))
+            if bid is None:
+                break
+            block_ids.append(bid)
+            parent = chain_id[bid]
+        num_hit = len(block_ids) * bs
+        self.prefix_hit_tokens += num_hit
+        return PrefixHit(block_ids, num_hit, parent)
+
+    # -- allocation ---------------------------------------------------------------------------------------
+    def _blocks_needed(self, request_id: str, num_tokens: int, hit: PrefixHit | None) -> int:
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            hit_ids = hit.block_ids if hit is not None else ()
+            ref_cnt = self.pool.ref_cnt
+            # Cached free blocks that a hit revives leave the free pool too.
+            revived = sum(1 for b in hit_ids if ref_cnt[b] == 0)
+            return self.num_blocks_for(num_tokens) - len(hit_ids) + revived
+        return self.num_blocks_for(num_tokens) - len(seq.block_ids) + self._needs_copy(seq, num_tokens)
+
+    def _needs_copy(self, seq: _Seq, num_tokens: int) -> bool:
+        """Whether writing up to `num_tokens` must first copy the partial block the request was forked onto.
+
+        NOTE: only the fork's parent writes such a block in place. A child writes in place only when it is the
+        last holder and the block never entered the prefix cache: otherwise slots it would overwrite may be
+        read by another request, or by a future prefix hit on the content the parent completed.
+        """
+        if not seq.cow_pending or num_tokens <= seq.num_tokens:
+            return False
+        last = seq.block_ids[-1]
+        return self.pool.ref_cnt[last] > 1 or self.pool.block_key[last] is not None
+
+    def can_allocate(self, request_id: str, num_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Whether the table of `request_id` can grow to cover `num_tokens` tokens now."""
+        return self._blocks_needed(request_id, num_tokens, hit) <= self.pool.num_free_blocks
+
+    def allocate(self, request_id: str, num_tokens: int, token_ids: Sequence[int] | None = None,
+                 hit: PrefixHit | None = None, extra_key: object = None) -> Allocation | None:
+        """Grows the table of `request_id` to cover `num_tokens` tokens; None (and no change) when it can't.
+
+        A new request starts from `hit` (from lookup()). `token_ids` are the request's known tokens; the full
+        blocks among the first `num_tokens` of them enter the prefix cache.
+        """
+        pool = self.pool
+        seq = self._seqs.get(request_id)
+        if seq is None:
+            if self._blocks_needed(request_id, num_tokens, hit) > pool.num_free_blocks:
+                return None
+            if hit is None:
+                seq = _Seq([], 0, 0, _root(extra_key))
+            else:
+                pool.touch(hit.block_ids)
+                seq = _Seq(list(hit.block_ids), hit.num_tokens, len(hit.block_ids), hit.parent)
+            self._seqs[request_id] = seq
+        if num_tokens < seq.num_tokens:
+            raise ValueError(f"request {request_id}: num_tokens {num_tokens} < {seq.num_tokens} already held")
+        block_ids = seq.block_ids
+        num_new = -(-num_tokens // self.block_size) - len(block_ids)
+        copies: list[tuple[int, int]] = []
+        if seq.cow_pending and num_tokens > seq.num_tokens:
+            if num_new + self._needs_copy(seq, num_tokens) > pool.num_free_blocks:
+                return None
+            if self._needs_copy(seq, num_tokens):
+                src, dst = block_ids[-1], pool.allocate(1)[0]
+                pool.free((src,))
+                block_ids[-1] = dst
+                copies.append((src, dst))
+            seq.cow_pending = False
+        if num_new > 0:
+            if num_new > pool.num_free_blocks:
+                return None
+            new_block_ids = pool.allocate(num_new)
+            block_ids.extend(new_block_ids)
+        else:
+            new_block_ids = ()
+        seq.num_tokens = num_tokens
+        if token_ids is not None and self.enable_prefix_caching:
+            num_full = min(num_tokens, len(token_ids)) // self.block_size
+            if num_full > seq.num_cached_blocks:
+                self._cache_blocks(seq, token_ids, num_full)
+        if not copies and not new_block_ids:
+            return NO_CHANGE
+        return Allocation(new_block_ids, copies)
+
+    def _cache_blocks(self, seq: _Seq, token_ids: Sequence[int], num_full: int) -> None:
+        bs, pool, parent = self.block_size, self.pool, seq.parent
+        for i in range(seq.num_cached_blocks, num_full):
+            parent = pool.cache(seq.block_ids[i], (parent, tuple(token_ids[i * bs:(i + 1) * bs])))
+        seq.parent = parent
+        seq.num_cached_blocks = num_full
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """`child_id` shares every block of `parent_id` (parallel sampling): one more reference each.
+
+        The shared partial last block, if any, is copied when the child first writes into it; the parent
+        keeps writing in place (its slots past the child's length are ones the child never reads).
+        """
+        if child_id in self._seqs:
+            raise ValueError(f"request {child_id} already has a block table")
+        p = self._seqs[parent_id]
+        self.pool.touch(p.block_ids)
+        self._seqs[child_id] = _Seq(list(p.block_ids), p.num_tokens, p.num_cached_blocks, p.parent,
+                                    cow_pending=p.num_tokens % self.block_size != 0)
+
+    def free(self, request_id: str) -> None:
+        """Drops the request's table. NOTE: tail first, so a chain's tail is evicted before its head."""
+        seq = self._seqs.pop(request_id)
+        self.pool.free(reversed(seq.block_ids))
+
+    # -- metrics ------------------------------------------------------------------------------------------
+    def stats(self) -> KVCacheStats:
+        pool, bs = self.pool, self.block_size
+        num_used = pool.num_used_blocks
+        unfilled: dict[int, int] = {}  # partial block -> empty slots (shared partial blocks counted once)
+        for seq in self._seqs.values():
+            if seq.block_ids:
+                last, empty = seq.block_ids[-1], -seq.num_tokens % bs
+                unfilled[last] = min(unfilled.get(last, empty), empty)
+        slots = num_used * bs
+        return KVCacheStats(
+            num_blocks=pool.num_blocks, block_size=bs, num_used_blocks=num_used,
+            num_cached_free_blocks=pool.num_cached_free_blocks, num_free_blocks=pool.num_free_blocks,
+            usage=num_used / pool.num_blocks, num_slots_allocated=slots,
+            num_slots_filled=slots - sum(unfilled.values()),
+            prefix_query_tokens=self.prefix_query_tokens, prefix_hit_tokens=self.prefix_hit_tokens,
+            num_evictions=pool.num_evictions)

