@@ -1,0 +1,29 @@
+"""Fixtures for worker tests: tiny random Llama and Qwen2 checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen2Config
+
+from tests.worker.helpers import TINY
+
+
+def _save(tmp_path_factory, name: str, config) -> str:
+    from transformers import AutoModelForCausalLM as Auto
+
+    torch.manual_seed(0)
+    model = Auto.from_config(config, dtype=torch.float32)
+    path = tmp_path_factory.mktemp(name)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> str:
+    return _save(tmp_path_factory, "tiny-llama", LlamaConfig(**TINY))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> str:
+    return _save(tmp_path_factory, "tiny-qwen2", Qwen2Config(**TINY))

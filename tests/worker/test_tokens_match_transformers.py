@@ -1,0 +1,78 @@
+"""Greedy output of the paged worker is token-identical to transformers' generate."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.worker.helpers import assert_same_greedy, make_runner, reference_greedy, reference_model
+from worker_svc.driver import LocalDriver
+
+PROMPTS = [[random.Random(i).randrange(512) for _ in range(n)] for i, n in enumerate([5, 17, 33, 48, 64, 3])]
+NEW = 24
+
+
+@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_dir"])
+def model_dir(request):
+    return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(scope="module")
+def references(model_dir):
+    ref = reference_model(model_dir)
+    return [reference_greedy(ref, p, NEW) for p in PROMPTS]
+
+
+def check(driver: LocalDriver, ids: dict[int, int], references) -> dict[int, list[int]]:
+    out = driver.run()
+    for seq_id, prompt_index in ids.items():
+        assert_same_greedy(out[seq_id], *references[prompt_index])
+    return out
+
+
+def test_mixed_prefill_and_decode_batches(model_dir, references):
+    driver = LocalDriver(make_runner(model_dir), max_num_batched_tokens=512)
+    ids = {driver.add(p, NEW, arrival_step=2 * i): i for i, p in enumerate(PROMPTS)}
+    check(driver, ids, references)
+
+
+def test_chunked_prefill(model_dir, references):
+    driver = LocalDriver(make_runner(model_dir), max_num_batched_tokens=10)
+    ids = {driver.add(p, NEW): i for i, p in enumerate(PROMPTS[:4])}
+    check(driver, ids, references)
+
+
+def test_prefix_cache_hits(model_dir, references):
+    driver = LocalDriver(make_runner(model_dir, block_size=8))
+    first = driver.add(PROMPTS[4], NEW)
+    driver.run()
+    again = driver.add(PROMPTS[4], NEW)
+    longer = PROMPTS[4][:40]
+    ref_model = reference_model(model_dir)
+    part = driver.add(longer, NEW)
+    out = driver.run()
+    assert driver.kv.prefix_hit_tokens >= 56 + 32  # the whole first prompt but its last block, then 32 tokens
+    assert_same_greedy(out[first], *references[4])
+    assert_same_greedy(out[again], *references[4])
+    assert_same_greedy(out[part], *reference_greedy(ref_model, longer, NEW))
+
+
+def test_preemption_recomputes_to_the_same_tokens(model_dir, references):
+    # 12 blocks of 8 tokens cannot hold four sequences of up to 88 tokens: some are preempted and resumed.
+    driver = LocalDriver(make_runner(model_dir, num_blocks=12, block_size=8), max_num_batched_tokens=64)
+    ids = {driver.add(p, NEW): i for i, p in enumerate(PROMPTS[1:5], start=1)}
+    check(driver, ids, references)
+    assert driver.num_preemptions > 0
+
+
+def test_forked_sequences_copy_on_write(model_dir, references):
+    driver = LocalDriver(make_runner(model_dir, block_size=8))
+    # 48 prompt tokens: the first 47 are computed once, then the partial last block (7 tokens) is shared.
+    parent = driver.add(PROMPTS[3], NEW, fork_into=2)
+    out = driver.run()
+    children = driver.seqs[parent].children
+    assert len(children) == 2 and driver.num_forks == 2
+    assert driver.num_copies == 2  # each child copied the shared partial block before writing into it
+    for seq_id in (parent, *children):
+        assert_same_greedy(out[seq_id], *references[3])

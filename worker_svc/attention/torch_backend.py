@@ -1,0 +1,136 @@
+"""Paged attention in plain torch ops: a batched path for decodes, SDPA per sequence for prefill chunks."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from worker_svc.attention.backend import AttentionBackend, check_shapes
+from worker_svc.attention.metadata import AttentionMetadata
+
+_UPCAST = (torch.float16, torch.bfloat16)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    """Works on any torch device; written for the CPU worker and as a fallback.
+
+    Pool layout: kv_layer is [2, num_blocks, block_size, num_kv_heads, head_dim] (0 = K, 1 = V), so one block
+    of K is a contiguous [block_size, num_kv_heads, head_dim] tile and gathering a block table row yields the
+    sequence's keys in position order.
+
+    float32 is computed in float32; float16/bfloat16 are upcast to float32 for the matmuls and softmax, and the
+    output is cast back to the query dtype.
+    """
+
+    name = "torch"
+
+    def write_kv(
+        self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+    ) -> None:
+        two, num_blocks, block_size, kvh, hd = kv_layer.shape
+        # NOTE: view (not reshape/flatten) so a non-viewable pool raises instead of writing into a copy.
+        flat = kv_layer.view(two, num_blocks * block_size, kvh, hd)
+        slots = slot_mapping.to(device=kv_layer.device, dtype=torch.int64)
+        flat[0].index_copy_(0, slots, key.to(kv_layer.dtype))
+        flat[1].index_copy_(0, slots, value.to(kv_layer.dtype))
+
+    def forward(
+        self, query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    ) -> torch.Tensor:
+        check_shapes(query, kv_layer)
+        if query.shape[0] != meta.num_tokens:
+            raise ValueError(f"query has {query.shape[0]} tokens, metadata {meta.num_tokens}")
+        if meta.is_all_decode:
+            # Decode row i is sequence i: no query gather, no output scatter.
+            return self._decode(
+                query, kv_layer, meta.block_tables, meta.seq_lens, meta.seq_lens_host, meta.max_decode_seq_len, scale
+            )
+        out = torch.empty_like(query)
+        if meta.num_decodes:
+            idx = meta.decode_seqs
+            rows = meta.query_start_loc.index_select(0, idx).long()
+            host_idx = np.flatnonzero(np.diff(meta.query_start_loc_host) == 1)
+            out[rows] = self._decode(
+                query.index_select(0, rows),
+                kv_layer,
+                meta.block_tables.index_select(0, idx),
+                meta.seq_lens.index_select(0, idx),
+                meta.seq_lens_host[host_idx],
+                meta.max_decode_seq_len,
+                scale,
+            )
+        self._prefills(query, kv_layer, meta, scale, out)
+        return out
+
+    def _decode(
+        self,
+        query: torch.Tensor,
+        kv_layer: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_host: np.ndarray,
+        max_seq_len: int,
+        scale: float,
+    ) -> torch.Tensor:
+        """One query token per sequence: query [B, H, hd] -> [B, H, hd]."""
+        _, _, block_size, kvh, hd = kv_layer.shape
+        b, h, _ = query.shape
+        group = h // kvh
+        nb = -(-max_seq_len // block_size)
+        length = nb * block_size
+        # One gather for all sequences: [2, B*nb, bs, kvh, hd] -> [2, B, L, kvh, hd] (a fresh copy).
+        ids = block_tables[:, :nb].reshape(-1).long()
+        kv = kv_layer.index_select(1, ids).view(2, b, length, kvh, hd)
+        if kv.dtype in _UPCAST:
+            kv = kv.float()
+        # NOTE: zero V past seq_len: there 0 * NaN would still poison the output even with probability 0.
+        # K needs no cleaning: its scores are overwritten with -inf below.
+        valid = torch.arange(length, device=kv.device)[None, :] < seq_lens[:, None].long()  # [B, L]
+        if kv.device.type == "cpu":
+            # Touch only the invalid tails (cheap slices) rather than rewriting all of V through a mask.
+            for i, n in enumerate(seq_lens_host.tolist()):
+                if n < length:
+                    kv[1, i, n:].zero_()
+        else:
+            kv[1].masked_fill_(~valid[:, :, None, None], 0.0)
+        # GQA without repeating KV: per kv head, one bmm over the batch whose rows are that head's query group.
+        # NOTE: kv[0, :, :, j] is a strided [B, L, hd] view (row stride kvh*hd) that bmm reads in place; a
+        # 4-D matmul over [B, kvh, L, hd] would first copy all of K and V to fold the batch dims.
+        q = (query.to(kv.dtype) * scale).view(b, kvh, group, hd)  # scale the small side, not the scores
+        scores = torch.stack([torch.bmm(q[:, j], kv[0, :, :, j].transpose(1, 2)) for j in range(kvh)], 1)
+        scores.masked_fill_(~valid[:, None, None, :], float("-inf"))  # [B, kvh, group, L]
+        probs = torch.softmax(scores, dim=-1)
+        out = torch.stack([torch.bmm(probs[:, j], kv[1, :, :, j]) for j in range(kvh)], 1)  # [B, kvh, group, hd]
+        return out.reshape(b, h, hd).to(query.dtype)
+
+    def _prefills(
+        self, query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+    ) -> None:
+        """Sequences with q_len > 1, one SDPA call each; writes their rows of `out`."""
+        _, _, block_size, kvh, hd = kv_layer.shape
+        qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
+        for i in range(meta.num_seqs):
+            start, end, s = int(qsl[i]), int(qsl[i + 1]), int(lens[i])
+            q_len = end - start
+            if q_len == 1:
+                continue
+            nb = -(-s // block_size)
+            ids = meta.block_tables[i, :nb].long()
+            # Slicing to :s drops the garbage past seq_len, so nothing needs masking for NaN here.
+            kv = kv_layer.index_select(1, ids).view(2, nb * block_size, kvh, hd)[:, :s]
+            q = query[start:end]
+            if q.dtype in _UPCAST:
+                q, kv = q.float(), kv.float()
+            k = kv[0].transpose(0, 1).unsqueeze(0)  # [1, kvh, s, hd]
+            v = kv[1].transpose(0, 1).unsqueeze(0)
+            q = q.transpose(0, 1).unsqueeze(0)  # [1, H, q_len, hd]
+            if s == q_len:
+                # Whole context is new: SDPA's top-left causal mask is exactly right.
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+            else:
+                # Query j sits at position s - q_len + j and sees keys 0..that position (bottom-right causal).
+                qpos = torch.arange(s - q_len, s, device=q.device)
+                mask = torch.arange(s, device=q.device)[None, :] <= qpos[:, None]
+                o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+            out[start:end] = o[0].transpose(0, 1).to(out.dtype)

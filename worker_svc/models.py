@@ -1,0 +1,88 @@
+"""Loads HuggingFace causal LMs with transformers and routes their attention to the paged KV pool."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AttentionInterface, AutoModelForCausalLM
+
+from worker_svc.kv_pool import DTYPES, KVLayout
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+ATTN_IMPLEMENTATION = "pagedserve"
+
+
+def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
+                            paged_step=None, **kwargs):
+    """transformers' attention hook: write this layer's new K/V into the pool, attend through block tables.
+
+    query is [1, heads, T, head_dim] over ALL sequences of the step packed together; key/value are
+    [1, kv_heads, T, head_dim]. NOTE: transformers does not know the tokens belong to different sequences:
+    the sequence boundaries come only from paged_step.meta (query_start_loc, seq_lens, block_tables).
+    """
+    if paged_step is None:
+        raise RuntimeError("the pagedserve attention needs paged_step=StepContext(...) in the forward call")
+    kv_layer = paged_step.kv[module.layer_idx]
+    q = query[0].transpose(0, 1)
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    paged_step.backend.write_kv(kv_layer, k, v, paged_step.meta.slot_mapping)
+    out = paged_step.backend.forward(q, kv_layer, paged_step.meta, scaling)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: torch.nn.Module
+    model_id: str
+    model_type: str
+    dtype: torch.dtype
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+    def kv_layout(self, block_size: int, kv_dtype: torch.dtype | None = None) -> KVLayout:
+        cfg = self.model.config
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        return KVLayout(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
+                        head_dim=head_dim, block_size=block_size, dtype=kv_dtype or self.dtype)
+
+
+def resolve_dtype(dtype: str, device: str, config: dict) -> torch.dtype:
+    """'auto': float32 on the CPU, the checkpoint's dtype on a GPU."""
+    if dtype == "auto":
+        if not str(device).startswith("cuda"):
+            return torch.float32
+        dtype = str(config.get("dtype") or config.get("torch_dtype") or "float16")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
+               model_id: str | None = None) -> LoadedModel:
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"unsupported model_type {model_type!r} in {model_dir}/config.json; "
+                         f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    torch_dtype = resolve_dtype(dtype, device, config)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    model.to(device).eval()
+    cfg = model.config
+    eos = cfg.eos_token_id if cfg.eos_token_id is not None else []
+    gen_cfg = getattr(model, "generation_config", None)
+    if gen_cfg is not None and gen_cfg.eos_token_id is not None:
+        eos = gen_cfg.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    return LoadedModel(model=model, model_id=model_id or str(model_dir), model_type=model_type,
+                       dtype=torch_dtype, max_model_len=int(getattr(cfg, "max_position_embeddings", 2048)),
+                       vocab_size=int(cfg.vocab_size), eos_token_ids=eos_ids)

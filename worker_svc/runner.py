@@ -1,0 +1,79 @@
+"""Runs one step: applies the plan, packs all scheduled tokens into one forward, samples."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from worker_svc.attention import AttentionBackend, AttentionMetadata
+from worker_svc.batch import PersistentBatch
+from worker_svc.kv_pool import KVPool
+from worker_svc.models import LoadedModel
+from worker_svc.plan import StepOutput, StepPlan
+from worker_svc.sampling import Sampler, make_generator
+
+
+@dataclass(slots=True)
+class StepContext:
+    """What the attention hook needs, passed through the model's forward kwargs."""
+
+    kv: torch.Tensor  # the whole pool: [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    meta: AttentionMetadata
+    backend: AttentionBackend
+
+
+def _seed_for(seed: int, position: int) -> int:
+    # NOTE: a sampled token's randomness depends only on (seed, position): the same whatever else is batched,
+    # and after a preemption the recomputed sequence draws exactly what it drew before.
+    return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % 2**63
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, pool: KVPool, backend: AttentionBackend) -> None:
+        self.loaded = loaded
+        self.pool = pool
+        self.backend = backend
+        self.sampler = Sampler()
+        self.batch = PersistentBatch()
+        self.device = pool.kv.device
+
+    def step(self, plan: StepPlan) -> StepOutput:
+        t0 = time.perf_counter()
+        scheduled = self.batch.apply(plan)
+        self.pool.copy_blocks(plan.copies)
+        if not scheduled:
+            return StepOutput(plan.step_id, [], [], [], time.perf_counter() - t0)
+        bs = self.pool.layout.block_size
+        q_lens = np.fromiter((s.num_scheduled_tokens for s in scheduled), np.int64, len(scheduled))
+        starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, len(scheduled))
+        seq_lens = starts + q_lens
+        meta = AttentionMetadata.build(q_lens, seq_lens, [s.block_ids for s in scheduled], bs, self.device)
+        # Per token: its sequence's first new position + its offset in the chunk (no per-token Python loop).
+        qsl = meta.query_start_loc_host
+        seq_of = np.repeat(np.arange(len(scheduled)), q_lens)
+        positions = np.arange(qsl[-1]) - qsl[seq_of] + starts[seq_of]
+        input_ids = np.concatenate([np.asarray(s.token_ids[s.num_computed_tokens:s.num_computed_tokens
+                                                          + s.num_scheduled_tokens]) for s in scheduled])
+        sampling_rows = [i for i, s in enumerate(scheduled) if s.samples_this_step]
+        keep = torch.from_numpy(qsl[1:][sampling_rows] - 1).to(self.device)
+        with torch.inference_mode():
+            out = self.loaded.model(
+                input_ids=torch.from_numpy(input_ids).to(self.device, torch.long).unsqueeze(0),
+                position_ids=torch.from_numpy(positions).to(self.device, torch.long).unsqueeze(0),
+                paged_step=StepContext(self.pool.kv, meta, self.backend),
+                logits_to_keep=keep, use_cache=False)
+            sampled = [scheduled[i] for i in sampling_rows]
+            generators = [None if s.sampling.seed is None else
+                          make_generator(_seed_for(s.sampling.seed, len(s.token_ids)), self.device)
+                          for s in sampled]
+            result = self.sampler.sample(out.logits[0].float(), [s.sampling for s in sampled], generators)
+        for s in scheduled:
+            s.num_computed_tokens += s.num_scheduled_tokens
+            s.num_scheduled_tokens = 0
+        for s, tok in zip(sampled, result.token_ids):
+            s.token_ids.append(tok)
+        return StepOutput(plan.step_id, [s.seq_id for s in sampled], result.token_ids, result.logprobs,
+                          time.perf_counter() - t0)
