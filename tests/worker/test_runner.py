@@ -75,3 +75,14 @@ def test_chunked_prompt_samples_only_after_its_last_chunk(tiny_llama_dir):
     assert out.seq_ids == [5] and len(runner.batch.seqs[5].token_ids) == 22
     runner.step(StepPlan(3, finished_seq_ids=[5]))
     assert len(runner.batch) == 0
+
+
+def test_create_runner_sizes_the_pool_from_kv_memory(tiny_llama_dir):
+    from worker_svc.worker import WorkerConfig, create_runner
+
+    runner, info = create_runner(WorkerConfig(model=tiny_llama_dir, kv_memory=10 * 2**20, block_size=32))
+    per_block = 2 * 2 * 2 * 16 * 4 * 32  # K+V x layers x kv_heads x head_dim x float32 x block_size
+    assert info.num_blocks == 10 * 2**20 // per_block == runner.pool.num_blocks
+    assert runner.pool.nbytes == info.num_blocks * per_block <= 10 * 2**20
+    assert (info.block_size, info.dtype, info.max_model_len, info.device) == (32, "float32", 512, "cpu")
+    assert info.model_id == tiny_llama_dir

@@ -1,0 +1,70 @@
+"""Assembles a worker: resolves and loads the model, sizes the KV pool, picks the attention backend."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker_svc.attention import AttentionBackend, TorchAttentionBackend
+from worker_svc.kv_pool import KVPool
+from worker_svc.model_store import resolve_model
+from worker_svc.models import ATTN_IMPLEMENTATION, load_model
+from worker_svc.runner import ModelRunner
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    model: str = "smollm2-135m-instruct"  # a known name or a local HF model directory
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on the CPU, the checkpoint's dtype on a GPU
+    block_size: int = 16
+    kv_memory: int | None = None  # bytes for the KV pool; None: 1 GiB on the CPU, a share of free GPU memory
+    gpu_memory_utilization: float = 0.9  # share of the GPU's memory the whole worker may use
+    threads: int | None = None  # torch intra-op threads on the CPU (1 decoded fastest at batch 1 on 2 cores)
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerInfo:
+    """What a worker registers with the scheduler."""
+
+    model_id: str
+    num_blocks: int
+    block_size: int
+    dtype: str
+    max_model_len: int
+    device: str
+
+
+def _profile_kv_memory(runner_model, device: torch.device, utilization: float) -> int:
+    """GPU: bytes left for the KV pool after the weights and one max-size forward's activations."""
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    with torch.inference_mode():
+        runner_model(input_ids=torch.zeros((1, 2048), dtype=torch.long, device=device), use_cache=False,
+                     logits_to_keep=1)
+    torch.cuda.synchronize(device)
+    _, total = torch.cuda.mem_get_info(device)
+    return max(0, int(total * utilization) - torch.cuda.max_memory_allocated(device))
+
+
+def create_runner(cfg: WorkerConfig, backend: AttentionBackend | None = None) -> tuple[ModelRunner, WorkerInfo]:
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    loaded = load_model(resolve_model(cfg.model), cfg.dtype, cfg.device, model_id=cfg.model)
+    layout = loaded.kv_layout(cfg.block_size)
+    kv_memory = cfg.kv_memory
+    if kv_memory is None:
+        if cfg.device.startswith("cuda"):
+            # Profiling runs the model with sdpa: the paged hook needs a pool, which is what we are sizing.
+            loaded.model.set_attn_implementation("sdpa")
+            kv_memory = _profile_kv_memory(loaded.model, torch.device(cfg.device), cfg.gpu_memory_utilization)
+            loaded.model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        else:
+            kv_memory = 2**30
+    pool = KVPool(layout, layout.num_blocks_for(kv_memory), cfg.device)
+    runner = ModelRunner(loaded, pool, backend or TorchAttentionBackend())
+    info = WorkerInfo(model_id=cfg.model, num_blocks=pool.num_blocks, block_size=cfg.block_size,
+                      dtype=str(layout.dtype).removeprefix("torch."), max_model_len=loaded.max_model_len,
+                      device=cfg.device)
+    return runner, info
