@@ -96,6 +96,7 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return PrefixHit([], 0, parent)
         bs = self.block_size
+        # NOTE: reads the pool's key map directly: this loop runs once per block of every prompt.
         cached, chain_id = self.pool._cached, self.pool.chain_id
         block_ids: list[int] = []
         for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
