@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from scheduler_svc.kv.block_pool import BlockPool
@@ -72,18 +72,18 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)
-        self._seqs: dict[str, _Seq] = {}
+        self._seqs: dict[Hashable, _Seq] = {}
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
 
     # -- queries ------------------------------------------------------------------------------------------
-    def __contains__(self, request_id: str) -> bool:
+    def __contains__(self, request_id: Hashable) -> bool:
         return request_id in self._seqs
 
-    def block_table(self, request_id: str) -> list[int]:
+    def block_table(self, request_id: Hashable) -> list[int]:
         return list(self._seqs[request_id].block_ids)
 
-    def num_tokens(self, request_id: str) -> int:
+    def num_tokens(self, request_id: Hashable) -> int:
         return self._seqs[request_id].num_tokens
 
     def num_blocks_for(self, num_tokens: int) -> int:
@@ -110,7 +110,7 @@ class KVCacheManager:
         return PrefixHit(block_ids, num_hit, parent)
 
     # -- allocation ---------------------------------------------------------------------------------------
-    def _blocks_needed(self, request_id: str, num_tokens: int, hit: PrefixHit | None) -> int:
+    def _blocks_needed(self, request_id: Hashable, num_tokens: int, hit: PrefixHit | None) -> int:
         seq = self._seqs.get(request_id)
         if seq is None:
             hit_ids = hit.block_ids if hit is not None else ()
@@ -132,11 +132,11 @@ class KVCacheManager:
         last = seq.block_ids[-1]
         return self.pool.ref_cnt[last] > 1 or self.pool.block_key[last] is not None
 
-    def can_allocate(self, request_id: str, num_tokens: int, hit: PrefixHit | None = None) -> bool:
+    def can_allocate(self, request_id: Hashable, num_tokens: int, hit: PrefixHit | None = None) -> bool:
         """Whether the table of `request_id` can grow to cover `num_tokens` tokens now."""
         return self._blocks_needed(request_id, num_tokens, hit) <= self.pool.num_free_blocks
 
-    def allocate(self, request_id: str, num_tokens: int, token_ids: Sequence[int] | None = None,
+    def allocate(self, request_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None,
                  hit: PrefixHit | None = None, extra_key: object = None) -> Allocation | None:
         """Grows the table of `request_id` to cover `num_tokens` tokens; None (and no change) when it can't.
 
@@ -191,7 +191,7 @@ class KVCacheManager:
         seq.parent = parent
         seq.num_cached_blocks = num_full
 
-    def fork(self, parent_id: str, child_id: str) -> None:
+    def fork(self, parent_id: Hashable, child_id: Hashable) -> None:
         """`child_id` shares every block of `parent_id` (parallel sampling): one more reference each.
 
         The shared partial last block, if any, is copied when the child first writes into it; the parent
@@ -204,7 +204,7 @@ class KVCacheManager:
         self._seqs[child_id] = _Seq(list(p.block_ids), p.num_tokens, p.num_cached_blocks, p.parent,
                                     cow_pending=p.num_tokens % self.block_size != 0)
 
-    def free(self, request_id: str) -> None:
+    def free(self, request_id: Hashable) -> None:
         """Drops the request's table. NOTE: tail first, so a chain's tail is evicted before its head."""
         seq = self._seqs.pop(request_id)
         self.pool.free(reversed(seq.block_ids))

@@ -1,0 +1,116 @@
+"""Requests as the scheduler sees them: sampling settings, lifecycle state and the tokens known so far."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class RequestStatus(enum.Enum):
+    WAITING = 0  # never admitted
+    RUNNING = 1  # holds blocks (or, for a forked parent, its children do)
+    PREEMPTED = 2  # lost its blocks; waits at the front of the queue to be recomputed
+    FINISHED = 3
+
+
+class FinishReason(enum.IntEnum):
+    # NOTE: values match pagedserve.v1.FinishReason, so the front end can pass them through.
+    LENGTH = 1
+    STOP = 2
+    STOP_STRING = 3  # set by the caller through Scheduler.finish(): stop strings need detokenization
+    ABORT = 4
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingConfig:
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    seed: int | None = None
+    n: int = 1  # parallel samples of one prompt
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+    def validate(self) -> None:
+        """Raises ValueError naming the first field out of range."""
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError(f"seed must fit in 64 bits unsigned, got {self.seed}")
+
+
+@dataclass(slots=True)
+class Request:
+    """One sequence. A client request with n == 1 is one Request; with n > 1 it is a parent Request that
+    computes the prompt but its last token, then forks into n child Requests (index 0..n-1) that share the
+    parent's blocks, each computing the last prompt token itself (copy-on-write of the shared partial block).
+    The parent never samples; it finishes when its last child does.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    cache_salt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # NOTE: prompt + outputs, appended to as tokens arrive; never rebuilt (the hot path reads it every step).
+    all_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    seq_id: int = -1  # assigned by the scheduler; the sequence's id on the worker
+    seed: int = 0  # the seed actually used (assigned by the scheduler when sampling.seed is None)
+    num_preemptions: int = 0
+    num_cached_prompt_tokens: int = 0  # prefix-cache hit at first admission
+    finish_reason: FinishReason | None = None
+    index: int = 0  # which of the n samples this sequence is
+    parent: Request | None = None  # set on the children of a forked request
+    children: list[Request] = field(default_factory=list)
+    fork_into: int = 0  # > 0: a parent still to fork into this many children once its prefix is computed
+    on_worker: bool = False  # the worker holds this sequence's state: send deltas, never the table again
+    stop_ids: frozenset[int] = frozenset()  # stop_token_ids, plus EOS unless ignore_eos
+
+    def __post_init__(self) -> None:
+        if not self.all_token_ids:
+            self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def num_target_tokens(self) -> int:
+        """Tokens to compute before the next sample; a parent to fork stops before its last prompt token."""
+        return len(self.all_token_ids) - 1 if self.fork_into else len(self.all_token_ids)
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one sample of a request, for streaming."""
+
+    request_id: str
+    index: int  # which of the n samples
+    new_token_ids: list[int]
+    finish_reason: FinishReason | None = None

@@ -1,0 +1,291 @@
+"""Continuous batching at iteration level: chunked prefill, prefix-cache hits, recompute preemption, forks."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass
+
+from scheduler_svc.core.plan import NewSeqPlan, RunningSeqPlan, StepPlan
+from scheduler_svc.core.request import FinishReason, Request, RequestOutput, RequestStatus
+from scheduler_svc.kv.manager import KVCacheManager, KVCacheStats
+
+_RUNNING, _FINISHED = RequestStatus.RUNNING, RequestStatus.FINISHED
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    num_blocks: int
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 8192
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0  # > 0: cap on one sequence's prefill chunk per step
+    eos_token_ids: tuple[int, ...] = ()
+
+
+class Scheduler:
+    """Decides each step's batch; owns every sequence's block table through a KVCacheManager.
+
+    Protocol: schedule() -> send the plan -> update(plan, sampled) -> schedule() ..., one plan in flight.
+    NOTE: a sequence the worker holds (on_worker) is only ever sent as a delta: its table is append-only.
+    A fork child's first write may replace its shared last block (copy-on-write), so it is sent as new.
+    NOTE: the KV manager keys block tables by seq_id, which is unique among live sequences.
+    """
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        self.config = config
+        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.requests: dict[str, Request] = {}  # unfinished client requests (parents for n > 1)
+        self.waiting: deque[Request] = deque()  # FIFO; preempted sequences go back to the front
+        self.running: list[Request] = []  # in admission order: the last is the first preemption victim
+        self.num_preemptions = 0
+        self.steps = 0
+        self._next_seq_id = 0
+        self._num_seq_slots = 0  # running sequences, counting an unforked parent as its n future children
+        self._finished_seq_ids: list[int] = []  # the worker's to drop, told in the next plan
+        self._scheduled: list[tuple[Request, int]] = []  # the plan in flight: (sequence, tokens scheduled)
+        self._in_flight: int | None = None  # step_id of the plan in flight
+        self._eos = frozenset(config.eos_token_ids)
+        self._rng = random.Random()
+
+    # -- admission ----------------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        """Queues a request; raises ValueError naming the offending field when it can never be served."""
+        cfg, sp = self.config, req.sampling
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in flight")
+        if not req.prompt_token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        if len(req.prompt_token_ids) > cfg.max_model_len - 1:
+            raise ValueError(f"prompt_token_ids has {len(req.prompt_token_ids)} tokens; max_model_len "
+                             f"{cfg.max_model_len} leaves room for at most {cfg.max_model_len - 1}")
+        sp.validate()
+        if sp.n > cfg.max_num_seqs:
+            raise ValueError(f"n={sp.n} exceeds max_num_seqs={cfg.max_num_seqs}: its samples run side by side")
+        # The worst case alone: the longest sequence, and n of them sharing only the prompt's full blocks.
+        num_total = min(len(req.prompt_token_ids) + sp.max_tokens, cfg.max_model_len)
+        per_seq = self.kv.num_blocks_for(num_total)
+        need = per_seq + (sp.n - 1) * (per_seq - len(req.prompt_token_ids) // cfg.block_size)
+        if need > cfg.num_blocks:
+            raise ValueError(f"prompt_token_ids + max_tokens need {need} KV blocks for n={sp.n}; the pool has "
+                             f"{cfg.num_blocks}")
+        req.status = RequestStatus.WAITING
+        req.seq_id = self._new_seq_id()
+        req.seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
+        req.fork_into = sp.n if sp.n > 1 else 0
+        req.stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self._eos)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def _new_seq_id(self) -> int:
+        seq_id = self._next_seq_id
+        self._next_seq_id = seq_id + 1
+        return seq_id
+
+    # -- finishing ----------------------------------------------------------------------------------------
+    def abort(self, request_id: str) -> None:
+        """Drops a request and all its samples; the worker is told in the next plan. Unknown ids are ignored."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        for seq in req.children or (req,):
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ABORT)
+
+    def finish(self, request_id: str, reason: FinishReason = FinishReason.STOP_STRING, index: int = 0) -> None:
+        """Finishes one sample early: the hook for stop strings, which need detokenized text."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        seq = req.children[index] if req.children else req
+        if not seq.is_finished:
+            self._finish(seq, reason)
+
+    def _finish(self, seq: Request, reason: FinishReason) -> None:
+        was = seq.status
+        seq.status, seq.finish_reason = _FINISHED, reason
+        if was is _RUNNING:
+            self.running.remove(seq)
+            self._num_seq_slots -= seq.fork_into or 1
+            self.kv.free(seq.seq_id)
+        elif seq in self.waiting:  # only aborts and stop strings reach here while queued
+            self.waiting.remove(seq)
+        if seq.on_worker:
+            self._finished_seq_ids.append(seq.seq_id)
+            seq.on_worker = False
+        parent = seq.parent
+        if parent is None:
+            del self.requests[seq.request_id]
+        elif all(c.status is _FINISHED for c in parent.children):
+            parent.status, parent.finish_reason = _FINISHED, reason
+            del self.requests[parent.request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # -- one step -----------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan | None:
+        """The next step's plan; None when there is nothing to run and nothing to tell the worker."""
+        if self._in_flight is not None:
+            raise RuntimeError(f"step {self._in_flight} is still in flight: call update() first")
+        cfg, kv, running = self.config, self.kv, self.running
+        plan = StepPlan(self.steps, finished_seq_ids=self._finished_seq_ids)
+        self._finished_seq_ids = []
+        scheduled: list[tuple[Request, int]] = []
+        budget, cap = cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens
+        num_preempted = 0
+        new_plans, running_plans, copies = plan.new, plan.running, plan.copies
+        i = 0
+        # Running sequences first: decodes and unfinished prefill chunks, in admission order.
+        while i < len(running) and budget > 0:
+            req = running[i]
+            tokens = req.all_token_ids
+            # NOTE: inlined num_target_tokens(): this loop runs once per running sequence per step.
+            num_new = min(len(tokens) - (1 if req.fork_into else 0) - req.num_computed_tokens, budget, cap)
+            alloc = kv.allocate(req.seq_id, req.num_computed_tokens + num_new, tokens)
+            while alloc is None:  # out of blocks: recompute-preempt the most recently admitted sequence
+                victim = running.pop()
+                self._preempt(victim, plan)
+                num_preempted += 1
+                if victim is req:
+                    break
+                alloc = kv.allocate(req.seq_id, req.num_computed_tokens + num_new, tokens)
+            if alloc is None:
+                break  # it was the last one itself
+            if alloc.copies:
+                copies.extend(alloc.copies)
+            if req.on_worker:
+                running_plans.append(RunningSeqPlan(req.seq_id, list(alloc.new_block_ids), num_new))
+            else:  # a fork child's first step: its table after copy-on-write goes whole
+                new_plans.append(self._new_plan(req, num_new))
+            scheduled.append((req, num_new))
+            budget -= num_new
+            i += 1
+        # Then admit waiting ones in FIFO order, unless memory is so tight that someone was just preempted.
+        waiting = self.waiting
+        while waiting and not num_preempted and budget > 0:
+            req = waiting[0]
+            width = req.fork_into or 1
+            if self._num_seq_slots + width > cfg.max_num_seqs:
+                break
+            tokens = req.all_token_ids
+            hit = kv.lookup(tokens, req.cache_salt)
+            num_new = min(req.num_target_tokens() - hit.num_tokens, budget, cap)
+            if kv.allocate(req.seq_id, hit.num_tokens + num_new, tokens, hit, req.cache_salt) is None:
+                break  # no blocks: wait for running sequences to finish
+            waiting.popleft()
+            if req.status is RequestStatus.WAITING:
+                req.num_cached_prompt_tokens = hit.num_tokens
+            req.status, req.num_computed_tokens = _RUNNING, hit.num_tokens
+            running.append(req)
+            self._num_seq_slots += width
+            if num_new == 0:  # a fork parent whose whole prefix hit the cache: fork now
+                self._fork(req)
+                for child in req.children:  # each computes the last prompt token; on no room, next step
+                    if budget <= 0:
+                        break
+                    alloc = kv.allocate(child.seq_id, child.num_computed_tokens + 1, child.all_token_ids)
+                    if alloc is None:
+                        break
+                    copies.extend(alloc.copies)
+                    new_plans.append(self._new_plan(child, 1))
+                    scheduled.append((child, 1))
+                    budget -= 1
+                continue
+            new_plans.append(self._new_plan(req, num_new))
+            scheduled.append((req, num_new))
+            budget -= num_new
+        if not scheduled and not plan.finished_seq_ids and not plan.preempted_seq_ids:
+            return None
+        self._scheduled, self._in_flight = scheduled, plan.step_id
+        self.steps += 1
+        return plan
+
+    def _new_plan(self, req: Request, num_new: int) -> NewSeqPlan:
+        req.on_worker = True
+        return NewSeqPlan(req.seq_id, list(req.all_token_ids), self.kv.block_table(req.seq_id),
+                          req.num_computed_tokens, num_new, req.sampling, req.seed)
+
+    def _preempt(self, victim: Request, plan: StepPlan) -> None:
+        """Recompute preemption of a victim just popped off `running`: it drops its blocks and waits at the
+        front; prefix hits make its return cheap."""
+        self._num_seq_slots -= victim.fork_into or 1
+        self.kv.free(victim.seq_id)
+        if victim.on_worker:
+            plan.preempted_seq_ids.append(victim.seq_id)
+            victim.on_worker = False
+        victim.status, victim.num_computed_tokens = RequestStatus.PREEMPTED, 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(victim)
+
+    def _fork(self, parent: Request) -> None:
+        """Replaces a parent whose prefix is computed by its n children, which share its blocks."""
+        n, kv = parent.fork_into, self.kv
+        parent.fork_into = 0
+        children = []
+        for index in range(n):
+            child = Request(parent.request_id, parent.prompt_token_ids, parent.sampling, parent.cache_salt,
+                            parent.arrival_time, status=_RUNNING, all_token_ids=list(parent.all_token_ids),
+                            num_computed_tokens=parent.num_computed_tokens, seq_id=self._new_seq_id(),
+                            seed=(parent.seed + index) % 2**64, index=index, parent=parent,
+                            num_cached_prompt_tokens=parent.num_cached_prompt_tokens, stop_ids=parent.stop_ids)
+            kv.fork(parent.seq_id, child.seq_id)
+            children.append(child)
+        kv.free(parent.seq_id)  # the children now hold every block
+        at = self.running.index(parent)
+        self.running[at:at + 1] = children  # same priority as the parent had
+        parent.children = children
+        if parent.on_worker:
+            self._finished_seq_ids.append(parent.seq_id)
+            parent.on_worker = False
+
+    def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[RequestOutput]:
+        """Applies the worker's result for `plan` (seq_id -> sampled token); returns per-sample outputs."""
+        if plan.step_id != self._in_flight:
+            raise ValueError(f"plan step_id {plan.step_id} is not the one in flight ({self._in_flight})")
+        self._in_flight = None
+        outputs: list[RequestOutput] = []
+        max_model_len = self.config.max_model_len
+        for req, num in self._scheduled:
+            if req.status is not _RUNNING:
+                continue  # aborted or finished while the step ran
+            num_computed = req.num_computed_tokens + num
+            req.num_computed_tokens = num_computed
+            tokens = req.all_token_ids
+            if num_computed < len(tokens):  # a prefill chunk: nothing sampled yet
+                if req.fork_into and num_computed == len(tokens) - 1:
+                    self._fork(req)
+                continue
+            tok = sampled.get(req.seq_id)
+            if tok is None:
+                raise ValueError(f"step {plan.step_id}: no token for seq {req.seq_id}, which finished its prompt")
+            tokens.append(tok)
+            out = req.output_token_ids
+            out.append(tok)
+            reason = None
+            if tok in req.stop_ids:
+                reason = FinishReason.STOP
+            elif len(out) >= req.sampling.max_tokens or len(tokens) >= max_model_len:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                self._finish(req, reason)
+            outputs.append(RequestOutput(req.request_id, req.index, [tok], reason))
+        self._scheduled = []
+        return outputs
+
+    # -- metrics ------------------------------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def kv_stats(self) -> KVCacheStats:
+        return self.kv.stats()
