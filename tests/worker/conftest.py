@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, Qwen2Config
+from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
 from tests.worker.helpers import TINY
 
@@ -27,3 +27,13 @@ def tiny_llama_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> str:
     return _save(tmp_path_factory, "tiny-qwen2", Qwen2Config(**TINY))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> str:
+    return _save(tmp_path_factory, "tiny-qwen3", Qwen3Config(**TINY, head_dim=16))
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_dir(tmp_path_factory) -> str:
+    return _save(tmp_path_factory, "tiny-mistral", MistralConfig(**TINY, sliding_window=None))

@@ -13,7 +13,7 @@ PROMPTS = [[random.Random(i).randrange(512) for _ in range(n)] for i, n in enume
 NEW = 24
 
 
-@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_mistral_dir"])
 def model_dir(request):
     return request.getfixturevalue(request.param)
 
