@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pagedserve.v1 import generate_pb2, worker_pb2
 
-from scheduler_svc.core.plan import StepPlan
+from scheduler_svc.core.plan import StepPlan, WorkerRegistration
 from scheduler_svc.core.request import SamplingConfig
+from scheduler_svc.stream import StreamItem
 
 _sampling_cache: dict[SamplingConfig, generate_pb2.SamplingParams] = {}
 
@@ -47,3 +48,43 @@ def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
 def result_from_pb(result: worker_pb2.StepResult) -> dict[int, int]:
     """seq_id -> sampled token. Logprobs travel separately (the front end reads them off the message)."""
     return {t.seq_id: t.token_id for t in result.tokens}
+
+
+# -- the client API -----------------------------------------------------------------------------------------
+def _opt(pb, name: str, default):
+    return getattr(pb, name) if pb.HasField(name) else default
+
+
+def sampling_from_pb(pb: generate_pb2.SamplingParams) -> tuple[SamplingConfig, tuple[str, ...]]:
+    """Unset fields take the defaults documented in generate.proto; returns (sampling, stop strings)."""
+    sp = SamplingConfig(max_tokens=_opt(pb, "max_tokens", 16), temperature=_opt(pb, "temperature", 1.0),
+                        top_p=_opt(pb, "top_p", 1.0), top_k=_opt(pb, "top_k", 0), min_p=_opt(pb, "min_p", 0.0),
+                        seed=_opt(pb, "seed", None), n=_opt(pb, "n", 1), stop_token_ids=tuple(pb.stop_token_ids),
+                        ignore_eos=pb.ignore_eos, logprobs=_opt(pb, "logprobs", None))
+    return sp, tuple(s for s in pb.stop if s)
+
+
+def item_to_pb(request_id: str, item: StreamItem) -> generate_pb2.GenerateResponse:
+    pb = generate_pb2.GenerateResponse(request_id=request_id, index=item.index, token_ids=item.token_ids,
+                                       text=item.text, logprobs=item.logprobs)
+    if item.finish_reason is not None:
+        pb.finish_reason = int(item.finish_reason)
+        pb.usage.prompt_tokens = item.prompt_tokens
+        pb.usage.completion_tokens = item.completion_tokens
+        pb.usage.cached_prompt_tokens = item.cached_prompt_tokens
+    return pb
+
+
+def registration_from_pb(pb: worker_pb2.WorkerRegistration) -> WorkerRegistration:
+    return WorkerRegistration(model_id=pb.model_id, num_blocks=pb.num_blocks, block_size=pb.block_size,
+                              dtype=pb.dtype, max_model_len=pb.max_model_len, device=pb.device)
+
+
+def model_info_to_pb(model_id: str, max_model_len: int, workers: dict) -> generate_pb2.GetModelInfoResponse:
+    pb = generate_pb2.GetModelInfoResponse(model_id=model_id, max_model_len=max_model_len)
+    for worker_id, w in workers.items():
+        r = w.registration
+        pb.block_size = r.block_size
+        pb.workers.add(worker_id=worker_id, num_blocks=r.num_blocks, block_size=r.block_size, dtype=r.dtype,
+                       device=r.device)
+    return pb

@@ -25,3 +25,10 @@ def test_kv_manager_imports_neither_torch_nor_grpc():
             "print(sorted(m for m in ('torch', 'cupy', 'grpc', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "[]"
+
+
+def test_the_scheduler_service_never_imports_torch_or_cupy():
+    code = ("import sys, scheduler_svc.server, scheduler_svc.engine, pagedserve_cli.main; "
+            "print(sorted(m for m in ('torch', 'cupy', 'transformers', 'worker_svc') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "[]"

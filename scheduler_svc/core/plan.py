@@ -45,3 +45,15 @@ class StepPlan:
     @property
     def num_scheduled_tokens(self) -> int:
         return sum(s.num_scheduled_tokens for s in self.new) + sum(s.num_scheduled_tokens for s in self.running)
+
+
+@dataclass(slots=True, frozen=True)
+class WorkerRegistration:
+    """What a worker announces when it dials in (pagedserve.v1.WorkerRegistration)."""
+
+    model_id: str
+    num_blocks: int
+    block_size: int
+    dtype: str
+    max_model_len: int
+    device: str

@@ -114,3 +114,4 @@ class RequestOutput:
     index: int  # which of the n samples
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
+    seq_id: int = -1  # the sequence on the worker (to pick its logprobs off the step result)

@@ -274,7 +274,7 @@ class Scheduler:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 self._finish(req, reason)
-            outputs.append(RequestOutput(req.request_id, req.index, [tok], reason))
+            outputs.append(RequestOutput(req.request_id, req.index, [tok], reason, req.seq_id))
         self._scheduled = []
         return outputs
 

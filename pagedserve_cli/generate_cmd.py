@@ -1,0 +1,50 @@
+"""`pagedserve generate "PROMPT"`: streams a completion from a running server to the terminal."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="stream a completion from a running server")
+    p.add_argument("prompt")
+    p.add_argument("--server", default="127.0.0.1:50051")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--model", default="smollm2-135m-instruct", help="for --chat: whose chat template")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    from pagedserve.v1 import generate_pb2, generate_pb2_grpc
+
+    prompt = args.prompt
+    if args.chat:
+        from pagedserve_cli.serve_cmd import model_dir
+        from scheduler_svc.text.tokenizer import Tokenizer
+
+        tok = Tokenizer.from_model_dir(model_dir(args.model))
+        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    sampling = generate_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    if args.seed is not None:
+        sampling.seed = args.seed
+    with grpc.insecure_channel(args.server) as channel:
+        stub = generate_pb2_grpc.GenerationStub(channel)
+        try:
+            for resp in stub.Generate(generate_pb2.GenerateRequest(prompt=prompt, sampling=sampling)):
+                sys.stdout.write(resp.text)
+                sys.stdout.flush()
+                if resp.finish_reason:
+                    reason = generate_pb2.FinishReason.Name(resp.finish_reason)
+                    print(f"\n[{reason.removeprefix('FINISH_REASON_').lower()}: {resp.usage.prompt_tokens} prompt "
+                          f"+ {resp.usage.completion_tokens} generated tokens, {resp.usage.cached_prompt_tokens} "
+                          f"cached]", file=sys.stderr)
+        except grpc.RpcError as e:
+            print(f"\npagedserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0

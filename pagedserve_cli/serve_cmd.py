@@ -1,0 +1,78 @@
+"""`pagedserve scheduler` and `pagedserve worker`: the two services, one process each."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+from pagedserve_cli.units import parse_bytes
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+
+
+def model_dir(spec: str) -> str:
+    """A local model directory, pulling a known model first in a child process (keeps torch out of here)."""
+    if (Path(spec) / "config.json").is_file():
+        return spec
+    out = subprocess.run([sys.executable, "-m", "pagedserve_cli.main", "model", "pull", spec],
+                         stdout=subprocess.PIPE, text=True)
+    if out.returncode != 0:
+        raise ValueError(f"cannot resolve --model {spec!r}")
+    return out.stdout.strip().splitlines()[-1]
+
+
+def add_parsers(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("scheduler", help="run the scheduler service (CPU only)")
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--listen", default="127.0.0.1:50051", help="client API (pagedserve.v1.Generation)")
+    p.add_argument("--worker-listen", default="127.0.0.1:50052", help="where workers dial in")
+    p.add_argument("--metrics", default="127.0.0.1:9464", help="Prometheus endpoint HOST:PORT ('' = off)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-queued-requests", type=int, default=1024)
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.set_defaults(func=run_scheduler)
+
+    w = sub.add_parser("worker", help="run a worker that dials in to the scheduler")
+    w.add_argument("--scheduler", default="127.0.0.1:50052")
+    w.add_argument("--model", default=DEFAULT_MODEL)
+    w.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    w.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    w.add_argument("--kv-memory", type=parse_bytes, help="bytes for the KV pool, e.g. 1GiB")
+    w.add_argument("--block-size", type=int, default=16)
+    w.add_argument("--threads", type=int, help="torch threads on the CPU")
+    w.set_defaults(func=run_worker)
+
+
+def run_scheduler(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from pagedserve_cli.logs import configure
+    from scheduler_svc.server import ServerConfig, serve
+
+    configure()
+    cfg = ServerConfig(model_dir=model_dir(args.model), model_id=args.model, listen=args.listen,
+                       worker_listen=args.worker_listen, metrics=args.metrics or None,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+                       max_queued_requests=args.max_queued_requests)
+    asyncio.run(serve(cfg))
+    return 0
+
+
+def run_worker(args: argparse.Namespace) -> int:
+    import signal
+
+    from pagedserve_cli.logs import configure
+    from worker_svc.client import run_worker as run
+    from worker_svc.worker import WorkerConfig
+
+    configure()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    device = "cuda:0" if args.device == "cuda" else "cpu"
+    run(args.scheduler, WorkerConfig(model=args.model, device=device, dtype=args.dtype, block_size=args.block_size,
+                                     kv_memory=args.kv_memory, threads=args.threads))
+    return 0

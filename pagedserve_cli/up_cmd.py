@@ -1,0 +1,97 @@
+"""`pagedserve up`: one scheduler and N workers as child processes, on the default addresses."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+
+from pagedserve_cli.serve_cmd import DEFAULT_MODEL, model_dir
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="start a scheduler and N workers; Ctrl-C stops them all")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-memory", default=None, help="KV pool bytes per worker, e.g. 1GiB")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is visible)")
+    p.add_argument("--listen", default="127.0.0.1:50051")
+    p.add_argument("--worker-listen", default="127.0.0.1:50052")
+    p.add_argument("--metrics", default="127.0.0.1:9464")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--startup-timeout", type=float, default=600.0)
+    p.set_defaults(func=run)
+
+
+def wait_healthy(address: str, timeout: float, procs: list[subprocess.Popen]) -> None:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError("a service exited during start-up (see its log above)")
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise TimeoutError(f"{address} not healthy after {timeout:.0f} s")
+
+
+def _device(requested: str | None) -> str:
+    if requested:
+        return requested
+    try:
+        import torch
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    except ImportError:
+        return "cpu"
+
+
+def run(args: argparse.Namespace) -> int:
+    model = model_dir(args.model) if args.model == DEFAULT_MODEL else args.model  # pull once, up front
+    del model
+    exe = [sys.executable, "-m", "pagedserve_cli.main"]
+    procs = [subprocess.Popen([*exe, "scheduler", "--model", args.model, "--listen", args.listen,
+                               "--worker-listen", args.worker_listen, "--metrics", args.metrics])]
+    device = _device(args.device)
+    for _ in range(args.workers):
+        cmd = [*exe, "worker", "--scheduler", args.worker_listen, "--model", args.model, "--device", device,
+               "--dtype", args.dtype]
+        if args.kv_memory:
+            cmd += ["--kv-memory", args.kv_memory]
+        if args.threads:
+            cmd += ["--threads", str(args.threads)]
+        procs.append(subprocess.Popen(cmd))
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        wait_healthy(args.listen, args.startup_timeout, procs)
+        print(f"pagedserve is up: {args.listen} ({args.workers} worker(s) on {device}, metrics "
+              f"http://{args.metrics}/metrics)", flush=True)
+        while not stopping and all(p.poll() is None for p in procs):
+            time.sleep(0.2)
+    finally:
+        for p in reversed(procs):  # workers first, then the scheduler drains
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(timeout=40)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return 0 if stopping else 1

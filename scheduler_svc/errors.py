@@ -1,0 +1,21 @@
+"""Errors the scheduler service returns to clients, named after the gRPC status codes they map onto."""
+
+from __future__ import annotations
+
+import enum
+
+
+class ErrorCode(enum.Enum):
+    INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    ALREADY_EXISTS = "ALREADY_EXISTS"
+    RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
+    UNAVAILABLE = "UNAVAILABLE"
+    FAILED_PRECONDITION = "FAILED_PRECONDITION"
+
+
+class EngineError(Exception):
+    """A request the engine refuses or can no longer serve; servicers map `code` onto the gRPC status."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code

@@ -1,0 +1,37 @@
+"""Prometheus metrics of the scheduler service (served as text at http://METRICS/metrics)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+
+class Metrics:
+    """One registry per service, so that tests can run several in one process."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.requests_running = Gauge("pagedserve_requests_running", "Sequences holding KV blocks", registry=r)
+        self.requests_waiting = Gauge("pagedserve_requests_waiting", "Sequences waiting to be admitted",
+                                      registry=r)
+        self.kv_blocks_used = Gauge("pagedserve_kv_blocks_used", "KV blocks held by live requests (ref count > 0)",
+                                    ["worker"], registry=r)
+        self.kv_blocks_cached = Gauge("pagedserve_kv_blocks_cached",
+                                      "KV blocks free but still in the prefix cache (evictable)", ["worker"],
+                                      registry=r)
+        self.kv_blocks_total = Gauge("pagedserve_kv_blocks_total", "KV blocks in the worker's pool", ["worker"],
+                                     registry=r)
+        self.prefix_queries = Counter("pagedserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the "
+                                      "prefix cache", registry=r)
+        self.prefix_hits = Counter("pagedserve_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache",
+                                   registry=r)
+        self.preemptions = Counter("pagedserve_preemptions", "Sequences preempted (recomputed later)", registry=r)
+        self.ttft = Histogram("pagedserve_ttft_seconds", "Time to first token", buckets=_LATENCY, registry=r)
+        self.itl = Histogram("pagedserve_itl_seconds", "Inter-token latency", buckets=_LATENCY, registry=r)
+        self.e2e = Histogram("pagedserve_e2e_seconds", "Request latency, arrival to last token",
+                             buckets=_LATENCY, registry=r)
+        self.step = Histogram("pagedserve_step_seconds", "Scheduler step: plan, worker forward, update",
+                              buckets=_LATENCY, registry=r)
+        self.batch_size = Histogram("pagedserve_batch_size", "Sequences per step",
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)

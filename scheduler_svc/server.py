@@ -1,0 +1,101 @@
+"""Runs the scheduler service: the client API, the worker endpoint, health, reflection and metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import structlog
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import start_http_server
+
+from pagedserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
+from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.servicers import GenerationServicer, WorkerControlServicer
+from scheduler_svc.text.tokenizer import Tokenizer
+
+log = structlog.get_logger("pagedserve.scheduler")
+SERVICES = ("", "pagedserve.v1.Generation")
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    model_dir: str
+    model_id: str
+    listen: str = "127.0.0.1:50051"
+    worker_listen: str = "127.0.0.1:50052"
+    metrics: str | None = "127.0.0.1:9464"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    max_queued_requests: int = 1024
+    drain_seconds: float = 30.0
+
+
+def engine_config(cfg: ServerConfig, tokenizer: Tokenizer) -> EngineConfig:
+    model = json.loads((Path(cfg.model_dir) / "config.json").read_text())
+    max_len = int(model.get("max_position_embeddings", 2048))
+    return EngineConfig(model_id=cfg.model_id, max_model_len=min(cfg.max_model_len or max_len, max_len),
+                        vocab_size=int(model["vocab_size"]), eos_token_ids=tokenizer.eos_token_ids,
+                        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                        enable_prefix_caching=cfg.enable_prefix_caching,
+                        max_queued_requests=cfg.max_queued_requests)
+
+
+async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
+    tokenizer = Tokenizer.from_model_dir(cfg.model_dir)
+    engine = Engine(engine_config(cfg, tokenizer), tokenizer)
+    health = HealthServicer()
+    for name in SERVICES:
+        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    def on_workers_changed(num_workers: int) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if num_workers and not engine.draining \
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in SERVICES:
+            asyncio.get_running_loop().create_task(health.set(name, status))
+
+    engine.on_workers_changed = on_workers_changed
+    clients = grpc.aio.server()
+    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), clients)
+    health_pb2_grpc.add_HealthServicer_to_server(health, clients)
+    reflection.enable_server_reflection(
+        (generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+         health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), clients)
+    clients.add_insecure_port(cfg.listen)
+    workers = grpc.aio.server()
+    worker_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(engine), workers)
+    reflection.enable_server_reflection(
+        (worker_pb2.DESCRIPTOR.services_by_name["WorkerControl"].full_name, reflection.SERVICE_NAME), workers)
+    workers.add_insecure_port(cfg.worker_listen)
+    if cfg.metrics:
+        host, port = cfg.metrics.rsplit(":", 1)
+        start_http_server(int(port), addr=host, registry=engine.metrics.registry)
+    await workers.start()
+    await clients.start()
+    log.info("scheduler listening", listen=cfg.listen, worker_listen=cfg.worker_listen, metrics=cfg.metrics,
+             model=cfg.model_id)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    if ready is not None:
+        ready.set()
+    await stop.wait()
+    # Drain: refuse new requests (UNAVAILABLE), let running ones finish, then stop.
+    engine.draining = True
+    await health.enter_graceful_shutdown()
+    log.info("draining", unfinished=engine.num_unfinished)
+    deadline = loop.time() + cfg.drain_seconds
+    while engine.num_unfinished and loop.time() < deadline:
+        await asyncio.sleep(0.05)
+    await clients.stop(grace=1.0)
+    await workers.stop(grace=1.0)
+    log.info("scheduler stopped")

@@ -1,0 +1,98 @@
+"""One client request's stream: detokenizes each sample's tokens, applies stop strings, times the tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from scheduler_svc.core.request import FinishReason, Request, RequestOutput
+from scheduler_svc.errors import EngineError, ErrorCode
+from scheduler_svc.metrics import Metrics
+from scheduler_svc.text.detokenizer import IncrementalDetokenizer
+
+
+@dataclass(slots=True)
+class StreamItem:
+    """New output of one sample; the last one of a sample has finish_reason and usage."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    logprobs: list = field(default_factory=list)  # pagedserve.v1.PositionLogprobs, one per token
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+
+
+@dataclass(slots=True)
+class _Sample:
+    detok: IncrementalDetokenizer
+    num_tokens: int = 0
+    last_token_time: float = 0.0
+    finished: bool = False
+
+
+class RequestStream:
+    """Fed by the engine's step loop, read by the Generate handler (`async for item in stream`)."""
+
+    def __init__(self, request: Request, tokenizer, stop: tuple[str, ...], metrics: Metrics) -> None:
+        self.request = request
+        self.metrics = metrics
+        self.queue: asyncio.Queue[StreamItem | tuple[str, str] | None] = asyncio.Queue()
+        self.samples = [_Sample(IncrementalDetokenizer(tokenizer, request.prompt_token_ids, stop=list(stop)))
+                        for _ in range(request.sampling.n)]
+        self.num_open = request.sampling.n
+        self.arrival = time.monotonic()
+
+    @property
+    def done(self) -> bool:
+        return self.num_open == 0
+
+    def push(self, out: RequestOutput, logprobs, now: float) -> FinishReason | None:
+        """Streams one step's tokens of one sample; returns STOP_STRING when its text hit a stop string."""
+        s = self.samples[out.index]
+        if s.finished:
+            return None
+        m = self.metrics
+        if s.num_tokens == 0:
+            m.ttft.observe(now - self.arrival)
+        else:
+            m.itl.observe(now - s.last_token_time)
+        s.num_tokens += len(out.new_token_ids)
+        s.last_token_time = now
+        res = s.detok.push(out.new_token_ids)
+        text, reason = res.text_delta, out.finish_reason
+        if res.stopped:
+            reason = FinishReason.STOP_STRING
+        elif reason is not None:
+            text += s.detok.flush().text_delta
+        item = StreamItem(out.index, list(out.new_token_ids), text, reason,
+                          [logprobs] if logprobs is not None else [])
+        if reason is not None:
+            s.finished = True
+            self.num_open -= 1
+            item.prompt_tokens = len(self.request.prompt_token_ids)
+            item.completion_tokens = s.num_tokens
+            item.cached_prompt_tokens = self.request.num_cached_prompt_tokens
+            if self.num_open == 0:
+                m.e2e.observe(now - self.arrival)
+        self.queue.put_nowait(item)
+        if self.num_open == 0:
+            self.queue.put_nowait(None)
+        return reason
+
+    def fail(self, code: str, message: str) -> None:
+        self.queue.put_nowait((code, message))
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> StreamItem:
+        item = await self.queue.get()
+        if item is None:
+            raise StopAsyncIteration
+        if isinstance(item, tuple):
+            raise EngineError(ErrorCode(item[0]), item[1])
+        return item

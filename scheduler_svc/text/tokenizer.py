@@ -1,0 +1,203 @@
+"""A model's tokenizer and chat template, loaded from its HF directory with `tokenizers` and jinja2 only."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer as _HFTokenizer
+
+# NOTE: never import transformers here: it may import torch, and the scheduler must stay free of it
+# (tests/test_text.py checks this in a subprocess).
+
+_SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
+def _token_str(value: Any) -> str | None:
+    # Older tokenizer_config.json files store special tokens as AddedToken dicts.
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    return (value,) if isinstance(value, int) else tuple(int(v) for v in value)
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    # Like transformers: jinja's own tojson HTML-escapes, which would change the prompt.
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """`{% generation %}...{% endgeneration %}` (assistant-mask markers in training templates): render the body."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+    def _render(self, caller) -> str:
+        return caller()
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    # Same environment as transformers' apply_chat_template, so that whitespace renders identically.
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def _find_chat_template(model_dir: Path, config: dict) -> str | None:
+    path = model_dir / "chat_template.jinja"
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        named = {t["name"]: t["template"] for t in template}
+        template = named.get("default")
+    return template
+
+
+class Tokenizer:
+    """Encode, decode and render chat prompts the way transformers' AutoTokenizer does for the same directory."""
+
+    def __init__(self, tok: _HFTokenizer, tokenizer_config: dict, eos_token_ids: Sequence[int],
+                 chat_template: str | None) -> None:
+        self._tok = tok
+        self.special_tokens: dict[str, str | None] = {n: _token_str(tokenizer_config.get(n)) for n in _SPECIAL_NAMES}
+        self.add_bos_token = bool(tokenizer_config.get("add_bos_token", False))
+        self.add_eos_token = bool(tokenizer_config.get("add_eos_token", False))
+        # NOTE: transformers replaces tokenizer.json's post-processor only when the config names either flag;
+        # otherwise the post-processor (e.g. Llama 3's BOS template) decides which special tokens are added.
+        self._explicit_bos_eos = "add_bos_token" in tokenizer_config or "add_eos_token" in tokenizer_config
+        self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))  # dedupe, keep order
+        self.chat_template = chat_template
+
+    @classmethod
+    def from_model_dir(cls, path: str | Path) -> Tokenizer:
+        model_dir = Path(path)
+        tok = _HFTokenizer.from_file(str(model_dir / "tokenizer.json"))
+        tcfg = _read_json(model_dir / "tokenizer_config.json")
+        # special_tokens_map.json (older exports) fills what tokenizer_config.json leaves out.
+        for name, value in _read_json(model_dir / "special_tokens_map.json").items():
+            tcfg.setdefault(name, value)
+        return cls(tok, tcfg, cls._load_eos_ids(model_dir, tok, tcfg), _find_chat_template(model_dir, tcfg))
+
+    @staticmethod
+    def _load_eos_ids(model_dir: Path, tok: _HFTokenizer, tcfg: dict) -> tuple[int, ...]:
+        # generation_config.json is what generate() stops on; it may list several ids (e.g. Llama 3's eot/eom).
+        if ids := _as_ids(_read_json(model_dir / "generation_config.json").get("eos_token_id")):
+            return ids
+        cfg = _read_json(model_dir / "config.json")
+        if ids := _as_ids(cfg.get("eos_token_id", cfg.get("text_config", {}).get("eos_token_id"))):
+            return ids
+        eos = _token_str(tcfg.get("eos_token"))
+        eos_id = tok.token_to_id(eos) if eos is not None else None
+        return () if eos_id is None else (eos_id,)
+
+    # --- vocabulary ---
+
+    @property
+    def vocab_size(self) -> int:
+        """Ids this tokenizer knows, added tokens included (can be fewer than the model's embedding rows)."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def bos_token(self) -> str | None:
+        return self.special_tokens["bos_token"]
+
+    @property
+    def eos_token(self) -> str | None:
+        return self.special_tokens["eos_token"]
+
+    @cached_property
+    def all_special_ids(self) -> frozenset[int]:
+        return frozenset(i for i, t in self._tok.get_added_tokens_decoder().items() if t.special)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str | None:
+        return self._tok.id_to_token(token_id)
+
+    def convert_ids_to_tokens(self, ids: Iterable[int], skip_special_tokens: bool = False) -> list[str | None]:
+        special = self.all_special_ids if skip_special_tokens else frozenset()
+        return [self._tok.id_to_token(i) for i in ids if i not in special]
+
+    # --- encode / decode ---
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; with add_special_tokens, BOS/EOS only as the model's configs ask for them.
+
+        NOTE: pass add_special_tokens=False for a rendered chat prompt: the template already holds its specials.
+        """
+        if not add_special_tokens or not self._explicit_bos_eos:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if self.add_bos_token and (bos := self._special_id("bos_token")) is not None:
+            ids.insert(0, bos)
+        if self.add_eos_token and (eos := self._special_id("eos_token")) is not None:
+            ids.append(eos)
+        return ids
+
+    def _special_id(self, name: str) -> int | None:
+        token = self.special_tokens[name]
+        return None if token is None else self._tok.token_to_id(token)
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        # NOTE: no clean_up_tokenization_spaces: transformers skips it for BPE, and it would break the
+        # incremental detokenizer's "deltas concatenate to decode()" property.
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    # --- chat ---
+
+    @cached_property
+    def _template(self) -> jinja2.Template:
+        if not self.chat_template:
+            raise ValueError("this model has no chat template (chat_template.jinja or tokenizer_config.json)")
+        return _compile_template(self.chat_template)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None, documents: list[dict] | None = None,
+                            **template_kwargs: Any) -> str:
+        """The prompt text for `messages`; extra keyword arguments (e.g. enable_thinking) reach the template."""
+        # Keyword arguments override the special-token strings, as in transformers.
+        # Unset ones stay undefined (not None), so `bos_token is defined` behaves as it does there.
+        specials = {name: token for name, token in self.special_tokens.items() if token is not None}
+        variables = {**specials, **template_kwargs}
+        return self._template.render(messages=messages, tools=tools, documents=documents,
+                                     add_generation_prompt=add_generation_prompt, **variables)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+        """Prompt ids for `messages`: the rendered template, encoded without adding special tokens again."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
+        return self.encode(text, add_special_tokens=False)

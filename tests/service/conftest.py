@@ -1,0 +1,83 @@
+"""Real processes on loopback: a scheduler and a worker over a tiny Llama with SmolLM2's tokenizer."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import grpc
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from tests.worker.helpers import TINY
+from worker_svc.model_store import resolve_model
+
+KV_MEMORY = 40 * 16 * 512  # 40 blocks of 16 tokens: 2 (K, V) x 2 layers x 2 kv heads x 16 head_dim x 4 bytes
+MAX_BATCHED = 64
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Service:
+    model_dir: str
+    address: str
+    metrics: str
+    procs: list
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.address)
+
+    def metric(self, name: str) -> float:
+        import urllib.request
+
+        text = urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=5).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                   if line.startswith(name) and (line[len(name)] in " {"))
+
+
+@pytest.fixture(scope="session")
+def tiny_served_model(tmp_path_factory) -> str:
+    """A tiny random Llama that speaks SmolLM2's vocabulary (so text prompts and stop strings work)."""
+    src = resolve_model("smollm2-135m-instruct")
+    path = tmp_path_factory.mktemp("tiny-served")
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**TINY, "vocab_size": 49152, "eos_token_id": 2, "bos_token_id": 1})
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / name).exists():
+            shutil.copy(src / name, path / name)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def service(tiny_served_model):
+    listen, worker_listen, metrics = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    exe = [sys.executable, "-m", "pagedserve_cli.main"]
+    sched = subprocess.Popen([*exe, "scheduler", "--model", tiny_served_model, "--listen", listen,
+                              "--worker-listen", worker_listen, "--metrics", metrics,
+                              "--max-num-batched-tokens", str(MAX_BATCHED), "--max-num-seqs", "64"])
+    worker = subprocess.Popen([*exe, "worker", "--scheduler", worker_listen, "--model", tiny_served_model,
+                               "--kv-memory", str(KV_MEMORY), "--threads", "1"])
+    procs = [worker, sched]
+    try:
+        from pagedserve_cli.up_cmd import wait_healthy
+        wait_healthy(listen, 120, procs)
+        yield Service(tiny_served_model, listen, metrics, procs)
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()

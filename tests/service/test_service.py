@@ -1,0 +1,158 @@
+"""The scheduler and a worker as real processes on loopback, driven through the client API."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import grpc
+import pytest
+
+from pagedserve.v1 import generate_pb2 as pb
+from pagedserve.v1 import generate_pb2_grpc
+from tests.service.conftest import KV_MEMORY, MAX_BATCHED
+from tests.worker.helpers import assert_same_greedy, reference_greedy, reference_model
+
+PROMPTS = [[random.Random(100 + i).randrange(3, 49152) for _ in range(random.Random(i).randint(4, 60))]
+           for i in range(32)]
+NEW = 20
+
+
+@pytest.fixture(scope="module")
+def reference(service):
+    model = reference_model(service.model_dir)
+    cache = {}
+
+    def ref(prompt: list[int], new: int = NEW):
+        key = (tuple(prompt), new)
+        if key not in cache:
+            cache[key] = reference_greedy(model, prompt, new)
+        return cache[key]
+    return ref
+
+
+def generate(service, prompt_ids=None, prompt=None, timeout=120, **sampling) -> tuple[dict, list]:
+    """Streams one request; returns {index: token ids}, and every response message."""
+    with service.channel() as ch:
+        req = pb.GenerateRequest(sampling=pb.SamplingParams(**sampling))
+        if prompt is not None:
+            req.prompt = prompt
+        else:
+            req.prompt_token_ids.ids.extend(prompt_ids)
+        msgs = list(generate_pb2_grpc.GenerationStub(ch).Generate(req, timeout=timeout))
+    out: dict[int, list[int]] = {}
+    for m in msgs:
+        out.setdefault(m.index, []).extend(m.token_ids)
+    return out, msgs
+
+
+def test_streamed_greedy_output_matches_transformers(service, reference):
+    out, msgs = generate(service, PROMPTS[3], max_tokens=NEW, temperature=0)
+    assert_same_greedy(out[0], *reference(PROMPTS[3]))
+    assert len(msgs) == len(out[0])  # one message per decoded token: streamed, not batched up
+    last = msgs[-1]
+    assert last.finish_reason in (pb.FINISH_REASON_LENGTH, pb.FINISH_REASON_STOP)
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(PROMPTS[3]), len(out[0]))
+    assert all(m.finish_reason == pb.FINISH_REASON_UNSPECIFIED for m in msgs[:-1])
+
+
+def test_32_concurrent_streams_with_preemption_all_match(service, reference):
+    results: dict[int, dict] = {}
+    preempted_before = service.metric("pagedserve_preemptions_total")
+
+    def one(i: int) -> None:
+        results[i] = generate(service, PROMPTS[i], max_tokens=NEW, temperature=0)[0]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert len(results) == 32
+    for i in range(32):
+        assert_same_greedy(results[i][0], *reference(PROMPTS[i]))
+    # 32 prompts of up to 80 tokens cannot all fit in 40 blocks of 16: the pool was exhausted and recovered.
+    assert service.metric("pagedserve_preemptions_total") > preempted_before
+    assert service.metric("pagedserve_kv_blocks_used") == 0
+    assert service.metric("pagedserve_kv_blocks_total") == KV_MEMORY // (16 * 512)
+
+
+def test_chunked_prefill_of_a_prompt_longer_than_the_token_budget(service, reference):
+    prompt = [random.Random(7).randrange(3, 49152) for _ in range(3 * MAX_BATCHED + 5)]
+    out, _ = generate(service, prompt, max_tokens=NEW, temperature=0)
+    assert_same_greedy(out[0], *reference(prompt))
+
+
+def test_parallel_sampling_n2_shares_the_prompt(service, reference):
+    out, msgs = generate(service, PROMPTS[5], max_tokens=NEW, temperature=0, n=2)
+    assert set(out) == {0, 1}
+    for index in (0, 1):
+        assert_same_greedy(out[index], *reference(PROMPTS[5]))
+    assert sum(1 for m in msgs if m.finish_reason) == 2
+
+
+def test_cancel_frees_blocks_within_a_step(service):
+    with service.channel() as ch:
+        call = generate_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+            prompt_token_ids=pb.TokenIds(ids=PROMPTS[0]), sampling=pb.SamplingParams(
+                max_tokens=400, temperature=0, ignore_eos=True)))
+        next(call)
+        next(call)
+        assert service.metric("pagedserve_kv_blocks_used") > 0
+        steps_at_cancel = service.metric("pagedserve_step_seconds_count")
+        call.cancel()
+    deadline = time.monotonic() + 30
+    while service.metric("pagedserve_kv_blocks_used") > 0 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert service.metric("pagedserve_kv_blocks_used") == 0
+    # Freed at once, not after the remaining ~390 tokens: only the steps in flight ran meanwhile.
+    assert service.metric("pagedserve_step_seconds_count") - steps_at_cancel <= 3
+
+
+def test_stop_string_ends_the_text_before_it(service):
+    _, msgs = generate(service, prompt="The capital of France is", max_tokens=NEW, temperature=0, ignore_eos=True)
+    full = "".join(m.text for m in msgs)
+    stop = full[len(full) // 2:len(full) // 2 + 3]
+    assert stop and stop.strip()
+    _, msgs = generate(service, prompt="The capital of France is", max_tokens=NEW, temperature=0, stop=[stop])
+    text = "".join(m.text for m in msgs)
+    assert text == full[:full.index(stop)]
+    assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP_STRING
+
+
+@pytest.mark.parametrize("sampling, field", [({"temperature": -1.0}, "temperature"), ({"top_p": 1.5}, "top_p"),
+                                             ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens")])
+def test_bad_sampling_fields_are_invalid_argument_naming_the_field(service, sampling, field):
+    with pytest.raises(grpc.RpcError) as e:
+        generate(service, PROMPTS[0], **sampling)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+
+
+def test_bad_prompts_are_rejected_and_the_server_keeps_serving(service, reference):
+    for ids, field in (([49152], "prompt_token_ids"), ([1] * 600, "prompt_token_ids")):
+        with pytest.raises(grpc.RpcError) as e:
+            generate(service, ids, max_tokens=4)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in e.value.details()
+    with service.channel() as ch, pytest.raises(grpc.RpcError) as e:
+        list(generate_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest()))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "prompt" in e.value.details()
+    out, _ = generate(service, PROMPTS[1], max_tokens=NEW, temperature=0)
+    assert_same_greedy(out[0], *reference(PROMPTS[1]))
+    assert service.metric("pagedserve_kv_blocks_used") == 0
+
+
+def test_model_info_health_and_reflection(service):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    with service.channel() as ch:
+        info = generate_pb2_grpc.GenerationStub(ch).GetModelInfo(pb.GetModelInfoRequest())
+        assert info.model_id == service.model_dir and info.max_model_len == 512 and info.block_size == 16
+        assert [w.num_blocks for w in info.workers] == [40] and info.workers[0].device == "cpu"
+        status = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="pagedserve.v1.Generation"))
+        assert status.status == health_pb2.HealthCheckResponse.SERVING
+        responses = reflection_pb2_grpc.ServerReflectionStub(ch).ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
+        names = {s.name for r in responses for s in r.list_services_response.service}
+        assert {"pagedserve.v1.Generation", "grpc.health.v1.Health"} <= names

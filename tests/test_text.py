@@ -1,0 +1,381 @@
+"""scheduler_svc.text: tokenizer and chat template match transformers; streaming detokenization and stop strings."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import subprocess
+import sys
+
+import jinja2
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from scheduler_svc.text import DetokenizeResult, IncrementalDetokenizer, Tokenizer
+from worker_svc.model_store import resolve_model
+
+TEXTS = [
+    "Hello, world!",
+    "The quick brown fox jumps over the lazy dog.",
+    "  leading and trailing spaces  ",
+    "naïve café, Straße, Ελληνικά, русский",
+    "日本語のテキストと中文文本",
+    "emoji: 🎉🚀👩‍👩‍👧 and flags 🇫🇷",
+    "def f(x):\n\tif x:\n        return [i ** 2 for i in range(x)]\n\n\n    # tabs\tand  spaces\r\n",
+    "",
+    "<|im_start|>user\nspecial tokens in text<|im_end|>",
+]
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "You are terse."},
+     {"role": "user", "content": "Name a color 🎨."},
+     {"role": "assistant", "content": "Blue."},
+     {"role": "user", "content": "Another, in 日本語?"}],
+]
+LONG_TEXT = ("In 1492, Columbus sailed the ocean blue. 東京は日本の首都です。 Emoji time: 🎉🚀🔥👍🏽 — "
+             "naïve façade; def main():\n    return {'ok': True}\n") * 4
+HYP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return resolve_model("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def tok(model_dir) -> Tokenizer:
+    return Tokenizer.from_model_dir(model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+# --- tokenizer vs transformers ---
+
+
+def test_encode_decode_match_transformers(tok, hf):
+    for text in TEXTS:
+        ids = tok.encode(text)
+        assert ids == hf(text)["input_ids"], text
+        assert tok.encode(text, add_special_tokens=False) == hf(text, add_special_tokens=False)["input_ids"]
+        for skip in (True, False):
+            assert tok.decode(ids, skip_special_tokens=skip) == hf.decode(ids, skip_special_tokens=skip)
+        assert tok.convert_ids_to_tokens(ids) == hf.convert_ids_to_tokens(ids)
+        assert [tok.id_to_token(i) for i in ids] == hf.convert_ids_to_tokens(ids)
+
+
+def test_vocab_and_special_tokens_match_transformers(tok, hf):
+    assert tok.vocab_size == len(hf) == 49152
+    assert tok.eos_token_ids == (2,) == (hf.eos_token_id,)
+    assert (tok.bos_token, tok.eos_token) == (hf.bos_token, hf.eos_token)
+    assert tok.all_special_ids == frozenset(hf.all_special_ids) | set(hf.added_tokens_decoder)
+    assert tok.convert_ids_to_tokens([0, 1, 2, 42], skip_special_tokens=True) == \
+        hf.convert_ids_to_tokens([0, 1, 2, 42], skip_special_tokens=True)
+
+
+@pytest.mark.parametrize("conv", CONVERSATIONS)
+@pytest.mark.parametrize("gen_prompt", [True, False])
+def test_chat_template_matches_transformers(tok, hf, conv, gen_prompt):
+    text = tok.apply_chat_template(conv, add_generation_prompt=gen_prompt)
+    assert text == hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=gen_prompt)
+    ref_ids = hf.apply_chat_template(conv, tokenize=True, add_generation_prompt=gen_prompt, return_dict=False)
+    assert tok.encode(text, add_special_tokens=False) == ref_ids
+    assert tok.encode_chat(conv, add_generation_prompt=gen_prompt) == ref_ids
+
+
+def _copy_dir(model_dir, tmp_path, skip=("model.safetensors",)):
+    for f in model_dir.iterdir():
+        if f.name not in skip:
+            shutil.copy(f, tmp_path / f.name)
+    return tmp_path
+
+
+def _edit_json(path, **changes):
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path.write_text(json.dumps(data))
+
+
+def _bos_eos_post_processor() -> dict:
+    def special(token, ids):
+        return {"id": token, "ids": ids, "tokens": [token]}
+    seq = [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+           {"SpecialToken": {"id": "<|im_end|>", "type_id": 0}}]
+    return {"type": "TemplateProcessing", "single": seq, "pair": seq + [{"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<|im_start|>": special("<|im_start|>", [1]), "<|im_end|>": special("<|im_end|>", [2])}}
+
+
+@pytest.mark.parametrize("flags", [{"add_bos_token": True, "add_eos_token": True},
+                                   {"add_bos_token": None, "add_eos_token": None}])
+def test_bos_eos_from_tokenizer_json_post_processor_match_transformers(model_dir, tmp_path, flags):
+    from transformers import AutoTokenizer
+    d = _copy_dir(model_dir, tmp_path)
+    _edit_json(d / "tokenizer.json", post_processor=_bos_eos_post_processor())
+    _edit_json(d / "tokenizer_config.json", **flags)
+    ours, ref = Tokenizer.from_model_dir(d), AutoTokenizer.from_pretrained(str(d))
+    for text in ("Hello there", "", "🎉"):
+        ids = ours.encode(text)
+        assert ids == ref(text)["input_ids"]
+        assert ids[0] == 1 and ids[-1] == 2 and 1 not in ids[1:-1]  # never twice
+        assert ours.encode(text, add_special_tokens=False) == ref(text, add_special_tokens=False)["input_ids"]
+
+
+def test_add_bos_token_in_tokenizer_config_is_respected(model_dir, tmp_path):
+    # NOTE: transformers 5 ignores these flags when tokenizer.json exists (its post-processor decides);
+    # transformers 4 (and so vLLM on it) applied them. We follow the config, which is what the model expects.
+    from transformers import AutoTokenizer
+    d = _copy_dir(model_dir, tmp_path)
+    _edit_json(d / "tokenizer_config.json", add_bos_token=True)
+    ours, ref = Tokenizer.from_model_dir(d), AutoTokenizer.from_pretrained(str(d))
+    assert ours.encode("Hello there") == [1] + ref("Hello there")["input_ids"]
+    _edit_json(d / "tokenizer_config.json", add_bos_token=False, add_eos_token=True)
+    assert Tokenizer.from_model_dir(d).encode("Hello there") == ref("Hello there")["input_ids"] + [2]
+
+
+def test_eos_ids_fall_back_from_generation_config_to_config_to_tokenizer_config(model_dir, tmp_path):
+    d = _copy_dir(model_dir, tmp_path)
+    _edit_json(d / "generation_config.json", eos_token_id=[2, 0, 2])
+    assert Tokenizer.from_model_dir(d).eos_token_ids == (2, 0)
+    (d / "generation_config.json").unlink()
+    _edit_json(d / "config.json", eos_token_id=0)
+    assert Tokenizer.from_model_dir(d).eos_token_ids == (0,)
+    _edit_json(d / "config.json", eos_token_id=None)
+    assert Tokenizer.from_model_dir(d).eos_token_ids == (2,)  # "<|im_end|>" from tokenizer_config.json
+
+
+def test_chat_template_from_tokenizer_config_and_template_helpers(model_dir, tmp_path):
+    d = _copy_dir(model_dir, tmp_path)
+    (d / "chat_template.jinja").unlink()
+    template = ("{% if messages[0]['role'] == 'bad' %}{{ raise_exception('no bad roles') }}{% endif %}"
+                "{{ bos_token }}{% for m in messages %}\n  {{ m['content'] | tojson }}\n{% endfor %}{{ eos_token }}")
+    _edit_json(d / "tokenizer_config.json", chat_template=template)
+    t = Tokenizer.from_model_dir(d)
+    # trim_blocks/lstrip_blocks drop the newline after a block tag and the indentation before one.
+    assert t.apply_chat_template([{"role": "user", "content": "é"}]) == '<|im_start|>  "é"\n<|im_end|>'
+    with pytest.raises(jinja2.TemplateError, match="no bad roles"):
+        t.apply_chat_template([{"role": "bad", "content": "x"}])
+    _edit_json(d / "tokenizer_config.json", chat_template="{{ messages.__class__.__mro__ }}")
+    with pytest.raises(jinja2.exceptions.SecurityError):
+        Tokenizer.from_model_dir(d).apply_chat_template([])
+    _edit_json(d / "tokenizer_config.json", chat_template=None)
+    with pytest.raises(ValueError, match="no chat template"):
+        Tokenizer.from_model_dir(d).apply_chat_template([])
+
+
+def test_importing_text_package_leaves_torch_and_transformers_out():
+    code = ("import sys, scheduler_svc.text; "
+            "print(sorted(m for m in ('torch', 'cupy', 'transformers', 'grpc') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "[]"
+
+
+# --- incremental detokenization ---
+
+
+def _stream(det: IncrementalDetokenizer, chunks) -> tuple[list[str], DetokenizeResult | None]:
+    deltas, last = [], None
+    for chunk in chunks:
+        last = det.push(chunk)
+        deltas.append(last.text_delta)
+        if last.stopped:
+            return deltas, last
+    last = det.flush()
+    deltas.append(last.text_delta)
+    return deltas, last
+
+
+def _chunks(ids, sizes):
+    out, i = [], 0
+    for n in sizes:
+        out.append(ids[i:i + n])
+        i += n
+    out.append(ids[i:])
+    return out
+
+
+def test_stream_of_real_text_holds_back_split_characters(tok):
+    prompt = tok.encode_chat([{"role": "user", "content": "Say something."}])
+    ids = tok.encode(LONG_TEXT, add_special_tokens=False)
+    det = IncrementalDetokenizer(tok, prompt)
+    deltas, _ = _stream(det, [[i] for i in ids])
+    assert "".join(deltas) == tok.decode(ids) == LONG_TEXT
+    assert not any("\ufffd" in d for d in deltas)
+    # Emoji and CJK characters span several byte tokens: some steps must have held their text back.
+    assert sum(d == "" for d in deltas) > 10
+
+
+def test_push_decodes_a_small_window_not_the_whole_output(tok):
+    class Counting:
+        widest = 0
+
+        def decode(self, ids, skip_special_tokens=True):
+            Counting.widest = max(Counting.widest, len(ids))
+            return tok.decode(ids, skip_special_tokens)
+
+    ids = tok.encode(LONG_TEXT * 3, add_special_tokens=False)
+    det = IncrementalDetokenizer(Counting(), tok.encode("A prompt of a few words here"))
+    deltas, _ = _stream(det, [[i] for i in ids])
+    assert "".join(deltas) == LONG_TEXT * 3
+    assert len(ids) > 300 and Counting.widest <= 8
+
+
+@HYP
+@given(ids=st.lists(st.integers(0, 49151), max_size=40), prompt=st.lists(st.integers(0, 49151), max_size=8),
+       sizes=st.lists(st.integers(0, 4), max_size=20), skip=st.booleans())
+def test_deltas_concatenate_to_decode_for_random_ids(tok, ids, prompt, sizes, skip):
+    det = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+    deltas, _ = _stream(det, _chunks(ids, sizes))
+    assert "".join(deltas) == tok.decode(ids, skip_special_tokens=skip)
+
+
+@HYP
+@given(text=st.text(max_size=40), prefix=st.text(max_size=10), sizes=st.lists(st.integers(0, 3), max_size=30))
+def test_deltas_concatenate_to_decode_for_random_unicode(tok, text, prefix, sizes):
+    ids = tok.encode(text, add_special_tokens=False)
+    det = IncrementalDetokenizer(tok, tok.encode(prefix))
+    deltas, _ = _stream(det, _chunks(ids, sizes))
+    full = tok.decode(ids)
+    assert "".join(deltas) == full
+    # NOTE: `full` is not always `text`: this vocab lacks 21 byte tokens (e.g. 0x04, 0xF1), and BPE without an
+    # unk token drops them silently, as transformers does too.
+    if "\ufffd" not in full:
+        assert not any("\ufffd" in d for d in deltas)
+
+
+def test_flush_emits_a_trailing_incomplete_character(tok):
+    ids = tok.encode("ok 🎉", add_special_tokens=False)[:-1]  # drop the emoji's last byte token
+    det = IncrementalDetokenizer(tok, [])
+    pushed = det.push(ids).text_delta
+    assert pushed == "ok"
+    assert pushed + det.flush().text_delta == tok.decode(ids)
+    assert tok.decode(ids).endswith("\ufffd")
+
+
+def test_special_tokens_kept_or_skipped(tok):
+    ids = tok.encode("Hi<|im_end|>", add_special_tokens=False)
+    assert ids[-1] == 2
+    for skip in (True, False):
+        deltas, _ = _stream(IncrementalDetokenizer(tok, [], skip_special_tokens=skip), [[i] for i in ids])
+        assert "".join(deltas) == ("Hi" if skip else "Hi<|im_end|>")
+
+
+# --- stop strings ---
+
+
+class CharDecoder:
+    """One token per character (id = code point): the stop-string logic sees exactly the pushed characters."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(map(chr, ids))
+
+
+def _expected_stop(text: str, stops) -> tuple[str, str | None]:
+    hits = [(text.find(s) + len(s), text.find(s), s) for s in stops if s in text]
+    if not hits:
+        return text, None
+    _, start, stop = min(hits)
+    return text[:start], stop
+
+
+def _char_stream(text: str, stops, sizes=None):
+    det = IncrementalDetokenizer(CharDecoder(), [], stop=stops)
+    ids = [ord(c) for c in text]
+    return _stream(det, _chunks(ids, sizes) if sizes is not None else [[i] for i in ids])
+
+
+def test_stop_string_spanning_pushes_is_cut_and_not_emitted():
+    deltas, last = _char_stream("Hello END world", ["END"])
+    assert "".join(deltas) == "Hello "
+    assert last == DetokenizeResult("", True, "END")
+    # While "EN" could still become "END", it was held back, never sent.
+    assert not any("E" in d for d in deltas)
+
+
+def test_stop_string_at_the_very_start():
+    deltas, last = _char_stream("STOP and more", ["STOP"])
+    assert deltas == ["", "", "", ""] and last.stopped and last.stop_string == "STOP"
+
+
+def test_false_start_of_stop_string_is_released():
+    det = IncrementalDetokenizer(CharDecoder(), [], stop=["abc"])
+    assert det.push(map(ord, "xab")).text_delta == "x"
+    assert det.push([ord("d")]).text_delta == "abd"
+    assert det.push(map(ord, "a")).text_delta == ""
+    assert det.flush() == DetokenizeResult("a")  # finished for another reason: the held text goes out
+
+
+def test_overlapping_and_multiple_stop_strings_first_completed_wins():
+    # "bc" completes before "abcd" does, even though "abcd" starts earlier.
+    assert "".join(_char_stream("xabcdy", ["abcd", "bc"])[0]) == "xa"
+    # Both complete at the same character: the longer one (starting earlier) cuts more.
+    deltas, last = _char_stream("xabcy", ["bc", "abc"])
+    assert "".join(deltas) == "x" and last.stop_string == "abc"
+    # Independent stop strings: the earliest in the text wins, whatever their order in the list.
+    deltas, last = _char_stream("one two three", ["three", "two"])
+    assert "".join(deltas) == "one " and last.stop_string == "two"
+    # Self-overlapping stop string: "aab" inside "aaab".
+    assert "".join(_char_stream("xaaab", ["aab"])[0]) == "xa"
+
+
+def test_push_after_stop_and_empty_stop_rejected():
+    det = IncrementalDetokenizer(CharDecoder(), [], stop=["!"])
+    assert det.push(map(ord, "hi!there")) == DetokenizeResult("hi", True, "!")
+    assert det.push(map(ord, "more")) == DetokenizeResult("", True, "!")
+    assert det.flush() == DetokenizeResult("", True, "!")
+    with pytest.raises(ValueError):
+        IncrementalDetokenizer(CharDecoder(), [], stop=[""])
+
+
+@HYP
+@given(text=st.text(alphabet="ab c", max_size=30),
+       stops=st.lists(st.text(alphabet="ab c", min_size=1, max_size=4), min_size=1, max_size=3),
+       sizes=st.lists(st.integers(0, 5), max_size=12))
+def test_stop_strings_do_not_depend_on_push_boundaries(text, stops, sizes):
+    want_text, want_stop = _expected_stop(text, stops)
+    det = IncrementalDetokenizer(CharDecoder(), [], stop=stops)
+    sent = ""
+    for chunk in _chunks([ord(c) for c in text], sizes):
+        res = det.push(chunk)
+        sent += res.text_delta
+        assert want_text.startswith(sent)  # nothing past (or of) the stop string is ever sent
+        if res.stopped:
+            break
+    else:
+        res = det.flush()
+        sent += res.text_delta
+    assert (sent, res.stop_string, res.stopped) == (want_text, want_stop, want_stop is not None)
+
+
+def test_stop_string_over_real_multibyte_tokens(tok):
+    text = "Réponse: 答案是 42 🎉 fin. Extra text after."
+    ids = tok.encode(text, add_special_tokens=False)
+    for stops, want in ((["🎉"], "Réponse: 答案是 42 "), (["是 4", "fin"], "Réponse: 答案"),
+                        (["42 🎉 f"], "Réponse: 答案是 "), (["nope"], text)):
+        for sizes in ([1] * len(ids), [3] * len(ids), []):
+            det = IncrementalDetokenizer(tok, tok.encode("Q?"), stop=stops)
+            deltas, last = _stream(det, _chunks(ids, sizes))
+            assert "".join(deltas) == want
+            assert last.stopped == (want != text)
+
+
+def test_random_greedy_like_streams_with_stops(tok):
+    # Random real-token streams with a stop string picked from their own text: cut exactly at its first match.
+    rng = random.Random(0)
+    words = tok.encode(LONG_TEXT, add_special_tokens=False)
+    for _ in range(50):
+        start = rng.randrange(len(words) - 40)
+        ids = words[start:start + 40]
+        full = tok.decode(ids)
+        a = rng.randrange(len(full) - 5)
+        stop = full[a:a + rng.randint(1, 5)]
+        deltas, last = _stream(IncrementalDetokenizer(tok, [], stop=[stop]), [[i] for i in ids])
+        assert "".join(deltas) == full[:full.find(stop)] and last.stop_string == stop

@@ -1,0 +1,49 @@
+"""The worker process: dials in to the scheduler, registers, then answers one StepPlan per step."""
+
+from __future__ import annotations
+
+import queue
+import time
+
+import grpc
+import structlog
+
+from pagedserve.v1 import worker_pb2, worker_pb2_grpc
+from worker_svc.convert import plan_from_pb, result_to_pb
+from worker_svc.worker import WorkerConfig, WorkerInfo, create_runner
+
+log = structlog.get_logger("pagedserve.worker")
+
+
+def registration_pb(info: WorkerInfo) -> worker_pb2.WorkerMessage:
+    return worker_pb2.WorkerMessage(registration=worker_pb2.WorkerRegistration(
+        model_id=info.model_id, num_blocks=info.num_blocks, block_size=info.block_size, dtype=info.dtype,
+        max_model_len=info.max_model_len, device=info.device))
+
+
+def run_worker(scheduler: str, cfg: WorkerConfig, connect_timeout: float = 60.0) -> None:
+    runner, info = create_runner(cfg)
+    log.info("worker ready", scheduler=scheduler, num_blocks=info.num_blocks, block_size=info.block_size,
+             dtype=info.dtype, device=info.device, kv_bytes=runner.pool.nbytes)
+    outbox: queue.Queue = queue.Queue()
+    outbox.put(registration_pb(info))
+
+    def messages():
+        while (msg := outbox.get()) is not None:
+            yield msg
+
+    with grpc.insecure_channel(scheduler, options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
+        grpc.channel_ready_future(channel).result(timeout=connect_timeout)
+        try:
+            for plan_pb in worker_pb2_grpc.WorkerControlStub(channel).Attach(messages()):
+                t0 = time.perf_counter()
+                out = runner.step(plan_from_pb(plan_pb))
+                result = result_to_pb(out)
+                result.step_seconds = time.perf_counter() - t0
+                outbox.put(worker_pb2.WorkerMessage(result=result))
+        except grpc.RpcError as e:
+            if e.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+                raise
+            log.info("scheduler closed the stream", code=e.code().name)
+        finally:
+            outbox.put(None)
