@@ -156,3 +156,15 @@ def test_model_info_health_and_reflection(service):
             iter([reflection_pb2.ServerReflectionRequest(list_services="")]))
         names = {s.name for r in responses for s in r.list_services_response.service}
         assert {"pagedserve.v1.Generation", "grpc.health.v1.Health"} <= names
+
+
+def test_logprobs_stream_with_each_token(service):
+    _, msgs = generate(service, PROMPTS[2], max_tokens=6, temperature=0, logprobs=3)
+    for m in msgs:
+        assert len(m.logprobs) == len(m.token_ids) == 1
+        lp = m.logprobs[0]
+        assert lp.sampled.token_id == m.token_ids[0]
+        tops = [t.logprob for t in lp.top]
+        assert len(tops) == 3 and tops == sorted(tops, reverse=True)
+        assert lp.top[0].token_id == m.token_ids[0]  # greedy: the sampled token is the most likely one
+        assert abs(lp.sampled.logprob - tops[0]) < 1e-6 and tops[0] <= 0
