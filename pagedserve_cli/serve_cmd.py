@@ -44,6 +44,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--kv-memory", type=parse_bytes, help="bytes for the KV pool, e.g. 1GiB")
     w.add_argument("--block-size", type=int, default=16)
     w.add_argument("--threads", type=int, help="torch threads on the CPU")
+    w.add_argument("--swap-space", type=parse_bytes, default=0,
+                   help="host memory for swapped-out KV blocks, e.g. 4GiB (default 0: preemption recomputes)")
     w.set_defaults(func=run_worker)
 
 
@@ -74,5 +76,5 @@ def run_worker(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     device = "cuda:0" if args.device == "cuda" else "cpu"
     run(args.scheduler, WorkerConfig(model=args.model, device=device, dtype=args.dtype, block_size=args.block_size,
-                                     kv_memory=args.kv_memory, threads=args.threads))
+                                     kv_memory=args.kv_memory, threads=args.threads, swap_space=args.swap_space))
     return 0

@@ -22,6 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--worker-listen", default="127.0.0.1:50052")
     p.add_argument("--metrics", default="127.0.0.1:9464")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--swap-space", default=None, help="host memory per worker for swapped-out KV blocks")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.set_defaults(func=run)
 
@@ -70,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
             cmd += ["--kv-memory", args.kv_memory]
         if args.threads:
             cmd += ["--threads", str(args.threads)]
+        if args.swap_space:
+            cmd += ["--swap-space", args.swap_space]
         procs.append(subprocess.Popen(cmd))
     stopping = False
 

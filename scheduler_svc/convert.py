@@ -38,10 +38,9 @@ def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
     add_running = pb.running.add
     for r in plan.running:
         add_running(seq_id=r.seq_id, new_block_ids=r.new_block_ids, num_scheduled_tokens=r.num_scheduled_tokens)
-    if plan.copies:
-        add_copy = pb.copies.add
-        for src, dst in plan.copies:
-            add_copy(src=src, dst=dst)
+    for pairs, field in ((plan.copies, pb.copies), (plan.swap_out, pb.swap_out), (plan.swap_in, pb.swap_in)):
+        for src, dst in pairs:
+            field.add(src=src, dst=dst)
     return pb
 
 
@@ -77,7 +76,8 @@ def item_to_pb(request_id: str, item: StreamItem) -> generate_pb2.GenerateRespon
 
 def registration_from_pb(pb: worker_pb2.WorkerRegistration) -> WorkerRegistration:
     return WorkerRegistration(model_id=pb.model_id, num_blocks=pb.num_blocks, block_size=pb.block_size,
-                              dtype=pb.dtype, max_model_len=pb.max_model_len, device=pb.device)
+                              dtype=pb.dtype, max_model_len=pb.max_model_len, device=pb.device,
+                              num_cpu_blocks=pb.num_cpu_blocks)
 
 
 def model_info_to_pb(model_id: str, max_model_len: int, workers: dict) -> generate_pb2.GetModelInfoResponse:

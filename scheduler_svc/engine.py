@@ -70,7 +70,7 @@ class Engine:
             num_blocks=reg.num_blocks, max_model_len=min(cfg.max_model_len, reg.max_model_len),
             max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
             block_size=reg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
-            eos_token_ids=cfg.eos_token_ids))
+            eos_token_ids=cfg.eos_token_ids, num_cpu_blocks=reg.num_cpu_blocks))
         handle = WorkerHandle(f"worker-{next(self._ids)}", reg, sched)
         self.workers[handle.worker_id] = handle
         self.metrics.kv_blocks_total.labels(handle.worker_id).set(reg.num_blocks)

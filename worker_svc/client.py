@@ -18,7 +18,7 @@ log = structlog.get_logger("pagedserve.worker")
 def registration_pb(info: WorkerInfo) -> worker_pb2.WorkerMessage:
     return worker_pb2.WorkerMessage(registration=worker_pb2.WorkerRegistration(
         model_id=info.model_id, num_blocks=info.num_blocks, block_size=info.block_size, dtype=info.dtype,
-        max_model_len=info.max_model_len, device=info.device))
+        max_model_len=info.max_model_len, device=info.device, num_cpu_blocks=info.num_cpu_blocks))
 
 
 def run_worker(scheduler: str, cfg: WorkerConfig, connect_timeout: float = 60.0) -> None:

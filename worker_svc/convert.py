@@ -22,7 +22,8 @@ def plan_from_pb(pb: worker_pb2.StepPlan) -> StepPlan:
                          n.num_scheduled_tokens, sampling_from_pb(n.sampling, n.seed)) for n in pb.new_requests],
         running=[SeqDelta(r.seq_id, list(r.new_block_ids), r.num_scheduled_tokens) for r in pb.running],
         finished_seq_ids=list(pb.finished_seq_ids), preempted_seq_ids=list(pb.preempted_seq_ids),
-        copies=[(c.src, c.dst) for c in pb.copies])
+        copies=[(c.src, c.dst) for c in pb.copies], swap_out=[(c.src, c.dst) for c in pb.swap_out],
+        swap_in=[(c.src, c.dst) for c in pb.swap_in])
 
 
 def result_to_pb(out: StepOutput) -> worker_pb2.StepResult:

@@ -38,13 +38,18 @@ class KVPool:
     Slot s of the pool is token s % block_size of block s // block_size.
     """
 
-    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu") -> None:
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu",
+                 num_cpu_blocks: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV budget holds no block: {layout.bytes_per_block} bytes needed per block")
         self.layout = layout
         self.num_blocks = num_blocks
-        self.kv = torch.zeros((layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads,
-                               layout.head_dim), dtype=layout.dtype, device=device)
+        shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self.kv = torch.zeros(shape, dtype=layout.dtype, device=device)
+        # Swap space: the same layout in host memory (pinned beside a GPU, for fast copies).
+        self.num_cpu_blocks = num_cpu_blocks
+        self.cpu_kv = torch.zeros((*shape[:2], num_cpu_blocks, *shape[3:]), dtype=layout.dtype,
+                                  pin_memory=torch.device(device).type == "cuda") if num_cpu_blocks else None
 
     @property
     def nbytes(self) -> int:
@@ -57,3 +62,15 @@ class KVPool:
         src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.kv.device)
         dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.kv.device)
         self.kv[:, :, dst] = self.kv[:, :, src]
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        """Saves device blocks into CPU swap blocks: (device src, cpu dst)."""
+        if pairs:
+            src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=self.kv.device)
+            self.cpu_kv[:, :, [d for _, d in pairs]] = self.kv[:, :, src].to("cpu")
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        """Restores CPU swap blocks into device blocks: (cpu src, device dst)."""
+        if pairs:
+            dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=self.kv.device)
+            self.kv[:, :, dst] = self.cpu_kv[:, :, [s for s, _ in pairs]].to(self.kv.device)

@@ -36,6 +36,8 @@ class StepPlan:
     finished_seq_ids: list[int] = field(default_factory=list)
     preempted_seq_ids: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks, copied before the forward
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu) blocks, first of all
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device) blocks, after swap_out
 
 
 @dataclass(slots=True)

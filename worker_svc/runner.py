@@ -43,6 +43,9 @@ class ModelRunner:
     def step(self, plan: StepPlan) -> StepOutput:
         t0 = time.perf_counter()
         scheduled = self.batch.apply(plan)
+        # NOTE: order matters: blocks swapped out this step may be reused as swap-in or copy targets.
+        self.pool.swap_out(plan.swap_out)
+        self.pool.swap_in(plan.swap_in)
         self.pool.copy_blocks(plan.copies)
         if not scheduled:
             return StepOutput(plan.step_id, [], [], [], time.perf_counter() - t0)

@@ -21,7 +21,8 @@ class WorkerConfig:
     block_size: int = 16
     kv_memory: int | None = None  # bytes for the KV pool; None: 1 GiB on the CPU, a share of free GPU memory
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the whole worker may use
-    threads: int | None = None  # torch intra-op threads on the CPU (1 decoded fastest at batch 1 on 2 cores)
+    threads: int | None = None  # torch intra-op threads on the CPU
+    swap_space: int = 0  # bytes of host memory for swapped-out KV blocks (0: preemption recomputes)
 
 
 @dataclass(slots=True, frozen=True)
@@ -34,6 +35,7 @@ class WorkerInfo:
     dtype: str
     max_model_len: int
     device: str
+    num_cpu_blocks: int = 0
 
 
 def _profile_kv_memory(runner_model, device: torch.device, utilization: float) -> int:
@@ -62,9 +64,9 @@ def create_runner(cfg: WorkerConfig, backend: AttentionBackend | None = None) ->
             loaded.model.set_attn_implementation(ATTN_IMPLEMENTATION)
         else:
             kv_memory = 2**30
-    pool = KVPool(layout, layout.num_blocks_for(kv_memory), cfg.device)
+    pool = KVPool(layout, layout.num_blocks_for(kv_memory), cfg.device, layout.num_blocks_for(cfg.swap_space))
     runner = ModelRunner(loaded, pool, backend or TorchAttentionBackend())
     info = WorkerInfo(model_id=cfg.model, num_blocks=pool.num_blocks, block_size=cfg.block_size,
                       dtype=str(layout.dtype).removeprefix("torch."), max_model_len=loaded.max_model_len,
-                      device=cfg.device)
+                      device=cfg.device, num_cpu_blocks=pool.num_cpu_blocks)
     return runner, info

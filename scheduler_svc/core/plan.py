@@ -37,6 +37,8 @@ class StepPlan:
     finished_seq_ids: list[int] = field(default_factory=list)  # drop: finished, aborted, or forked parents
     preempted_seq_ids: list[int] = field(default_factory=list)  # drop: they come back later as new
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks, before the forward pass
+    swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu) blocks, first of all
+    swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device) blocks, after swap_out
 
     @property
     def num_seqs(self) -> int:
@@ -57,3 +59,4 @@ class WorkerRegistration:
     dtype: str
     max_model_len: int
     device: str
+    num_cpu_blocks: int = 0

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 class RequestStatus(enum.Enum):
     WAITING = 0  # never admitted
     RUNNING = 1  # holds blocks (or, for a forked parent, its children do)
-    PREEMPTED = 2  # lost its blocks; waits at the front of the queue to be recomputed
+    PREEMPTED = 2  # lost its blocks; waits at the front of the queue to be recomputed (or swapped back in)
     FINISHED = 3
 
 
@@ -83,6 +83,7 @@ class Request:
     children: list[Request] = field(default_factory=list)
     fork_into: int = 0  # > 0: a parent still to fork into this many children once its prefix is computed
     on_worker: bool = False  # the worker holds this sequence's state: send deltas, never the table again
+    cpu_block_ids: list[int] | None = None  # swapped out: its computed KV sits in these CPU swap blocks
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids, plus EOS unless ignore_eos
 
     def __post_init__(self) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from scheduler_svc.core.plan import NewSeqPlan, RunningSeqPlan, StepPlan
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput, RequestStatus
+from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.manager import KVCacheManager, KVCacheStats
 
 _RUNNING, _FINISHED = RequestStatus.RUNNING, RequestStatus.FINISHED
@@ -23,6 +24,7 @@ class SchedulerConfig:
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0  # > 0: cap on one sequence's prefill chunk per step
     eos_token_ids: tuple[int, ...] = ()
+    num_cpu_blocks: int = 0  # the worker's swap space; 0: preemption always recomputes
 
 
 class Scheduler:
@@ -39,6 +41,10 @@ class Scheduler:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.config = config
         self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        # NOTE: CPU swap blocks hold no prefix cache: a plain pool of ids.
+        self.cpu_pool = BlockPool(config.num_cpu_blocks) if config.num_cpu_blocks else None
+        self._cpu_blocks_to_free: list[int] = []  # swapped in this step: free once the worker has read them
+        self.num_swaps = 0
         self.requests: dict[str, Request] = {}  # unfinished client requests (parents for n > 1)
         self.waiting: deque[Request] = deque()  # FIFO; preempted sequences go back to the front
         self.running: list[Request] = []  # in admission order: the last is the first preemption victim
@@ -114,6 +120,9 @@ class Scheduler:
             self.kv.free(seq.seq_id)
         elif seq in self.waiting:  # only aborts and stop strings reach here while queued
             self.waiting.remove(seq)
+            if seq.cpu_block_ids is not None:
+                self.cpu_pool.free(seq.cpu_block_ids)
+                seq.cpu_block_ids = None
         if seq.on_worker:
             self._finished_seq_ids.append(seq.seq_id)
             seq.on_worker = False
@@ -173,6 +182,13 @@ class Scheduler:
             if self._num_seq_slots + width > cfg.max_num_seqs:
                 break
             tokens = req.all_token_ids
+            if req.cpu_block_ids is not None:  # swapped out: restore its KV instead of recomputing it
+                if not self._swap_in(req, plan, min(req.num_target_tokens() - req.num_computed_tokens, budget)):
+                    break
+                num_new = new_plans[-1].num_scheduled_tokens
+                scheduled.append((req, num_new))
+                budget -= num_new
+                continue
             hit = kv.lookup(tokens, req.cache_salt)
             num_new = min(req.num_target_tokens() - hit.num_tokens, budget, cap)
             if kv.allocate(req.seq_id, hit.num_tokens + num_new, tokens, hit, req.cache_salt) is None:
@@ -210,15 +226,41 @@ class Scheduler:
         return NewSeqPlan(req.seq_id, list(req.all_token_ids), self.kv.block_table(req.seq_id),
                           req.num_computed_tokens, num_new, req.sampling, req.seed)
 
+    def _swap_in(self, req: Request, plan: StepPlan, num_new: int) -> bool:
+        """Admits a swapped-out sequence: fresh device blocks, its KV restored from CPU before the forward."""
+        cpu_ids = req.cpu_block_ids
+        alloc = self.kv.allocate(req.seq_id, req.num_computed_tokens + num_new, req.all_token_ids)
+        if alloc is None:
+            return False
+        self.waiting.popleft()
+        table = self.kv.block_table(req.seq_id)
+        plan.swap_in.extend(zip(cpu_ids, table))
+        self._cpu_blocks_to_free.extend(cpu_ids)  # NOTE: not reusable until the worker has copied them in
+        req.cpu_block_ids, req.status = None, _RUNNING
+        self.running.append(req)
+        self._num_seq_slots += req.fork_into or 1
+        plan.new.append(self._new_plan(req, num_new))  # a new table: sent whole, never as a delta
+        return True
+
     def _preempt(self, victim: Request, plan: StepPlan) -> None:
-        """Recompute preemption of a victim just popped off `running`: it drops its blocks and waits at the
-        front; prefix hits make its return cheap."""
+        """Preempts a victim just popped off `running`: it drops its device blocks and waits at the front.
+        With swap space its computed KV is saved to CPU blocks; otherwise it is recomputed later, which prefix
+        hits make cheap."""
         self._num_seq_slots -= victim.fork_into or 1
+        table = self.kv.block_table(victim.seq_id)
+        num_kv_blocks = self.kv.num_blocks_for(victim.num_computed_tokens)
+        cpu = self.cpu_pool
+        if cpu is not None and victim.num_computed_tokens and cpu.can_allocate(num_kv_blocks):
+            victim.cpu_block_ids = cpu.allocate(num_kv_blocks)
+            plan.swap_out.extend(zip(table, victim.cpu_block_ids))
+            self.num_swaps += 1
         self.kv.free(victim.seq_id)
         if victim.on_worker:
             plan.preempted_seq_ids.append(victim.seq_id)
             victim.on_worker = False
-        victim.status, victim.num_computed_tokens = RequestStatus.PREEMPTED, 0
+        victim.status = RequestStatus.PREEMPTED
+        if victim.cpu_block_ids is None:
+            victim.num_computed_tokens = 0
         victim.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(victim)
@@ -249,6 +291,9 @@ class Scheduler:
         if plan.step_id != self._in_flight:
             raise ValueError(f"plan step_id {plan.step_id} is not the one in flight ({self._in_flight})")
         self._in_flight = None
+        if self._cpu_blocks_to_free:
+            self.cpu_pool.free(self._cpu_blocks_to_free)
+            self._cpu_blocks_to_free = []
         outputs: list[RequestOutput] = []
         max_model_len = self.config.max_model_len
         for req, num in self._scheduled:

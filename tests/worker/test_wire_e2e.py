@@ -61,3 +61,33 @@ def test_seeded_sampling_survives_the_wire_and_batching(tiny_llama_dir):
         crowded.add_request(Request(f"o{i}", p, SamplingConfig(max_tokens=8, temperature=1.0)))
     crowded.add_request(Request("x", PROMPTS[2], seeded))
     assert serve(make_runner(tiny_llama_dir), crowded)[("x", 0)] == expected
+
+
+def test_swap_preemption_restores_kv_instead_of_recomputing(tiny_llama_dir):
+    from worker_svc.attention import TorchAttentionBackend
+    from worker_svc.kv_pool import KVPool
+    from worker_svc.models import load_model
+    from worker_svc.runner import ModelRunner
+
+    loaded = load_model(tiny_llama_dir, dtype="float32")
+    runner = ModelRunner(loaded, KVPool(loaded.kv_layout(8), 14, num_cpu_blocks=64), TorchAttentionBackend())
+    scheduler = Scheduler(SchedulerConfig(num_blocks=14, max_model_len=512, block_size=8, max_num_batched_tokens=24,
+                                          num_cpu_blocks=64))
+    greedy = SamplingConfig(max_tokens=20, temperature=0.0)
+    for i, p in enumerate(PROMPTS):
+        scheduler.add_request(Request(f"r{i}", p, greedy))
+    swapped_in_tokens = []
+    orig_step = runner.step
+
+    def step(plan):
+        swapped_in_tokens.extend(n.num_computed_tokens for n in plan.new_seqs if plan.swap_in)
+        return orig_step(plan)
+
+    runner.step = step
+    outputs = serve(runner, scheduler)
+    ref = reference_model(tiny_llama_dir)
+    for i, p in enumerate(PROMPTS):
+        assert_same_greedy(outputs[(f"r{i}", 0)], *reference_greedy(ref, p, 20))
+    assert scheduler.num_swaps > 0 and scheduler.num_preemptions >= scheduler.num_swaps
+    assert any(n > 0 for n in swapped_in_tokens)  # resumed with its KV, not from token 0
+    assert scheduler.cpu_pool.num_free_blocks == 64 and scheduler.kv.pool.num_free_blocks == 14

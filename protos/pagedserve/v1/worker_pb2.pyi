@@ -16,20 +16,22 @@ class WorkerMessage(_message.Message):
     def __init__(self, registration: _Optional[_Union[WorkerRegistration, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ...) -> None: ...
 
 class WorkerRegistration(_message.Message):
-    __slots__ = ("model_id", "num_blocks", "block_size", "dtype", "max_model_len", "device")
+    __slots__ = ("model_id", "num_blocks", "block_size", "dtype", "max_model_len", "device", "num_cpu_blocks")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     num_blocks: int
     block_size: int
     dtype: str
     max_model_len: int
     device: str
-    def __init__(self, model_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    num_cpu_blocks: int
+    def __init__(self, model_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., device: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("seq_id", "token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling", "seed")
@@ -68,20 +70,24 @@ class BlockCopy(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "running", "finished_seq_ids", "preempted_seq_ids", "copies")
+    __slots__ = ("step_id", "new_requests", "running", "finished_seq_ids", "preempted_seq_ids", "copies", "swap_out", "swap_in")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     COPIES_FIELD_NUMBER: _ClassVar[int]
+    SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
+    SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     running: _containers.RepeatedCompositeFieldContainer[RunningRequest]
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     preempted_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., preempted_seq_ids: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    swap_out: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    swap_in: _containers.RepeatedCompositeFieldContainer[BlockCopy]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., preempted_seq_ids: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("seq_id", "token_id", "logprobs")
