@@ -65,6 +65,9 @@ def create_runner(cfg: WorkerConfig, backend: AttentionBackend | None = None) ->
         else:
             kv_memory = 2**30
     pool = KVPool(layout, layout.num_blocks_for(kv_memory), cfg.device, layout.num_blocks_for(cfg.swap_space))
+    if backend is None and cfg.device.startswith("cuda"):
+        from worker_svc.attention.cupy_backend import CupyAttentionBackend  # NOTE: cupy only on a GPU
+        backend = CupyAttentionBackend()
     runner = ModelRunner(loaded, pool, backend or TorchAttentionBackend())
     info = WorkerInfo(model_id=cfg.model, num_blocks=pool.num_blocks, block_size=cfg.block_size,
                       dtype=str(layout.dtype).removeprefix("torch."), max_model_len=loaded.max_model_len,

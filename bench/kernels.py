@@ -1,0 +1,189 @@
+"""Device benchmark of cuda/paged_attention.cu (issue #5): decode bandwidth and prefill TFLOP/s vs torch SDPA.
+
+    python bench/kernels.py            # one run takes well under 5 minutes on an H100/H200
+
+Decode: batch {1, 32, 128} x context {512, 4k, 32k}, 32 query heads, 8 kv heads, head_dim 128, block 16,
+float16 and bfloat16. Achieved bandwidth = (K/V bytes read + q/out bytes) / time (CUDA events, median of many
+warm launches, the GPU kept busy ahead of each timed launch so host launch latency is not measured), shown as a
+fraction of the measured device-to-device copy bandwidth, next to SDPA on the same KV laid out contiguously
+(the GQA group folded into the query length, so SDPA runs its flash kernel without repeating K/V).
+Targets: >= 80% of copy bandwidth at context >= 4k; faster than SDPA at every decode point.
+Prefill: a 512-token chunk over 4k cached tokens, TFLOP/s vs SDPA with a bottom-right causal mask.
+Notes: ptxas registers/spills for sm_90 (nvcc -Xptxas -v), when nvcc is on PATH.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from worker_svc.attention import AttentionMetadata  # noqa: E402
+from worker_svc.attention.cupy_backend import CUDA_DIR, KERNEL_SOURCE, CupyAttentionBackend  # noqa: E402
+
+H, KVH, HD, BLOCK = 32, 8, 128, 16
+BATCHES, CONTEXTS = (1, 32, 128), (512, 4096, 32768)
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def timed(fn, iters: int, warmup: int = 3) -> float:
+    """Median seconds of fn() on the current stream, each launch queued behind a GPU sleep."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(1_000_000)  # keep the GPU busy while the host queues the timed work
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy bandwidth in bytes/s (read + write counted)."""
+    n = 2 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    t = timed(lambda: dst.copy_(src), 20)
+    del src, dst
+    return 2 * n / t
+
+
+def ptxas_notes() -> None:
+    nvcc = shutil.which("nvcc")
+    if not nvcc:
+        print("notes: nvcc not on PATH; no ptxas report")
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [nvcc, "-std=c++17", "-arch=sm_90", "-cubin", "-Xptxas", "-v", f"-I{CUDA_DIR}", str(KERNEL_SOURCE),
+               "-o", f"{tmp}/k.cubin"]  # fmt: skip
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    if proc.returncode:
+        print("notes: nvcc failed:\n" + log[-2000:])
+        return
+    print("notes: ptxas -v, sm_90 (registers / spills / shared memory):")
+    entry = None
+    for line in log.splitlines():
+        m = re.search(r"Compiling entry function '(\w+)'", line)
+        if m:
+            entry = m.group(1)
+        elif entry and ("spill" in line or "registers" in line):
+            if "_d128" in entry or entry.startswith(("write_kv", "copy_blocks")):
+                print(f"  {entry:32s} {line.strip()}")
+
+
+def decode_case(be, dtype, batch, ctx, copy_bw, rng):
+    nb = batch * ctx // BLOCK
+    pool = torch.empty((2, nb, BLOCK, KVH, HD), dtype=dtype, device="cuda").normal_()
+    ids = rng.permutation(nb).reshape(batch, ctx // BLOCK)  # scattered blocks
+    meta = AttentionMetadata.build([1] * batch, [ctx] * batch, ids.tolist(), BLOCK, device="cuda")
+    q = torch.randn(batch, H, HD, device="cuda", dtype=dtype)
+    out = torch.empty_like(q)
+    scale = 1 / math.sqrt(HD)
+    iters = 50 if ctx * batch <= 1 << 20 else 20
+    t = timed(lambda: be.forward(q, pool, meta, scale, out=out), iters)
+    # Check one result against SDPA (cheap sanity check, not the float64 reference).
+    k = pool[0][torch.from_numpy(ids).cuda()].reshape(batch, ctx, KVH, HD).transpose(1, 2).contiguous()
+    v = pool[1][torch.from_numpy(ids).cuda()].reshape(batch, ctx, KVH, HD).transpose(1, 2).contiguous()
+    del pool
+    qg = q.view(batch, KVH, H // KVH, HD)  # GQA group as query rows: plain MHA over kv heads
+    sdpa = lambda: F.scaled_dot_product_attention(qg, k, v, scale=scale)  # noqa: E731
+    t_sdpa = timed(sdpa, iters)
+    err = ((out.float() - sdpa().reshape(batch, H, HD).float()).norm() / sdpa().float().norm()).item()
+    nbytes = 2 * batch * ctx * KVH * HD * q.element_size()  # K and V
+    nbytes += 2 * q.numel() * q.element_size()
+    bw = nbytes / t
+    del k, v
+    torch.cuda.empty_cache()
+    return t, t_sdpa, bw, bw / copy_bw, err
+
+
+def prefill_case(be, dtype, rng, chunk=512, cached=4096, batch=1):
+    s = cached + chunk
+    nb = batch * (-(-s // BLOCK))
+    pool = torch.empty((2, nb, BLOCK, KVH, HD), dtype=dtype, device="cuda").normal_()
+    ids = rng.permutation(nb).reshape(batch, -1)
+    meta = AttentionMetadata.build([chunk] * batch, [s] * batch, ids.tolist(), BLOCK, device="cuda")
+    q = torch.randn(batch * chunk, H, HD, device="cuda", dtype=dtype)
+    out = torch.empty_like(q)
+    scale = 1 / math.sqrt(HD)
+    t = timed(lambda: be.forward(q, pool, meta, scale, out=out), 10)
+    flops = 4 * batch * H * HD * sum(cached + j + 1 for j in range(chunk))
+    idx = torch.from_numpy(ids).cuda()
+    k = pool[0][idx].reshape(batch, -1, KVH, HD)[:, :s].transpose(1, 2).repeat_interleave(H // KVH, 1).contiguous()
+    v = pool[1][idx].reshape(batch, -1, KVH, HD)[:, :s].transpose(1, 2).repeat_interleave(H // KVH, 1).contiguous()
+    qs = q.view(batch, chunk, H, HD).transpose(1, 2).contiguous()
+    from torch.nn.attention.bias import causal_lower_right
+
+    mask = causal_lower_right(chunk, s)
+    sdpa = lambda: F.scaled_dot_product_attention(qs, k, v, attn_mask=mask, scale=scale)  # noqa: E731
+    t_sdpa = timed(sdpa, 10)
+    ref = sdpa().transpose(1, 2).reshape(batch * chunk, H, HD).float()
+    err = ((out.float() - ref).norm() / ref.norm()).item()
+    del pool, k, v
+    torch.cuda.empty_cache()
+    return flops / t / 1e12, flops / t_sdpa / 1e12, err
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("bench/kernels.py needs a CUDA device (torch.cuda.is_available() is False); nothing to measure.")
+        return 2
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        print("bench/kernels.py needs cupy (cupy-cuda12x / cupy-cuda13x); nothing to measure.")
+        return 2
+    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  cupy {cupy.__version__}")
+    be = CupyAttentionBackend()
+    rng = np.random.default_rng(0)
+    copy_bw = copy_bandwidth()
+    print(f"device-to-device copy bandwidth: {copy_bw / 1e9:.0f} GB/s")
+    print(f"\ndecode: H={H} KVH={KVH} head_dim={HD} block={BLOCK}")
+    print(f"{'dtype':9s} {'batch':>5s} {'ctx':>6s} {'ours us':>9s} {'GB/s':>7s} {'%copy':>6s} {'sdpa us':>9s} "
+          f"{'speedup':>7s} {'rel.err':>8s}  targets")  # fmt: skip
+    misses = 0
+    for name, dtype in DTYPES.items():
+        for batch in BATCHES:
+            for ctx in CONTEXTS:
+                try:
+                    t, t_sdpa, bw, frac, err = decode_case(be, dtype, batch, ctx, copy_bw, rng)
+                except Exception as exc:  # noqa: BLE001 - report and go on with the other points
+                    print(f"{name:9s} {batch:5d} {ctx:6d}  FAILED: {type(exc).__name__}: {exc}")
+                    misses += 1
+                    torch.cuda.empty_cache()
+                    continue
+                ok = (frac >= 0.8 or ctx < 4096) and t < t_sdpa
+                misses += not ok
+                print(f"{name:9s} {batch:5d} {ctx:6d} {t * 1e6:9.1f} {bw / 1e9:7.0f} {frac:6.1%} {t_sdpa * 1e6:9.1f} "
+                      f"{t_sdpa / t:7.2f} {err:8.1e}  {'ok' if ok else 'MISS'}")  # fmt: skip
+    print("\nprefill: chunk 512 over 4096 cached tokens, batch 1")
+    for name, dtype in DTYPES.items():
+        try:
+            ours, theirs, err = prefill_case(be, dtype, rng)
+            print(f"{name:9s} ours {ours:6.1f} TFLOP/s   sdpa {theirs:6.1f} TFLOP/s   rel.err {err:.1e}")
+        except Exception as exc:  # noqa: BLE001
+            print(f"{name:9s} FAILED: {type(exc).__name__}: {exc}")
+    print()
+    ptxas_notes()
+    print(f"\n{misses} decode point(s) missed a target")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

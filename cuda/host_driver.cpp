@@ -1,0 +1,55 @@
+// C ABI over the host-shim build of paged_attention.cu, for the CPU tests (loaded with ctypes).
+//
+//   int host_<kernel>(const unsigned cfg[4], void** args)
+// cfg = (grid.x, grid.y, grid.z, block.x); args[i] points at the i-th kernel argument, exactly like
+// cuLaunchKernel's kernelParams, so the Python side builds the same argument list for CuPy and for this.
+// Returns 0, or 1 if the shim rejected the launch.
+//
+// Build: g++ -std=c++20 -O2 -U_FORTIFY_SOURCE -shared -fPIC -pthread -I<cuda>/include -Icuda cuda/host_driver.cpp \
+//        -o libpaged_host.so   (-U_FORTIFY_SOURCE: the shim _longjmp()s between fiber stacks)
+#include "host_shim.h"
+#include "paged_attention.cu"
+
+#include <type_traits>
+#include <utility>
+
+namespace {
+
+template <class... P, std::size_t... I>
+void call_impl(void (*kernel)(P...), const unsigned* cfg, void** args, std::index_sequence<I...>) {
+    shim::launch(kernel, dim3(cfg[0], cfg[1], cfg[2]), dim3(cfg[3], 1, 1),
+                 *static_cast<std::remove_cvref_t<P>*>(args[I])...);
+}
+
+template <class... P>
+int call(void (*kernel)(P...), const unsigned* cfg, void** args) {
+    try {
+        call_impl(kernel, cfg, args, std::index_sequence_for<P...>{});
+        return 0;
+    } catch (...) {
+        return 1;
+    }
+}
+
+}  // namespace
+
+#define EXPORT(name) \
+    extern "C" int host_##name(const unsigned* cfg, void** args) { return call(name, cfg, args); }
+#define EXPORT_ATTN(TN, HD) EXPORT(paged_decode_##TN##_d##HD) EXPORT(paged_decode_reduce_##TN##_d##HD) \
+    EXPORT(paged_prefill_##TN##_d##HD)
+
+EXPORT(write_kv_f32)
+EXPORT(write_kv_f16)
+EXPORT(write_kv_bf16)
+EXPORT_ATTN(f32, 64)
+EXPORT_ATTN(f32, 128)
+EXPORT_ATTN(f32, 256)
+EXPORT_ATTN(f16, 64)
+EXPORT_ATTN(f16, 128)
+EXPORT_ATTN(f16, 256)
+EXPORT_ATTN(bf16, 64)
+EXPORT_ATTN(bf16, 128)
+EXPORT_ATTN(bf16, 256)
+EXPORT(copy_blocks_u16)
+EXPORT(copy_blocks_u32)
+EXPORT(copy_blocks_u128)

@@ -1,0 +1,399 @@
+// Paged attention kernels over the worker's KV pool (issue #5).
+//
+// Pool, per layer: kv[2][num_blocks][block_size][num_kv_heads][head_dim] (0 = K, 1 = V), addressed through
+// explicit element strides (stride_kv, stride_block, stride_slot, stride_head; head_dim contiguous), so the
+// kernels work on the per-layer view of the whole [layers, 2, nb, bs, kvh, hd] pool tensor without a copy.
+// Queries/outputs are packed [T, num_heads, head_dim] with strides (stride_t, stride_h; head_dim contiguous).
+//
+// Entry points (extern "C", fetched by name from CuPy's RawModule; TN in f32/f16/bf16, HD in 64/128/256):
+//   write_kv_TN                     grid (num_tokens)                               any block size
+//   paged_decode_TN_dHD             grid (num_heads/heads_per_cta, num_seqs, num_splits)   block: NT threads
+//   paged_decode_reduce_TN_dHD      grid (num_heads, num_seqs)                      any block size
+//   paged_prefill_TN_dHD            grid (num_heads/heads_per_cta, num_seqs, num_q_tiles)  block: NT threads
+//   copy_blocks_u16/u32/u128        grid (num_pairs, num_layers * 2)                any block size
+// NT: a multiple of 32 and of HD/4, at most 256 (the backend uses 128, the host tests 64).
+//
+// Attention design (one device function, attend_rows, shared by decode and prefill):
+//   A CTA owns R "rows" = (query token, query head) pairs that all read the SAME kv head: for decode one token x
+//   heads_per_cta heads of a GQA group (so each K/V block is read once for the whole group), for prefill
+//   q_tile tokens x heads_per_cta heads. Row r may see keys [0, lim[r]) (causal limit); the CTA walks its key
+//   range [k_begin, k_end) in tiles of TILE keys, flash-decoding style:
+//     0. token offsets of the tile through the block table -> shared (one lookup per key, reused for K and V);
+//     1. scores: LPT lanes per key, each lane a 16-byte vector of the key row, dot with every row's query
+//        (held in shared, pre-scaled by scale*log2(e)), butterfly sum over the LPT lanes -> s[r][t];
+//     2. online softmax: one warp per row: tile max, rescale factor alpha, p = exp2(s - m) in place, row sum;
+//     3. P @ V: each thread owns 4 consecutive dims of a slice of the tile's keys ("part"), accumulates all R
+//        rows in registers (acc *= alpha first), one V load serving every row;
+//   then the parts are summed in shared. Decode splits the context over gridDim.z CTAs (partition_size keys
+//   each) and writes per-split (m, l, normalized out) to a float workspace; paged_decode_reduce merges them.
+//   Slots past seq_len (NaN garbage allowed) are never read: keys are only loaded for positions < k_end.
+#include "common.cuh"
+
+namespace paged {
+
+constexpr int TILE = 64;  // keys per tile
+constexpr int PV_VEC = 4;  // dims per thread in P @ V
+
+template <int HD, int MAXR>
+struct AttnSmem {
+    float q[MAXR][HD];     // queries, pre-scaled by scale * log2(e)
+    float s[MAXR][TILE];   // scores, then probabilities
+    float red[MAXR][HD];   // sum of the P @ V parts
+    float m[MAXR];         // running max (log2 domain)
+    float l[MAXR];         // running sum
+    float alpha[MAXR];     // this tile's rescale factor
+    int lim[MAXR];         // row r sees keys [0, lim[r])
+    i64 off[TILE];         // element offset of each key row of the tile (within the kv head)
+};
+
+// Runs the online softmax over keys [k_begin, k_end) for rows 0..R-1 of sm.q/sm.lim; leaves the unnormalized
+// output in sm.red and (m, l) in sm.m/sm.l. All threads of the CTA must call it.
+template <class T, int HD, int MAXR>
+__device__ __forceinline__ void attend_rows(AttnSmem<HD, MAXR>& sm, const int R, const T* __restrict__ k_base,
+                                            const i64 stride_kv, const i64 stride_block, const i64 stride_slot,
+                                            const int* __restrict__ bt, const int block_size, const int k_begin,
+                                            const int k_end) {
+    constexpr int EK = 16 / (int)sizeof(T);                  // elements per 16-byte vector
+    constexpr int LPT = (HD / EK) < 32 ? (HD / EK) : 32;     // lanes per key in the score phase
+    constexpr int EPL = HD / LPT;                            // elements per lane
+    constexpr int TPR = HD / PV_VEC;                         // threads per V row in the P @ V phase
+    static_assert(HD % EK == 0 && HD % LPT == 0 && (LPT & (LPT - 1)) == 0, "unsupported head_dim");
+    static_assert(32 % LPT == 0 && TPR <= 256, "unsupported head_dim");
+
+    const int tid = threadIdx.x;
+    const int nt = blockDim.x;
+    const int warp = tid / 32, lane = tid % 32, nwarps = nt / 32;
+    const int group = tid / LPT, sub = tid % LPT, ngroups = nt / LPT;
+    const int part = tid / TPR, d0 = (tid % TPR) * PV_VEC, nparts = nt / TPR;
+    const T* __restrict__ v_base = k_base + stride_kv;
+
+    float acc[MAXR][PV_VEC];
+#pragma unroll
+    for (int r = 0; r < MAXR; ++r)
+#pragma unroll
+        for (int i = 0; i < PV_VEC; ++i) acc[r][i] = 0.f;
+
+    for (int k0 = k_begin; k0 < k_end; k0 += TILE) {
+        const int tile_len = min(TILE, k_end - k0);
+        // 0. block-table lookups for the tile.
+        for (int t = tid; t < tile_len; t += nt) {
+            const int pos = k0 + t;
+            sm.off[t] = (i64)bt[pos / block_size] * stride_block + (i64)(pos % block_size) * stride_slot;
+        }
+        __syncthreads();
+
+        // 1. scores. The loop bound is uniform over the warp so every lane reaches the shuffles.
+        for (int base = 0; base < tile_len; base += ngroups) {
+            const int t = base + group;
+            const bool valid = t < tile_len;
+            float kf[EPL];
+            if (valid) {
+                load_float<T, EPL>(k_base + sm.off[t] + sub * EPL, kf);
+            } else {
+#pragma unroll
+                for (int e = 0; e < EPL; ++e) kf[e] = 0.f;
+            }
+            for (int r = 0; r < R; ++r) {
+                const float* qr = &sm.q[r][sub * EPL];
+                float dot = 0.f;
+#pragma unroll
+                for (int e = 0; e < EPL; ++e) dot += kf[e] * qr[e];
+                dot = group_sum<LPT>(dot);
+                if (valid && sub == 0) sm.s[r][t] = (k0 + t < sm.lim[r]) ? dot : PAGED_NEG_INF;
+            }
+        }
+        __syncthreads();
+
+        // 2. online softmax, one warp per row.
+        for (int r = warp; r < R; r += nwarps) {
+            float mx = PAGED_NEG_INF;
+            for (int t = lane; t < tile_len; t += 32) mx = fmaxf(mx, sm.s[r][t]);
+            mx = warp_max(mx);
+            const float m_old = sm.m[r];
+            const float m_new = fmaxf(m_old, mx);
+            float sum = 0.f;
+            if (m_new != PAGED_NEG_INF) {  // else no visible key yet: p = 0, alpha = 1 (acc is still 0)
+                for (int t = lane; t < tile_len; t += 32) {
+                    const float p = exp2f(sm.s[r][t] - m_new);  // exp2(-inf) = 0 for masked keys
+                    sm.s[r][t] = p;
+                    sum += p;
+                }
+            } else {
+                for (int t = lane; t < tile_len; t += 32) sm.s[r][t] = 0.f;
+            }
+            sum = warp_sum(sum);
+            if (lane == 0) {
+                const float alpha = (m_new == PAGED_NEG_INF) ? 1.f : exp2f(m_old - m_new);
+                sm.alpha[r] = alpha;
+                sm.l[r] = sm.l[r] * alpha + sum;
+                sm.m[r] = m_new;
+            }
+        }
+        __syncthreads();
+
+        // 3. P @ V.
+        if (part < nparts) {
+#pragma unroll
+            for (int r = 0; r < MAXR; ++r)
+                if (r < R) {
+                    const float a = sm.alpha[r];
+#pragma unroll
+                    for (int i = 0; i < PV_VEC; ++i) acc[r][i] *= a;
+                }
+            for (int t = part; t < tile_len; t += nparts) {
+                float vf[PV_VEC];
+                load_float<T, PV_VEC>(v_base + sm.off[t] + d0, vf);
+#pragma unroll
+                for (int r = 0; r < MAXR; ++r)
+                    if (r < R) {
+                        const float p = sm.s[r][t];
+#pragma unroll
+                        for (int i = 0; i < PV_VEC; ++i) acc[r][i] += p * vf[i];
+                    }
+            }
+        }
+        __syncthreads();
+    }
+
+    // Sum the parts into sm.red, one part at a time.
+    for (int pp = 0; pp < nparts; ++pp) {
+        if (part == pp) {
+#pragma unroll
+            for (int r = 0; r < MAXR; ++r)
+                if (r < R)
+#pragma unroll
+                    for (int i = 0; i < PV_VEC; ++i)
+                        sm.red[r][d0 + i] = (pp == 0 ? 0.f : sm.red[r][d0 + i]) + acc[r][i];
+        }
+        __syncthreads();
+    }
+}
+
+template <int MAXR>
+__device__ __forceinline__ void init_rows(float* m, float* l, int* lim, int R, int row_lim_base, int heads_per_row) {
+    // decode/prefill helper: row r = (token r / heads_per_row, head r % heads_per_row); token j sees lim base + j.
+    for (int r = threadIdx.x; r < MAXR; r += blockDim.x) {
+        m[r] = PAGED_NEG_INF;
+        l[r] = 0.f;
+        lim[r] = r < R ? row_lim_base + r / heads_per_row : 0;
+    }
+}
+
+// Load rows' queries: row r = (token tok0 + r / hpc, head h0 + r % hpc), scaled into the log2 domain.
+template <class T, int HD, int MAXR>
+__device__ __forceinline__ void load_queries(AttnSmem<HD, MAXR>& sm, const T* __restrict__ q, i64 q_stride_t,
+                                             i64 q_stride_h, int tok0, int h0, int hpc, int R, float scale) {
+    const float qs = scale * PAGED_LOG2E;
+    for (int i = threadIdx.x; i < R * HD; i += blockDim.x) {
+        const int r = i / HD, d = i % HD;
+        const int tok = tok0 + r / hpc, h = h0 + r % hpc;
+        sm.q[r][d] = to_float(q[(i64)tok * q_stride_t + (i64)h * q_stride_h + d]) * qs;
+    }
+}
+
+template <class T, int HD>
+__device__ __forceinline__ void paged_decode_impl(
+    T* __restrict__ out, const i64 out_stride_t, const i64 out_stride_h, const T* __restrict__ q,
+    const i64 q_stride_t, const i64 q_stride_h, const T* __restrict__ kv, const i64 stride_kv,
+    const i64 stride_block, const i64 stride_slot, const i64 stride_head, const int* __restrict__ block_tables,
+    const i64 bt_stride, const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
+    const i64* __restrict__ seq_index, float* __restrict__ part_out, float* __restrict__ part_ml,
+    const int num_heads, const int num_kv_heads, const int heads_per_cta, const int block_size,
+    const int partition_size, const float scale) {
+    constexpr int MAXR = 8;
+    __shared__ AttnSmem<HD, MAXR> sm;
+    const int h0 = blockIdx.x * heads_per_cta;
+    const int row = blockIdx.y;  // index among the decode sequences
+    const int seq = seq_index ? (int)seq_index[row] : row;
+    const int split = blockIdx.z, num_splits = gridDim.z;
+    const int ctx = seq_lens[seq];
+    const int k_begin = split * partition_size;
+    if (k_begin >= ctx) return;  // empty split: the reduce pass ignores it (uniform over the CTA)
+    const int k_end = min(ctx, k_begin + partition_size);
+    const int group = num_heads / num_kv_heads;
+    const int kvh = h0 / group;
+    const int R = heads_per_cta;
+    const int tok = query_start_loc[seq];
+
+    init_rows<MAXR>(sm.m, sm.l, sm.lim, R, ctx, 1 << 30);
+    load_queries<T, HD, MAXR>(sm, q, q_stride_t, q_stride_h, tok, h0, R, R, scale);
+    __syncthreads();
+    attend_rows<T, HD, MAXR>(sm, R, kv + (i64)kvh * stride_head, stride_kv, stride_block, stride_slot,
+                             block_tables + (i64)seq * bt_stride, block_size, k_begin, k_end);
+    // attend_rows ends with a barrier: sm.red/m/l are complete.
+    for (int i = threadIdx.x; i < R * HD; i += blockDim.x) {
+        const int r = i / HD, d = i % HD;
+        const float o = sm.red[r][d] / sm.l[r];
+        if (num_splits == 1) {
+            out[(i64)tok * out_stride_t + (i64)(h0 + r) * out_stride_h + d] = from_float<T>(o);
+        } else {
+            const i64 slot = ((i64)row * num_heads + h0 + r) * num_splits + split;
+            part_out[slot * HD + d] = o;
+            if (d == 0) {
+                part_ml[slot * 2] = sm.m[r];
+                part_ml[slot * 2 + 1] = sm.l[r];
+            }
+        }
+    }
+}
+
+template <class T, int HD>
+__device__ __forceinline__ void paged_decode_reduce_impl(
+    T* __restrict__ out, const i64 out_stride_t, const i64 out_stride_h, const float* __restrict__ part_out,
+    const float* __restrict__ part_ml, const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
+    const i64* __restrict__ seq_index, const int num_heads, const int num_splits, const int partition_size) {
+    const int h = blockIdx.x, row = blockIdx.y;
+    const int seq = seq_index ? (int)seq_index[row] : row;
+    const int ctx = seq_lens[seq];
+    const int used = min(num_splits, (ctx + partition_size - 1) / partition_size);
+    const i64 first = ((i64)row * num_heads + h) * num_splits;
+    float mx = PAGED_NEG_INF;
+    for (int s = 0; s < used; ++s) mx = fmaxf(mx, part_ml[(first + s) * 2]);
+    const i64 tok = query_start_loc[seq];
+    for (int d = threadIdx.x; d < HD; d += blockDim.x) {
+        float num = 0.f, den = 0.f;
+        for (int s = 0; s < used; ++s) {
+            const float w = part_ml[(first + s) * 2 + 1] * exp2f(part_ml[(first + s) * 2] - mx);
+            num += w * part_out[(first + s) * HD + d];
+            den += w;
+        }
+        out[tok * out_stride_t + (i64)h * out_stride_h + d] = from_float<T>(num / den);
+    }
+}
+
+template <class T, int HD>
+__device__ __forceinline__ void paged_prefill_impl(
+    T* __restrict__ out, const i64 out_stride_t, const i64 out_stride_h, const T* __restrict__ q,
+    const i64 q_stride_t, const i64 q_stride_h, const T* __restrict__ kv, const i64 stride_kv,
+    const i64 stride_block, const i64 stride_slot, const i64 stride_head, const int* __restrict__ block_tables,
+    const i64 bt_stride, const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
+    const int num_heads, const int num_kv_heads, const int heads_per_cta, const int q_tile, const int block_size,
+    const int min_q_len, const float scale) {
+    constexpr int MAXR = 16;
+    __shared__ AttnSmem<HD, MAXR> sm;
+    const int h0 = blockIdx.x * heads_per_cta;
+    const int seq = blockIdx.y;
+    const int start = query_start_loc[seq];
+    const int q_len = query_start_loc[seq + 1] - start;
+    const int j0 = blockIdx.z * q_tile;
+    if (q_len < min_q_len || j0 >= q_len) return;  // uniform over the CTA
+    const int nq = min(q_tile, q_len - j0);
+    const int ctx = seq_lens[seq];
+    const int R = nq * heads_per_cta;
+    const int first_pos = ctx - q_len + j0;  // position of this tile's first query token
+    const int kvh = h0 / (num_heads / num_kv_heads);
+
+    init_rows<MAXR>(sm.m, sm.l, sm.lim, R, first_pos + 1, heads_per_cta);
+    load_queries<T, HD, MAXR>(sm, q, q_stride_t, q_stride_h, start + j0, h0, heads_per_cta, R, scale);
+    __syncthreads();
+    attend_rows<T, HD, MAXR>(sm, R, kv + (i64)kvh * stride_head, stride_kv, stride_block, stride_slot,
+                             block_tables + (i64)seq * bt_stride, block_size, 0, first_pos + nq);
+    for (int i = threadIdx.x; i < R * HD; i += blockDim.x) {
+        const int r = i / HD, d = i % HD;
+        const i64 tok = start + j0 + r / heads_per_cta;
+        const int h = h0 + r % heads_per_cta;
+        out[tok * out_stride_t + (i64)h * out_stride_h + d] = from_float<T>(sm.red[r][d] / sm.l[r]);
+    }
+}
+
+template <class T>
+__device__ __forceinline__ void write_kv_impl(T* __restrict__ kv, const i64 stride_kv, const i64 stride_block,
+                                              const i64 stride_slot, const i64 stride_head,
+                                              const T* __restrict__ key, const i64 k_stride_t, const i64 k_stride_h,
+                                              const T* __restrict__ value, const i64 v_stride_t,
+                                              const i64 v_stride_h, const i64* __restrict__ slot_mapping,
+                                              const int num_kv_heads, const int head_dim, const int block_size) {
+    const i64 t = blockIdx.x;
+    const i64 slot = slot_mapping[t];
+    if (slot < 0) return;  // padding token
+    const i64 dst = (slot / block_size) * stride_block + (slot % block_size) * stride_slot;
+    for (int i = threadIdx.x; i < num_kv_heads * head_dim; i += blockDim.x) {
+        const int h = i / head_dim, d = i % head_dim;
+        kv[dst + h * stride_head + d] = key[t * k_stride_t + h * k_stride_h + d];
+        kv[stride_kv + dst + h * stride_head + d] = value[t * v_stride_t + h * v_stride_h + d];
+    }
+}
+
+// Whole-block copies in every layer, K and V: pool viewed as words W; strides in words.
+template <class W>
+__device__ __forceinline__ void copy_blocks_impl(W* __restrict__ pool, const i64 layer_stride, const i64 kv_stride,
+                                                 const i64 block_stride, const i64 words_per_block,
+                                                 const i64* __restrict__ src, const i64* __restrict__ dst) {
+    const i64 pair = blockIdx.x;
+    const int layer = blockIdx.y / 2, which = blockIdx.y % 2;
+    W* base = pool + layer * layer_stride + which * kv_stride;
+    const W* from = base + src[pair] * block_stride;
+    W* to = base + dst[pair] * block_stride;
+    for (i64 i = threadIdx.x; i < words_per_block; i += blockDim.x) to[i] = from[i];
+}
+
+}  // namespace paged
+
+// ---- extern "C" entry points --------------------------------------------------------------------------------
+#define PAGED_ATTN_ENTRIES(TN, T, HD)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) paged_decode_##TN##_d##HD(                                   \
+        T* out, long long out_stride_t, long long out_stride_h, const T* q, long long q_stride_t,                  \
+        long long q_stride_h, const T* kv, long long stride_kv, long long stride_block, long long stride_slot,     \
+        long long stride_head, const int* block_tables, long long bt_stride, const int* seq_lens,                  \
+        const int* query_start_loc, const long long* seq_index, float* part_out, float* part_ml, int num_heads,    \
+        int num_kv_heads, int heads_per_cta, int block_size, int partition_size, float scale) {                   \
+        paged::paged_decode_impl<T, HD>(out, out_stride_t, out_stride_h, q, q_stride_t, q_stride_h, kv, stride_kv, \
+                                        stride_block, stride_slot, stride_head, block_tables, bt_stride, seq_lens, \
+                                        query_start_loc, seq_index, part_out, part_ml, num_heads, num_kv_heads,    \
+                                        heads_per_cta, block_size, partition_size, scale);                         \
+    }                                                                                                              \
+    extern "C" __global__ void paged_decode_reduce_##TN##_d##HD(                                                   \
+        T* out, long long out_stride_t, long long out_stride_h, const float* part_out, const float* part_ml,       \
+        const int* seq_lens, const int* query_start_loc, const long long* seq_index, int num_heads,                \
+        int num_splits, int partition_size) {                                                                      \
+        paged::paged_decode_reduce_impl<T, HD>(out, out_stride_t, out_stride_h, part_out, part_ml, seq_lens,       \
+                                               query_start_loc, seq_index, num_heads, num_splits, partition_size); \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) paged_prefill_##TN##_d##HD(                                  \
+        T* out, long long out_stride_t, long long out_stride_h, const T* q, long long q_stride_t,                  \
+        long long q_stride_h, const T* kv, long long stride_kv, long long stride_block, long long stride_slot,     \
+        long long stride_head, const int* block_tables, long long bt_stride, const int* seq_lens,                  \
+        const int* query_start_loc, int num_heads, int num_kv_heads, int heads_per_cta, int q_tile,                \
+        int block_size, int min_q_len, float scale) {                                                              \
+        paged::paged_prefill_impl<T, HD>(out, out_stride_t, out_stride_h, q, q_stride_t, q_stride_h, kv,           \
+                                         stride_kv, stride_block, stride_slot, stride_head, block_tables,          \
+                                         bt_stride, seq_lens, query_start_loc, num_heads, num_kv_heads,            \
+                                         heads_per_cta, q_tile, block_size, min_q_len, scale);                     \
+    }
+
+#define PAGED_WRITE_ENTRY(TN, T)                                                                                   \
+    extern "C" __global__ void write_kv_##TN(T* kv, long long stride_kv, long long stride_block,                   \
+                                             long long stride_slot, long long stride_head, const T* key,           \
+                                             long long k_stride_t, long long k_stride_h, const T* value,           \
+                                             long long v_stride_t, long long v_stride_h,                           \
+                                             const long long* slot_mapping, int num_kv_heads, int head_dim,        \
+                                             int block_size) {                                                     \
+        paged::write_kv_impl<T>(kv, stride_kv, stride_block, stride_slot, stride_head, key, k_stride_t,            \
+                                k_stride_h, value, v_stride_t, v_stride_h, slot_mapping, num_kv_heads, head_dim,   \
+                                block_size);                                                                       \
+    }
+
+#define PAGED_COPY_ENTRY(WN, W)                                                                                    \
+    extern "C" __global__ void copy_blocks_##WN(W* pool, long long layer_stride, long long kv_stride,              \
+                                                long long block_stride, long long words_per_block,                 \
+                                                const long long* src, const long long* dst) {                      \
+        paged::copy_blocks_impl<W>(pool, layer_stride, kv_stride, block_stride, words_per_block, src, dst);        \
+    }
+
+PAGED_WRITE_ENTRY(f32, float)
+PAGED_WRITE_ENTRY(f16, __half)
+PAGED_WRITE_ENTRY(bf16, __nv_bfloat16)
+
+PAGED_ATTN_ENTRIES(f32, float, 64)
+PAGED_ATTN_ENTRIES(f32, float, 128)
+PAGED_ATTN_ENTRIES(f32, float, 256)
+PAGED_ATTN_ENTRIES(f16, __half, 64)
+PAGED_ATTN_ENTRIES(f16, __half, 128)
+PAGED_ATTN_ENTRIES(f16, __half, 256)
+PAGED_ATTN_ENTRIES(bf16, __nv_bfloat16, 64)
+PAGED_ATTN_ENTRIES(bf16, __nv_bfloat16, 128)
+PAGED_ATTN_ENTRIES(bf16, __nv_bfloat16, 256)
+
+PAGED_COPY_ENTRY(u16, unsigned short)
+PAGED_COPY_ENTRY(u32, unsigned int)
+PAGED_COPY_ENTRY(u128, uint4)

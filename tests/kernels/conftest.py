@@ -1,0 +1,131 @@
+"""Builds cuda/paged_attention.cu for the host (cuda/host_shim.h) once per session; nvcc device builds too.
+
+HostLauncher runs the kernels by name with the argument list CupyAttentionBackend builds for CuPy, so the CPU
+tests exercise the backend's planning code as well as the kernel logic.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from worker_svc.attention.cupy_backend import CUDA_DIR, KERNEL_SOURCE
+
+ARCHS = ("sm_80", "sm_90")
+
+
+def cuda_home() -> Path | None:
+    """The CUDA toolkit folder (beside nvcc), whose include/ has cuda_fp16.h and cuda_bf16.h."""
+    candidates = []
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        candidates.append(Path(os.path.realpath(nvcc)).parent.parent)
+    for env in ("CUDA_HOME", "CUDA_PATH"):
+        if os.environ.get(env):
+            candidates.append(Path(os.environ[env]))
+    candidates += sorted(Path("/usr/local").glob("cuda*"), reverse=True)
+    for c in candidates:
+        if (c / "include" / "cuda_fp16.h").is_file():
+            return c
+    return None
+
+
+def nvcc_path() -> str | None:
+    home = cuda_home()
+    if home and (home / "bin" / "nvcc").is_file():
+        return str(home / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def nvcc_command(arch: str, out: Path) -> list[str]:
+    return [nvcc_path() or "nvcc", "-std=c++17", f"-arch={arch}", "-cubin", "-Xptxas", "-v", f"-I{CUDA_DIR}",
+            str(KERNEL_SOURCE), "-o", str(out)]  # fmt: skip
+
+
+class Builds:
+    """g++ host library and nvcc cubins, started in parallel at session start."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="paged_kernels_"))
+        self.home = cuda_home()
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.results: dict[str, tuple[int, str]] = {}
+        if self.home is None:
+            return
+        self.lib_path = self.dir / "libpaged_host.so"
+        self.procs["host"] = subprocess.Popen(
+            ["g++", "-std=c++20", "-O2", "-U_FORTIFY_SOURCE", "-shared", "-fPIC", "-pthread", f"-I{self.home / 'include'}",
+             f"-I{CUDA_DIR}", str(CUDA_DIR / "host_driver.cpp"), "-o", str(self.lib_path)],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        if nvcc_path():
+            for arch in ARCHS:
+                self.procs[arch] = subprocess.Popen(
+                    nvcc_command(arch, self.dir / f"paged_{arch}.cubin"),
+                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                )  # fmt: skip
+
+    def result(self, key: str) -> tuple[int, str]:
+        if key not in self.results:
+            if key not in self.procs:
+                pytest.skip(f"no CUDA toolkit found for the {key} build")
+            out, _ = self.procs[key].communicate(timeout=600)
+            self.results[key] = (self.procs[key].returncode, out)
+        return self.results[key]
+
+    def close(self) -> None:
+        for p in self.procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def builds():
+    b = Builds()
+    yield b
+    b.close()
+
+
+_CTYPES = {np.uint64: ctypes.c_uint64, np.int64: ctypes.c_int64, np.int32: ctypes.c_int32, np.float32: ctypes.c_float}
+
+
+class HostLauncher:
+    """Launcher for CupyAttentionBackend that runs the host-shim build (CPU tensors, raw pointers)."""
+
+    num_sms = 4
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self.lib = lib
+        self.launches: list[tuple[str, tuple[int, int, int], int]] = []
+
+    def launch(self, name, grid, block, args) -> None:
+        values = [_CTYPES[type(a)](a.item()) for a in args]
+        argv = (ctypes.c_void_p * len(values))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in values])
+        cfg = (ctypes.c_uint * 4)(*grid, block)
+        fn = getattr(self.lib, f"host_{name}")
+        fn.restype = ctypes.c_int
+        self.launches.append((name, tuple(grid), block))
+        if min(grid) <= 0:
+            return
+        assert fn(cfg, argv) == 0, f"host launch of {name} failed"
+
+
+@pytest.fixture(scope="session")
+def host_lib(builds) -> ctypes.CDLL:
+    rc, out = builds.result("host")
+    assert rc == 0, out
+    return ctypes.CDLL(str(builds.lib_path))
+
+
+@pytest.fixture
+def launcher(host_lib) -> HostLauncher:
+    return HostLauncher(host_lib)

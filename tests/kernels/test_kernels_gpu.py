@@ -1,0 +1,91 @@
+"""The same kernel comparisons as test_kernels_host.py, through CuPy on a GPU (skipped without one)."""
+
+from __future__ import annotations
+
+import secrets
+
+import numpy as np
+import pytest
+import torch
+
+from tests.kernels.cases import GQA, check_forward, make_case
+
+pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+@pytest.fixture(scope="module")
+def gpu_backend_cls():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    pytest.importorskip("cupy")
+    from worker_svc.attention.cupy_backend import CupyAttentionBackend, CupyLauncher
+
+    launcher = CupyLauncher()  # compiles once for the module
+
+    def make(**kw):
+        return CupyAttentionBackend(launcher, poison_workspace=True, **kw)
+
+    return make
+
+
+def fresh_rng():
+    seed = secrets.randbits(63)
+    return np.random.default_rng(seed), seed
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", GQA)
+@pytest.mark.parametrize("block_size", [8, 16, 128])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernel_gpu_decode(gpu_backend_cls, dtype, heads, block_size, head_dim):
+    rng, seed = fresh_rng()
+    for be in (gpu_backend_cls(), gpu_backend_cls(partition_size=int(rng.integers(20, 80)))):
+        query, kv_layer, meta, _ = make_case(rng, be, ["decode"] * 5, block_size, *heads, head_dim, dtype,
+                                             device="cuda", max_blocks=8)  # fmt: skip
+        check_forward(be, query, kv_layer, meta, seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", GQA)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernel_gpu_mixed_batch(gpu_backend_cls, dtype, heads, head_dim):
+    rng, seed = fresh_rng()
+    be = gpu_backend_cls()
+    kinds = list(rng.permutation(["decode", "chunk", "decode", "prefill", "chunk", "decode"]))
+    query, kv_layer, meta, _ = make_case(rng, be, kinds, int(rng.choice([8, 16, 32])), *heads, head_dim, dtype,
+                                         device="cuda", max_blocks=6)  # fmt: skip
+    check_forward(be, query, kv_layer, meta, seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_kernel_gpu_long_context_decode(gpu_backend_cls, dtype):
+    """Long contexts with the default split sizing (from the SM count)."""
+    rng, seed = fresh_rng()
+    be = gpu_backend_cls()
+    query, kv_layer, meta, _ = make_case(rng, be, ["decode"] * 2, 16, 32, 8, 128, dtype, device="cuda",
+                                         max_blocks=300)  # fmt: skip
+    check_forward(be, query, kv_layer, meta, seed)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_gpu_write_kv_and_copy_blocks(gpu_backend_cls, dtype):
+    be = gpu_backend_cls()
+    pool = torch.full((2, 2, 6, 8, 3, 64), float("nan"), dtype=dtype, device="cuda")
+    slots = torch.randperm(48, device="cuda")[:17]
+    key = torch.randn(34, 3, 64, device="cuda").to(dtype)[::2]
+    value = torch.randn(34, 3, 64, device="cuda").to(dtype)[1::2]
+    be.write_kv(pool[1], key, value, slots)
+    torch.cuda.synchronize()
+    flat = pool[1].reshape(2, 48, 3, 64)
+    assert torch.equal(flat[0, slots], key) and torch.equal(flat[1, slots], value)
+    assert torch.isnan(pool[0]).all()
+
+    pool = torch.randn(3, 2, 10, 8, 2, 64, device="cuda").to(dtype)
+    copies = [(1, 7), (4, 2), (4, 9), (0, 5)]
+    expected = pool.clone()
+    expected[:, :, [d for _, d in copies]] = expected[:, :, [s for s, _ in copies]]
+    be.copy_blocks(pool, copies)
+    torch.cuda.synchronize()
+    assert torch.equal(pool, expected)
