@@ -259,7 +259,7 @@ def run_pagedserve(loaded: LoadedModel, prompts: list[list[int]],
     t0 = time.perf_counter()
     out = d.run()
     wall = time.perf_counter() - t0
-    return [out[i] for i in ids], wall, d.step_id
+    return [out[i][0] for i in ids], wall, d.step_id
 
 
 def run_transformers(model_dir: Path, tokenizer, prompts: list[list[int]], new_tokens: int,

@@ -40,8 +40,8 @@ def test_kernel_backend_greedy_matches_transformers_on_gpu(cuda_model_dir, chunk
     driver = LocalDriver(runner, max_num_batched_tokens=chunk)
     ids = [driver.add(p, 24, arrival_step=i) for i, p in enumerate(prompts)]
     out = driver.run()
-    for seq_id, p in zip(ids, prompts):
+    for request_id, p in zip(ids, prompts):
         with torch.inference_mode():
             g = ref.generate(torch.tensor([p], device="cuda"), do_sample=False, max_new_tokens=24,
                              output_logits=True, return_dict_in_generate=True, pad_token_id=0)
-        assert_same_greedy(out[seq_id], g.sequences[0, len(p):].tolist(), torch.stack(g.logits, 1)[0].cpu())
+        assert_same_greedy(out[request_id][0], g.sequences[0, len(p):].tolist(), torch.stack(g.logits, 1)[0].cpu())

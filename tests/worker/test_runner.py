@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.worker.helpers import make_runner
+from scheduler_svc.core.request import SamplingConfig
 from worker_svc.driver import LocalDriver
 from worker_svc.kv_pool import KVLayout, KVPool
 from worker_svc.models import load_model
@@ -37,23 +38,23 @@ def test_kv_pool_layout_bytes_and_block_copies():
 
 
 def test_seeded_sampling_is_identical_whatever_the_batch(tiny_llama_dir):
-    sampling = SamplingOptions(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    sampling = SamplingConfig(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
     prompt = [random.Random(7).randrange(512) for _ in range(20)]
 
     alone = LocalDriver(make_runner(tiny_llama_dir))
     sid = alone.add(prompt, 16, sampling)
-    expected = alone.run()[sid]
+    expected = alone.run()[sid][0]
 
     crowded = LocalDriver(make_runner(tiny_llama_dir), max_num_batched_tokens=12)
     rng = random.Random(0)
     for i in range(5):
-        other = SamplingOptions(temperature=1.0, seed=rng.randrange(1000) if i % 2 else None)
+        other = SamplingConfig(temperature=1.0, seed=rng.randrange(1000) if i % 2 else None)
         crowded.add([rng.randrange(512) for _ in range(rng.randint(3, 30))], 16, other, arrival_step=i)
     sid = crowded.add(prompt, 16, sampling, arrival_step=2)
-    assert crowded.run()[sid] == expected
+    assert crowded.run()[sid][0] == expected
     unseeded = LocalDriver(make_runner(tiny_llama_dir))
-    different = unseeded.add(prompt, 16, SamplingOptions(temperature=0.9, top_p=0.95, top_k=50, seed=99))
-    assert unseeded.run()[different] != expected
+    different = unseeded.add(prompt, 16, SamplingConfig(temperature=0.9, top_p=0.95, top_k=50, seed=99))
+    assert unseeded.run()[different][0] != expected
 
 
 def test_plans_for_unknown_or_overrun_sequences_are_rejected(tiny_llama_dir):

@@ -37,6 +37,6 @@ def test_smollm2_greedy_matches_transformers_in_mixed_chunked_batches(model_dir)
     driver = LocalDriver(runner, max_num_batched_tokens=6)
     ids = [driver.add(p, NEW, arrival_step=3 * i) for i, p in enumerate(prompts)]
     out = driver.run()
-    for seq_id, ref in zip(ids, refs):
-        assert_same_greedy(out[seq_id], *ref)
-    assert tok.decode(out[ids[0]]).startswith(" Paris")
+    for request_id, ref in zip(ids, refs):
+        assert_same_greedy(out[request_id][0], *ref)
+    assert tok.decode(out[ids[0]][0]).startswith(" Paris")

@@ -24,11 +24,10 @@ def references(model_dir):
     return [reference_greedy(ref, p, NEW) for p in PROMPTS]
 
 
-def check(driver: LocalDriver, ids: dict[int, int], references) -> dict[int, list[int]]:
+def check(driver: LocalDriver, ids: dict[str, int], references) -> None:
     out = driver.run()
-    for seq_id, prompt_index in ids.items():
-        assert_same_greedy(out[seq_id], *references[prompt_index])
-    return out
+    for request_id, prompt_index in ids.items():
+        assert_same_greedy(out[request_id][0], *references[prompt_index])
 
 
 def test_mixed_prefill_and_decode_batches(model_dir, references):
@@ -52,10 +51,11 @@ def test_prefix_cache_hits(model_dir, references):
     ref_model = reference_model(model_dir)
     part = driver.add(longer, NEW)
     out = driver.run()
-    assert driver.kv.prefix_hit_tokens >= 56 + 32  # the whole first prompt but its last block, then 32 tokens
-    assert_same_greedy(out[first], *references[4])
-    assert_same_greedy(out[again], *references[4])
-    assert_same_greedy(out[part], *reference_greedy(ref_model, longer, NEW))
+    # The whole first prompt but its last block (56 of 64 tokens), then the first 32 of the shorter one.
+    assert driver.scheduler.kv.prefix_hit_tokens == 56 + 32
+    assert_same_greedy(out[first][0], *references[4])
+    assert_same_greedy(out[again][0], *references[4])
+    assert_same_greedy(out[part][0], *reference_greedy(ref_model, longer, NEW))
 
 
 def test_preemption_recomputes_to_the_same_tokens(model_dir, references):
@@ -63,16 +63,15 @@ def test_preemption_recomputes_to_the_same_tokens(model_dir, references):
     driver = LocalDriver(make_runner(model_dir, num_blocks=12, block_size=8), max_num_batched_tokens=64)
     ids = {driver.add(p, NEW): i for i, p in enumerate(PROMPTS[1:5], start=1)}
     check(driver, ids, references)
-    assert driver.num_preemptions > 0
+    assert driver.scheduler.num_preemptions > 0
 
 
 def test_forked_sequences_copy_on_write(model_dir, references):
     driver = LocalDriver(make_runner(model_dir, block_size=8))
-    # 48 prompt tokens: the first 47 are computed once, then the partial last block (7 tokens) is shared.
-    parent = driver.add(PROMPTS[3], NEW, fork_into=2)
+    # 48 prompt tokens: the first 47 are computed once, then the partial last block (7 tokens) is shared by
+    # the two samples; the first to write copies it, the last holder writes in place.
+    request_id = driver.add(PROMPTS[3], NEW, n=2)
     out = driver.run()
-    children = driver.seqs[parent].children
-    assert len(children) == 2 and driver.num_forks == 2
-    assert driver.num_copies == 2  # each child copied the shared partial block before writing into it
-    for seq_id in (parent, *children):
-        assert_same_greedy(out[seq_id], *references[3])
+    assert driver.num_copies == 1
+    for sample in out[request_id]:
+        assert_same_greedy(sample, *references[3])
