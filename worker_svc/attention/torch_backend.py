@@ -25,6 +25,20 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
+    def __init__(self) -> None:
+        # NOTE: the decode gather reuses one buffer across layers and steps: a fresh tensor of tens of MB per
+        # layer spends most of its time faulting its pages in (measured 33 ms vs 5.5 ms at 64 x 512 tokens).
+        self._gather_buf: torch.Tensor | None = None
+
+    def _gather(self, kv_layer: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """kv_layer's blocks `ids` into a reused buffer: [2, len(ids), block_size, kv_heads, head_dim]."""
+        shape = (2, ids.numel(), *kv_layer.shape[2:])
+        numel = shape[0] * shape[1] * shape[2] * shape[3] * shape[4]
+        buf = self._gather_buf
+        if buf is None or buf.numel() < numel or buf.dtype != kv_layer.dtype or buf.device != kv_layer.device:
+            buf = self._gather_buf = torch.empty(numel, dtype=kv_layer.dtype, device=kv_layer.device)
+        return torch.index_select(kv_layer, 1, ids, out=buf[:numel].view(shape))
+
     def write_kv(
         self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
     ) -> None:
@@ -81,7 +95,7 @@ class TorchAttentionBackend(AttentionBackend):
         length = nb * block_size
         # One gather for all sequences: [2, B*nb, bs, kvh, hd] -> [2, B, L, kvh, hd] (a fresh copy).
         ids = block_tables[:, :nb].reshape(-1).long()
-        kv = kv_layer.index_select(1, ids).view(2, b, length, kvh, hd)
+        kv = self._gather(kv_layer, ids).view(2, b, length, kvh, hd)
         if kv.dtype in _UPCAST:
             kv = kv.float()
         # NOTE: zero V past seq_len: there 0 * NaN would still poison the output even with probability 0.
@@ -118,7 +132,7 @@ class TorchAttentionBackend(AttentionBackend):
             nb = -(-s // block_size)
             ids = meta.block_tables[i, :nb].long()
             # Slicing to :s drops the garbage past seq_len, so nothing needs masking for NaN here.
-            kv = kv_layer.index_select(1, ids).view(2, nb * block_size, kvh, hd)[:, :s]
+            kv = self._gather(kv_layer, ids).view(2, nb * block_size, kvh, hd)[:, :s]
             q = query[start:end]
             if q.dtype in _UPCAST:
                 q, kv = q.float(), kv.float()
