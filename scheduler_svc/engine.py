@@ -136,6 +136,17 @@ class Engine:
 
     # -- the step loop ------------------------------------------------------------------------------------
     async def _step_loop(self, w: WorkerHandle) -> None:
+        try:
+            await self._run_steps(w)
+        except Exception as e:  # a bug: end this worker's requests loudly rather than leave them hanging
+            log.exception("step loop failed", worker=w.worker_id)
+            for stream in list(w.streams.values()):
+                stream.fail(ErrorCode.INTERNAL.value, f"internal error on {w.worker_id}: {e}")
+            w.streams.clear()
+            self.detach_worker(w)
+            w.outbox.put_nowait(None)  # closes the worker's Attach stream
+
+    async def _run_steps(self, w: WorkerHandle) -> None:
         sched, m = w.scheduler, self.metrics
         while self.workers.get(w.worker_id) is w:
             plan = sched.schedule()
@@ -148,6 +159,8 @@ class Engine:
             result = await w.results.get()
             if result is None:
                 return
+            if result.step_id != plan.step_id:
+                raise RuntimeError(f"the worker answered step {result.step_id} to plan {plan.step_id}")
             outputs = sched.update(plan, result_from_pb(result))
             m.step.observe(time.perf_counter() - t0)
             if plan.preempted_seq_ids:

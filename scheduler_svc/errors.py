@@ -11,6 +11,7 @@ class ErrorCode(enum.Enum):
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     UNAVAILABLE = "UNAVAILABLE"
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    INTERNAL = "INTERNAL"  # only for bugs: a worker that breaks the protocol, an exception in the step loop
 
 
 class EngineError(Exception):

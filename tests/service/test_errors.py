@@ -117,3 +117,16 @@ async def test_full_queue_duplicate_ids_draining_and_a_lost_worker(engine, chann
     for call in calls:
         code, details = await status_of(call)
         assert code == grpc.StatusCode.UNAVAILABLE and "went away" in details
+
+
+@with_server
+async def test_a_worker_breaking_the_protocol_ends_its_requests_with_internal(engine, channel):
+    worker = SilentWorker(channel)
+    await wait_for(lambda: engine.workers)
+    call = generate(channel, "r0")
+    await wait_for(lambda: worker.plans)
+    worker.queue.put_nowait(worker_pb2.WorkerMessage(result=worker_pb2.StepResult(step_id=99)))
+    code, details = await status_of(call)
+    assert code == grpc.StatusCode.INTERNAL and "step 99" in details
+    await worker.reader  # the scheduler closed the worker's stream
+    assert not engine.workers
