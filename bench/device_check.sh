@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The one prepared run for a lent GPU (about 5 minutes): GPU kernel and token tests, then bench/kernels.py.
+# Run on the device machine from the repo root: `bash bench/device_check.sh` (its output lands in $OUT).
+# That machine has python3 with torch, cupy, transformers and pytest but no registry: carry anything missing
+# as wheels in .whl/ (protobuf >= 7.35 for pagedserve.v1 when its own is older); they are installed first.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/pagedserve-device}
+mkdir -p "$OUT"
+site=""
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && site=/tmp/site
+fi
+export PYTHONPATH="${site:+$site:}$PWD${PYTHONPATH:+:$PYTHONPATH}"
+{
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  python3 -c "import torch, cupy, google.protobuf as p; print('torch', torch.__version__, 'cupy', cupy.__version__, 'protobuf', p.__version__)"
+} 2>&1 | tee "$OUT/env.txt"
+timeout 170 python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt"
+timeout 170 python3 bench/kernels.py 2>&1 | tee "$OUT/kernels.txt"
