@@ -31,31 +31,58 @@ def position_token(seq_id: int, position: int) -> int:
 
 
 class FakeWorker:
-    """Holds what a real worker would (tokens, computed count, block table) and checks the delta protocol."""
+    """Holds what a real worker would (tokens, computed count, block table) and checks the delta protocol.
+
+    It also models KV memory: each slot holds the token prefix its K/V depends on, moved by swaps and copies
+    like the real pool, so a wrong prefix hit, copy or swap shows up as a sequence that cannot read itself back.
+    """
 
     def __init__(self, next_token=position_token, block_size: int = BS) -> None:
         self.next_token, self.block_size = next_token, block_size
         self.seqs: dict[int, dict] = {}
+        self.kv: dict[tuple[int, int], tuple[int, ...]] = {}  # (device block, slot) -> prefix
+        self.cpu: dict[tuple[int, int], tuple[int, ...]] = {}  # (cpu block, slot) -> prefix
+
+    def _move(self, src_mem: dict, dst_mem: dict, pairs) -> None:
+        for src, dst in pairs:
+            for slot in range(self.block_size):
+                if (src, slot) in src_mem:
+                    dst_mem[(dst, slot)] = src_mem[(src, slot)]
+                else:
+                    dst_mem.pop((dst, slot), None)
 
     def step(self, plan: StepPlan) -> dict[int, int]:
         for seq_id in [*plan.finished_seq_ids, *plan.preempted_seq_ids]:
             del self.seqs[seq_id]  # NOTE: KeyError = told to drop a sequence it never had
-        sampled = {}
+        # NOTE: the real worker's order: swap out, swap in, copy-on-write copies, then the forward.
+        self._move(self.kv, self.cpu, plan.swap_out)
+        self._move(self.cpu, self.kv, plan.swap_in)
+        self._move(dict(self.kv), self.kv, plan.copies)
+        sampled, bs = {}, self.block_size
         for p in plan.new:
             assert p.seq_id not in self.seqs, f"seq {p.seq_id} sent whole while the worker holds it"
-            assert len(p.block_ids) * self.block_size >= p.num_computed_tokens + p.num_scheduled_tokens
+            assert len(p.block_ids) * bs >= p.num_computed_tokens + p.num_scheduled_tokens
             self.seqs[p.seq_id] = dict(tokens=list(p.token_ids), blocks=list(p.block_ids),
-                                       computed=p.num_computed_tokens + p.num_scheduled_tokens)
+                                       computed=p.num_computed_tokens, scheduled=p.num_scheduled_tokens)
         for r in plan.running:
             s = self.seqs[r.seq_id]  # NOTE: KeyError = a delta for a sequence the worker does not hold
             s["blocks"] += r.new_block_ids
-            s["computed"] += r.num_scheduled_tokens
+            s["scheduled"] = r.num_scheduled_tokens
         for p in [*plan.new, *plan.running]:
             s = self.seqs[p.seq_id]
-            assert len(s["blocks"]) * self.block_size >= s["computed"]
-            if s["computed"] == len(s["tokens"]):
-                tok = self.next_token(p.seq_id, len(s["tokens"]))
-                s["tokens"].append(tok)
+            start, end, tokens, blocks = s["computed"], s["computed"] + s["scheduled"], s["tokens"], s["blocks"]
+            assert len(blocks) * bs >= end
+            for pos in range(start, end):  # the forward writes this step's K/V
+                self.kv[(blocks[pos // bs], pos % bs)] = tuple(tokens[:pos + 1])
+            s["computed"] = end
+        for p in [*plan.new, *plan.running]:  # every context read back whole: hits, copies and swaps were right
+            s = self.seqs[p.seq_id]
+            tokens, blocks = s["tokens"], s["blocks"]
+            for pos in range(s["computed"]):
+                assert self.kv.get((blocks[pos // bs], pos % bs)) == tuple(tokens[:pos + 1]), (p.seq_id, pos)
+            if s["computed"] == len(tokens):
+                tok = self.next_token(p.seq_id, len(tokens))
+                tokens.append(tok)
                 sampled[p.seq_id] = tok
         return sampled
 
@@ -329,7 +356,8 @@ def test_random_workloads_keep_the_worker_protocol_and_free_every_block(seed):
     import random
     rng = random.Random(seed)
     s = make(num_blocks=rng.randint(6, 30), max_model_len=60, max_num_seqs=rng.randint(3, 8),
-             max_num_batched_tokens=rng.randint(4, 40), eos_token_ids=(3,))
+             max_num_batched_tokens=rng.randint(4, 40), eos_token_ids=(3,),
+             num_cpu_blocks=rng.choice([0, 0, 4, 40]))
     w, reqs = FakeWorker(lambda seq_id, position: rng.randrange(3, 40)), []
     for _ in range(3000):
         if len(reqs) < 20 and rng.random() < 0.3:
@@ -355,6 +383,7 @@ def test_random_workloads_keep_the_worker_protocol_and_free_every_block(seed):
             if q.on_worker:
                 assert w.seqs[q.seq_id]["blocks"] == s.kv.block_table(q.seq_id)
     assert not s.has_unfinished_requests() and s.kv.pool.num_free_blocks == s.config.num_blocks
+    assert s.cpu_pool is None or s.cpu_pool.num_free_blocks == s.config.num_cpu_blocks
     assert w.seqs == {}  # every sequence the worker held was dropped
     for r in reqs:
         for q in r.children or [r]:
