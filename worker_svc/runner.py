@@ -54,10 +54,7 @@ class ModelRunner:
         starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, len(scheduled))
         seq_lens = starts + q_lens
         meta = AttentionMetadata.build(q_lens, seq_lens, [s.block_ids for s in scheduled], bs, self.device)
-        # Per token: its sequence's first new position + its offset in the chunk (no per-token Python loop).
         qsl = meta.query_start_loc_host
-        seq_of = np.repeat(np.arange(len(scheduled)), q_lens)
-        positions = np.arange(qsl[-1]) - qsl[seq_of] + starts[seq_of]
         input_ids = np.concatenate([np.asarray(s.token_ids[s.num_computed_tokens:s.num_computed_tokens
                                                           + s.num_scheduled_tokens]) for s in scheduled])
         sampling_rows = [i for i, s in enumerate(scheduled) if s.samples_this_step]
@@ -65,7 +62,7 @@ class ModelRunner:
         with torch.inference_mode():
             out = self.loaded.model(
                 input_ids=torch.from_numpy(input_ids).to(self.device, torch.long).unsqueeze(0),
-                position_ids=torch.from_numpy(positions).to(self.device, torch.long).unsqueeze(0),
+                position_ids=torch.from_numpy(meta.positions_host).to(self.device, torch.long).unsqueeze(0),
                 paged_step=StepContext(self.pool.kv, meta, self.backend),
                 logits_to_keep=keep, use_cache=False)
             sampled = [scheduled[i] for i in sampling_rows]

@@ -33,6 +33,7 @@ class AttentionMetadata:
     # Host mirrors, so backends can loop over sequences without a device->host sync per layer.
     query_start_loc_host: np.ndarray  # int64 [B+1]
     seq_lens_host: np.ndarray  # int64 [B]
+    positions_host: np.ndarray  # int64 [T]: each new token's position in its sequence (the model's position ids)
 
     @property
     def num_seqs(self) -> int:
@@ -105,4 +106,5 @@ class AttentionMetadata:
             max_decode_seq_len=int(s[decode_seqs].max()) if decode_seqs.size else 0,
             query_start_loc_host=qsl,
             seq_lens_host=s,
+            positions_host=pos,
         )
