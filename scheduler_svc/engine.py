@@ -187,9 +187,9 @@ class Engine:
 
     def _export(self, w: WorkerHandle) -> None:
         m, kv = self.metrics, w.scheduler.kv
-        stats = kv.stats()
-        m.kv_blocks_used.labels(w.worker_id).set(stats.num_used_blocks)
-        m.kv_blocks_cached.labels(w.worker_id).set(stats.num_cached_free_blocks)
+        # NOTE: pool counters, not kv.stats(): that walks every sequence, and this runs every step.
+        m.kv_blocks_used.labels(w.worker_id).set(kv.pool.num_used_blocks)
+        m.kv_blocks_cached.labels(w.worker_id).set(kv.pool.num_cached_free_blocks)
         m.prefix_queries.inc(kv.prefix_query_tokens - w.num_prefix_queries)
         m.prefix_hits.inc(kv.prefix_hit_tokens - w.num_prefix_hits)
         m.preemptions.inc(w.scheduler.num_preemptions - w.num_preemptions)
