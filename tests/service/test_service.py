@@ -106,8 +106,10 @@ def test_cancel_frees_blocks_within_a_step(service):
     while service.metric("pagedserve_kv_blocks_used") > 0 and time.monotonic() < deadline:
         time.sleep(0.02)
     assert service.metric("pagedserve_kv_blocks_used") == 0
-    # Freed at once, not after the remaining ~390 tokens: only the steps in flight ran meanwhile.
-    assert service.metric("pagedserve_step_seconds_count") - steps_at_cancel <= 3
+    # Freed at once, not after the remaining ~398 tokens. The bound is loose on purpose: a tiny-model step
+    # takes milliseconds, so a few steps run while the scrape returns and the cancel crosses loopback on a
+    # loaded 2-core machine (CI once saw 4); holding the blocks to the end would take ~398.
+    assert service.metric("pagedserve_step_seconds_count") - steps_at_cancel <= 40
 
 
 def test_stop_string_ends_the_text_before_it(service):
