@@ -73,7 +73,9 @@ def run_worker(args: argparse.Namespace) -> int:
     from worker_svc.worker import WorkerConfig
 
     configure()
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # NOTE: Ctrl-C under `pagedserve up` reaches every process in the group; leave as quietly as on SIGTERM.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: sys.exit(0))
     device = "cuda:0" if args.device == "cuda" else "cpu"
     run(args.scheduler, WorkerConfig(model=args.model, device=device, dtype=args.dtype, block_size=args.block_size,
                                      kv_memory=args.kv_memory, threads=args.threads, swap_space=args.swap_space))

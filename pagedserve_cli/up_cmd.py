@@ -27,24 +27,34 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def wait_healthy(address: str, timeout: float, procs: list[subprocess.Popen]) -> None:
+def wait_healthy(address: str, timeout: float, procs: list[subprocess.Popen], stopping=lambda: False,
+                 num_workers: int = 1) -> bool:
+    """True once `address` is SERVING with `num_workers` attached; False if `stopping()` turns true first."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+    from pagedserve.v1 import generate_pb2, generate_pb2_grpc
+
     deadline = time.monotonic() + timeout
     with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        generation = generate_pb2_grpc.GenerationStub(channel)
         while time.monotonic() < deadline:
+            if stopping():
+                return False
             if any(p.poll() is not None for p in procs):
                 raise RuntimeError("a service exited during start-up (see its log above)")
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
+                # NOTE: SERVING means one worker is in; the others may still be loading their model.
+                if health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status == \
+                        health_pb2.HealthCheckResponse.SERVING and \
+                        len(generation.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=1).workers) \
+                        >= num_workers:
+                    return True
             except grpc.RpcError:
                 pass
             time.sleep(0.2)
-    raise TimeoutError(f"{address} not healthy after {timeout:.0f} s")
+    raise TimeoutError(f"{address} not healthy with {num_workers} worker(s) after {timeout:.0f} s")
 
 
 def _device(requested: str | None) -> str:
@@ -60,6 +70,15 @@ def _device(requested: str | None) -> str:
 def run(args: argparse.Namespace) -> int:
     model = model_dir(args.model) if args.model == DEFAULT_MODEL else args.model  # pull once, up front
     del model
+    stopping = False
+
+    def stop(*_):
+        nonlocal stopping
+        stopping = True
+
+    # NOTE: handlers go in before the first child starts, so a signal never leaves orphans behind.
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
     exe = [sys.executable, "-m", "pagedserve_cli.main"]
     procs = [subprocess.Popen([*exe, "scheduler", "--model", args.model, "--listen", args.listen,
                                "--worker-listen", args.worker_listen, "--metrics", args.metrics])]
@@ -74,16 +93,9 @@ def run(args: argparse.Namespace) -> int:
         if args.swap_space:
             cmd += ["--swap-space", args.swap_space]
         procs.append(subprocess.Popen(cmd))
-    stopping = False
-
-    def stop(*_):
-        nonlocal stopping
-        stopping = True
-
-    signal.signal(signal.SIGINT, stop)
-    signal.signal(signal.SIGTERM, stop)
     try:
-        wait_healthy(args.listen, args.startup_timeout, procs)
+        if not wait_healthy(args.listen, args.startup_timeout, procs, lambda: stopping, args.workers):
+            return 0
         print(f"pagedserve is up: {args.listen} ({args.workers} worker(s) on {device}, metrics "
               f"http://{args.metrics}/metrics)", flush=True)
         while not stopping and all(p.poll() is None for p in procs):

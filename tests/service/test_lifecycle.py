@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
 import time
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.v1 import generate_pb2 as pb
@@ -58,3 +60,81 @@ def test_not_serving_until_a_worker_attaches_then_drains_on_sigterm(tiny_served_
         for p in (worker, sched):
             if p is not None and p.poll() is None:
                 p.kill()
+
+
+def children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def stop_all(proc: subprocess.Popen) -> None:
+    """Cleanup after a failed assertion: no process outlives the test."""
+    if proc.poll() is None:
+        kids = children(proc.pid)
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        for k in kids:
+            if alive(k):
+                os.kill(k, signal.SIGKILL)
+
+
+def up(model: str, listen: str, *extra: str, stderr=None) -> subprocess.Popen:
+    # Its own session, like a shell job: Ctrl-C is SIGINT to the whole process group.
+    return subprocess.Popen([sys.executable, "-m", "pagedserve_cli.main", "up", "--model", model, "--listen", listen,
+                             "--worker-listen", f"127.0.0.1:{free_port()}", "--metrics", "", "--kv-memory", "4MiB",
+                             "--threads", "1", *extra], stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            start_new_session=True)
+
+
+@pytest.mark.parametrize("how", ["SIGTERM to up", "Ctrl-C to the process group"])
+def test_up_runs_n_workers_as_processes_and_stops_them_all(tiny_served_model, tmp_path, how):
+    listen = f"127.0.0.1:{free_port()}"
+    with open(tmp_path / "stderr", "w") as err:
+        proc = up(tiny_served_model, listen, "--workers", "2", stderr=err)
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(f"pagedserve is up: {listen} (2 worker(s) on cpu"), line
+        kids = children(proc.pid)
+        assert len(kids) == 3  # one scheduler, two workers
+        with grpc.insecure_channel(listen) as ch:
+            info = generate_pb2_grpc.GenerationStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+            assert sorted(w.worker_id for w in info.workers) == ["worker-0", "worker-1"]
+            msgs = list(generate_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+                prompt="hi", sampling=pb.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)), timeout=60))
+            assert sum(len(m.token_ids) for m in msgs) == 3
+        if how == "SIGTERM to up":
+            proc.send_signal(signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
+        assert proc.wait(timeout=60) == 0
+        assert not [k for k in kids if alive(k)]
+        assert "Traceback" not in (tmp_path / "stderr").read_text()
+    finally:
+        stop_all(proc)
+
+
+def test_up_stopped_during_start_up_leaves_no_process_behind(tiny_served_model):
+    proc = up(tiny_served_model, f"127.0.0.1:{free_port()}")
+    try:
+        deadline = time.monotonic() + 30
+        while len(children(proc.pid)) < 2:  # the scheduler and the worker have started, not yet healthy
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        kids = children(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0
+        assert proc.stdout.read() == ""  # it never claimed to be up
+        assert not [k for k in kids if alive(k)]
+    finally:
+        stop_all(proc)
