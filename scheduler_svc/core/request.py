@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
 from dataclasses import dataclass, field
+
+
+MAX_LOGPROBS = 20  # NOTE: the same cap as the worker's sampler (and vLLM's default max_logprobs)
 
 
 class RequestStatus(enum.Enum):
@@ -37,21 +41,22 @@ class SamplingConfig:
 
     def validate(self) -> None:
         """Raises ValueError naming the first field out of range."""
-        if self.max_tokens < 1:
+        # NOTE: written as `not (ok)` so that NaN fails every check.
+        if not (self.max_tokens >= 1):
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.n < 1:
+        if not (self.n >= 1):
             raise ValueError(f"n must be >= 1, got {self.n}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
+        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if not (0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
+        if not (self.top_k >= 0):
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not 0 <= self.min_p <= 1:
+        if not (0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise ValueError(f"logprobs must be >= 0, got {self.logprobs}")
-        if self.seed is not None and not 0 <= self.seed < 2**64:
+        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.seed is not None and not (0 <= self.seed < 2**64):
             raise ValueError(f"seed must fit in 64 bits unsigned, got {self.seed}")
 
 

@@ -295,6 +295,11 @@ def test_finish_hook_for_stop_strings():
     (toks(0, 10), {"top_p": 0.0}, "top_p"),
     (toks(0, 10), {"top_k": -1}, "top_k"),
     (toks(0, 10), {"min_p": 2.0}, "min_p"),
+    (toks(0, 10), {"temperature": float("nan")}, "temperature"),
+    (toks(0, 10), {"temperature": float("inf")}, "temperature"),
+    (toks(0, 10), {"top_p": float("nan")}, "top_p"),
+    (toks(0, 10), {"logprobs": 21}, "logprobs"),
+    (toks(0, 10), {"seed": 2**64}, "seed"),
 ])
 def test_bad_input_raises_value_error_naming_the_field(prompt, sampling, field):
     s = make(num_blocks=12, max_model_len=100)

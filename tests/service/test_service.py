@@ -123,8 +123,11 @@ def test_stop_string_ends_the_text_before_it(service):
     assert msgs[-1].finish_reason == pb.FINISH_REASON_STOP_STRING
 
 
-@pytest.mark.parametrize("sampling, field", [({"temperature": -1.0}, "temperature"), ({"top_p": 1.5}, "top_p"),
-                                             ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens")])
+@pytest.mark.parametrize("sampling, field", [
+    ({"temperature": -1.0}, "temperature"), ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": float("inf")}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"top_p": float("nan")}, "top_p"),
+    ({"min_p": float("nan")}, "min_p"), ({"n": 0}, "n"), ({"max_tokens": 0}, "max_tokens"),
+    ({"logprobs": 21}, "logprobs")])
 def test_bad_sampling_fields_are_invalid_argument_naming_the_field(service, sampling, field):
     with pytest.raises(grpc.RpcError) as e:
         generate(service, PROMPTS[0], **sampling)
