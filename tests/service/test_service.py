@@ -173,3 +173,58 @@ def test_logprobs_stream_with_each_token(service):
         assert len(tops) == 3 and tops == sorted(tops, reverse=True)
         assert lp.top[0].token_id == m.token_ids[0]  # greedy: the sampled token is the most likely one
         assert abs(lp.sampled.logprob - tops[0]) < 1e-6 and tops[0] <= 0
+
+
+def test_mixed_cancels_deadlines_and_forks_under_preemption_lose_nothing(service, reference):
+    """24 clients at once on a 40-block pool: some cancel mid-stream, some hit their deadline, some fork (n=2).
+    Every completed stream matches transformers, and afterwards no block, sequence or queue entry is left."""
+    rng = random.Random(11)
+    plans = [(i, rng.choice(["complete", "cancel", "deadline", "fork"]), rng.randint(1, 6)) for i in range(24)]
+    done: dict[int, dict] = {}
+    errors: list[BaseException] = []
+    preempted_before = service.metric("pagedserve_preemptions_total")
+
+    def one(i: int, kind: str, k: int) -> None:
+        try:
+            # A deadline request asks for 400 tokens so that it cannot finish before its deadline of <= 0.3 s.
+            req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=PROMPTS[i]), sampling=pb.SamplingParams(
+                max_tokens=400 if kind == "deadline" else NEW, ignore_eos=kind == "deadline", temperature=0,
+                n=2 if kind == "fork" else 1))
+            with service.channel() as ch:
+                stub = generate_pb2_grpc.GenerationStub(ch)
+                if kind == "cancel":
+                    call = stub.Generate(req)
+                    for _ in zip(range(k), call):
+                        pass
+                    call.cancel()
+                elif kind == "deadline":
+                    with pytest.raises(grpc.RpcError) as e:
+                        list(stub.Generate(req, timeout=0.05 * k))
+                    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+                else:
+                    out: dict[int, list[int]] = {}
+                    for m in stub.Generate(req, timeout=300):
+                        out.setdefault(m.index, []).extend(m.token_ids)
+                    done[i] = out
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=one, args=p) for p in plans]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert service.metric("pagedserve_preemptions_total") > preempted_before
+    for i, kind, _ in plans:
+        if kind in ("complete", "fork"):
+            assert sorted(done[i]) == ([0, 1] if kind == "fork" else [0])
+            for tokens in done[i].values():
+                assert_same_greedy(tokens, *reference(PROMPTS[i]))
+    deadline = time.monotonic() + 30
+    names = ("pagedserve_kv_blocks_used", "pagedserve_requests_running", "pagedserve_requests_waiting")
+    while any(service.metric(n) for n in names) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [service.metric(n) for n in names] == [0, 0, 0]
+    out, _ = generate(service, PROMPTS[30], max_tokens=NEW, temperature=0)
+    assert_same_greedy(out[0], *reference(PROMPTS[30]))
