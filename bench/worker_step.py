@@ -267,6 +267,9 @@ def run_transformers(model_dir: Path, tokenizer, prompts: list[list[int]], new_t
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa").eval()
+    # NOTE: transformers 5 fills a GenerationConfig's None fields from the model's own generation_config, so
+    # eos_token_id=None alone still stops a row at EOS (and pads it with pad_id); clear the model's default too.
+    model.generation_config.eos_token_id = None
     tokenizer.padding_side = "left"
     tokenizer.pad_token_id = pad_id
 
