@@ -55,14 +55,6 @@ class KVPool:
     def nbytes(self) -> int:
         return self.kv.numel() * self.kv.element_size()
 
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copies whole blocks src -> dst in every layer (copy-on-write), before the step's forward."""
-        if not copies:
-            return
-        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=self.kv.device)
-        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=self.kv.device)
-        self.kv[:, :, dst] = self.kv[:, :, src]
-
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """Saves device blocks into CPU swap blocks: (device src, cpu dst)."""
         if pairs:

@@ -46,7 +46,7 @@ class ModelRunner:
         # NOTE: order matters: blocks swapped out this step may be reused as swap-in or copy targets.
         self.pool.swap_out(plan.swap_out)
         self.pool.swap_in(plan.swap_in)
-        self.pool.copy_blocks(plan.copies)
+        self.backend.copy_blocks(self.pool.kv, plan.copies)
         if not scheduled:
             return StepOutput(plan.step_id, [], [], [], time.perf_counter() - t0)
         bs = self.pool.layout.block_size

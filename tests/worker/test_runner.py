@@ -10,6 +10,7 @@ import torch
 
 from tests.worker.helpers import make_runner
 from scheduler_svc.core.request import SamplingConfig
+from worker_svc.attention.torch_backend import TorchAttentionBackend
 from worker_svc.driver import LocalDriver
 from worker_svc.kv_pool import KVLayout, KVPool
 from worker_svc.models import load_model
@@ -30,7 +31,7 @@ def test_kv_pool_layout_bytes_and_block_copies():
     small = KVPool(KVLayout(2, 1, 4, 8, torch.float32), num_blocks=4)
     assert tuple(small.kv.shape) == (2, 2, 4, 8, 1, 4) and small.nbytes == 2 * 2 * 4 * 8 * 4 * 4
     small.kv[:, :, 1] = torch.arange(2 * 2 * 8 * 4, dtype=torch.float32).reshape(2, 2, 8, 1, 4)
-    small.copy_blocks([(1, 3)])
+    TorchAttentionBackend().copy_blocks(small.kv, [(1, 3)])
     assert torch.equal(small.kv[:, :, 3], small.kv[:, :, 1])
     assert not small.kv[:, :, 2].any()
     with pytest.raises(ValueError, match="no block"):

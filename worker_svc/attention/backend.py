@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 
 import torch
 
@@ -38,6 +39,15 @@ class AttentionBackend(ABC):
 
         Returns [T, num_heads, head_dim] in query's dtype.
         """
+
+    def copy_blocks(self, kv_pool: torch.Tensor, copies: Sequence[tuple[int, int]]) -> None:
+        """Copy whole blocks src -> dst in every layer, K and V, of the [layers, 2, nb, bs, kvh, hd] pool
+        (copy-on-write, before the step's forward). Backends with a kernel for it override this."""
+        if not copies:
+            return
+        src = torch.tensor([s for s, _ in copies], dtype=torch.long, device=kv_pool.device)
+        dst = torch.tensor([d for _, d in copies], dtype=torch.long, device=kv_pool.device)
+        kv_pool[:, :, dst] = kv_pool[:, :, src]
 
 
 def check_shapes(query: torch.Tensor, kv_layer: torch.Tensor) -> tuple[int, int, int]:
