@@ -9,6 +9,8 @@ fraction of the measured device-to-device copy bandwidth, next to SDPA on the sa
 (the GQA group folded into the query length, so SDPA runs its flash kernel without repeating K/V).
 Targets: >= 80% of copy bandwidth at context >= 4k; faster than SDPA at every decode point.
 Prefill: a 512-token chunk over 4k cached tokens, TFLOP/s vs SDPA with a bottom-right causal mask.
+Then a sweep of the decode split size (CupyAttentionBackend's min_partition) at batch 1 and 32, contexts 4k and
+32k, float16, so that one GPU run also tells how to tune the default.
 Notes: ptxas registers/spills for sm_90 (nvcc -Xptxas -v), when nvcc is on PATH.
 """
 
@@ -34,6 +36,8 @@ from worker_svc.attention.cupy_backend import CUDA_DIR, KERNEL_SOURCE, CupyAtten
 
 H, KVH, HD, BLOCK = 32, 8, 128, 16
 BATCHES, CONTEXTS = (1, 32, 128), (512, 4096, 32768)
+SWEEP_POINTS = ((1, 4096), (1, 32768), (32, 4096), (32, 32768))
+PREFILL_CHUNK, PREFILL_CACHED = 512, 4096
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -113,7 +117,8 @@ def decode_case(be, dtype, batch, ctx, copy_bw, rng):
     return t, t_sdpa, bw, bw / copy_bw, err
 
 
-def prefill_case(be, dtype, rng, chunk=512, cached=4096, batch=1):
+def prefill_case(be, dtype, rng, batch=1):
+    chunk, cached = PREFILL_CHUNK, PREFILL_CACHED
     s = cached + chunk
     nb = batch * (-(-s // BLOCK))
     pool = torch.empty((2, nb, BLOCK, KVH, HD), dtype=dtype, device="cuda").normal_()
@@ -172,13 +177,27 @@ def main() -> int:
                 misses += not ok
                 print(f"{name:9s} {batch:5d} {ctx:6d} {t * 1e6:9.1f} {bw / 1e9:7.0f} {frac:6.1%} {t_sdpa * 1e6:9.1f} "
                       f"{t_sdpa / t:7.2f} {err:8.1e}  {'ok' if ok else 'MISS'}")  # fmt: skip
-    print("\nprefill: chunk 512 over 4096 cached tokens, batch 1")
+    print(f"\nprefill: chunk {PREFILL_CHUNK} over {PREFILL_CACHED} cached tokens, batch 1")
     for name, dtype in DTYPES.items():
         try:
             ours, theirs, err = prefill_case(be, dtype, rng)
             print(f"{name:9s} ours {ours:6.1f} TFLOP/s   sdpa {theirs:6.1f} TFLOP/s   rel.err {err:.1e}")
         except Exception as exc:  # noqa: BLE001
             print(f"{name:9s} FAILED: {type(exc).__name__}: {exc}")
+    print("\ndecode split sweep (float16): us per call by min_partition (keys per split, at least)")
+    sweep = (128, 256, 512, 1024)
+    print(f"{'batch':>5s} {'ctx':>6s} " + " ".join(f"{m:>8d}" for m in sweep))
+    for batch, ctx in SWEEP_POINTS:
+        cells = []
+        for m in sweep:
+            try:
+                sweep_be = CupyAttentionBackend(be.launcher, min_partition=m)  # one compiled module for all
+                t = decode_case(sweep_be, torch.float16, batch, ctx, copy_bw, rng)[0]
+                cells.append(f"{t * 1e6:8.1f}")
+            except Exception as exc:  # noqa: BLE001
+                cells.append(f"{type(exc).__name__[:8]:>8s}")
+                torch.cuda.empty_cache()
+        print(f"{batch:5d} {ctx:6d} " + " ".join(cells))
     print()
     ptxas_notes()
     print(f"\n{misses} decode point(s) missed a target")
