@@ -18,10 +18,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def run(args: argparse.Namespace) -> int:
-    import grpc
-
-    from pagedserve.v1 import generate_pb2, generate_pb2_grpc
+def build_request(args: argparse.Namespace):
+    """The GenerateRequest the command line asks for (with --chat, the prompt wrapped in the chat template)."""
+    from pagedserve.v1 import generate_pb2
 
     prompt = args.prompt
     if args.chat:
@@ -33,18 +32,33 @@ def run(args: argparse.Namespace) -> int:
     sampling = generate_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     if args.seed is not None:
         sampling.seed = args.seed
-    with grpc.insecure_channel(args.server) as channel:
-        stub = generate_pb2_grpc.GenerationStub(channel)
-        try:
-            for resp in stub.Generate(generate_pb2.GenerateRequest(prompt=prompt, sampling=sampling)):
-                sys.stdout.write(resp.text)
-                sys.stdout.flush()
-                if resp.finish_reason:
-                    reason = generate_pb2.FinishReason.Name(resp.finish_reason)
-                    print(f"\n[{reason.removeprefix('FINISH_REASON_').lower()}: {resp.usage.prompt_tokens} prompt "
-                          f"+ {resp.usage.completion_tokens} generated tokens, {resp.usage.cached_prompt_tokens} "
-                          f"cached]", file=sys.stderr)
-        except grpc.RpcError as e:
-            print(f"\npagedserve generate: {e.code().name}: {e.details()}", file=sys.stderr)
-            return 1
+    return generate_pb2.GenerateRequest(prompt=prompt, sampling=sampling)
+
+
+def stream(channel, request, out=None, err=None) -> int:
+    """Streams `request` over `channel`: text to `out` as it arrives, the finish line or the error to `err`."""
+    import grpc
+
+    out, err = out or sys.stdout, err or sys.stderr
+    from pagedserve.v1 import generate_pb2, generate_pb2_grpc
+
+    try:
+        for resp in generate_pb2_grpc.GenerationStub(channel).Generate(request):
+            out.write(resp.text)
+            out.flush()
+            if resp.finish_reason:
+                reason = generate_pb2.FinishReason.Name(resp.finish_reason)
+                print(f"\n[{reason.removeprefix('FINISH_REASON_').lower()}: {resp.usage.prompt_tokens} prompt "
+                      f"+ {resp.usage.completion_tokens} generated tokens, {resp.usage.cached_prompt_tokens} "
+                      f"cached]", file=err)
+    except grpc.RpcError as e:
+        print(f"\npagedserve generate: {e.code().name}: {e.details()}", file=err)
+        return 1
     return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    import grpc
+
+    with grpc.insecure_channel(args.server) as channel:
+        return stream(channel, build_request(args))

@@ -25,6 +25,13 @@ def run_worker(scheduler: str, cfg: WorkerConfig, connect_timeout: float = 60.0)
     runner, info = create_runner(cfg)
     log.info("worker ready", scheduler=scheduler, num_blocks=info.num_blocks, block_size=info.block_size,
              dtype=info.dtype, device=info.device, kv_bytes=runner.pool.nbytes)
+    with grpc.insecure_channel(scheduler, options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
+        grpc.channel_ready_future(channel).result(timeout=connect_timeout)
+        serve_plans(channel, runner, info)
+
+
+def serve_plans(channel: grpc.Channel, runner, info: WorkerInfo) -> None:
+    """Attach: registration first, then one StepResult per StepPlan, until the scheduler closes the stream."""
     outbox: queue.Queue = queue.Queue()
     outbox.put(registration_pb(info))
 
@@ -32,18 +39,16 @@ def run_worker(scheduler: str, cfg: WorkerConfig, connect_timeout: float = 60.0)
         while (msg := outbox.get()) is not None:
             yield msg
 
-    with grpc.insecure_channel(scheduler, options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
-        grpc.channel_ready_future(channel).result(timeout=connect_timeout)
-        try:
-            for plan_pb in worker_pb2_grpc.WorkerControlStub(channel).Attach(messages()):
-                t0 = time.perf_counter()
-                out = runner.step(plan_from_pb(plan_pb))
-                result = result_to_pb(out)
-                result.step_seconds = time.perf_counter() - t0
-                outbox.put(worker_pb2.WorkerMessage(result=result))
-        except grpc.RpcError as e:
-            if e.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
-                raise
-            log.info("scheduler closed the stream", code=e.code().name)
-        finally:
-            outbox.put(None)
+    try:
+        for plan_pb in worker_pb2_grpc.WorkerControlStub(channel).Attach(messages()):
+            t0 = time.perf_counter()
+            out = runner.step(plan_from_pb(plan_pb))
+            result = result_to_pb(out)
+            result.step_seconds = time.perf_counter() - t0
+            outbox.put(worker_pb2.WorkerMessage(result=result))
+    except grpc.RpcError as e:
+        if e.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
+            raise
+        log.info("scheduler closed the stream", code=e.code().name)
+    finally:
+        outbox.put(None)

@@ -1,0 +1,56 @@
+"""The worker's side of WorkerControl.Attach against a grpcio-testing channel: the test plays the scheduler."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import grpc
+import grpc_testing
+
+from pagedserve.v1 import worker_pb2
+from scheduler_svc.convert import plan_to_pb, result_from_pb
+from scheduler_svc.core.request import Request, SamplingConfig
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from tests.worker.helpers import assert_same_greedy, make_runner, reference_greedy, reference_model
+from worker_svc.client import serve_plans
+from worker_svc.worker import WorkerInfo
+
+SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerControl"]
+ATTACH = SERVICE.methods_by_name["Attach"]
+
+
+def test_registers_first_then_answers_every_plan_with_its_step(tiny_llama_dir):
+    runner = make_runner(tiny_llama_dir, num_blocks=16)
+    info = WorkerInfo(model_id="tiny", num_blocks=16, block_size=16, dtype="float32", max_model_len=512,
+                      device="cpu", num_cpu_blocks=0)
+    channel = grpc_testing.channel([SERVICE], grpc_testing.strict_real_time())
+    worker = threading.Thread(target=serve_plans, args=(channel, runner, info), daemon=True)
+    worker.start()
+    _, rpc = channel.take_stream_stream(ATTACH)
+
+    first = rpc.take_request()
+    assert first.WhichOneof("kind") == "registration"
+    assert (first.registration.model_id, first.registration.num_blocks, first.registration.block_size,
+            first.registration.dtype, first.registration.max_model_len) == ("tiny", 16, 16, "float32", 512)
+
+    # Two sequences, a 2-token budget: chunked prefill, then decodes, every plan a real one from the scheduler.
+    prompts = [[random.Random(i).randrange(512) for _ in range(n)] for i, n in enumerate([3, 5])]
+    sched = Scheduler(SchedulerConfig(num_blocks=16, max_model_len=512, max_num_batched_tokens=2))
+    for i, p in enumerate(prompts):
+        sched.add_request(Request(f"r{i}", p, SamplingConfig(max_tokens=4, temperature=0.0)))
+    tokens: dict[str, list[int]] = {"r0": [], "r1": []}
+    while sched.has_unfinished_requests():
+        plan = sched.schedule()
+        rpc.send_response(plan_to_pb(plan))
+        answer = rpc.take_request()
+        assert answer.WhichOneof("kind") == "result" and answer.result.step_id == plan.step_id
+        for out in sched.update(plan, result_from_pb(answer.result)):
+            tokens[out.request_id] += out.new_token_ids
+    rpc.terminate((), grpc.StatusCode.OK, "")
+    worker.join(10)
+    assert not worker.is_alive()  # the worker leaves once the scheduler closes the stream
+
+    model = reference_model(tiny_llama_dir)
+    for i, p in enumerate(prompts):
+        assert_same_greedy(tokens[f"r{i}"], *reference_greedy(model, p, 4))
