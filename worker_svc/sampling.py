@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
-MAX_LOGPROBS = 20
+from scheduler_svc.core.request import check_sampling_ranges
 # Slack for float32 rounding in the nucleus cumsum: without it, a crafted distribution whose head sums to
 # exactly top_p (0.5 + 0.3 vs 0.8) keeps one extra token or not depending on the rounding direction.
 TOP_P_EPS = 1e-6
@@ -25,17 +24,7 @@ class SamplingOptions:
     logprobs: int | None = None  # None = none; 0 = the sampled token's only; N = also the top N
 
     def validate(self) -> None:
-        # NOTE: written as `not (ok)` so that NaN fails every check.
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (self.top_k >= 0):
-            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
-        if not (0 <= self.min_p <= 1):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}] or None, got {self.logprobs}")
+        check_sampling_ranges(self.temperature, self.top_p, self.top_k, self.min_p, self.logprobs)
 
     @property
     def greedy(self) -> bool:
@@ -80,7 +69,7 @@ class Sampler:
         options: list[SamplingOptions],
         generators: list[torch.Generator | None],
     ) -> SampleOutput:
-        # NOTE: options are validated once on admission (SamplingOptions.validate), not every step.
+        # NOTE: options are validated once on admission (the scheduler's SamplingConfig.validate), not every step.
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
         b = logits.shape[0]

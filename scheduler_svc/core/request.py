@@ -8,7 +8,22 @@ import time
 from dataclasses import dataclass, field
 
 
-MAX_LOGPROBS = 20  # NOTE: the same cap as the worker's sampler (and vLLM's default max_logprobs)
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+
+def check_sampling_ranges(temperature: float, top_p: float, top_k: int, min_p: float, logprobs: int | None) -> None:
+    """Raises ValueError naming the first sampler setting out of range (shared with the worker's sampler)."""
+    # NOTE: written as `not (ok)` so that NaN fails every check.
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if not (0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not (top_k >= 0):
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if not (0 <= min_p <= 1):
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+    if logprobs is not None and not (0 <= logprobs <= MAX_LOGPROBS):
+        raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
 
 
 class RequestStatus(enum.Enum):
@@ -46,16 +61,7 @@ class SamplingConfig:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if not (self.n >= 1):
             raise ValueError(f"n must be >= 1, got {self.n}")
-        if not (self.temperature >= 0 and math.isfinite(self.temperature)):
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not (0 < self.top_p <= 1):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not (self.top_k >= 0):
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
-        if not (0 <= self.min_p <= 1):
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        check_sampling_ranges(self.temperature, self.top_p, self.top_k, self.min_p, self.logprobs)
         if self.seed is not None and not (0 <= self.seed < 2**64):
             raise ValueError(f"seed must fit in 64 bits unsigned, got {self.seed}")
 
