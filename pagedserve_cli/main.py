@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedserve_cli import generate_cmd, kv_plan, model_cmd, serve_cmd, up_cmd
+from pagedserve_cli import bench_cmd, generate_cmd, kv_plan, model_cmd, serve_cmd, up_cmd
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     up_cmd.add_parser(sub)
     generate_cmd.add_parser(sub)
+    bench_cmd.add_parser(sub)
     serve_cmd.add_parsers(sub)
     kv_plan.add_parser(sub)
     model_cmd.add_parser(sub)

@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# pagedserve and vLLM (its CPU build, a measurement peer only), one after the other, under the same
+# `pagedserve bench` workload; prints both summaries, then `ratio_vs_vllm=X` (our output tok/s over vLLM's).
+#   usage: bench/vs_vllm.sh MODEL_DIR [VLLM_VENV] [extra bench args]      (VLLM_VENV default /work/vllm_venv)
+#   env:   PAGEDSERVE_UP_ARGS  more `pagedserve up` args (e.g. "--kv-memory 2GiB --threads 2")
+#          VLLM_ARGS           more vLLM api_server args;  VLLM_PORT (8100)
+#          BENCH_ARGS          more bench args for both runs (as are the extra args on the command line)
+#          OUT                 output dir (default bench/out/vs_vllm-YYYYmmdd-HHMMSS); PYTHON (python)
+set -euo pipefail
+model=${1:?usage: bench/vs_vllm.sh MODEL_DIR [VLLM_VENV] [extra bench args]}
+shift
+venv=/work/vllm_venv
+if [ $# -gt 0 ] && [[ $1 != -* ]]; then venv=$1; shift; fi
+root=$(cd "$(dirname "$0")/.." && pwd)
+py=${PYTHON:-python}
+out=${OUT:-$root/bench/out/vs_vllm-$(date +%Y%m%d-%H%M%S)}
+port=${VLLM_PORT:-8100}
+mkdir -p "$out"
+# The headline comparison: 64 requests at once, prompts 32-256 tokens, 16-128 output tokens, EOS ignored.
+bench_args=(--tokenizer "$model" --ignore-eos --num-requests 64 --prompt-len 32:256 --output-len 16:128
+            ${BENCH_ARGS:-} "$@")
+
+free_port() { "$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+pid=""
+stop_server() {  # only the server this script started, by its pid; it stops its own children
+  if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
+    kill -TERM "$pid" 2>/dev/null || true
+    for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
+    kill -KILL "$pid" 2>/dev/null || true
+  fi
+  wait "$pid" 2>/dev/null || true
+  pid=""
+}
+trap stop_server EXIT
+
+# --- pagedserve ---
+listen=127.0.0.1:$(free_port) workers=127.0.0.1:$(free_port) metrics=127.0.0.1:$(free_port)
+echo "== pagedserve up --model $model --dtype float32 on $listen (log: $out/pagedserve_up.log)" >&2
+# shellcheck disable=SC2086  # PAGEDSERVE_UP_ARGS is a list of words on purpose
+"$py" -m pagedserve_cli.main up --model "$model" --dtype float32 --listen "$listen" --worker-listen "$workers" \
+  --metrics "$metrics" ${PAGEDSERVE_UP_ARGS:-} >"$out/pagedserve_up.log" 2>&1 &
+pid=$!
+until grep -q "pagedserve is up" "$out/pagedserve_up.log"; do
+  kill -0 "$pid" 2>/dev/null || { tail -20 "$out/pagedserve_up.log" >&2; echo "pagedserve up exited" >&2; exit 1; }
+  sleep 1
+done
+"$py" -m pagedserve_cli.main bench --server "$listen" --metrics-url "http://$metrics/metrics" \
+  --out "$out/pagedserve" "${bench_args[@]}" | tee "$out/pagedserve.txt"
+stop_server
+
+# --- vLLM ---
+if ! "$venv/bin/python" -c "import vllm.entrypoints.openai.api_server" 2>/dev/null; then
+  bash "$root/../shared/peers/setup_vllm_serve.sh" "$venv"
+fi
+echo "== vLLM on 127.0.0.1:$port (log: $out/vllm.log)" >&2
+# shellcheck disable=SC2086
+VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} "$venv/bin/python" -m vllm.entrypoints.openai.api_server \
+  --model "$model" --served-model-name smollm2 --dtype float32 --host 127.0.0.1 --port "$port" ${VLLM_ARGS:-} \
+  >"$out/vllm.log" 2>&1 &
+pid=$!
+until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
+  kill -0 "$pid" 2>/dev/null || { tail -20 "$out/vllm.log" >&2; echo "vLLM exited" >&2; exit 1; }
+  sleep 2
+done
+"$py" -m pagedserve_cli.main bench --openai-url "http://127.0.0.1:$port/v1" --model smollm2 --metrics-url "" \
+  --out "$out/vllm" "${bench_args[@]}" | tee "$out/vllm.txt"
+stop_server
+
+# --- side by side ---
+echo
+cat "$out/pagedserve/summary.md"
+echo
+cat "$out/vllm/summary.md"
+echo
+if cmp -s "$out/pagedserve/workload.jsonl" "$out/vllm/workload.jsonl"; then
+  echo "same workload: yes ($out/pagedserve/workload.jsonl)"
+else
+  echo "same workload: NO (the two workload.jsonl differ)"
+fi
+ours=$(tail -1 "$out/pagedserve.txt" | sed -n 's/^output_tok_s=\([0-9.]*\).*/\1/p')
+theirs=$(tail -1 "$out/vllm.txt" | sed -n 's/^output_tok_s=\([0-9.]*\).*/\1/p')
+echo "pagedserve_output_tok_s=$ours vllm_output_tok_s=$theirs"
+"$py" -c "import sys; a, b = map(float, sys.argv[1:]); print(f'ratio_vs_vllm={a / b:.2f}' if b else \
+  'ratio_vs_vllm=nan')" "$ours" "$theirs"

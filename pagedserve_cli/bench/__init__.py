@@ -1,0 +1,1 @@
+"""`pagedserve bench`: seeded workloads, streaming clients (ours over gRPC, OpenAI-compatible peers), reports."""
