@@ -43,7 +43,12 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     w.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     w.add_argument("--kv-memory", type=parse_bytes, help="bytes for the KV pool, e.g. 1GiB")
     w.add_argument("--block-size", type=int, default=16)
-    w.add_argument("--threads", type=int, help="torch threads on the CPU")
+    w.add_argument("--threads", type=int,
+                   help="compute threads on the CPU (default: the cores this process may run on)")
+    w.add_argument("--attention-backend", default="auto", choices=["auto", "cpu", "torch", "cupy"],
+                   help="auto: the C++ kernel on the CPU, CuPy kernels on a GPU")
+    w.add_argument("--transformers-forward", action="store_true",
+                   help="run the model through the transformers modules instead of the lean forward")
     w.add_argument("--swap-space", type=parse_bytes, default=0,
                    help="host memory for swapped-out KV blocks, e.g. 4GiB (default 0: preemption recomputes)")
     w.set_defaults(func=run_worker)
@@ -78,5 +83,6 @@ def run_worker(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: sys.exit(0))
     device = "cuda:0" if args.device == "cuda" else "cpu"
     run(args.scheduler, WorkerConfig(model=args.model, device=device, dtype=args.dtype, block_size=args.block_size,
-                                     kv_memory=args.kv_memory, threads=args.threads, swap_space=args.swap_space))
+                                     kv_memory=args.kv_memory, threads=args.threads, swap_space=args.swap_space,
+                                     attention_backend=args.attention_backend, lean=not args.transformers_forward))
     return 0

@@ -50,9 +50,9 @@ def make_batch(rng, kinds, block_size, num_heads, num_kv_heads, head_dim, dtype,
     return query, pool, meta
 
 
-def check(query, pool, meta, dtype):
+def check(query, pool, meta, dtype, backend=BACKEND):
     scale = 1.0 / math.sqrt(query.shape[-1])
-    out = BACKEND.forward(query, pool, meta, scale)
+    out = backend.forward(query, pool, meta, scale)
     ref = reference_attention(query, pool, meta, scale)
     assert out.shape == query.shape and out.dtype == query.dtype
     assert torch.isfinite(out).all(), "garbage past seq_len leaked into the output"

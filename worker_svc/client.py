@@ -7,10 +7,11 @@ import time
 
 import grpc
 import structlog
+import torch
 
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.convert import plan_from_pb, result_to_pb
-from worker_svc.worker import WorkerConfig, WorkerInfo, create_runner
+from worker_svc.worker import WorkerConfig, WorkerInfo, available_cores, create_runner
 
 log = structlog.get_logger("pagedserve.worker")
 
@@ -24,7 +25,8 @@ def registration_pb(info: WorkerInfo) -> worker_pb2.WorkerMessage:
 def run_worker(scheduler: str, cfg: WorkerConfig, connect_timeout: float = 60.0) -> None:
     runner, info = create_runner(cfg)
     log.info("worker ready", scheduler=scheduler, num_blocks=info.num_blocks, block_size=info.block_size,
-             dtype=info.dtype, device=info.device, kv_bytes=runner.pool.nbytes)
+             dtype=info.dtype, device=info.device, kv_bytes=runner.pool.nbytes, threads=torch.get_num_threads(),
+             cores=available_cores(), attention=runner.backend.name, forward=runner.forward_path)
     with grpc.insecure_channel(scheduler, options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
         grpc.channel_ready_future(channel).result(timeout=connect_timeout)
         serve_plans(channel, runner, info)

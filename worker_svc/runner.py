@@ -11,6 +11,7 @@ import torch
 from worker_svc.attention import AttentionBackend, AttentionMetadata
 from worker_svc.batch import PersistentBatch
 from worker_svc.kv_pool import KVPool
+from worker_svc.lean_model import build_lean
 from worker_svc.models import LoadedModel
 from worker_svc.plan import StepOutput, StepPlan
 from worker_svc.sampling import Sampler, make_generator
@@ -32,13 +33,30 @@ def _seed_for(seed: int, position: int) -> int:
 
 
 class ModelRunner:
-    def __init__(self, loaded: LoadedModel, pool: KVPool, backend: AttentionBackend) -> None:
+    """lean=True runs supported models through LeanModel (fused weights, no HF modules); False, or a model it
+    does not support, runs the transformers modules with the pagedserve attention hook."""
+
+    def __init__(self, loaded: LoadedModel, pool: KVPool, backend: AttentionBackend, lean: bool = True) -> None:
         self.loaded = loaded
         self.pool = pool
         self.backend = backend
         self.sampler = Sampler()
         self.batch = PersistentBatch()
         self.device = pool.kv.device
+        self.lean, self.lean_skip_reason = build_lean(loaded) if lean else (None, "disabled")
+
+    @property
+    def forward_path(self) -> str:
+        return "lean" if self.lean is not None else "transformers"
+
+    def _logits(self, input_ids: torch.Tensor, positions: torch.Tensor, step: StepContext,
+                keep: torch.Tensor) -> torch.Tensor:
+        """[len(keep), vocab] logits of the rows `keep` of the packed forward."""
+        if self.lean is not None:
+            return self.lean.forward(input_ids, positions, step, keep)
+        out = self.loaded.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
+                                paged_step=step, logits_to_keep=keep, use_cache=False)
+        return out.logits[0]
 
     def step(self, plan: StepPlan) -> StepOutput:
         t0 = time.perf_counter()
@@ -60,16 +78,14 @@ class ModelRunner:
         sampling_rows = [i for i, s in enumerate(scheduled) if s.samples_this_step]
         keep = torch.from_numpy(qsl[1:][sampling_rows] - 1).to(self.device)
         with torch.inference_mode():
-            out = self.loaded.model(
-                input_ids=torch.from_numpy(input_ids).to(self.device, torch.long).unsqueeze(0),
-                position_ids=torch.from_numpy(meta.positions_host).to(self.device, torch.long).unsqueeze(0),
-                paged_step=StepContext(self.pool.kv, meta, self.backend),
-                logits_to_keep=keep, use_cache=False)
+            logits = self._logits(torch.from_numpy(input_ids).to(self.device, torch.long),
+                                  torch.from_numpy(meta.positions_host).to(self.device, torch.long),
+                                  StepContext(self.pool.kv, meta, self.backend), keep)
             sampled = [scheduled[i] for i in sampling_rows]
             generators = [None if s.sampling.seed is None else
                           make_generator(_seed_for(s.sampling.seed, len(s.token_ids)), self.device)
                           for s in sampled]
-            result = self.sampler.sample(out.logits[0].float(), [s.sampling for s in sampled], generators)
+            result = self.sampler.sample(logits.float(), [s.sampling for s in sampled], generators)
         for s in scheduled:
             s.num_computed_tokens += s.num_scheduled_tokens
             s.num_scheduled_tokens = 0

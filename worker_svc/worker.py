@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
+import structlog
 import torch
 
 from worker_svc.attention import AttentionBackend, TorchAttentionBackend
-from worker_svc.kv_pool import KVPool
+from worker_svc.kv_pool import KVLayout, KVPool
 from worker_svc.model_store import resolve_model
 from worker_svc.models import ATTN_IMPLEMENTATION, load_model
 from worker_svc.runner import ModelRunner
+
+log = structlog.get_logger("pagedserve.worker")
 
 
 @dataclass(slots=True)
@@ -21,8 +25,10 @@ class WorkerConfig:
     block_size: int = 16
     kv_memory: int | None = None  # bytes for the KV pool; None: 1 GiB on the CPU, a share of free GPU memory
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the whole worker may use
-    threads: int | None = None  # torch intra-op threads on the CPU
+    threads: int | None = None  # torch intra-op threads on the CPU; None: the cores this process may run on
     swap_space: int = 0  # bytes of host memory for swapped-out KV blocks (0: preemption recomputes)
+    attention_backend: str = "auto"  # auto: cupy on a GPU, the C++ kernel on the CPU (torch if it can't build)
+    lean: bool = True  # run supported models through LeanModel instead of the transformers modules
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,9 +56,40 @@ def _profile_kv_memory(runner_model, device: torch.device, utilization: float) -
     return max(0, int(total * utilization) - torch.cuda.max_memory_allocated(device))
 
 
+def available_cores() -> int:
+    """The cores this process may run on (its affinity mask: what `pagedserve up` or taskset gave it)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def make_backend(name: str, device: str, layout: KVLayout) -> AttentionBackend:
+    if name not in ("auto", "cpu", "torch", "cupy"):
+        raise ValueError(f"attention backend must be auto, cpu, torch or cupy, got {name!r}")
+    if name == "cupy" or (name == "auto" and device.startswith("cuda")):
+        from worker_svc.attention.cupy_backend import CupyAttentionBackend  # NOTE: cupy only on a GPU
+        return CupyAttentionBackend()
+    if name == "torch" or device != "cpu":
+        return TorchAttentionBackend()
+    from worker_svc.attention.cpu_backend import CpuAttentionBackend
+    if not CpuAttentionBackend.supports(layout.dtype, layout.head_dim, layout.block_size):
+        if name == "cpu":
+            raise ValueError(f"the CPU kernel has no {layout.dtype} / head_dim {layout.head_dim} / block_size "
+                             f"{layout.block_size} instance")
+        return TorchAttentionBackend()
+    try:
+        return CpuAttentionBackend()
+    except (RuntimeError, OSError) as e:
+        if name == "cpu":
+            raise
+        log.warning("the C++ attention kernel is unavailable; using the torch backend", error=str(e))
+        return TorchAttentionBackend()
+
+
 def create_runner(cfg: WorkerConfig, backend: AttentionBackend | None = None) -> tuple[ModelRunner, WorkerInfo]:
-    if cfg.threads is not None:
-        torch.set_num_threads(cfg.threads)
+    if cfg.device == "cpu":
+        torch.set_num_threads(cfg.threads or available_cores())
     loaded = load_model(resolve_model(cfg.model), cfg.dtype, cfg.device, model_id=cfg.model)
     layout = loaded.kv_layout(cfg.block_size)
     kv_memory = cfg.kv_memory
@@ -65,10 +102,8 @@ def create_runner(cfg: WorkerConfig, backend: AttentionBackend | None = None) ->
         else:
             kv_memory = 2**30
     pool = KVPool(layout, layout.num_blocks_for(kv_memory), cfg.device, layout.num_blocks_for(cfg.swap_space))
-    if backend is None and cfg.device.startswith("cuda"):
-        from worker_svc.attention.cupy_backend import CupyAttentionBackend  # NOTE: cupy only on a GPU
-        backend = CupyAttentionBackend()
-    runner = ModelRunner(loaded, pool, backend or TorchAttentionBackend())
+    runner = ModelRunner(loaded, pool, backend or make_backend(cfg.attention_backend, cfg.device, layout),
+                         lean=cfg.lean)
     info = WorkerInfo(model_id=cfg.model, num_blocks=pool.num_blocks, block_size=cfg.block_size,
                       dtype=str(layout.dtype).removeprefix("torch."), max_model_len=loaded.max_model_len,
                       device=cfg.device, num_cpu_blocks=pool.num_cpu_blocks)

@@ -20,10 +20,25 @@ def reference_model(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
 
 
-def make_runner(model_dir: str, num_blocks: int = 64, block_size: int = 16) -> ModelRunner:
+# The two ways a worker runs a model: the production path (our lean forward over the C++ CPU attention kernel)
+# and the transformers modules with the pagedserve hook over the torch backend (the fallback path).
+PATHS = {"lean+cpu": (True, "cpu"), "transformers+torch": (False, "torch")}
+
+
+def make_backend(name: str):
+    if name == "cpu":
+        from worker_svc.attention.cpu_backend import CpuAttentionBackend
+        return CpuAttentionBackend()
+    return TorchAttentionBackend()
+
+
+def make_runner(model_dir: str, num_blocks: int = 64, block_size: int = 16, path: str = "lean+cpu") -> ModelRunner:
+    lean, backend = PATHS[path]
     loaded = load_model(model_dir, dtype="float32")
     pool = KVPool(loaded.kv_layout(block_size), num_blocks)
-    return ModelRunner(loaded, pool, TorchAttentionBackend())
+    runner = ModelRunner(loaded, pool, make_backend(backend), lean=lean)
+    assert runner.forward_path == ("lean" if lean else "transformers"), runner.lean_skip_reason
+    return runner
 
 
 def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:

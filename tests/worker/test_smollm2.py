@@ -6,13 +6,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.worker.helpers import assert_same_greedy, reference_greedy
-from worker_svc.attention import TorchAttentionBackend
+from tests.worker.helpers import PATHS, assert_same_greedy, make_backend, reference_greedy
+from worker_svc.attention import AttentionMetadata
 from worker_svc.driver import LocalDriver
 from worker_svc.kv_pool import KVPool
 from worker_svc.model_store import resolve_model
 from worker_svc.models import load_model
-from worker_svc.runner import ModelRunner
+from worker_svc.runner import ModelRunner, StepContext
 
 pytestmark = pytest.mark.slow
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -25,14 +25,17 @@ def model_dir() -> str:
     return str(resolve_model("smollm2-135m-instruct"))
 
 
-def test_smollm2_greedy_matches_transformers_in_mixed_chunked_batches(model_dir):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_smollm2_greedy_matches_transformers_in_mixed_chunked_batches(model_dir, path):
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tok(t)["input_ids"] for t in TEXTS]
     ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     refs = [reference_greedy(ref_model.eval(), p, NEW) for p in prompts]
     loaded = load_model(model_dir, dtype="float32")
-    runner = ModelRunner(loaded, KVPool(loaded.kv_layout(16), 64), TorchAttentionBackend())
+    lean, backend = PATHS[path]
+    runner = ModelRunner(loaded, KVPool(loaded.kv_layout(16), 64), make_backend(backend), lean=lean)
+    assert runner.forward_path == ("lean" if lean else "transformers")
     # A 6-token budget splits every prompt into chunks and mixes prefills with decodes.
     driver = LocalDriver(runner, max_num_batched_tokens=6)
     ids = [driver.add(p, NEW, arrival_step=3 * i) for i, p in enumerate(prompts)]
@@ -40,3 +43,28 @@ def test_smollm2_greedy_matches_transformers_in_mixed_chunked_batches(model_dir)
     for request_id, ref in zip(ids, refs):
         assert_same_greedy(out[request_id][0], *ref)
     assert tok.decode(out[ids[0]][0]).startswith(" Paris")
+
+
+def test_smollm2_lean_decode_logits_stay_within_1e_4_of_transformers(model_dir):
+    """The production path (lean forward, C++ attention): every decode step's logits against transformers' own
+    forward over the whole sequence (sdpa, float32)."""
+    torch.set_num_threads(1)
+    tokens = list(range(1000, 1096))
+    ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    loaded = load_model(model_dir, dtype="float32")
+    backend = make_backend("cpu")
+    runner = ModelRunner(loaded, KVPool(loaded.kv_layout(16), 8), backend)
+    table = list(range(6))
+    with torch.inference_mode():
+        ref = ref_model.eval()(torch.tensor([tokens])).logits[0]
+        n = 40  # prefill, then one decode step per position (the kernel's q_len-1 path)
+        meta = AttentionMetadata.build([n], [n], [table], 16)
+        runner.lean.forward(torch.tensor(tokens[:n]), torch.arange(n), StepContext(runner.pool.kv, meta, backend),
+                            torch.tensor([n - 1]))
+        worst = 0.0
+        for p in range(n, len(tokens)):
+            meta = AttentionMetadata.build([1], [p + 1], [table], 16)
+            logits = runner.lean.forward(torch.tensor([tokens[p]]), torch.tensor([p]),
+                                         StepContext(runner.pool.kv, meta, backend), torch.tensor([0]))
+            worst = max(worst, float((logits[0] - ref[p]).abs().max()))
+    assert worst < 1e-4, worst

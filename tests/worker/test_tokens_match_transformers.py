@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tests.worker.helpers import assert_same_greedy, make_runner, reference_greedy, reference_model
+from tests.worker.helpers import PATHS, assert_same_greedy, make_runner, reference_greedy, reference_model
 from worker_svc.driver import LocalDriver
 
 PROMPTS = [[random.Random(i).randrange(512) for _ in range(n)] for i, n in enumerate([5, 17, 33, 48, 64, 3])]
@@ -16,6 +16,11 @@ NEW = 24
 @pytest.fixture(scope="module", params=["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir", "tiny_mistral_dir"])
 def model_dir(request):
     return request.getfixturevalue(request.param)
+
+
+@pytest.fixture(params=list(PATHS))
+def path(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
@@ -30,20 +35,20 @@ def check(driver: LocalDriver, ids: dict[str, int], references) -> None:
         assert_same_greedy(out[request_id][0], *references[prompt_index])
 
 
-def test_mixed_prefill_and_decode_batches(model_dir, references):
-    driver = LocalDriver(make_runner(model_dir), max_num_batched_tokens=512)
+def test_mixed_prefill_and_decode_batches(model_dir, references, path):
+    driver = LocalDriver(make_runner(model_dir, path=path), max_num_batched_tokens=512)
     ids = {driver.add(p, NEW, arrival_step=2 * i): i for i, p in enumerate(PROMPTS)}
     check(driver, ids, references)
 
 
-def test_chunked_prefill(model_dir, references):
-    driver = LocalDriver(make_runner(model_dir), max_num_batched_tokens=10)
+def test_chunked_prefill(model_dir, references, path):
+    driver = LocalDriver(make_runner(model_dir, path=path), max_num_batched_tokens=10)
     ids = {driver.add(p, NEW): i for i, p in enumerate(PROMPTS[:4])}
     check(driver, ids, references)
 
 
-def test_prefix_cache_hits(model_dir, references):
-    driver = LocalDriver(make_runner(model_dir, block_size=8))
+def test_prefix_cache_hits(model_dir, references, path):
+    driver = LocalDriver(make_runner(model_dir, block_size=8, path=path))
     first = driver.add(PROMPTS[4], NEW)
     driver.run()
     again = driver.add(PROMPTS[4], NEW)
@@ -58,16 +63,16 @@ def test_prefix_cache_hits(model_dir, references):
     assert_same_greedy(out[part][0], *reference_greedy(ref_model, longer, NEW))
 
 
-def test_preemption_recomputes_to_the_same_tokens(model_dir, references):
+def test_preemption_recomputes_to_the_same_tokens(model_dir, references, path):
     # 12 blocks of 8 tokens cannot hold four sequences of up to 88 tokens: some are preempted and resumed.
-    driver = LocalDriver(make_runner(model_dir, num_blocks=12, block_size=8), max_num_batched_tokens=64)
+    driver = LocalDriver(make_runner(model_dir, num_blocks=12, block_size=8, path=path), max_num_batched_tokens=64)
     ids = {driver.add(p, NEW): i for i, p in enumerate(PROMPTS[1:5], start=1)}
     check(driver, ids, references)
     assert driver.scheduler.num_preemptions > 0
 
 
-def test_forked_sequences_copy_on_write(model_dir, references):
-    driver = LocalDriver(make_runner(model_dir, block_size=8))
+def test_forked_sequences_copy_on_write(model_dir, references, path):
+    driver = LocalDriver(make_runner(model_dir, block_size=8, path=path))
     # 48 prompt tokens: the first 47 are computed once, then the partial last block (7 tokens) is shared by
     # the two samples; the first to write copies it, the last holder writes in place.
     request_id = driver.add(PROMPTS[3], NEW, n=2)

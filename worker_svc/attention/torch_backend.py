@@ -119,22 +119,23 @@ class TorchAttentionBackend(AttentionBackend):
         return out.reshape(b, h, hd).to(query.dtype)
 
     def _prefills(
-        self, query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor
+        self, query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor,
+        min_q_len: int = 2,
     ) -> None:
-        """Sequences with q_len > 1, one SDPA call each; writes their rows of `out`."""
+        """Sequences with q_len >= min_q_len, one SDPA call each; writes their rows of `out`."""
         _, _, block_size, kvh, hd = kv_layer.shape
         qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
         for i in range(meta.num_seqs):
             start, end, s = int(qsl[i]), int(qsl[i + 1]), int(lens[i])
             q_len = end - start
-            if q_len == 1:
+            if q_len < min_q_len:
                 continue
             nb = -(-s // block_size)
             ids = meta.block_tables[i, :nb].long()
             # Slicing to :s drops the garbage past seq_len, so nothing needs masking for NaN here.
             kv = self._gather(kv_layer, ids).view(2, nb * block_size, kvh, hd)[:, :s]
             q = query[start:end]
-            if q.dtype in _UPCAST:
+            if q.dtype in _UPCAST or kv.dtype != q.dtype:  # NOTE: the CPU backend passes a float32 query
                 q, kv = q.float(), kv.float()
             k = kv[0].transpose(0, 1).unsqueeze(0)  # [1, kvh, s, hd]
             v = kv[1].transpose(0, 1).unsqueeze(0)

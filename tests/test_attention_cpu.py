@@ -1,0 +1,122 @@
+"""CpuAttentionBackend (the C++ kernel, with SDPA for long chunks) against the float64 reference."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.test_attention_torch import GQA, MIXED, make_batch
+from tests.test_attention_torch import check as shared_check
+from worker_svc.attention import AttentionMetadata
+from worker_svc.attention import cpu_backend
+from worker_svc.attention.cpu_backend import CpuAttentionBackend
+
+GQA_ALL = [*GQA, (9, 3)]  # SmolLM2's 9 query heads over 3 kv heads too
+
+
+@pytest.fixture(scope="module")
+def backend() -> CpuAttentionBackend:
+    return CpuAttentionBackend()
+
+
+def check(backend, query, pool, meta, dtype):
+    shared_check(query, pool, meta, dtype, backend)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 128, 12])  # 12: not a multiple of 8, the kernel's scalar path
+@pytest.mark.parametrize("heads", GQA_ALL)
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_mixed_batch(backend, block_size, heads, head_dim, dtype):
+    rng = np.random.default_rng([block_size, *heads, head_dim])
+    kinds = list(rng.permutation(MIXED))
+    check(backend, *make_batch(rng, kinds, block_size, *heads, head_dim, dtype), dtype)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+def test_all_decode_batch_with_long_contexts(backend, block_size):
+    # Contexts of 1..40 blocks: many online-softmax rescales per row.
+    rng = np.random.default_rng(block_size)
+    lens = rng.integers(1, 40 * block_size, size=9).tolist()
+    need = [-(-s // block_size) for s in lens]
+    ids = rng.permutation(sum(need) + 1)[: sum(need)].tolist()
+    tables = [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(len(lens))]
+    pool = torch.randn(2, sum(need) + 1, block_size, 3, 64)
+    meta = AttentionMetadata.build([1] * len(lens), lens, tables, block_size)
+    check(backend, torch.randn(len(lens), 9, 64), pool, meta, torch.float32)
+
+
+def test_long_chunks_go_to_sdpa_and_short_ones_to_the_kernel(backend, monkeypatch):
+    # q_len above MAX_KERNEL_Q_LEN is computed by the SDPA path: poison it, and only those rows change.
+    long_q = cpu_backend.MAX_KERNEL_Q_LEN + 5
+    lens, q_lens = [300, 40, long_q, 90], [1, 40, long_q, 30]
+    need = [-(-s // 16) for s in lens]
+    tables = [list(range(sum(need[:i]), sum(need[:i + 1]))) for i in range(4)]
+    pool = torch.randn(2, sum(need), 16, 2, 64)
+    meta = AttentionMetadata.build(q_lens, lens, tables, 16)
+    query = torch.randn(sum(q_lens), 6, 64)
+    check(backend, query, pool, meta, torch.float32)
+    def poison(q, kv, m, scale, out, min_q_len):  # stands in for the SDPA path: marks the rows it was given
+        qsl = m.query_start_loc_host
+        for i in range(m.num_seqs):
+            if qsl[i + 1] - qsl[i] >= min_q_len:
+                out[qsl[i]:qsl[i + 1]] = 7.0
+
+    monkeypatch.setattr(backend, "_prefills", poison)
+    out = backend.forward(query, pool, meta, 0.125)
+    rows = torch.zeros(sum(q_lens), dtype=torch.bool)
+    rows[41:41 + long_q] = True  # after the decode row and the 40-token chunk
+    assert (out[rows] == 7.0).all() and not (out[~rows] == 7.0).any()
+
+
+def test_strided_query_as_the_hook_passes_it(backend):
+    # The transformers hook passes query[0].transpose(0, 1): [T, H, hd] with token stride hd.
+    rng = np.random.default_rng(1)
+    query, pool, meta = make_batch(rng, MIXED, 16, 6, 2, 64, torch.float32)
+    strided = query.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not strided.is_contiguous()
+    check(backend, strided, pool, meta, torch.float32)
+
+
+def test_nan_past_seq_len_never_reaches_output(backend):
+    rng = np.random.default_rng(5)
+    for kinds in (["decode"] * 4, ["decode", "chunk", "decode"]):
+        query, pool, meta = make_batch(rng, kinds, 32, 8, 1, 16, torch.float32, reserve_zero=True)
+        assert torch.isnan(pool[:, 0]).all()
+        check(backend, query, pool, meta, torch.float32)
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    kinds=st.lists(st.sampled_from(["decode", "chunk", "prefill"]), min_size=1, max_size=6),
+    block_size=st.sampled_from([8, 16, 32]),
+    heads=st.sampled_from(GQA_ALL),
+    head_dim=st.sampled_from([8, 16, 64]),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+)
+def test_random_batches_match_reference(backend, seed, kinds, block_size, heads, head_dim, dtype):
+    rng = np.random.default_rng(seed)
+    check(backend, *make_batch(rng, kinds, block_size, *heads, head_dim, dtype), dtype)
+
+
+def test_a_broken_softmax_rescale_fails_the_comparison(tmp_path, monkeypatch):
+    # The comparison has teeth: the same kernel without the online-softmax correction is caught.
+    src = cpu_backend.SOURCE.read_text()
+    broken = src.replace("const float corr = fast_exp(m[r] - m_new);", "const float corr = 1.0f;")
+    assert broken != src
+    (tmp_path / "broken.cpp").write_text(broken)
+    monkeypatch.setattr(cpu_backend, "SOURCE", tmp_path / "broken.cpp")
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    bad = CpuAttentionBackend()
+    rng = np.random.default_rng(2)
+    query, pool, meta = make_batch(rng, ["decode"] * 5, 8, 6, 2, 64, torch.float32)
+    with pytest.raises(AssertionError):
+        check(bad, query, pool, meta, torch.float32)
+
+
+def test_build_failure_is_an_error_naming_the_compiler(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    with pytest.raises(RuntimeError, match="no-such-g"):
+        cpu_backend.build_library("no-such-g++")

@@ -1,0 +1,145 @@
+"""The lean forward: Llama-family decoders run as plain torch ops over fused weights, without the HF modules.
+
+Same math as transformers' modeling code, op for op (so float32 greedy tokens match it bit for bit): RMSNorm in
+float32, rotate-half rotary from the model's own rotary embedding, SiLU-gated MLP. What changes is the plumbing:
+one QKV matmul and one gate/up matmul per layer over fused weights, no per-layer module calls, kwargs or
+reshapes/transposes, and the packed [T, ...] layout end to end. A config outside what it knows (another
+activation, sliding windows, ...) returns None from `build_lean`, and the runner keeps the transformers path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from worker_svc.models import LoadedModel
+
+
+@dataclass(slots=True)
+class LeanLayer:
+    qkv_weight: torch.Tensor  # [(H + 2 KVH) * hd, hidden]
+    qkv_bias: torch.Tensor | None
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up_bias: torch.Tensor | None
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor | None
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    q_norm: torch.Tensor | None  # Qwen3: RMSNorm over each head before rotary
+    k_norm: torch.Tensor | None
+
+
+def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One [sum(out), in] weight (and bias) for `linears`, whose own parameters become views into it.
+
+    NOTE: the views keep the transformers modules working (and sharing memory) for the fallback path.
+    """
+    weight = torch.cat([m.weight.detach() for m in linears])
+    biases = [m.bias for m in linears]
+    bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
+    if bias is None and any(b is not None for b in biases):
+        raise ValueError("mixed biases")
+    at = 0
+    for m in linears:
+        n = m.weight.shape[0]
+        m.weight = torch.nn.Parameter(weight[at:at + n], requires_grad=False)
+        if bias is not None:
+            m.bias = torch.nn.Parameter(bias[at:at + n], requires_grad=False)
+        at += n
+    return weight, bias
+
+
+def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm, op for op."""
+    dtype = x.dtype
+    xf = x.to(torch.float32)
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return weight * (xf * torch.rsqrt(var + eps)).to(dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin for x [T, heads, hd], cos/sin [T, 1, hd]: transformers' exact ops."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class LeanModel:
+    """forward(input_ids [T], positions [T], step, keep) -> logits [len(keep), vocab]."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        cfg = model.config
+        self.model = model
+        inner = model.model
+        self.embed = inner.embed_tokens.weight
+        self.final_norm = inner.norm.weight
+        self.lm_head = model.lm_head.weight
+        self.rotary = inner.rotary_emb
+        self.eps = float(cfg.rms_norm_eps)
+        first = inner.layers[0].self_attn
+        self.head_dim = int(first.head_dim)
+        self.num_heads = int(cfg.num_attention_heads)
+        self.num_kv_heads = int(cfg.num_key_value_heads)
+        self.scaling = float(first.scaling)
+        self.layers: list[LeanLayer] = []
+        for layer in inner.layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv_w, qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+            gu_w, gu_b = _fuse([mlp.gate_proj, mlp.up_proj])
+            q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+            self.layers.append(LeanLayer(
+                qkv_w, qkv_b, attn.o_proj.weight.detach(), _bias(attn.o_proj), gu_w, gu_b,
+                mlp.down_proj.weight.detach(), _bias(mlp.down_proj), layer.input_layernorm.weight.detach(),
+                layer.post_attention_layernorm.weight.detach(),
+                None if q_norm is None else q_norm.weight.detach(), None if k_norm is None else k_norm.weight.detach()))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step, keep: torch.Tensor) -> torch.Tensor:
+        t = input_ids.shape[0]
+        nh, nkv, hd, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
+        nq, nk = nh * hd, nkv * hd
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary(x[None], positions[None])
+        cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, hd]: broadcast over heads
+        kv, meta, backend = step.kv, step.meta, step.backend
+        for i, layer in enumerate(self.layers):
+            h = _norm(x, layer.input_norm, eps)
+            qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
+            q = qkv[:, :nq].view(t, nh, hd)
+            k = qkv[:, nq:nq + nk].view(t, nkv, hd)
+            v = qkv[:, nq + nk:].view(t, nkv, hd)
+            if layer.q_norm is not None:
+                q, k = _norm(q, layer.q_norm, eps), _norm(k, layer.k_norm, eps)
+            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+            backend.write_kv(kv[i], k, v, meta.slot_mapping)
+            o = backend.forward(q, kv[i], meta, self.scaling)
+            x = x + F.linear(o.reshape(t, nq), layer.o_weight, layer.o_bias)
+            h = _norm(x, layer.post_norm, eps)
+            gu = F.linear(h, layer.gate_up_weight, layer.gate_up_bias)
+            inter = gu.shape[1] // 2
+            x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer.down_weight, layer.down_bias)
+        x = _norm(x.index_select(0, keep), self.final_norm, eps)  # NOTE: rows are independent past here
+        return F.linear(x, self.lm_head)
+
+
+def _bias(linear: torch.nn.Linear) -> torch.Tensor | None:
+    return None if linear.bias is None else linear.bias.detach()
+
+
+def build_lean(loaded: LoadedModel) -> tuple[LeanModel | None, str]:
+    """A LeanModel for `loaded`, or None and the reason the transformers path must run it."""
+    cfg = loaded.model.config
+    if getattr(cfg, "hidden_act", None) != "silu":
+        return None, f"hidden_act {getattr(cfg, 'hidden_act', None)!r} (lean path: silu only)"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) and \
+            any(t == "sliding_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        return None, "sliding-window layers"
+    inner = getattr(loaded.model, "model", None)
+    if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(loaded.model, "lm_head"):
+        return None, "not a Llama-family decoder layout"
+    if getattr(cfg, "pretraining_tp", 1) != 1:
+        return None, "pretraining_tp > 1"
+    return LeanModel(loaded.model), ""
