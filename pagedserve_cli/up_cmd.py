@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import subprocess
 import sys
@@ -21,7 +22,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--listen", default="127.0.0.1:50051")
     p.add_argument("--worker-listen", default="127.0.0.1:50052")
     p.add_argument("--metrics", default="127.0.0.1:9464")
-    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--threads", type=int, default=None,
+                   help="compute threads per CPU worker (default: its share of the cores, adapting to load)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step (default: the scheduler's)")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (default: the scheduler's)")
     p.add_argument("--swap-space", default=None, help="host memory per worker for swapped-out KV blocks")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     p.set_defaults(func=run)
@@ -67,6 +72,14 @@ def _device(requested: str | None) -> str:
         return "cpu"
 
 
+def core_shares(cores: list[int], num_workers: int) -> list[list[int]]:
+    """Splits the cores `up` may use among its workers, disjoint while there are enough (no oversubscription);
+    with more workers than cores, each worker gets one core, round robin."""
+    if num_workers <= len(cores):
+        return [cores[i * len(cores) // num_workers:(i + 1) * len(cores) // num_workers] for i in range(num_workers)]
+    return [[cores[i % len(cores)]] for i in range(num_workers)]
+
+
 def run(args: argparse.Namespace) -> int:
     model = model_dir(args.model) if args.model == DEFAULT_MODEL else args.model  # pull once, up front
     del model
@@ -80,10 +93,17 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     exe = [sys.executable, "-m", "pagedserve_cli.main"]
-    procs = [subprocess.Popen([*exe, "scheduler", "--model", args.model, "--listen", args.listen,
-                               "--worker-listen", args.worker_listen, "--metrics", args.metrics])]
+    sched_cmd = [*exe, "scheduler", "--model", args.model, "--listen", args.listen,
+                 "--worker-listen", args.worker_listen, "--metrics", args.metrics]
+    if args.max_num_batched_tokens:
+        sched_cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+    if args.max_num_seqs:
+        sched_cmd += ["--max-num-seqs", str(args.max_num_seqs)]
+    procs = [subprocess.Popen(sched_cmd)]
     device = _device(args.device)
-    for _ in range(args.workers):
+    shares = core_shares(sorted(os.sched_getaffinity(0)), args.workers) if hasattr(os, "sched_getaffinity") \
+        else [None] * args.workers
+    for share in shares:
         cmd = [*exe, "worker", "--scheduler", args.worker_listen, "--model", args.model, "--device", device,
                "--dtype", args.dtype]
         if args.kv_memory:
@@ -92,7 +112,9 @@ def run(args: argparse.Namespace) -> int:
             cmd += ["--threads", str(args.threads)]
         if args.swap_space:
             cmd += ["--swap-space", args.swap_space]
-        procs.append(subprocess.Popen(cmd))
+        # NOTE: a CPU worker is pinned to its share, so its default thread count is that share's size.
+        pin = share is not None and device == "cpu"
+        procs.append(subprocess.Popen(cmd, preexec_fn=(lambda s=share: os.sched_setaffinity(0, s)) if pin else None))
     try:
         if not wait_healthy(args.listen, args.startup_timeout, procs, lambda: stopping, args.workers):
             return 0

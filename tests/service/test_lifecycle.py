@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
+from pagedserve_cli.up_cmd import core_shares
 from tests.service.conftest import free_port
 
 
@@ -107,6 +108,11 @@ def test_up_runs_n_workers_as_processes_and_stops_them_all(tiny_served_model, tm
         assert line.startswith(f"pagedserve is up: {listen} (2 worker(s) on cpu"), line
         kids = children(proc.pid)
         assert len(kids) == 3  # one scheduler, two workers
+        # The workers split the cores between them (disjoint while there are enough); the scheduler is free.
+        cores = sorted(os.sched_getaffinity(0))
+        pinned = sorted(sorted(os.sched_getaffinity(k)) for k in kids if sorted(os.sched_getaffinity(k)) != cores)
+        if len(cores) >= 2:
+            assert pinned == sorted(core_shares(cores, 2))
         with grpc.insecure_channel(listen) as ch:
             info = generate_pb2_grpc.GenerationStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
             assert sorted(w.worker_id for w in info.workers) == ["worker-0", "worker-1"]
@@ -122,6 +128,13 @@ def test_up_runs_n_workers_as_processes_and_stops_them_all(tiny_served_model, tm
         assert "Traceback" not in (tmp_path / "stderr").read_text()
     finally:
         stop_all(proc)
+
+
+def test_core_shares_split_without_oversubscribing():
+    assert core_shares([0, 1], 1) == [[0, 1]]
+    assert core_shares([0, 1], 2) == [[0], [1]]
+    assert core_shares([0, 1, 2, 3, 4, 5, 6, 7], 3) == [[0, 1], [2, 3, 4], [5, 6, 7]]
+    assert core_shares([4, 5], 3) == [[4], [5], [4]]  # more workers than cores: one core each, round robin
 
 
 def test_up_stopped_during_start_up_leaves_no_process_behind(tiny_served_model):
