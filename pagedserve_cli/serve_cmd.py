@@ -30,7 +30,9 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--worker-listen", default="127.0.0.1:50052", help="where workers dial in")
     p.add_argument("--metrics", default="127.0.0.1:9464", help="Prometheus endpoint HOST:PORT ('' = off)")
     p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per step; bounds inter-token latency during long prefills "
+                        "(default: 512 for a CPU worker, 2048 for a GPU worker)")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-queued-requests", type=int, default=1024)
     p.add_argument("--no-prefix-caching", action="store_true")

@@ -33,5 +33,9 @@ class Metrics:
                              buckets=_LATENCY, registry=r)
         self.step = Histogram("pagedserve_step_seconds", "Scheduler step: plan, worker forward, update",
                               buckets=_LATENCY, registry=r)
+        self.worker_idle = Histogram(
+            "pagedserve_worker_idle_seconds", "Worker idle between two back-to-back steps: from sending a result "
+            "to receiving the next plan (steps after a wait for work are not counted)",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
         self.batch_size = Histogram("pagedserve_batch_size", "Sequences per step",
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)

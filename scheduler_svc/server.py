@@ -32,7 +32,7 @@ class ServerConfig:
     worker_listen: str = "127.0.0.1:50052"
     metrics: str | None = "127.0.0.1:9464"
     max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int | None = None  # None: 512 for a CPU worker, 2048 for a GPU one
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     max_queued_requests: int = 1024

@@ -56,12 +56,15 @@ def serve_plans(channel: grpc.Channel, runner, info: WorkerInfo, governor: Threa
             yield msg
 
     try:
+        sent_at = None
         for plan_pb in worker_pb2_grpc.WorkerControlStub(channel).Attach(messages()):
             t0 = time.perf_counter()
             out = runner.step(plan_from_pb(plan_pb))
             result = result_to_pb(out)
             result.step_seconds = time.perf_counter() - t0
+            result.idle_seconds = 0.0 if sent_at is None else t0 - sent_at
             outbox.put(worker_pb2.WorkerMessage(result=result))
+            sent_at = time.perf_counter()
             if governor is not None:
                 governor.tick()
     except grpc.RpcError as e:

@@ -130,3 +130,22 @@ async def test_a_worker_breaking_the_protocol_ends_its_requests_with_internal(en
     assert code == grpc.StatusCode.INTERNAL and "step 99" in details
     await worker.reader  # the scheduler closed the worker's stream
     assert not engine.workers
+
+
+def test_the_token_budget_defaults_by_the_workers_device():
+    """Unset, a CPU worker's steps take 512 tokens (a ~1 s step bounds inter-token latency during long
+    prefills there) and a GPU worker's 2048; a configured budget applies to every worker."""
+    from scheduler_svc.core.plan import WorkerRegistration
+
+    async def main():
+        budgets = {}
+        for configured in (None, 96):
+            engine = Engine(EngineConfig(model_id="m", max_model_len=128, vocab_size=49152,
+                                         max_num_batched_tokens=configured), tokenizer())
+            for device in ("cpu", "cuda:0"):
+                handle = engine.attach_worker(WorkerRegistration("m", 64, 16, "float32", 128, device))
+                budgets[(configured, device)] = handle.scheduler.config.max_num_batched_tokens
+                engine.detach_worker(handle)
+                handle.task.cancel()
+        return budgets
+    assert asyncio.run(main()) == {(None, "cpu"): 512, (None, "cuda:0"): 2048, (96, "cpu"): 96, (96, "cuda:0"): 96}

@@ -60,6 +60,7 @@ def test_streamed_greedy_output_matches_transformers(service, reference):
 def test_32_concurrent_streams_with_preemption_all_match(service, reference):
     results: dict[int, dict] = {}
     preempted_before = service.metric("pagedserve_preemptions_total")
+    idle_before = service.metric("pagedserve_worker_idle_seconds_count")
 
     def one(i: int) -> None:
         results[i] = generate(service, PROMPTS[i], max_tokens=NEW, temperature=0)[0]
@@ -76,6 +77,9 @@ def test_32_concurrent_streams_with_preemption_all_match(service, reference):
     assert service.metric("pagedserve_preemptions_total") > preempted_before
     assert service.metric("pagedserve_kv_blocks_used") == 0
     assert service.metric("pagedserve_kv_blocks_total") == KV_MEMORY // (16 * 512)
+    # Back-to-back steps report how long the worker waited for its next plan: NEW tokens each, so >= NEW steps.
+    assert service.metric("pagedserve_worker_idle_seconds_count") - idle_before >= NEW
+    assert service.metric("pagedserve_worker_idle_seconds_sum") > 0
 
 
 def test_chunked_prefill_of_a_prompt_longer_than_the_token_budget(service, reference):
