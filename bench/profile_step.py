@@ -2,11 +2,12 @@
 
 Each case builds real plans over the real ModelRunner (model loading and the KV fill are never timed), times
 `--steps` steps without the profiler (wall ms/step), then profiles the same steps with torch.profiler and splits
-the time into: matmuls (aten::linear/mm/addmm/bmm outside attention), attention (the backend's forward),
-KV writes, other torch ops (norms, rotary, activations, embedding...), sampling, plan/metadata (persistent
-batch + AttentionMetadata), and python/dispatch (the wall time no torch op accounts for).
+the time into: matmuls (aten::linear, QKV/O/MLP/lm_head), attention (the backend's forward), KV writes,
+sampling, plan (persistent batch), and the rest: other torch ops (norms, rotary, activations, embedding) plus
+Python and dispatcher time between ops.
 
 usage: python bench/profile_step.py [--model smollm2-135m-instruct] [--threads N] [--ctx 256] [--steps 5]
+       [--backend auto|cpu|torch] [--transformers]      (the last two: the path before the lean forward)
 """
 
 from __future__ import annotations
@@ -24,30 +25,31 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from worker_step import BLOCK_SIZE, GREEDY, prefill_template  # noqa: E402
 
-from worker_svc.attention import TorchAttentionBackend  # noqa: E402
 from worker_svc.kv_pool import KVPool  # noqa: E402
 from worker_svc.model_store import DEFAULT_MODEL, resolve_model  # noqa: E402
 from worker_svc.models import load_model  # noqa: E402
 from worker_svc.plan import NewSeq, SeqDelta, StepPlan  # noqa: E402
 from worker_svc.runner import ModelRunner  # noqa: E402
+from worker_svc.worker import make_backend  # noqa: E402
 
-MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear")
+ARGS: argparse.Namespace
+
 REGIONS = ("ps.attention", "ps.write_kv", "ps.sample", "ps.plan")
 
 
-class Traced(TorchAttentionBackend):
-    def write_kv(self, *a, **k):
-        with record_function("ps.write_kv"):
-            return super().write_kv(*a, **k)
-
-    def forward(self, *a, **k):
-        with record_function("ps.attention"):
-            return super().forward(*a, **k)
+def traced(fn, label):
+    def wrapper(*a, **k):
+        with record_function(label):
+            return fn(*a, **k)
+    return wrapper
 
 
-def make_runner(loaded, num_blocks, traced: bool):
-    runner = ModelRunner(loaded, KVPool(loaded.kv_layout(BLOCK_SIZE), num_blocks),
-                         Traced() if traced else TorchAttentionBackend())
+def make_runner(loaded, num_blocks, traced_run: bool):
+    backend = make_backend(ARGS.backend, "cpu", loaded.kv_layout(BLOCK_SIZE))
+    runner = ModelRunner(loaded, KVPool(loaded.kv_layout(BLOCK_SIZE), num_blocks), backend, lean=not ARGS.transformers)
+    if traced_run:
+        backend.write_kv = traced(backend.write_kv, "ps.write_kv")
+        backend.forward = traced(backend.forward, "ps.attention")
     sample, apply = runner.sampler.sample, runner.batch.apply
 
     def traced_sample(*a, **k):
@@ -57,7 +59,7 @@ def make_runner(loaded, num_blocks, traced: bool):
     def traced_apply(*a, **k):
         with record_function("ps.plan"):
             return apply(*a, **k)
-    if traced:
+    if traced_run:
         runner.sampler.sample, runner.batch.apply = traced_sample, traced_apply
     return runner
 
@@ -102,15 +104,15 @@ def run_case(loaded, name: str, plans_fn, steps: int) -> dict:
         region = {r: (by[r].cpu_time_total / 1e3 / n if r in by else 0.0) for r in REGIONS}
         # matmuls outside attention: linear's total includes its addmm/mm children
         linear = by["aten::linear"].cpu_time_total / 1e3 / n if "aten::linear" in by else 0.0
-        self_ops = sum(e.self_cpu_time_total for e in ev if not e.key.startswith("ps.")
-                       and not e.key.startswith("ProfilerStep")) / 1e3 / n
-        attn_sample_plan = sum(region.values())
-        other_ops = max(0.0, self_ops - linear - attn_sample_plan + 0)  # rough: region self-times are ~0
+        # NOTE: the regions' times are inclusive (the C++ kernel is no torch op, so only its region sees it);
+        # the rest is every other op (norms, rotary, activations, embedding, residual adds) plus the Python and
+        # dispatcher time between ops.
+        rest = total - linear - sum(region.values())
         res.update(prof_ms=total, matmul=linear, **{k.removeprefix("ps."): v for k, v in region.items()},
-                   other_ops=max(0.0, other_ops), python=max(0.0, total - self_ops))
+                   rest=max(0.0, rest))
     print(f"{name:<22} wall {res['wall_ms']:8.1f} ms | profiled {res['prof_ms']:8.1f}: matmul {res['matmul']:7.1f}"
-          f"  attention {res['attention']:6.1f}  write_kv {res['write_kv']:5.1f}  other ops {res['other_ops']:6.1f}"
-          f"  sample {res['sample']:5.1f}  plan {res['plan']:5.1f}  python/dispatch {res['python']:6.1f}", flush=True)
+          f"  attention {res['attention']:6.1f}  write_kv {res['write_kv']:5.1f}  sample {res['sample']:5.1f}"
+          f"  plan {res['plan']:5.1f}  other ops + python {res['rest']:6.1f}", flush=True)
     return res
 
 
@@ -121,11 +123,15 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batches", default="1,16,64")
-    args = ap.parse_args()
+    ap.add_argument("--backend", default="auto", help="attention backend: auto (the worker's default), cpu, torch")
+    ap.add_argument("--transformers", action="store_true", help="the transformers modules, not the lean forward")
+    global ARGS
+    args = ARGS = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(resolve_model(args.model), "float32", "cpu")
-    print(f"torch threads {torch.get_num_threads()}, model {args.model}, float32; ms per step", flush=True)
+    print(f"torch threads {torch.get_num_threads()}, model {args.model}, float32, attention {args.backend}, "
+          f"{'transformers' if args.transformers else 'lean'} forward; ms per step", flush=True)
     tpl = prefill_template(loaded, args.ctx, seed=args.ctx)
     for batch in map(int, args.batches.split(",")):
         def plans_fn(batch=batch):
