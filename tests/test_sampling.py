@@ -206,3 +206,21 @@ def test_validate_names_the_bad_field(field: str, value):
 def test_batch_size_mismatch_is_rejected():
     with pytest.raises(ValueError, match="generators"):
         Sampler().sample(torch.zeros(2, 4), [S(), S()], [None])
+
+
+def test_nucleus_wider_than_the_candidates_takes_the_full_sort_path():
+    # 1,000 equally likely tokens: top_p 0.5 keeps 500 of them (the first 500 by vocab order: a stable sort),
+    # more than the CANDIDATES the fast path looks at.
+    from worker_svc.sampling import CANDIDATES
+
+    got = draws(torch.zeros(1000), S(top_p=0.5), 6000, seed=21)
+    assert set(got) <= set(range(500))
+    assert len(set(got)) > CANDIDATES
+
+
+def test_top_k_and_top_p_together_renormalise_within_top_k_first():
+    # top_k 3 keeps 0.4, 0.3, 0.2 (renormalised: 0.444, 0.333, 0.222); top_p 0.7 then keeps the first two.
+    logits = torch.log(torch.tensor([0.4, 0.3, 0.2, 0.06, 0.04]))
+    got = draws(logits, S(top_k=3, top_p=0.7), 4000, seed=22)
+    assert set(got) == {0, 1}
+    assert abs(got.count(0) / len(got) - 0.4 / 0.7) < 0.03

@@ -10,6 +10,7 @@ from scheduler_svc.core.request import check_sampling_ranges
 # Slack for float32 rounding in the nucleus cumsum: without it, a crafted distribution whose head sums to
 # exactly top_p (0.5 + 0.3 vs 0.8) keeps one extra token or not depending on the rounding direction.
 TOP_P_EPS = 1e-6
+CANDIDATES = 256  # most likely tokens a top-p row is sampled from (more only when they hold less than top_p)
 
 
 @dataclass(slots=True)
@@ -76,30 +77,30 @@ class Sampler:
         if len(options) != b or len(generators) != b:
             raise ValueError(f"batch of {b} rows but {len(options)} options and {len(generators)} generators")
         logits = logits.float()
-        token_ids = torch.empty(b, dtype=torch.long, device=logits.device)
-
-        greedy = [i for i, o in enumerate(options) if o.greedy]
-        if greedy:
-            idx = torch.tensor(greedy, device=logits.device)
-            token_ids[idx] = logits[idx].argmax(dim=-1)  # ties -> lowest id, as transformers' greedy does
         random_rows = [i for i, o in enumerate(options) if not o.greedy]
-        if random_rows:
+        if not random_rows:  # NOTE: the common case: one argmax over the rows as they are, no copy
+            token_ids = logits.argmax(dim=-1)  # ties -> lowest id, as transformers' greedy does
+        else:
+            token_ids = torch.empty(b, dtype=torch.long, device=logits.device)
+            greedy = [i for i, o in enumerate(options) if o.greedy]
+            if greedy:
+                idx = torch.tensor(greedy, device=logits.device)
+                token_ids[idx] = logits[idx].argmax(dim=-1)
             idx = torch.tensor(random_rows, device=logits.device)
-            probs = _filtered_probs(logits[idx], [options[i] for i in random_rows])
-            token_ids[idx] = _draw(probs, [generators[i] for i in random_rows])
+            token_ids[idx] = _sample_rows(logits[idx], [options[i] for i in random_rows],
+                                          _uniforms([generators[i] for i in random_rows], logits.device))
 
         ids = token_ids.tolist()
         return SampleOutput(token_ids=ids, logprobs=_logprobs(logits, token_ids, ids, options))
 
 
 def _filtered_probs(logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
-    """Temperature, then top-k, top-p and min-p as masks over one batched sort; returns probabilities."""
+    """The exact full-sort path, for rows whose nucleus is wider than the candidates: temperature, then top-k,
+    top-p and min-p as masks over one batched sort of the whole vocabulary; returns probabilities."""
     n, v = logits.shape
     dev = logits.device
     temp = torch.tensor([o.temperature for o in options], dtype=torch.float32, device=dev)
     x = logits / temp[:, None]
-    if all(o.top_k == 0 and o.top_p >= 1 and o.min_p == 0 for o in options):
-        return torch.softmax(x, dim=-1)  # nothing to filter: skip the sort
 
     # Stable sort so equal logits keep vocab order: the kept set is then a function of the row alone.
     sorted_x, order = x.sort(dim=-1, descending=True, stable=True)
@@ -126,25 +127,80 @@ def _filtered_probs(logits: torch.Tensor, options: list[SamplingOptions]) -> tor
     return torch.softmax(masked, dim=-1)
 
 
-def _draw(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
-    """One token per row by the exponential race argmax(p / Exp(1)), which samples exactly from p.
+def _uniforms(generators: list[torch.Generator | None], device) -> torch.Tensor:
+    """One uniform in [0, 1) per row: a seeded row's from its own generator, the others' in one batched draw.
 
-    NOTE: a seeded row's noise comes only from its own generator, V draws per step in vocab order, so its
-    tokens do not depend on batch size, row position or the other rows.
+    NOTE: a seeded row's randomness is one number from its own generator per step, so its tokens do not depend on
+    batch size, row position or the other rows.
     """
-    n, v = probs.shape
-    noise = torch.empty_like(probs)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if unseeded:
-        idx = torch.tensor(unseeded, device=probs.device)
-        noise[idx] = torch.empty(len(unseeded), v, device=probs.device).exponential_()
+    u = torch.rand(len(generators), dtype=torch.float64)
     for i, g in enumerate(generators):
         if g is not None:
-            # Drawn on the generator's own device, so a CPU generator gives the same stream on any device.
-            noise[i] = torch.empty(v, device=g.device).exponential_(generator=g).to(probs.device)
-    # A zero draw means "arrives first"; clamping keeps 0/0 from making NaN on masked tokens.
-    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
-    return (probs / noise).argmax(dim=-1)
+            u[i] = torch.rand(1, dtype=torch.float64, generator=g)[0]
+    return u.to(device)
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Row i's index j with cdf[j-1] <= u_i * total < cdf[j]: exact sampling from unnormalised `probs` [n, m]."""
+    cdf = probs.double().cumsum(dim=-1)  # float64: no drift over a 50k-token vocabulary
+    idx = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(1)
+    return idx.clamp_(max=probs.shape[1] - 1)  # NOTE: zero-probability tokens have empty intervals: never hit
+
+
+def _sample_rows(logits: torch.Tensor, options: list[SamplingOptions], u: torch.Tensor) -> torch.Tensor:
+    """Temperature, top-k, top-p and min-p, then one inverse-CDF draw per row.
+
+    Rows with top-k or top-p work on their CANDIDATES (one batched topk, sorted), never on a sort of the whole
+    vocabulary: top-k needs only its k, and a nucleus almost always lies inside the CANDIDATES most likely tokens
+    (checked per row; the rare row whose candidates hold less than top_p of the mass takes the full-sort path).
+    """
+    n, v = logits.shape
+    dev = logits.device
+    temp = torch.tensor([o.temperature for o in options], dtype=torch.float32, device=dev)
+    x = logits / temp[:, None]
+    top_k = [o.top_k if 0 < o.top_k < v else 0 for o in options]
+    cand = [i for i, o in enumerate(options) if top_k[i] or o.top_p < 1]
+    out = torch.empty(n, dtype=torch.long, device=dev)
+    if len(cand) < n:  # no top-k/top-p: the whole vocabulary, min-p as a mask relative to the row's max
+        rows = torch.tensor([i for i in range(n) if i not in set(cand)], device=dev)
+        xf = x[rows]
+        min_p = [options[i].min_p for i in rows.tolist()]
+        if any(min_p):
+            threshold = torch.tensor(min_p, dtype=torch.float32, device=dev)[:, None]
+            xf = xf.masked_fill(torch.exp(xf - xf.max(dim=-1, keepdim=True).values) < threshold, float("-inf"))
+        out[rows] = _inverse_cdf(torch.softmax(xf, dim=-1), u[rows])
+    if not cand:
+        return out
+    opts = [options[i] for i in cand]
+    rows = torch.tensor(cand, device=dev)
+    xc = x[rows]
+    ks = [top_k[i] for i in cand]
+    width = min(v, max(max(ks), CANDIDATES if any(k == 0 for k in ks) else 0))
+    vals, ids = xc.topk(width, dim=-1)  # sorted, most likely first
+    pos = torch.arange(width, device=dev)[None, :]
+    k_t = torch.tensor([k or width for k in ks], device=dev)
+    vals = vals.masked_fill(pos >= k_t[:, None], float("-inf"))
+    # The candidates' probabilities: renormalised within top-k where there is one, else over the whole row.
+    has_k = torch.tensor([k > 0 for k in ks], device=dev)
+    lse = torch.where(has_k, torch.logsumexp(vals, dim=-1), torch.logsumexp(xc, dim=-1))
+    probs = torch.exp(vals - lse[:, None])
+    top_p = torch.tensor([o.top_p for o in opts], dtype=torch.float32, device=dev)
+    short = (probs.sum(dim=-1) < top_p - TOP_P_EPS) & (top_p < 1)
+    before = probs.cumsum(dim=-1) - probs  # mass of the strictly more likely tokens
+    # Keep token i while the mass before it is still short of top_p: the smallest set reaching top_p.
+    drop_p = (before >= (top_p - TOP_P_EPS)[:, None]) & (top_p < 1)[:, None]
+    drop_p[:, 0] = False  # NOTE: the most likely token always survives, so no row is left empty
+    vals = vals.masked_fill(drop_p, float("-inf"))
+    min_p = torch.tensor([o.min_p for o in opts], dtype=torch.float32, device=dev)
+    # p_i / p_max = exp(x_i - x_max), invariant to renormalisation after top-k/top-p.
+    vals = vals.masked_fill(torch.exp(vals - vals[:, :1]) < min_p[:, None], float("-inf"))
+    picked = ids.gather(1, _inverse_cdf(torch.softmax(vals, dim=-1), u[rows])[:, None]).squeeze(1)
+    if short.any():  # a nucleus wider than the candidates: the exact full-sort path for those rows
+        which = short.nonzero().squeeze(1)
+        probs_full = _filtered_probs(logits[rows[which]], [opts[j] for j in which.tolist()])
+        picked[which] = _inverse_cdf(probs_full, u[rows[which]])
+    out[rows] = picked
+    return out
 
 
 def _logprobs(
