@@ -8,7 +8,8 @@
    how many outputs are token-identical.
 4. A markdown summary.
 
-Model loading is never timed. float32, CPU, torch.inference_mode, time.perf_counter.
+Model loading is never timed. float32, CPU, torch.inference_mode, time.perf_counter. The worker's default path:
+the lean forward over the C++ attention kernel (make_backend("auto", ...)).
 usage: python bench/worker_step.py [--model smollm2-135m-instruct] [--threads N] [--quick]
 """
 
@@ -29,13 +30,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere without installing
 
-from worker_svc.attention import TorchAttentionBackend  # noqa: E402
 from worker_svc.driver import LocalDriver  # noqa: E402
 from worker_svc.kv_pool import KVPool  # noqa: E402
 from worker_svc.model_store import DEFAULT_MODEL, resolve_model  # noqa: E402
 from worker_svc.models import LoadedModel, load_model  # noqa: E402
 from worker_svc.plan import NewSeq, SeqDelta, StepPlan  # noqa: E402
 from worker_svc.runner import ModelRunner  # noqa: E402
+from worker_svc.worker import make_backend  # noqa: E402
 from worker_svc.sampling import SamplingOptions  # noqa: E402
 
 BLOCK_SIZE = 16
@@ -91,7 +92,7 @@ def prefill_template(loaded: LoadedModel, ctx: int, seed: int) -> Template:
     tokens = [rng.randrange(3, loaded.vocab_size) for _ in range(ctx)]
     nb = math.ceil(ctx / BLOCK_SIZE)
     pool = KVPool(loaded.kv_layout(BLOCK_SIZE), nb)
-    runner = ModelRunner(loaded, pool, TorchAttentionBackend())
+    runner = ModelRunner(loaded, pool, make_backend("auto", "cpu", pool.layout))
     # The last prompt token is left for the decode steps (as a sequence whose prefix is cached).
     done, step = 0, 0
     while done < ctx - 1:
@@ -116,7 +117,7 @@ def decode_point(loaded: LoadedModel, tpl: Template, batch: int, warm: int, time
     npb = math.ceil(ctx / BLOCK_SIZE)
     num_blocks = batch * math.ceil((ctx + steps) / BLOCK_SIZE)
     pool = KVPool(loaded.kv_layout(BLOCK_SIZE), num_blocks)
-    runner = ModelRunner(loaded, pool, TorchAttentionBackend())
+    runner = ModelRunner(loaded, pool, make_backend("auto", "cpu", pool.layout))
     next_block = 0
 
     def alloc(n: int) -> list[int]:
@@ -247,8 +248,8 @@ def run_pagedserve(loaded: LoadedModel, prompts: list[list[int]],
     pool = KVPool(loaded.kv_layout(BLOCK_SIZE), num_blocks)
 
     def driver() -> LocalDriver:
-        return LocalDriver(ModelRunner(loaded, pool, TorchAttentionBackend()), max_num_batched_tokens=512,
-                           max_num_seqs=32, eos_token_ids=())
+        runner = ModelRunner(loaded, pool, make_backend("auto", "cpu", pool.layout))
+        return LocalDriver(runner, max_num_batched_tokens=512, max_num_seqs=32, eos_token_ids=())
 
     warm = driver()  # warm-up, untimed
     for p in prompts[:2]:
