@@ -162,7 +162,8 @@ def _sample_rows(logits: torch.Tensor, options: list[SamplingOptions], u: torch.
     cand = [i for i, o in enumerate(options) if top_k[i] or o.top_p < 1]
     out = torch.empty(n, dtype=torch.long, device=dev)
     if len(cand) < n:  # no top-k/top-p: the whole vocabulary, min-p as a mask relative to the row's max
-        rows = torch.tensor([i for i in range(n) if i not in set(cand)], device=dev)
+        in_cand = set(cand)
+        rows = torch.tensor([i for i in range(n) if i not in in_cand], device=dev)
         xf = x[rows]
         min_p = [options[i].min_p for i in rows.tolist()]
         if any(min_p):
