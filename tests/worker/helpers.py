@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 from transformers import AutoModelForCausalLM
 
-from worker_svc.attention import TorchAttentionBackend
 from worker_svc.kv_pool import KVPool
 from worker_svc.models import load_model
 from worker_svc.runner import ModelRunner
+from worker_svc.worker import make_backend
 
 # initializer_range 0.2: random weights peaked enough that greedy outputs vary with the context.
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -25,18 +25,11 @@ def reference_model(model_dir: str):
 PATHS = {"lean+cpu": (True, "cpu"), "transformers+torch": (False, "torch")}
 
 
-def make_backend(name: str):
-    if name == "cpu":
-        from worker_svc.attention.cpu_backend import CpuAttentionBackend
-        return CpuAttentionBackend()
-    return TorchAttentionBackend()
-
-
 def make_runner(model_dir: str, num_blocks: int = 64, block_size: int = 16, path: str = "lean+cpu") -> ModelRunner:
     lean, backend = PATHS[path]
     loaded = load_model(model_dir, dtype="float32")
     pool = KVPool(loaded.kv_layout(block_size), num_blocks)
-    runner = ModelRunner(loaded, pool, make_backend(backend), lean=lean)
+    runner = ModelRunner(loaded, pool, make_backend(backend, "cpu", pool.layout), lean=lean)
     assert runner.forward_path == ("lean" if lean else "transformers"), runner.lean_skip_reason
     return runner
 

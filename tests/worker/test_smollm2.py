@@ -6,13 +6,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.worker.helpers import PATHS, assert_same_greedy, make_backend, reference_greedy
+from tests.worker.helpers import PATHS, assert_same_greedy, reference_greedy
 from worker_svc.attention import AttentionMetadata
 from worker_svc.driver import LocalDriver
 from worker_svc.kv_pool import KVPool
 from worker_svc.model_store import resolve_model
 from worker_svc.models import load_model
 from worker_svc.runner import ModelRunner, StepContext
+from worker_svc.worker import make_backend
 
 pytestmark = pytest.mark.slow
 TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
@@ -34,7 +35,8 @@ def test_smollm2_greedy_matches_transformers_in_mixed_chunked_batches(model_dir,
     refs = [reference_greedy(ref_model.eval(), p, NEW) for p in prompts]
     loaded = load_model(model_dir, dtype="float32")
     lean, backend = PATHS[path]
-    runner = ModelRunner(loaded, KVPool(loaded.kv_layout(16), 64), make_backend(backend), lean=lean)
+    pool = KVPool(loaded.kv_layout(16), 64)
+    runner = ModelRunner(loaded, pool, make_backend(backend, "cpu", pool.layout), lean=lean)
     assert runner.forward_path == ("lean" if lean else "transformers")
     # A 6-token budget splits every prompt into chunks and mixes prefills with decodes.
     driver = LocalDriver(runner, max_num_batched_tokens=6)
@@ -52,8 +54,9 @@ def test_smollm2_lean_decode_logits_stay_within_1e_4_of_transformers(model_dir):
     tokens = list(range(1000, 1096))
     ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     loaded = load_model(model_dir, dtype="float32")
-    backend = make_backend("cpu")
-    runner = ModelRunner(loaded, KVPool(loaded.kv_layout(16), 8), backend)
+    pool = KVPool(loaded.kv_layout(16), 8)
+    backend = make_backend("cpu", "cpu", pool.layout)
+    runner = ModelRunner(loaded, pool, backend)
     table = list(range(6))
     with torch.inference_mode():
         ref = ref_model.eval()(torch.tensor([tokens])).logits[0]
