@@ -20,19 +20,8 @@ mkdir -p "$out"
 bench_args=(--tokenizer "$model" --ignore-eos --num-requests 64 --prompt-len 32:256 --output-len 16:128
             ${BENCH_ARGS:-} "$@")
 
-free_port() { "$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-
-pid=""
-stop_server() {  # only the server this script started, by its pid; it stops its own children
-  if [ -n "$pid" ] && kill -0 "$pid" 2>/dev/null; then
-    kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 1; done
-    kill -KILL "$pid" 2>/dev/null || true
-  fi
-  wait "$pid" 2>/dev/null || true
-  pid=""
-}
-trap stop_server EXIT
+# shellcheck source=bench/server_lib.sh
+source "$root/bench/server_lib.sh"
 
 # --- pagedserve ---
 listen=127.0.0.1:$(free_port) workers=127.0.0.1:$(free_port) metrics=127.0.0.1:$(free_port)

@@ -10,6 +10,59 @@ from pathlib import Path
 from pagedserve_cli.units import parse_bytes
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_DRAIN_TIMEOUT = 30.0  # ServerConfig.drain_seconds; `pagedserve up` waits this plus a margin on stop
+ROUTING = ("kv", "least-loaded", "round-robin")
+
+
+def parse_device(text: str) -> str:
+    """argparse type for --device: cpu, cuda or cuda:N (kept as given; `up` spreads plain cuda over the GPUs)."""
+    head, sep, index = text.partition(":")
+    if text in ("cpu", "cuda") or (head == "cuda" and sep and index.isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N (N a GPU index), got {text!r}")
+
+
+def _number(kind, minimum, what: str):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    return parse
+
+
+def add_scheduler_policy_args(p: argparse.ArgumentParser, with_defaults: bool = True) -> None:
+    """Routing, failure handling and drain flags, shared by `scheduler` and `up` (which forwards only those given:
+    `with_defaults=False` leaves them None)."""
+    def d(value):
+        return value if with_defaults else None
+    p.add_argument("--routing", choices=ROUTING, default=d("kv"),
+                   help="which worker takes a new request: kv (the one holding the longest prefix of the prompt, "
+                        "unless it is much busier than the others), least-loaded (fewest pending tokens) or "
+                        "round-robin (default kv)")
+    p.add_argument("--step-timeout", type=_number(float, 1e-3, "seconds > 0"), default=d(60.0), metavar="SECONDS",
+                   help="a worker that takes longer for one step is declared lost and its requests are recomputed "
+                        "elsewhere; a worker's first step may take 4x that, for kernel compilation (default 60)")
+    p.add_argument("--max-migrations", type=_number(int, 1, "an integer >= 1"), default=d(3), metavar="N",
+                   help="a request whose steps took down N workers ends with INTERNAL (default 3)")
+    p.add_argument("--no-worker-timeout", type=_number(float, 0, "seconds >= 0"), default=d(60.0), metavar="SECONDS",
+                   help="while no worker is attached requests wait this long, then UNAVAILABLE (default 60)")
+    p.add_argument("--drain-timeout", type=_number(float, 0, "seconds >= 0"), default=d(DEFAULT_DRAIN_TIMEOUT),
+                   metavar="SECONDS", help="on SIGTERM the scheduler stops admitting (UNAVAILABLE) and lets "
+                                           "in-flight streams finish this long (default 30)")
+
+
+def scheduler_policy_argv(args: argparse.Namespace) -> list[str]:
+    """The flags of add_scheduler_policy_args that were given, as scheduler command-line arguments."""
+    argv = []
+    for flag in ("--routing", "--step-timeout", "--max-migrations", "--no-worker-timeout", "--drain-timeout"):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            argv += [flag, str(value)]
+    return argv
 
 
 def model_dir(spec: str) -> str:
@@ -36,12 +89,13 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-queued-requests", type=int, default=1024)
     p.add_argument("--no-prefix-caching", action="store_true")
+    add_scheduler_policy_args(p)
     p.set_defaults(func=run_scheduler)
 
     w = sub.add_parser("worker", help="run a worker that dials in to the scheduler")
     w.add_argument("--scheduler", default="127.0.0.1:50052")
     w.add_argument("--model", default=DEFAULT_MODEL)
-    w.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    w.add_argument("--device", default="cpu", type=parse_device, help="cpu, cuda (= cuda:0) or cuda:N")
     w.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     w.add_argument("--kv-memory", type=parse_bytes, help="bytes for the KV pool, e.g. 1GiB")
     w.add_argument("--block-size", type=int, default=16)
@@ -67,7 +121,9 @@ def run_scheduler(args: argparse.Namespace) -> int:
                        worker_listen=args.worker_listen, metrics=args.metrics or None,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-                       max_queued_requests=args.max_queued_requests)
+                       max_queued_requests=args.max_queued_requests, routing=args.routing,
+                       step_timeout=args.step_timeout, max_migrations=args.max_migrations,
+                       no_worker_timeout=args.no_worker_timeout, drain_seconds=args.drain_timeout)
     asyncio.run(serve(cfg))
     return 0
 
@@ -80,11 +136,12 @@ def run_worker(args: argparse.Namespace) -> int:
     from worker_svc.worker import WorkerConfig
 
     configure()
-    # NOTE: Ctrl-C under `pagedserve up` reaches every process in the group; leave as quietly as on SIGTERM.
+    # NOTE: while the model loads there is nothing to hand over: a signal just exits. Once the worker serves,
+    # the first SIGTERM/SIGINT announces that it leaves (worker_svc.client.Shutdown), a second one exits.
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sys.exit(0))
-    device = "cuda:0" if args.device == "cuda" else "cpu"
-    run(args.scheduler, WorkerConfig(model=args.model, device=device, dtype=args.dtype, block_size=args.block_size,
-                                     kv_memory=args.kv_memory, threads=args.threads, swap_space=args.swap_space,
-                                     attention_backend=args.attention_backend, lean=not args.transformers_forward))
-    return 0
+    device = "cuda:0" if args.device == "cuda" else args.device
+    return run(args.scheduler, WorkerConfig(
+        model=args.model, device=device, dtype=args.dtype, block_size=args.block_size, kv_memory=args.kv_memory,
+        threads=args.threads, swap_space=args.swap_space, attention_backend=args.attention_backend,
+        lean=not args.transformers_forward))

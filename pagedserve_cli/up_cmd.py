@@ -1,15 +1,29 @@
-"""`pagedserve up`: one scheduler and N workers as child processes, on the default addresses."""
+"""`pagedserve up`: one scheduler and N workers as child processes, on the default addresses.
+
+The children run in sessions of their own (Ctrl-C in the terminal reaches only `up`) and get SIGTERM if `up` dies.
+`up` restarts a child that dies, with a back-off when it keeps dying right after starting, and stops them in order:
+the scheduler first (it drains its streams), then the workers."""
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import select
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from pagedserve_cli.serve_cmd import DEFAULT_MODEL, model_dir
+from pagedserve_cli.serve_cmd import (DEFAULT_DRAIN_TIMEOUT, DEFAULT_MODEL, add_scheduler_policy_args, model_dir,
+                                      parse_device, scheduler_policy_argv)
+
+CRASH_LOOP_SECONDS = 10.0  # a child that dies sooner than this after starting is restarted after a back-off
+FIRST_BACKOFF, MAX_BACKOFF = 1.0, 30.0  # that back-off doubles from 1 s up to 30 s
+STOP_MARGIN = 30.0  # seconds `up` waits for the scheduler beyond its drain timeout, and for each worker
+PR_SET_PDEATHSIG = 1
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -18,7 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-memory", default=None, help="KV pool bytes per worker, e.g. 1GiB")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda when a GPU is visible)")
+    p.add_argument("--device", default=None, type=parse_device,
+                   help="cpu, cuda (worker i on GPU i mod the number of visible GPUs) or cuda:N (all on GPU N); "
+                        "default: cuda when a GPU is visible")
     p.add_argument("--listen", default="127.0.0.1:50051")
     p.add_argument("--worker-listen", default="127.0.0.1:50052")
     p.add_argument("--metrics", default="127.0.0.1:9464")
@@ -29,6 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (default: the scheduler's)")
     p.add_argument("--swap-space", default=None, help="host memory per worker for swapped-out KV blocks")
     p.add_argument("--startup-timeout", type=float, default=600.0)
+    add_scheduler_policy_args(p, with_defaults=False)  # forwarded to the scheduler only when given
     p.set_defaults(func=run)
 
 
@@ -62,16 +79,6 @@ def wait_healthy(address: str, timeout: float, procs: list[subprocess.Popen], st
     raise TimeoutError(f"{address} not healthy with {num_workers} worker(s) after {timeout:.0f} s")
 
 
-def _device(requested: str | None) -> str:
-    if requested:
-        return requested
-    try:
-        import torch
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    except ImportError:
-        return "cpu"
-
-
 def core_shares(cores: list[int], num_workers: int) -> list[list[int]]:
     """Splits the cores `up` may use among its workers, disjoint while there are enough (no oversubscription);
     with more workers than cores, each worker gets one core, round robin."""
@@ -80,14 +87,140 @@ def core_shares(cores: list[int], num_workers: int) -> list[list[int]]:
     return [[cores[i % len(cores)]] for i in range(num_workers)]
 
 
+
+
+def visible_gpus() -> int:
+    """How many GPUs the workers will see, counted in a child process (keeps torch and CUDA out of `up`)."""
+    try:
+        out = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count() "
+                              "if torch.cuda.is_available() else 0)"], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True, timeout=120)
+        return int(out.stdout.split()[-1]) if out.returncode == 0 else 0
+    except (subprocess.TimeoutExpired, ValueError, IndexError, OSError):
+        return 0
+
+
+def worker_devices(device: str, num_workers: int, num_gpus: int) -> list[str]:
+    """Each worker's --device: plain cuda spreads the workers over the GPUs round robin (worker i on
+    cuda:{i % num_gpus}); cpu and cuda:N are the same for all."""
+    if device != "cuda":
+        return [device] * num_workers
+    if num_gpus < 1:
+        raise ValueError("--device cuda, but no GPU is visible")
+    return [f"cuda:{i % num_gpus}" for i in range(num_workers)]
+
+
+def restart_delay(lived: float, last_delay: float) -> float:
+    """Seconds to wait before restarting a child that died `lived` seconds after it started, `last_delay` being the
+    wait before that start (0 for none). A child that lived long is restarted at once; one that keeps dying right
+    after starting (a crash loop) waits 1, 2, 4, ... up to 30 s."""
+    if lived >= CRASH_LOOP_SECONDS:
+        return 0.0
+    return min(MAX_BACKOFF, max(FIRST_BACKOFF, 2 * last_delay))
+
+
+def describe_exit(returncode: int) -> str:
+    if returncode < 0:
+        try:
+            return f"killed by {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exit code {returncode}"
+
+
+def log(message: str) -> None:
+    print(f"pagedserve up: {message}", file=sys.stderr, flush=True)
+
+
+def child_setup(cores: list[int] | None) -> Callable[[], None]:
+    """The preexec function of a child: SIGTERM when `up` dies (Linux), then its share of the cores (if any).
+    Runs in the forked child, before exec; the child is already in a session of its own (start_new_session)."""
+    parent = os.getpid()
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None  # loaded before fork
+
+    def setup() -> None:
+        if libc is not None:
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+            if os.getppid() != parent:  # `up` died before prctl took effect
+                os.kill(os.getpid(), signal.SIGTERM)
+        if cores is not None:
+            os.sched_setaffinity(0, cores)
+    return setup
+
+
+@dataclass
+class Child:
+    name: str  # "scheduler" or "worker I"
+    cmd: list[str]
+    cores: list[int] | None = None
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+    delay: float = 0.0  # the back-off before its latest start
+    restart_at: float = 0.0  # while dead: when to start it again
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, start_new_session=True, preexec_fn=child_setup(self.cores))
+        self.started = time.monotonic()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def watch(self, now: float) -> None:
+        """Notices a death (logs it, schedules the restart) and restarts when the back-off is over."""
+        if self.proc is not None and (code := self.proc.poll()) is not None:
+            self.delay = restart_delay(now - self.started, self.delay)
+            log(f"{self.name} (pid {self.proc.pid}) died ({describe_exit(code)}); restarting"
+                + (f" in {self.delay:.0f} s" if self.delay else ""))
+            self.proc, self.restart_at = None, now + self.delay
+        if self.proc is None and now >= self.restart_at:
+            self.start()
+
+    def stop(self, signum: int = signal.SIGTERM) -> None:
+        if self.alive():
+            self.proc.send_signal(signum)
+
+    def wait(self, deadline: float) -> None:
+        """Waits for it to exit until `deadline` (monotonic), then SIGKILLs it; it is reaped either way."""
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log(f"{self.name} (pid {self.proc.pid}) did not stop in time; killing it")
+            self.proc.kill()
+            self.proc.wait()
+
+
+def stop_in_order(scheduler: Child, workers: list[Child], drain_timeout: float) -> None:
+    """The scheduler first: it stops admitting and drains its streams, which need the workers; then the workers
+    (which would otherwise wait to reconnect)."""
+    if scheduler.alive():
+        log("draining the scheduler")
+        scheduler.stop()
+        scheduler.wait(time.monotonic() + drain_timeout + STOP_MARGIN)
+    log("stopping workers")
+    for w in workers:
+        w.stop()
+    deadline = time.monotonic() + STOP_MARGIN
+    for w in workers:
+        w.wait(deadline)
+    log("stopped")
+
+
 def run(args: argparse.Namespace) -> int:
     model = model_dir(args.model) if args.model == DEFAULT_MODEL else args.model  # pull once, up front
     del model
     stopping = False
+    wake_r, wake_w = os.pipe()  # the handler writes a byte, so the main loop's select wakes at once
+    os.set_blocking(wake_w, False)
 
     def stop(*_):
         nonlocal stopping
         stopping = True
+        try:
+            os.write(wake_w, b"x")
+        except BlockingIOError:  # the pipe is full: the loop is awake anyway
+            pass
 
     # NOTE: handlers go in before the first child starts, so a signal never leaves orphans behind.
     signal.signal(signal.SIGINT, stop)
@@ -99,12 +232,17 @@ def run(args: argparse.Namespace) -> int:
         sched_cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.max_num_seqs:
         sched_cmd += ["--max-num-seqs", str(args.max_num_seqs)]
-    procs = [subprocess.Popen(sched_cmd)]
-    device = _device(args.device)
-    shares = core_shares(sorted(os.sched_getaffinity(0)), args.workers) if hasattr(os, "sched_getaffinity") \
-        else [None] * args.workers
-    for share in shares:
-        cmd = [*exe, "worker", "--scheduler", args.worker_listen, "--model", args.model, "--device", device,
+    sched_cmd += scheduler_policy_argv(args)
+    num_gpus = visible_gpus() if args.device in (None, "cuda") else 0
+    device = args.device or ("cuda" if num_gpus else "cpu")
+    devices = worker_devices(device, args.workers, num_gpus)
+    # NOTE: a CPU worker is pinned to its share, so its default thread count is that share's size.
+    shares = core_shares(sorted(os.sched_getaffinity(0)), args.workers) \
+        if hasattr(os, "sched_getaffinity") and device == "cpu" else [None] * args.workers
+    scheduler = Child("scheduler", sched_cmd)
+    workers = []
+    for i, (dev, share) in enumerate(zip(devices, shares)):
+        cmd = [*exe, "worker", "--scheduler", args.worker_listen, "--model", args.model, "--device", dev,
                "--dtype", args.dtype]
         if args.kv_memory:
             cmd += ["--kv-memory", args.kv_memory]
@@ -112,23 +250,24 @@ def run(args: argparse.Namespace) -> int:
             cmd += ["--threads", str(args.threads)]
         if args.swap_space:
             cmd += ["--swap-space", args.swap_space]
-        # NOTE: a CPU worker is pinned to its share, so its default thread count is that share's size.
-        pin = share is not None and device == "cpu"
-        procs.append(subprocess.Popen(cmd, preexec_fn=(lambda s=share: os.sched_setaffinity(0, s)) if pin else None))
+        workers.append(Child(f"worker {i}", cmd, share))
+    children = [scheduler, *workers]
     try:
-        if not wait_healthy(args.listen, args.startup_timeout, procs, lambda: stopping, args.workers):
+        for c in children:
+            c.start()
+        # Start-up fails fast if a service exits: that is usually a configuration error, not worth retrying.
+        if not wait_healthy(args.listen, args.startup_timeout, [c.proc for c in children], lambda: stopping,
+                            args.workers):
             return 0
-        print(f"pagedserve is up: {args.listen} ({args.workers} worker(s) on {device}, metrics "
+        on = ", ".join(dict.fromkeys(devices))
+        print(f"pagedserve is up: {args.listen} ({args.workers} worker(s) on {on}, metrics "
               f"http://{args.metrics}/metrics)", flush=True)
-        while not stopping and all(p.poll() is None for p in procs):
-            time.sleep(0.2)
+        while not stopping:
+            now = time.monotonic()
+            for c in children:
+                c.watch(now)
+            select.select([wake_r], [], [], 0.2)
     finally:
-        for p in reversed(procs):  # workers first, then the scheduler drains
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(timeout=40)
-            except subprocess.TimeoutExpired:
-                p.kill()
-    return 0 if stopping else 1
+        drain = args.drain_timeout if args.drain_timeout is not None else DEFAULT_DRAIN_TIMEOUT
+        stop_in_order(scheduler, workers, drain)
+    return 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pagedserve.v1 import generate_pb2, worker_pb2
 
-from scheduler_svc.core.plan import StepPlan, WorkerRegistration
+from scheduler_svc.core.plan import StepFailure, StepPlan, WorkerRegistration
 from scheduler_svc.core.request import SamplingConfig
 from scheduler_svc.stream import StreamItem
 
@@ -77,7 +77,11 @@ def item_to_pb(request_id: str, item: StreamItem) -> generate_pb2.GenerateRespon
 def registration_from_pb(pb: worker_pb2.WorkerRegistration) -> WorkerRegistration:
     return WorkerRegistration(model_id=pb.model_id, num_blocks=pb.num_blocks, block_size=pb.block_size,
                               dtype=pb.dtype, max_model_len=pb.max_model_len, device=pb.device,
-                              num_cpu_blocks=pb.num_cpu_blocks)
+                              num_cpu_blocks=pb.num_cpu_blocks, name=pb.name)
+
+
+def step_error_from_pb(pb: worker_pb2.StepError) -> StepFailure:
+    return StepFailure(pb.step_id, worker_pb2.StepError.Kind.Name(pb.kind), pb.message)
 
 
 def model_info_to_pb(model_id: str, max_model_len: int, workers: dict) -> generate_pb2.GetModelInfoResponse:
@@ -86,5 +90,5 @@ def model_info_to_pb(model_id: str, max_model_len: int, workers: dict) -> genera
         r = w.registration
         pb.block_size = r.block_size
         pb.workers.add(worker_id=worker_id, num_blocks=r.num_blocks, block_size=r.block_size, dtype=r.dtype,
-                       device=r.device)
+                       device=r.device, name=r.name)
     return pb

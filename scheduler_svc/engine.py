@@ -1,4 +1,4 @@
-"""The scheduler service's core: routes requests to workers and runs each worker's step loop."""
+"""The scheduler service's core: places requests on workers, recomputes a lost worker's requests elsewhere."""
 
 from __future__ import annotations
 
@@ -6,17 +6,18 @@ import asyncio
 import itertools
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import structlog
 
-from scheduler_svc.convert import plan_to_pb, result_from_pb
 from scheduler_svc.core.plan import WorkerRegistration
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput, SamplingConfig
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.metrics import Metrics
+from scheduler_svc.routing import Router
 from scheduler_svc.stream import RequestStream
+from scheduler_svc.worker_link import WorkerHandle, run_steps
 
 log = structlog.get_logger("pagedserve.scheduler")
 
@@ -31,6 +32,11 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None  # None: by the worker's device (default_batched_tokens)
     enable_prefix_caching: bool = True
     max_queued_requests: int = 1024  # beyond this, RESOURCE_EXHAUSTED
+    routing: str = "kv"  # kv | least-loaded | round-robin
+    step_timeout: float = 60.0  # seconds a worker may take for a step before it is lost (4x for its first)
+    max_migrations: int = 3  # a request in the steps of this many lost workers ends with INTERNAL
+    no_worker_timeout: float = 60.0  # with no worker attached, requests wait this long, then UNAVAILABLE
+    drain_seconds: float = 30.0  # a leaving worker's running requests may finish this long before they move
 
 
 # Tokens per step when not set. NOTE: a step is one forward, so its token budget bounds the inter-token latency
@@ -45,30 +51,35 @@ def default_batched_tokens(device: str) -> int:
     return CPU_BATCHED_TOKENS if device.startswith("cpu") or not device else GPU_BATCHED_TOKENS
 
 
-@dataclass(slots=True)
-class WorkerHandle:
-    worker_id: str
-    registration: WorkerRegistration
-    scheduler: Scheduler
-    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # plan protobufs; None closes the stream
-    results: asyncio.Queue = field(default_factory=asyncio.Queue)  # StepResult protobufs; None: worker gone
-    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
-    streams: dict[str, RequestStream] = field(default_factory=dict)
-    task: asyncio.Task | None = None
-    num_prefix_queries: int = 0  # KV manager counters already exported
-    num_prefix_hits: int = 0
-    num_preemptions: int = 0
-
-
 class Engine:
+    """Owns every request's stream and where it runs (`placement`: request id -> worker). Each worker has its
+    own Scheduler (block tables of its pool); the Router picks a worker for a new request. A request that
+    loses its worker is recomputed on another with all its streamed tokens, so its client sees no gap.
+
+    NOTE: sequence ids come from one counter shared by all workers' schedulers: unique across the fleet.
+    """
+
     def __init__(self, config: EngineConfig, tokenizer, metrics: Metrics | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.metrics = metrics or Metrics()
+        self.router = Router(config.routing)
         self.workers: dict[str, WorkerHandle] = {}
+        self.streams: dict[str, RequestStream] = {}  # unfinished client requests
+        self.placement: dict[str, WorkerHandle] = {}  # request id -> the worker it runs on
+        self.unplaced: dict[str, tuple[Request, float]] = {}  # waiting for a worker: request id -> (it, deadline)
         self.draining = False
-        self._ids = itertools.count()
+        self._worker_ids = itertools.count()
+        self._seq_ids = itertools.count()
         self.on_workers_changed = lambda num_workers: None  # health: SERVING iff a worker is attached
+
+    @property
+    def step_timeout(self) -> float:
+        return self.config.step_timeout
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.streams)
 
     # -- workers ------------------------------------------------------------------------------------------
     def attach_worker(self, reg: WorkerRegistration) -> WorkerHandle:
@@ -83,135 +94,238 @@ class Engine:
             max_num_seqs=cfg.max_num_seqs,
             max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(reg.device),
             block_size=reg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
-            eos_token_ids=cfg.eos_token_ids, num_cpu_blocks=reg.num_cpu_blocks))
-        handle = WorkerHandle(f"worker-{next(self._ids)}", reg, sched)
-        self.workers[handle.worker_id] = handle
-        self.metrics.kv_blocks_total.labels(handle.worker_id).set(reg.num_blocks)
-        handle.task = asyncio.get_running_loop().create_task(self._step_loop(handle))
-        log.info("worker attached", worker=handle.worker_id, num_blocks=reg.num_blocks,
+            eos_token_ids=cfg.eos_token_ids, num_cpu_blocks=reg.num_cpu_blocks), seq_ids=self._seq_ids)
+        w = WorkerHandle(f"worker-{next(self._worker_ids)}", reg, sched)
+        self.workers[w.worker_id] = w
+        self.metrics.kv_blocks_total.labels(w.worker_id).set(reg.num_blocks)
+        w.task = asyncio.get_running_loop().create_task(self._step_loop(w))
+        log.info("worker attached", worker=w.worker_id, name=reg.name, num_blocks=reg.num_blocks,
                  block_size=reg.block_size, dtype=reg.dtype, device=reg.device)
-        self.on_workers_changed(len(self.workers))
-        return handle
+        self._workers_changed()
+        for request_id in list(self.unplaced):  # requests that waited for a worker
+            req, _ = self.unplaced.pop(request_id)
+            self._place_or_wait(req)
+        return w
 
-    def detach_worker(self, handle: WorkerHandle) -> None:
-        if self.workers.pop(handle.worker_id, None) is None:
+    def lose_worker(self, w: WorkerHandle, kind: str, reason: str, charge: bool = True) -> None:
+        """The worker broke (or ran out of time leaving): recompute its requests on the others. With `charge`,
+        the requests in its step in flight count a migration against --max-migrations. `kind` labels
+        pagedserve_workers_lost_total: stream, deadline, failed_step or leave_timeout."""
+        if not w.attached:
             return
-        handle.results.put_nowait(None)
-        for stream in list(handle.streams.values()):
-            stream.fail(ErrorCode.UNAVAILABLE.value, f"worker {handle.worker_id} went away")
-        handle.streams.clear()
-        for name in ("kv_blocks_used", "kv_blocks_cached", "kv_blocks_total"):
-            getattr(self.metrics, name).remove(handle.worker_id)
-        log.warning("worker detached", worker=handle.worker_id)
+        suspects = w.scheduler.in_flight_request_ids() if charge else set()
+        self.detach(w)
+        moved, failed = 0, 0
+        limit = self.config.max_migrations
+        for req in w.scheduler.release_all():
+            rid = req.request_id
+            self.placement.pop(rid, None)
+            stream = self.streams.get(rid)
+            if stream is None:
+                continue
+            if rid in suspects:
+                req.num_migrations += 1
+            if req.num_migrations >= limit:
+                del self.streams[rid]
+                stream.fail(ErrorCode.INTERNAL.value, f"request {rid} was in a step of {req.num_migrations} "
+                            f"workers that failed (the last: {w.worker_id}: {reason}); it is not retried again")
+                failed += 1
+                continue
+            self.metrics.migrations.inc()
+            self._place_or_wait(req)
+            moved += 1
+        self.metrics.workers_lost.labels(kind).inc()
+        log.warning("worker lost; its requests are recomputed elsewhere", worker=w.worker_id, reason=reason,
+                    migrated=moved, failed=failed, workers_left=len(self.workers))
+
+    def worker_leaving(self, w: WorkerHandle, reason: str) -> None:
+        """The worker shuts down on purpose: no new requests; its queued ones move now, its running ones may
+        finish within the drain timeout (then they move too); then its stream ends and it exits."""
+        if not w.attached or w.leaving:
+            return
+        w.leaving, w.leave_deadline = True, time.monotonic() + self.config.drain_seconds
+        log.info("worker leaving", worker=w.worker_id, reason=reason, running=w.scheduler.num_running,
+                 waiting=w.scheduler.num_waiting)
+        self._move_queued(w)  # NOTE: safe with a step in flight: queued requests are not in it
+        w.wakeup.set()
+
+    def leaving_tick(self, w: WorkerHandle) -> None:
+        """Between a leaving worker's steps: move what can move, close it once it holds nothing."""
+        if time.monotonic() > w.leave_deadline:
+            self.lose_worker(w, "leave_timeout", f"its requests did not finish within "
+                             f"{self.config.drain_seconds:g} s of it announcing it leaves", charge=False)
+            return
+        self._move_queued(w)
+        if not w.scheduler.has_unfinished_requests():
+            self.detach(w)
+            log.info("worker left", worker=w.worker_id)
+
+    def _move_queued(self, w: WorkerHandle) -> None:
+        """A leaving worker's queued requests (preempted ones too) go to the others, if there are any."""
+        if not self._routable():
+            return
+        for req in w.scheduler.take_queued():
+            self.placement.pop(req.request_id, None)
+            self.metrics.migrations.inc()
+            self._place_or_wait(req)
+
+    def detach(self, w: WorkerHandle) -> None:
+        """Ends the worker's step loop and its Attach stream (a worker still running registers again)."""
+        w.attached = False
+        self.workers.pop(w.worker_id, None)
+        self.router.forget_worker(w.worker_id)
+        w.inbox.put_nowait(None)
+        w.outbox.put_nowait(None)
+        w.wakeup.set()
+        for name in self.metrics.PER_WORKER_GAUGES:
+            try:
+                getattr(self.metrics, name).remove(w.worker_id)
+            except KeyError:
+                pass
+        self._workers_changed()
+
+    def _workers_changed(self) -> None:
+        self.metrics.workers.set(len(self.workers))
         self.on_workers_changed(len(self.workers))
+
+    async def _step_loop(self, w: WorkerHandle) -> None:
+        try:
+            await run_steps(w, self)
+        except Exception as e:  # a bug: end this worker's requests loudly rather than leave them hanging
+            log.exception("step loop failed", worker=w.worker_id)
+            self.detach(w)
+            for req in w.scheduler.release_all():
+                stream = self.streams.pop(req.request_id, None)
+                self.placement.pop(req.request_id, None)
+                if stream is not None:
+                    stream.fail(ErrorCode.INTERNAL.value, f"internal error on {w.worker_id}: {e}")
 
     # -- requests -----------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingConfig,
                stop: tuple[str, ...] = (), cache_salt: str = "") -> RequestStream:
+        cfg = self.config
         if self.draining:
             raise EngineError(ErrorCode.UNAVAILABLE, "the server is draining: no new requests")
-        if not self.workers:
+        if not self.workers and cfg.no_worker_timeout <= 0:
             raise EngineError(ErrorCode.UNAVAILABLE, "no worker is attached yet")
         request_id = request_id or uuid.uuid4().hex
-        if any(request_id in w.streams for w in self.workers.values()):
+        if request_id in self.streams:
             raise EngineError(ErrorCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running")
-        bad = next((t for t in prompt_token_ids if t >= self.config.vocab_size), None)
+        bad = next((t for t in prompt_token_ids if t >= cfg.vocab_size), None)
         if bad is not None:
             raise EngineError(ErrorCode.INVALID_ARGUMENT,
-                              f"prompt_token_ids: {bad} is outside the vocabulary (size {self.config.vocab_size})")
-        if sum(w.scheduler.num_waiting for w in self.workers.values()) >= self.config.max_queued_requests:
+                              f"prompt_token_ids: {bad} is outside the vocabulary (size {cfg.vocab_size})")
+        num_queued = len(self.unplaced) + sum(w.scheduler.num_waiting for w in self.workers.values())
+        if num_queued >= cfg.max_queued_requests:
             raise EngineError(ErrorCode.RESOURCE_EXHAUSTED,
-                              f"{self.config.max_queued_requests} requests are already queued; retry later")
-        worker = min(self.workers.values(), key=lambda w: w.scheduler.num_waiting + w.scheduler.num_running)
+                              f"{cfg.max_queued_requests} requests are already queued; retry later")
         req = Request(request_id, list(prompt_token_ids), sampling, cache_salt or None)
         try:
-            worker.scheduler.add_request(req)
+            sampling.validate()
+            if len(prompt_token_ids) > cfg.max_model_len - 1:
+                raise ValueError(f"prompt_token_ids has {len(prompt_token_ids)} tokens; max_model_len "
+                                 f"{cfg.max_model_len} leaves room for at most {cfg.max_model_len - 1}")
+            if self._routable():
+                self._place(req)
         except ValueError as e:
             raise EngineError(ErrorCode.INVALID_ARGUMENT, str(e)) from None
         stream = RequestStream(req, self.tokenizer, stop, self.metrics)
-        worker.streams[request_id] = stream
-        worker.wakeup.set()
-        log.info("request added", request_id=request_id, worker=worker.worker_id,
-                 prompt_tokens=len(prompt_token_ids), max_tokens=sampling.max_tokens, n=sampling.n)
+        self.streams[request_id] = stream
+        if request_id not in self.placement:
+            self._wait_for_worker(req)
+        log.info("request added", request_id=request_id, worker=getattr(self.placement.get(request_id),
+                 "worker_id", None), prompt_tokens=len(prompt_token_ids), max_tokens=sampling.max_tokens,
+                 n=sampling.n)
         return stream
+
+    def _routable(self) -> list[WorkerHandle]:
+        return [w for w in self.workers.values() if not w.leaving]
+
+    def _place(self, req: Request) -> WorkerHandle:
+        """Routes `req` to a worker and queues it there; raises ValueError when that worker can't serve it."""
+        decision = self.router.choose(self._routable(), req.prompt_token_ids, req.cache_salt)
+        w = self.workers[decision.worker_id]
+        if req.seq_id < 0:  # never placed before
+            w.scheduler.add_request(req)
+        else:  # moved from a lost or leaving worker, with every token it has streamed
+            w.scheduler.adopt(req)
+        self.placement[req.request_id] = w
+        self.router.routed(req.request_id, w.worker_id, req.prompt_token_ids, w.scheduler.config.block_size,
+                           req.cache_salt)
+        w.wakeup.set()
+        return w
+
+    def _place_or_wait(self, req: Request) -> None:
+        if not self._routable():
+            self._wait_for_worker(req)
+            return
+        try:
+            w = self._place(req)
+        except ValueError as e:  # the new worker is smaller than the old one
+            stream = self.streams.pop(req.request_id, None)
+            if stream is not None:
+                stream.fail(ErrorCode.INVALID_ARGUMENT.value, str(e))
+            return
+        log.info("request moved", request_id=req.request_id, worker=w.worker_id,
+                 tokens=len(req.all_token_ids), migrations=req.num_migrations)
+
+    def _wait_for_worker(self, req: Request) -> None:
+        timeout = self.config.no_worker_timeout
+        if timeout <= 0:
+            self._fail(req.request_id, ErrorCode.UNAVAILABLE, "no worker is attached")
+            return
+        self.unplaced[req.request_id] = (req, time.monotonic() + timeout)
+        asyncio.get_running_loop().call_later(timeout, self._expire_unplaced)
+
+    def _expire_unplaced(self) -> None:
+        now = time.monotonic()
+        for request_id, (_, deadline) in list(self.unplaced.items()):
+            if deadline <= now + 0.01:
+                del self.unplaced[request_id]
+                self._fail(request_id, ErrorCode.UNAVAILABLE,
+                           f"no worker was attached for {self.config.no_worker_timeout:g} s")
+
+    def _fail(self, request_id: str, code: ErrorCode, message: str) -> None:
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            stream.fail(code.value, message)
 
     def abort(self, request_id: str) -> None:
         """Client cancel or deadline: its blocks go back to the pool at the next step."""
-        for w in self.workers.values():
-            if w.streams.pop(request_id, None) is not None:
-                w.scheduler.abort(request_id)
-                w.wakeup.set()
-                log.info("request aborted", request_id=request_id, worker=w.worker_id)
+        self.streams.pop(request_id, None)
+        self.unplaced.pop(request_id, None)
+        self.router.prefilled(request_id)
+        w = self.placement.pop(request_id, None)
+        if w is not None:
+            w.scheduler.abort(request_id)
+            w.wakeup.set()
+            log.info("request aborted", request_id=request_id, worker=w.worker_id)
 
-    @property
-    def num_unfinished(self) -> int:
-        return sum(len(w.streams) for w in self.workers.values())
+    def fail_all(self, code: ErrorCode, message: str) -> None:
+        """Ends every unfinished request (shutdown after the drain timeout)."""
+        streams = list(self.streams.values())
+        for stream in streams:
+            self.abort(stream.request.request_id)  # NOTE: frees its blocks at the worker's next step
+            stream.fail(code.value, message)
 
-    # -- the step loop ------------------------------------------------------------------------------------
-    async def _step_loop(self, w: WorkerHandle) -> None:
-        try:
-            await self._run_steps(w)
-        except Exception as e:  # a bug: end this worker's requests loudly rather than leave them hanging
-            log.exception("step loop failed", worker=w.worker_id)
-            for stream in list(w.streams.values()):
-                stream.fail(ErrorCode.INTERNAL.value, f"internal error on {w.worker_id}: {e}")
-            w.streams.clear()
-            self.detach_worker(w)
-            w.outbox.put_nowait(None)  # closes the worker's Attach stream
-
-    async def _run_steps(self, w: WorkerHandle) -> None:
-        sched, m = w.scheduler, self.metrics
-        back_to_back = False  # NOTE: the worker's idle time counts only between steps that had work waiting
-        while self.workers.get(w.worker_id) is w:
-            plan = sched.schedule()
-            if plan is None:
-                w.wakeup.clear()
-                await w.wakeup.wait()
-                back_to_back = False
-                continue
-            t0 = time.perf_counter()
-            w.outbox.put_nowait(plan_to_pb(plan))
-            result = await w.results.get()
-            if result is None:
-                return
-            if result.step_id != plan.step_id:
-                raise RuntimeError(f"the worker answered step {result.step_id} to plan {plan.step_id}")
-            outputs = sched.update(plan, result_from_pb(result))
-            m.step.observe(time.perf_counter() - t0)
-            if back_to_back:
-                m.worker_idle.observe(result.idle_seconds)
-            back_to_back = True
-            if plan.preempted_seq_ids:
-                log.info("preempted", worker=w.worker_id, seq_ids=list(plan.preempted_seq_ids),
-                         total=sched.num_preemptions)
-            m.batch_size.observe(plan.num_seqs)
-            self._dispatch(w, outputs, result)
-            self._export(w)
-
-    def _dispatch(self, w: WorkerHandle, outputs: list[RequestOutput], result) -> None:
+    # -- results ------------------------------------------------------------------------------------------
+    def dispatch(self, w: WorkerHandle, outputs: list[RequestOutput], result) -> None:
         logprobs = {t.seq_id: t.logprobs for t in result.tokens if t.HasField("logprobs")}
         now = time.monotonic()
         for out in outputs:
-            stream = w.streams.get(out.request_id)
+            self.router.prefilled(out.request_id)  # its prompt's blocks are in the worker's cache now
+            stream = self.streams.get(out.request_id)
             if stream is None:
                 continue
             reason = stream.push(out, logprobs.get(out.seq_id), now)
             if reason is FinishReason.STOP_STRING and out.finish_reason is None:
                 w.scheduler.finish(out.request_id, FinishReason.STOP_STRING, out.index)
             if stream.done:
-                del w.streams[out.request_id]
+                del self.streams[out.request_id]
+                self.placement.pop(out.request_id, None)
                 log.info("request finished", request_id=out.request_id, worker=w.worker_id,
-                         preemptions=stream.request.num_preemptions)
-
-    def _export(self, w: WorkerHandle) -> None:
-        m, kv = self.metrics, w.scheduler.kv
-        # NOTE: pool counters, not kv.stats(): that walks every sequence, and this runs every step.
-        m.kv_blocks_used.labels(w.worker_id).set(kv.pool.num_used_blocks)
-        m.kv_blocks_cached.labels(w.worker_id).set(kv.pool.num_cached_free_blocks)
-        m.prefix_queries.inc(kv.prefix_query_tokens - w.num_prefix_queries)
-        m.prefix_hits.inc(kv.prefix_hit_tokens - w.num_prefix_hits)
-        m.preemptions.inc(w.scheduler.num_preemptions - w.num_preemptions)
-        w.num_prefix_queries, w.num_prefix_hits = kv.prefix_query_tokens, kv.prefix_hit_tokens
-        w.num_preemptions = w.scheduler.num_preemptions
+                         preemptions=stream.request.num_preemptions, migrations=stream.request.num_migrations)
+        m = self.metrics
         m.requests_running.set(sum(x.scheduler.num_running for x in self.workers.values()))
-        m.requests_waiting.set(sum(x.scheduler.num_waiting for x in self.workers.values()))
+        m.requests_waiting.set(sum(x.scheduler.num_waiting for x in self.workers.values()) + len(self.unplaced))
+

@@ -8,7 +8,8 @@ _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class Metrics:
-    """One registry per service, so that tests can run several in one process."""
+    """One registry per service, so that tests can run several in one process. Per-worker series carry
+    a `worker` label (the scheduler's id for it, e.g. worker-0)."""
 
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
@@ -23,19 +24,28 @@ class Metrics:
         self.kv_blocks_total = Gauge("pagedserve_kv_blocks_total", "KV blocks in the worker's pool", ["worker"],
                                      registry=r)
         self.prefix_queries = Counter("pagedserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the "
-                                      "prefix cache", registry=r)
+                                      "prefix cache", ["worker"], registry=r)
         self.prefix_hits = Counter("pagedserve_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache",
+                                   ["worker"], registry=r)
+        self.preemptions = Counter("pagedserve_preemptions", "Sequences preempted (recomputed later)", ["worker"],
                                    registry=r)
-        self.preemptions = Counter("pagedserve_preemptions", "Sequences preempted (recomputed later)", registry=r)
+        self.workers = Gauge("pagedserve_workers", "Workers attached (leaving ones included)", registry=r)
+        self.workers_lost = Counter("pagedserve_workers_lost", "Workers lost: their stream broke, they missed a step "
+                                    "deadline, or a step failed", ["reason"], registry=r)
+        self.migrations = Counter("pagedserve_migrations", "Requests moved to another worker and recomputed there "
+                                  "(their worker was lost, or left with them queued)", registry=r)
         self.ttft = Histogram("pagedserve_ttft_seconds", "Time to first token", buckets=_LATENCY, registry=r)
         self.itl = Histogram("pagedserve_itl_seconds", "Inter-token latency", buckets=_LATENCY, registry=r)
         self.e2e = Histogram("pagedserve_e2e_seconds", "Request latency, arrival to last token",
                              buckets=_LATENCY, registry=r)
         self.step = Histogram("pagedserve_step_seconds", "Scheduler step: plan, worker forward, update",
-                              buckets=_LATENCY, registry=r)
+                              ["worker"], buckets=_LATENCY, registry=r)
         self.worker_idle = Histogram(
             "pagedserve_worker_idle_seconds", "Worker idle between two back-to-back steps: from sending a result "
             "to receiving the next plan (steps after a wait for work are not counted)",
-            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
-        self.batch_size = Histogram("pagedserve_batch_size", "Sequences per step",
+            ["worker"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
+        self.batch_size = Histogram("pagedserve_batch_size", "Sequences per step", ["worker"],
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
+
+    # NOTE: only gauges go when a worker does; its counters and histograms stay, so totals never drop.
+    PER_WORKER_GAUGES = ("kv_blocks_used", "kv_blocks_cached", "kv_blocks_total")

@@ -17,6 +17,7 @@ from prometheus_client import start_http_server
 
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.errors import ErrorCode
 from scheduler_svc.servicers import GenerationServicer, WorkerControlServicer
 from scheduler_svc.text.tokenizer import Tokenizer
 
@@ -36,7 +37,11 @@ class ServerConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     max_queued_requests: int = 1024
-    drain_seconds: float = 30.0
+    drain_seconds: float = 30.0  # --drain-timeout: how long SIGTERM lets in-flight streams finish
+    routing: str = "kv"  # kv | least-loaded | round-robin (scheduler_svc.routing)
+    step_timeout: float = 60.0  # a worker that takes longer for a step is lost (its first step may take 4x)
+    max_migrations: int = 3  # a request whose steps took down this many workers ends with INTERNAL
+    no_worker_timeout: float = 60.0  # requests wait this long for a worker when none is attached
 
 
 def engine_config(cfg: ServerConfig, tokenizer: Tokenizer) -> EngineConfig:
@@ -46,7 +51,25 @@ def engine_config(cfg: ServerConfig, tokenizer: Tokenizer) -> EngineConfig:
                         vocab_size=int(model["vocab_size"]), eos_token_ids=tokenizer.eos_token_ids,
                         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                         enable_prefix_caching=cfg.enable_prefix_caching,
-                        max_queued_requests=cfg.max_queued_requests)
+                        max_queued_requests=cfg.max_queued_requests, routing=cfg.routing,
+                        step_timeout=cfg.step_timeout, max_migrations=cfg.max_migrations,
+                        no_worker_timeout=cfg.no_worker_timeout, drain_seconds=cfg.drain_seconds)
+
+
+# NOTE: keepalive on the worker endpoint finds a dead peer (a killed host, a stopped process, a cut cable) in
+# about KEEPALIVE_TIME + KEEPALIVE_TIMEOUT even while it has no step in flight; workers ping as well
+# (worker_svc.client), so the server must accept pings that often.
+KEEPALIVE_TIME_MS = 10_000
+KEEPALIVE_TIMEOUT_MS = 5_000
+WORKER_SERVER_OPTIONS = (
+    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
+    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+)
 
 
 async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
@@ -70,7 +93,7 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
         (generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
          health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), clients)
     clients.add_insecure_port(cfg.listen)
-    workers = grpc.aio.server()
+    workers = grpc.aio.server(options=WORKER_SERVER_OPTIONS)
     worker_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(engine), workers)
     reflection.enable_server_reflection(
         (worker_pb2.DESCRIPTOR.services_by_name["WorkerControl"].full_name, reflection.SERVICE_NAME), workers)
@@ -92,10 +115,16 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
     # Drain: refuse new requests (UNAVAILABLE), let running ones finish, then stop.
     engine.draining = True
     await health.enter_graceful_shutdown()
-    log.info("draining", unfinished=engine.num_unfinished)
+    log.info("draining", unfinished=engine.num_unfinished, timeout_s=cfg.drain_seconds)
     deadline = loop.time() + cfg.drain_seconds
     while engine.num_unfinished and loop.time() < deadline:
         await asyncio.sleep(0.05)
+    if engine.num_unfinished:
+        log.warning("drain timeout: ending the unfinished requests", unfinished=engine.num_unfinished)
+        engine.fail_all(ErrorCode.UNAVAILABLE, f"the server shut down: the request did not finish within the "
+                                               f"{cfg.drain_seconds:g} s drain timeout")
     await clients.stop(grace=1.0)
+    for w in list(engine.workers.values()):  # NOTE: the workers stay up and dial in again, to a restarted scheduler
+        engine.detach(w)
     await workers.stop(grace=1.0)
     log.info("scheduler stopped")

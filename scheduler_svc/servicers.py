@@ -63,18 +63,26 @@ class WorkerControlServicer(worker_pb2_grpc.WorkerControlServicer):
         except EngineError as e:
             await _abort(context, e)
 
-        async def read_results() -> None:
+        async def read_messages() -> None:
+            reason = "its stream ended"
             try:
                 async for msg in request_iterator:
-                    if msg.WhichOneof("kind") == "result":
-                        handle.results.put_nowait(msg.result)
+                    kind = msg.WhichOneof("kind")
+                    if kind == "result":
+                        handle.inbox.put_nowait(msg.result)
+                    elif kind == "error":
+                        handle.inbox.put_nowait(convert.step_error_from_pb(msg.error))
+                    elif kind == "leaving":
+                        self.engine.worker_leaving(handle, msg.leaving.reason)
+            except grpc.RpcError as e:  # NOTE: keepalive found the peer dead, or the connection broke
+                reason = f"its stream broke ({e.code().name})"
             finally:
-                handle.outbox.put_nowait(None)
+                self.engine.lose_worker(handle, "stream", reason)
 
-        reader = asyncio.get_running_loop().create_task(read_results())
+        reader = asyncio.get_running_loop().create_task(read_messages())
         try:
             while (plan := await handle.outbox.get()) is not None:
                 yield plan
         finally:
             reader.cancel()
-            self.engine.detach_worker(handle)
+            self.engine.lose_worker(handle, "stream", "its stream ended")

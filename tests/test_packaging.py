@@ -12,7 +12,7 @@ def test_every_python_package_is_listed_in_pyproject():
     cfg = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     dirs = cfg["package-dir"]
     found = set()
-    for top in ("scheduler_svc", "worker_svc", "pagedserve_cli"):
+    for top in ("scheduler_svc", "worker_svc", "pagedserve_cli", "pagedserve_common"):
         found |= {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / top).rglob("__init__.py")}
     for name, where in dirs.items():
         found |= {".".join((name, *p.parent.relative_to(ROOT / where).parts))
@@ -32,3 +32,31 @@ def test_the_scheduler_service_never_imports_torch_or_cupy():
             "print(sorted(m for m in ('torch', 'cupy', 'transformers', 'worker_svc') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "[]"
+
+
+def _imported_top_levels(package: str) -> dict[str, set[str]]:
+    """Every module of `package` -> the top-level packages it imports (at any depth, lazily or not)."""
+    import ast
+
+    out = {}
+    for path in (ROOT / package).rglob("*.py"):
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module.split(".")[0])
+        out[str(path.relative_to(ROOT))] = names
+    return out
+
+
+def test_the_services_never_import_each_other_only_the_shared_module():
+    """What both services need lives in pagedserve_common; neither service imports the other, in any module."""
+    for package, other in (("worker_svc", "scheduler_svc"), ("scheduler_svc", "worker_svc")):
+        offenders = sorted(m for m, names in _imported_top_levels(package).items() if other in names)
+        assert offenders == [], f"{package} imports {other} in {offenders}"
+    for module, names in _imported_top_levels("pagedserve_common").items():
+        assert not names & {"scheduler_svc", "worker_svc", "torch", "grpc"}, module
+    # And the shared module really is shared: both services use it.
+    for package in ("worker_svc", "scheduler_svc"):
+        assert any("pagedserve_common" in n for n in _imported_top_levels(package).values()), package

@@ -1,9 +1,15 @@
-"""The worker process: dials in to the scheduler, registers, then answers one StepPlan per step."""
+"""The worker process: dials in to the scheduler, registers, answers one StepPlan per step; dials in again
+(with backoff, an empty pool) when the stream breaks, and leaves on SIGTERM once the scheduler lets it."""
 
 from __future__ import annotations
 
+import os
 import queue
+import random
+import signal
+import socket
 import time
+from dataclasses import dataclass
 
 import grpc
 import structlog
@@ -11,16 +17,68 @@ import torch
 
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from worker_svc.convert import plan_from_pb, result_to_pb
+from worker_svc.plan_check import BadPlan
 from worker_svc.threads import ThreadGovernor
 from worker_svc.worker import WorkerConfig, WorkerInfo, available_cores, create_runner
 
 log = structlog.get_logger("pagedserve.worker")
 
+# NOTE: pings find a dead scheduler (or a cut connection) in ~15 s even when no step is running; the
+# scheduler's server accepts pings this often (scheduler_svc.server.WORKER_SERVER_OPTIONS).
+CHANNEL_OPTIONS = (
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+)
+# Configuration errors: dialling in again cannot help.
+FATAL_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
+OUTBOX_POLL_SECONDS = 0.2
+
+
+class Shutdown:
+    """SIGTERM/SIGINT: the first asks to leave (the scheduler moves this worker's work, then ends the stream);
+    a second one exits at once. NOTE: the handler only sets attributes: it may interrupt the main thread
+    while that thread holds a lock (a queue's, say), so it must not take one."""
+
+    def __init__(self) -> None:
+        self.requested = False
+        self.reason = ""
+
+    def install(self) -> None:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        if self.requested:
+            raise SystemExit(0)
+        self.requested, self.reason = True, signal.Signals(signum).name
+
+
+@dataclass(slots=True)
+class Backoff:
+    """Delays between attempts to dial in: doubling from `first` up to `cap`, with jitter so that a fleet
+    does not dial a restarted scheduler in lockstep."""
+
+    first: float = 0.5
+    cap: float = 5.0
+    current: float = 0.0
+
+    def next(self) -> float:
+        self.current = self.first if not self.current else min(self.cap, self.current * 2)
+        return self.current * random.uniform(0.8, 1.2)
+
+    def reset(self) -> None:
+        self.current = 0.0
+
 
 def registration_pb(info: WorkerInfo) -> worker_pb2.WorkerMessage:
     return worker_pb2.WorkerMessage(registration=worker_pb2.WorkerRegistration(
         model_id=info.model_id, num_blocks=info.num_blocks, block_size=info.block_size, dtype=info.dtype,
-        max_model_len=info.max_model_len, device=info.device, num_cpu_blocks=info.num_cpu_blocks))
+        max_model_len=info.max_model_len, device=info.device, num_cpu_blocks=info.num_cpu_blocks,
+        name=f"{socket.gethostname()}:{os.getpid()}"))
 
 
 def make_governor(cfg: WorkerConfig) -> ThreadGovernor | None:
@@ -34,42 +92,101 @@ def make_governor(cfg: WorkerConfig) -> ThreadGovernor | None:
     return ThreadGovernor(available_cores(), torch.set_num_threads, on_change=changed)
 
 
-def run_worker(scheduler: str, cfg: WorkerConfig, connect_timeout: float = 60.0) -> None:
+def run_worker(scheduler: str, cfg: WorkerConfig, shutdown: Shutdown | None = None) -> int:
+    """Serves until asked to leave; returns the exit status (1 when the scheduler refuses this worker)."""
     runner, info = create_runner(cfg)
+    if shutdown is None:
+        shutdown = Shutdown()
+        shutdown.install()
     governor = make_governor(cfg)
     log.info("worker ready", scheduler=scheduler, num_blocks=info.num_blocks, block_size=info.block_size,
              dtype=info.dtype, device=info.device, kv_bytes=runner.pool.nbytes, threads=torch.get_num_threads(),
              cores=available_cores(), adaptive_threads=bool(governor and governor.enabled),
              attention=runner.backend.name, forward=runner.forward_path)
-    with grpc.insecure_channel(scheduler, options=[("grpc.max_receive_message_length", 64 << 20)]) as channel:
-        grpc.channel_ready_future(channel).result(timeout=connect_timeout)
-        serve_plans(channel, runner, info, governor)
+    backoff, last_warning = Backoff(), 0.0
+    while not shutdown.requested:
+        with grpc.insecure_channel(scheduler, options=CHANNEL_OPTIONS) as channel:
+            try:
+                grpc.channel_ready_future(channel).result(timeout=5)
+            except grpc.FutureTimeoutError:
+                if time.monotonic() - last_warning > 30:
+                    log.warning("waiting for the scheduler", scheduler=scheduler)
+                    last_warning = time.monotonic()
+                _sleep(backoff.next(), shutdown)
+                continue
+            started = time.monotonic()
+            try:
+                serve_plans(channel, runner, info, governor, shutdown)
+            except grpc.RpcError as e:
+                if e.code() in FATAL_CODES:
+                    log.error("the scheduler refused this worker", code=e.code().name, details=e.details())
+                    return 1
+                log.warning("the stream to the scheduler broke; dialling in again with an empty pool",
+                            code=e.code().name, details=e.details())
+            runner.reset()
+        if shutdown.requested:
+            break
+        if time.monotonic() - started > 30:  # it served a while: dial in again promptly
+            backoff.reset()
+        _sleep(backoff.next(), shutdown)
+    log.info("worker leaving", reason=shutdown.reason)
+    return 0
 
 
-def serve_plans(channel: grpc.Channel, runner, info: WorkerInfo, governor: ThreadGovernor | None = None) -> None:
-    """Attach: registration first, then one StepResult per StepPlan, until the scheduler closes the stream."""
+def _sleep(seconds: float, shutdown: Shutdown) -> None:
+    deadline = time.monotonic() + seconds
+    while not shutdown.requested and time.monotonic() < deadline:
+        time.sleep(min(0.1, deadline - time.monotonic()))
+
+
+def serve_plans(channel: grpc.Channel, runner, info: WorkerInfo, governor: ThreadGovernor | None = None,
+                shutdown: Shutdown | None = None) -> None:
+    """Attach: registration first, then one StepResult (or StepError) per StepPlan, until the scheduler ends
+    the stream. Raises grpc.RpcError when the stream breaks."""
+    shutdown = shutdown or Shutdown()
     outbox: queue.Queue = queue.Queue()
     outbox.put(registration_pb(info))
 
     def messages():
-        while (msg := outbox.get()) is not None:
+        announced = False
+        while True:
+            if shutdown.requested and not announced:
+                announced = True
+                yield worker_pb2.WorkerMessage(leaving=worker_pb2.Leaving(reason=shutdown.reason or "shutdown"))
+            try:
+                msg = outbox.get(timeout=OUTBOX_POLL_SECONDS)
+            except queue.Empty:
+                continue
+            if msg is None:
+                return
             yield msg
 
     try:
         sent_at = None
         for plan_pb in worker_pb2_grpc.WorkerControlStub(channel).Attach(messages()):
             t0 = time.perf_counter()
-            out = runner.step(plan_from_pb(plan_pb))
-            result = result_to_pb(out)
-            result.step_seconds = time.perf_counter() - t0
-            result.idle_seconds = 0.0 if sent_at is None else t0 - sent_at
-            outbox.put(worker_pb2.WorkerMessage(result=result))
+            outbox.put(worker_pb2.WorkerMessage(**_answer(runner, plan_pb, t0, sent_at)))
             sent_at = time.perf_counter()
             if governor is not None:
                 governor.tick()
-    except grpc.RpcError as e:
-        if e.code() not in (grpc.StatusCode.CANCELLED, grpc.StatusCode.UNAVAILABLE):
-            raise
-        log.info("scheduler closed the stream", code=e.code().name)
+        log.info("the scheduler ended the stream")
     finally:
         outbox.put(None)
+
+
+def _answer(runner, plan_pb, t0: float, sent_at: float | None) -> dict:
+    """{'result': StepResult} or {'error': StepError}: a refused plan or a failed step is reported, not fatal."""
+    try:
+        out = runner.step(plan_from_pb(plan_pb))
+    except BadPlan as e:
+        log.error("refused a bad plan", step_id=plan_pb.step_id, error=str(e))
+        return {"error": worker_pb2.StepError(step_id=plan_pb.step_id, kind=worker_pb2.StepError.BAD_PLAN,
+                                              message=str(e))}
+    except Exception as e:  # NOTE: out of device memory, a kernel fault: the scheduler recomputes elsewhere
+        log.exception("step failed", step_id=plan_pb.step_id)
+        return {"error": worker_pb2.StepError(step_id=plan_pb.step_id, kind=worker_pb2.StepError.STEP_FAILED,
+                                              message=f"{type(e).__name__}: {e}")}
+    result = result_to_pb(out)
+    result.step_seconds = time.perf_counter() - t0
+    result.idle_seconds = 0.0 if sent_at is None else t0 - sent_at
+    return {"result": result}

@@ -14,6 +14,7 @@ from worker_svc.kv_pool import KVPool
 from worker_svc.lean_model import build_lean
 from worker_svc.models import LoadedModel
 from worker_svc.plan import StepOutput, StepPlan
+from worker_svc.plan_check import check_plan
 from worker_svc.sampling import Sampler, make_generator
 
 
@@ -58,8 +59,16 @@ class ModelRunner:
                                 paged_step=step, logits_to_keep=keep, use_cache=False)
         return out.logits[0]
 
+    def reset(self) -> None:
+        """Forgets every sequence: the worker registers again with an empty pool (its KV data is never read
+        again: the scheduler's new block tables start from nothing)."""
+        self.batch = PersistentBatch()
+
     def step(self, plan: StepPlan) -> StepOutput:
+        """Runs one plan; raises BadPlan (and changes nothing) when the plan does not fit this worker."""
         t0 = time.perf_counter()
+        pool = self.pool
+        check_plan(plan, self.batch.seqs, pool.num_blocks, pool.num_cpu_blocks, pool.layout.block_size)
         scheduled = self.batch.apply(plan)
         # NOTE: order matters: blocks swapped out this step may be reused as swap-in or copy targets.
         self.pool.swap_out(plan.swap_out)

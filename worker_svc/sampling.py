@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from scheduler_svc.core.request import check_sampling_ranges
+from pagedserve_common.sampling import check_sampling_ranges
 # Slack for float32 rounding in the nucleus cumsum: without it, a crafted distribution whose head sums to
 # exactly top_p (0.5 + 0.3 vs 0.8) keeps one extra token or not depending on the rounding direction.
 TOP_P_EPS = 1e-6

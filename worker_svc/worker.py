@@ -44,16 +44,39 @@ class WorkerInfo:
     num_cpu_blocks: int = 0
 
 
+GPU_HEADROOM = 256 * 2**20  # bytes left free on the GPU for what the profile doesn't see (allocator slack, NVRTC)
+
+
 def _profile_kv_memory(runner_model, device: torch.device, utilization: float) -> int:
-    """GPU: bytes left for the KV pool after the weights and one max-size forward's activations."""
+    """GPU: bytes for the KV pool after the weights and one max-size forward's activations, within what is free.
+
+    Other processes (more workers, other jobs) may share the GPU, so the budget is the smaller of
+    - our share of the GPU: `utilization` x its total memory minus this process's peak (weights + activations), and
+    - what is actually free now, less room for the activations to come back and a small headroom."""
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     with torch.inference_mode():
         runner_model(input_ids=torch.zeros((1, 2048), dtype=torch.long, device=device), use_cache=False,
                      logits_to_keep=1)
     torch.cuda.synchronize(device)
-    _, total = torch.cuda.mem_get_info(device)
-    return max(0, int(total * utilization) - torch.cuda.max_memory_allocated(device))
+    torch.cuda.empty_cache()  # hand the activations back, so that `free` counts all but what we hold for good
+    free, total = torch.cuda.mem_get_info(device)
+    peak, held = torch.cuda.max_memory_allocated(device), torch.cuda.memory_allocated(device)
+    share = int(total * utilization) - peak
+    free_budget = free - (peak - held) - GPU_HEADROOM
+    return max(0, min(share, free_budget))
+
+
+def set_device(device: str) -> None:
+    """Makes `device` (cpu, cuda, cuda:N) this process's current GPU, so that everything allocated or launched
+    without an explicit index (torch's default stream, the CuPy kernels) lands on it too."""
+    if not device.startswith("cuda"):
+        return
+    index = torch.device(device).index or 0
+    if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r}: {torch.cuda.device_count() if torch.cuda.is_available() else 0} "
+                         f"GPU(s) visible")
+    torch.cuda.set_device(index)
 
 
 def available_cores() -> int:
@@ -90,6 +113,7 @@ def make_backend(name: str, device: str, layout: KVLayout) -> AttentionBackend:
 def create_runner(cfg: WorkerConfig, backend: AttentionBackend | None = None) -> tuple[ModelRunner, WorkerInfo]:
     if cfg.device == "cpu":
         torch.set_num_threads(cfg.threads or available_cores())
+    set_device(cfg.device)
     loaded = load_model(resolve_model(cfg.model), cfg.dtype, cfg.device, model_id=cfg.model)
     layout = loaded.kv_layout(cfg.block_size)
     kv_memory = cfg.kv_memory

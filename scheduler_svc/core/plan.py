@@ -60,3 +60,13 @@ class WorkerRegistration:
     max_model_len: int
     device: str
     num_cpu_blocks: int = 0
+    name: str = ""  # HOST:PID, for logs
+
+
+@dataclass(slots=True, frozen=True)
+class StepFailure:
+    """A worker's StepError: it could not run a plan (BAD_PLAN: refused it; STEP_FAILED: the step raised)."""
+
+    step_id: int
+    kind: str
+    message: str

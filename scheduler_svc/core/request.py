@@ -3,27 +3,10 @@
 from __future__ import annotations
 
 import enum
-import math
 import time
 from dataclasses import dataclass, field
 
-
-MAX_LOGPROBS = 20  # vLLM's default max_logprobs
-
-
-def check_sampling_ranges(temperature: float, top_p: float, top_k: int, min_p: float, logprobs: int | None) -> None:
-    """Raises ValueError naming the first sampler setting out of range (shared with the worker's sampler)."""
-    # NOTE: written as `not (ok)` so that NaN fails every check.
-    if not (temperature >= 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
-    if not (0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-    if not (top_k >= 0):
-        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
-    if not (0 <= min_p <= 1):
-        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
-    if logprobs is not None and not (0 <= logprobs <= MAX_LOGPROBS):
-        raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+from pagedserve_common.sampling import check_sampling_ranges
 
 
 class RequestStatus(enum.Enum):
@@ -87,6 +70,7 @@ class Request:
     seq_id: int = -1  # assigned by the scheduler; the sequence's id on the worker
     seed: int = 0  # the seed actually used (assigned by the scheduler when sampling.seed is None)
     num_preemptions: int = 0
+    num_migrations: int = 0  # workers lost while this request was in their step (see Engine, --max-migrations)
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at first admission
     finish_reason: FinishReason | None = None
     index: int = 0  # which of the n samples this sequence is

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from scheduler_svc.core.plan import NewSeqPlan, RunningSeqPlan, StepPlan
+from scheduler_svc.core.handover import Handover
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput, RequestStatus
 from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.manager import KVCacheManager, KVCacheStats
@@ -27,7 +30,7 @@ class SchedulerConfig:
     num_cpu_blocks: int = 0  # the worker's swap space; 0: preemption always recomputes
 
 
-class Scheduler:
+class Scheduler(Handover):
     """Decides each step's batch; owns every sequence's block table through a KVCacheManager.
 
     Protocol: schedule() -> send the plan -> update(plan, sampled) -> schedule() ..., one plan in flight.
@@ -36,7 +39,9 @@ class Scheduler:
     NOTE: the KV manager keys block tables by seq_id, which is unique among live sequences.
     """
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, seq_ids: Iterator[int] | None = None) -> None:
+        """`seq_ids` hands out sequence ids; the engine shares one among its workers' schedulers, so that a
+        sequence id names one sequence across the whole fleet (and a migrated sequence gets a fresh one)."""
         if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         self.config = config
@@ -50,7 +55,7 @@ class Scheduler:
         self.running: list[Request] = []  # in admission order: the last is the first preemption victim
         self.num_preemptions = 0
         self.steps = 0
-        self._next_seq_id = 0
+        self._seq_ids = seq_ids if seq_ids is not None else itertools.count()
         self._num_seq_slots = 0  # running sequences, counting an unforked parent as its n future children
         self._finished_seq_ids: list[int] = []  # the worker's to drop, told in the next plan
         self._scheduled: list[tuple[Request, int]] = []  # the plan in flight: (sequence, tokens scheduled)
@@ -61,11 +66,24 @@ class Scheduler:
     # -- admission ----------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         """Queues a request; raises ValueError naming the offending field when it can never be served."""
-        cfg, sp = self.config, req.sampling
+        sp = req.sampling
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in flight")
         if not req.prompt_token_ids:
             raise ValueError("prompt_token_ids must not be empty")
+        self.check_fits(req)
+        req.status = RequestStatus.WAITING
+        req.seq_id = self._new_seq_id()
+        req.seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
+        req.fork_into = sp.n if sp.n > 1 else 0
+        req.stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self._eos)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def check_fits(self, req: Request) -> None:
+        """Raises ValueError naming the field when this worker can never serve `req` (its sampling settings, or
+        its worst case alone needs more than the pool)."""
+        cfg, sp = self.config, req.sampling
         if len(req.prompt_token_ids) > cfg.max_model_len - 1:
             raise ValueError(f"prompt_token_ids has {len(req.prompt_token_ids)} tokens; max_model_len "
                              f"{cfg.max_model_len} leaves room for at most {cfg.max_model_len - 1}")
@@ -79,18 +97,9 @@ class Scheduler:
         if need > cfg.num_blocks:
             raise ValueError(f"prompt_token_ids + max_tokens need {need} KV blocks for n={sp.n}; the pool has "
                              f"{cfg.num_blocks}")
-        req.status = RequestStatus.WAITING
-        req.seq_id = self._new_seq_id()
-        req.seed = sp.seed if sp.seed is not None else self._rng.getrandbits(63)
-        req.fork_into = sp.n if sp.n > 1 else 0
-        req.stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self._eos)
-        self.requests[req.request_id] = req
-        self.waiting.append(req)
 
     def _new_seq_id(self) -> int:
-        seq_id = self._next_seq_id
-        self._next_seq_id = seq_id + 1
-        return seq_id
+        return next(self._seq_ids)
 
     # -- finishing ----------------------------------------------------------------------------------------
     def abort(self, request_id: str) -> None:
@@ -189,10 +198,12 @@ class Scheduler:
                 scheduled.append((req, num_new))
                 budget -= num_new
                 continue
-            hit = kv.lookup(tokens, req.cache_salt)
+            hit = kv.find_prefix(tokens, req.cache_salt)
             num_new = min(req.num_target_tokens() - hit.num_tokens, budget, cap)
             if kv.allocate(req.seq_id, hit.num_tokens + num_new, tokens, hit, req.cache_salt) is None:
                 break  # no blocks: wait for running sequences to finish
+            # NOTE: counted once admitted: a queue head that waits for blocks is looked up again every step.
+            kv.record_prefix_query(len(tokens), hit.num_tokens)
             waiting.popleft()
             if req.status is RequestStatus.WAITING:
                 req.num_cached_prompt_tokens = hit.num_tokens

@@ -90,9 +90,26 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def lookup(self, token_ids: Sequence[int], extra_key: object = None) -> PrefixHit:
-        """Finds the cached prefix of a prompt. NOTE: never covers the last token, whose logits are needed."""
+        """Finds the cached prefix of a prompt and counts the query in the hit-rate counters.
+
+        NOTE: never covers the last token, whose logits are needed.
+        """
+        hit = self.find_prefix(token_ids, extra_key)
+        self.record_prefix_query(len(token_ids), hit.num_tokens)
+        return hit
+
+    def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_query_tokens += num_query_tokens
+        self.prefix_hit_tokens += num_hit_tokens
+
+    def cached_prefix_len(self, token_ids: Sequence[int], extra_key: object = None) -> int:
+        """Tokens of the prompt's prefix this pool holds now, as lookup() would find them; no side effects (no
+        counters, no LRU change), so the router can ask every worker."""
+        return self.find_prefix(token_ids, extra_key).num_tokens
+
+    def find_prefix(self, token_ids: Sequence[int], extra_key: object = None) -> PrefixHit:
+        """lookup() without counting the query."""
         parent = _root(extra_key)
-        self.prefix_query_tokens += len(token_ids)
         if not self.enable_prefix_caching:
             return PrefixHit([], 0, parent)
         bs = self.block_size
@@ -105,9 +122,7 @@ class KVCacheManager:
                 break
             block_ids.append(bid)
             parent = chain_id[bid]
-        num_hit = len(block_ids) * bs
-        self.prefix_hit_tokens += num_hit
-        return PrefixHit(block_ids, num_hit, parent)
+        return PrefixHit(block_ids, len(block_ids) * bs, parent)
 
     # -- allocation ---------------------------------------------------------------------------------------
     def _blocks_needed(self, request_id: Hashable, num_tokens: int, hit: PrefixHit | None) -> int:

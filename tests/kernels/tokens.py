@@ -25,7 +25,7 @@ def check_greedy_tokens(model_dir: str, backend, device: str, chunk: int) -> Non
     """Staggered arrivals (mixed prefill + decode steps), chunked prefill when `chunk` is small, a shared
     prefix (prefix-cache hit) and an n=2 fork (copy-on-write of the shared partial block): every sample must
     be token-identical to transformers."""
-    from worker_svc.driver import LocalDriver
+    from tests.driver import LocalDriver
     from worker_svc.kv_pool import KVPool
     from worker_svc.models import load_model
     from worker_svc.runner import ModelRunner

@@ -39,7 +39,7 @@ def test_not_serving_until_a_worker_attaches_then_drains_on_sigterm(tiny_served_
     listen, worker_listen = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     exe = [sys.executable, "-m", "pagedserve_cli.main"]
     sched = subprocess.Popen([*exe, "scheduler", "--model", tiny_served_model, "--listen", listen,
-                              "--worker-listen", worker_listen, "--metrics", ""])
+                              "--worker-listen", worker_listen, "--metrics", "", "--no-worker-timeout", "1"])
     worker = None
     try:
         not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -49,14 +49,17 @@ def test_not_serving_until_a_worker_attaches_then_drains_on_sigterm(tiny_served_
             try:
                 list(generate_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(prompt="hi")))
                 raise AssertionError("served without a worker")
-            except grpc.RpcError as e:
-                assert e.code() == grpc.StatusCode.UNAVAILABLE
+            except grpc.RpcError as e:  # after waiting --no-worker-timeout for one
+                assert (e.code(), e.details()) == (grpc.StatusCode.UNAVAILABLE, "no worker was attached for 1 s")
         worker = subprocess.Popen([*exe, "worker", "--scheduler", worker_listen, "--model", tiny_served_model,
                                    "--kv-memory", "4MiB"])
         wait_until(lambda: health(listen) == health_pb2.HealthCheckResponse.SERVING)
         sched.send_signal(signal.SIGTERM)
         assert sched.wait(timeout=60) == 0
-        assert worker.wait(timeout=60) == 0  # the worker leaves by itself once the scheduler is gone
+        time.sleep(1)
+        assert worker.poll() is None  # the worker outlives the scheduler: it dials in again, with backoff
+        worker.send_signal(signal.SIGTERM)
+        assert worker.wait(timeout=60) == 0  # and leaves at once on SIGTERM, with nothing to hand over
     finally:
         for p in (worker, sched):
             if p is not None and p.poll() is None:

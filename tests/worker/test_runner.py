@@ -11,10 +11,11 @@ import torch
 from tests.worker.helpers import make_runner
 from scheduler_svc.core.request import SamplingConfig
 from worker_svc.attention.torch_backend import TorchAttentionBackend
-from worker_svc.driver import LocalDriver
+from tests.driver import LocalDriver
 from worker_svc.kv_pool import KVLayout, KVPool
 from worker_svc.models import load_model
 from worker_svc.plan import NewSeq, SeqDelta, StepPlan
+from worker_svc.plan_check import BadPlan
 from worker_svc.sampling import SamplingOptions
 
 
@@ -60,10 +61,13 @@ def test_seeded_sampling_is_identical_whatever_the_batch(tiny_llama_dir):
 
 def test_plans_for_unknown_or_overrun_sequences_are_rejected(tiny_llama_dir):
     runner = make_runner(tiny_llama_dir)
-    with pytest.raises(ValueError, match="seq 7 is not running"):
+    with pytest.raises(BadPlan, match="running seq 7 is not on this worker"):
         runner.step(StepPlan(0, running=[SeqDelta(7, [], 1)]))
-    with pytest.raises(ValueError, match="only 3 known"):
+    with pytest.raises(BadPlan, match="only 3 known"):
         runner.step(StepPlan(1, new_seqs=[NewSeq(1, [1, 2, 3], [0], 0, 4)]))
+    with pytest.raises(BadPlan, match="block 64 is outside the pool"):  # never written outside the pool
+        runner.step(StepPlan(2, new_seqs=[NewSeq(1, [1, 2, 3], [64], 0, 3)]))
+    assert len(runner.batch) == 0
 
 
 def test_chunked_prompt_samples_only_after_its_last_chunk(tiny_llama_dir):

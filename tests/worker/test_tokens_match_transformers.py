@@ -7,7 +7,7 @@ import random
 import pytest
 
 from tests.worker.helpers import PATHS, assert_same_greedy, make_runner, reference_greedy, reference_model
-from worker_svc.driver import LocalDriver
+from tests.driver import LocalDriver
 
 PROMPTS = [[random.Random(i).randrange(512) for _ in range(n)] for i, n in enumerate([5, 17, 33, 48, 64, 3])]
 NEW = 24

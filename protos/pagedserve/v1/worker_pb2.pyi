@@ -1,5 +1,6 @@
 from pagedserve.v1 import generate_pb2 as _generate_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
@@ -8,15 +9,43 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("registration", "result")
+    __slots__ = ("registration", "result", "error", "leaving")
     REGISTRATION_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    LEAVING_FIELD_NUMBER: _ClassVar[int]
     registration: WorkerRegistration
     result: StepResult
-    def __init__(self, registration: _Optional[_Union[WorkerRegistration, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ...) -> None: ...
+    error: StepError
+    leaving: Leaving
+    def __init__(self, registration: _Optional[_Union[WorkerRegistration, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., error: _Optional[_Union[StepError, _Mapping]] = ..., leaving: _Optional[_Union[Leaving, _Mapping]] = ...) -> None: ...
+
+class StepError(_message.Message):
+    __slots__ = ("step_id", "kind", "message")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[StepError.Kind]
+        BAD_PLAN: _ClassVar[StepError.Kind]
+        STEP_FAILED: _ClassVar[StepError.Kind]
+    KIND_UNSPECIFIED: StepError.Kind
+    BAD_PLAN: StepError.Kind
+    STEP_FAILED: StepError.Kind
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    kind: StepError.Kind
+    message: str
+    def __init__(self, step_id: _Optional[int] = ..., kind: _Optional[_Union[StepError.Kind, str]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class Leaving(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class WorkerRegistration(_message.Message):
-    __slots__ = ("model_id", "num_blocks", "block_size", "dtype", "max_model_len", "device", "num_cpu_blocks")
+    __slots__ = ("model_id", "num_blocks", "block_size", "dtype", "max_model_len", "device", "num_cpu_blocks", "name")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -24,6 +53,7 @@ class WorkerRegistration(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     model_id: str
     num_blocks: int
     block_size: int
@@ -31,7 +61,8 @@ class WorkerRegistration(_message.Message):
     max_model_len: int
     device: str
     num_cpu_blocks: int
-    def __init__(self, model_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., device: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ...) -> None: ...
+    name: str
+    def __init__(self, model_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., device: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
 class NewRequest(_message.Message):
     __slots__ = ("seq_id", "token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling", "seed")

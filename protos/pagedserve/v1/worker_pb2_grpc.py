@@ -47,8 +47,9 @@ class WorkerControlServicer:
     """
 
     def Attach(self, request_iterator, context):
-        """Attach is the worker's one long-lived stream: it sends a WorkerRegistration first, then one StepResult per
-        StepPlan it received; the scheduler sends StepPlans.
+        """Attach is the worker's one long-lived stream: it sends a WorkerRegistration first, then one StepResult (or
+        StepError) per StepPlan it received; the scheduler sends StepPlans. When the stream breaks, the worker dials
+        in again (with backoff) and registers anew; the scheduler recomputes the lost worker's requests elsewhere.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

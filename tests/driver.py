@@ -1,4 +1,4 @@
-"""An in-process serving loop: the real scheduler drives one ModelRunner through serialized plans.
+"""An in-process serving loop for tests and benchmarks: the real scheduler drives one ModelRunner through serialized plans.
 
 Tests and benchmarks use it to run the worker without gRPC transport or processes; everything else is the
 production path (scheduler_svc.core.Scheduler, the protobuf plans and results, ModelRunner).

@@ -1,0 +1,1 @@
+"""What both services need: the scheduler and the worker import this, never each other."""

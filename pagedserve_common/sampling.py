@@ -1,0 +1,22 @@
+"""Sampler setting ranges, checked by the scheduler at admission and by the worker before sampling."""
+
+from __future__ import annotations
+
+import math
+
+MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+
+def check_sampling_ranges(temperature: float, top_p: float, top_k: int, min_p: float, logprobs: int | None) -> None:
+    """Raises ValueError naming the first sampler setting out of range (shared with the worker's sampler)."""
+    # NOTE: written as `not (ok)` so that NaN fails every check.
+    if not (temperature >= 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if not (0 < top_p <= 1):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not (top_k >= 0):
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+    if not (0 <= min_p <= 1):
+        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+    if logprobs is not None and not (0 <= logprobs <= MAX_LOGPROBS):
+        raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")

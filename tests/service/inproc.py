@@ -1,0 +1,127 @@
+"""An in-process scheduler server on loopback, with scripted workers that attach over the real Attach stream."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import grpc
+import pytest
+
+from pagedserve.v1 import generate_pb2 as pb
+from pagedserve.v1 import generate_pb2_grpc, worker_pb2, worker_pb2_grpc
+from scheduler_svc.engine import Engine, EngineConfig
+from scheduler_svc.servicers import GenerationServicer, WorkerControlServicer
+from scheduler_svc.text.tokenizer import Tokenizer
+from tests.service.conftest import free_port
+from worker_svc.model_store import resolve_model
+
+TOKEN = 7  # what a ScriptedWorker samples, for every sequence
+
+
+@functools.cache
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_model_dir(resolve_model("smollm2-135m-instruct"))
+
+
+def with_server(**engine_kwargs):
+    """Runs an async test against a real gRPC server in this process: test(engine, channel)."""
+    config = {"model_id": "m", "max_model_len": 128, "vocab_size": 49152, "max_num_seqs": 1,
+              "max_queued_requests": 2, "no_worker_timeout": 0, **engine_kwargs}
+
+    def wrap(test):
+        def run():
+            async def main():
+                engine = Engine(EngineConfig(**config), tokenizer())
+                server, address = grpc.aio.server(), f"127.0.0.1:{free_port()}"
+                generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)
+                worker_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(engine), server)
+                server.add_insecure_port(address)
+                await server.start()
+                try:
+                    async with grpc.aio.insecure_channel(address) as channel:
+                        await asyncio.wait_for(test(engine, channel), 60)
+                finally:
+                    await server.stop(0)
+            asyncio.run(main())
+        run.__name__, run.__doc__ = test.__name__, test.__doc__  # NOTE: not functools.wraps: pytest would read
+        return run                                                 # the wrapped signature as fixtures
+    return wrap
+
+
+class ScriptedWorker:
+    """Registers over the real Attach stream. With `answer`, it answers every plan, sampling TOKEN for every
+    scheduled sequence (the scheduler ignores tokens of sequences still in prefill); otherwise it stays silent.
+    Every plan it receives is kept."""
+
+    def __init__(self, channel, model_id: str = "m", answer: bool = False, num_blocks: int = 64) -> None:
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.queue.put_nowait(worker_pb2.WorkerMessage(registration=worker_pb2.WorkerRegistration(
+            model_id=model_id, num_blocks=num_blocks, block_size=16, dtype="float32", max_model_len=128,
+            device="cpu")))
+        self.answer = answer
+        self.call = worker_pb2_grpc.WorkerControlStub(channel).Attach(self._messages())
+        self.plans: list = []
+        self.error: grpc.RpcError | None = None
+        self.ended = False  # the scheduler ended the stream (OK status)
+        self.reader = asyncio.get_running_loop().create_task(self._read())
+
+    async def _messages(self):
+        while (msg := await self.queue.get()) is not None:
+            yield msg
+
+    async def _read(self) -> None:
+        try:
+            async for plan in self.call:
+                self.plans.append(plan)
+                if self.answer:
+                    self.reply(plan)
+            self.ended = True
+        except grpc.RpcError as e:
+            self.error = e
+
+    def reply(self, plan) -> None:
+        result = worker_pb2.StepResult(step_id=plan.step_id)
+        for s in (*plan.new_requests, *plan.running):
+            result.tokens.add(seq_id=s.seq_id, token_id=TOKEN)
+        self.queue.put_nowait(worker_pb2.WorkerMessage(result=result))
+
+    def fail_step(self, plan, kind=worker_pb2.StepError.STEP_FAILED, message: str = "boom") -> None:
+        self.queue.put_nowait(worker_pb2.WorkerMessage(error=worker_pb2.StepError(
+            step_id=plan.step_id, kind=kind, message=message)))
+
+    def leave(self) -> None:
+        self.queue.put_nowait(worker_pb2.WorkerMessage(leaving=worker_pb2.Leaving(reason="SIGTERM")))
+
+    def close(self) -> None:
+        self.call.cancel()
+
+    def seq_ids(self) -> set[int]:
+        return {n.seq_id for p in self.plans for n in p.new_requests}
+
+
+async def wait_for(cond) -> None:
+    while not cond():
+        await asyncio.sleep(0.01)
+
+
+def generate(channel, request_id: str = "", ids=(5, 6, 7), max_tokens: int = 4, **sampling):
+    return generate_pb2_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+        request_id=request_id, prompt_token_ids=pb.TokenIds(ids=ids),
+        sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)))
+
+
+async def status_of(call) -> tuple[grpc.StatusCode, str]:
+    with pytest.raises(grpc.RpcError) as e:
+        while (await call.read()) is not grpc.aio.EOF:
+            pass
+        raise AssertionError("the call ended without an error")
+    return e.value.code(), e.value.details()
+
+
+async def tokens_of(call) -> list[list[int]]:
+    """Every streamed token of a call, one list per sample; raises if it ends with an error."""
+    out: dict[int, list[int]] = {}
+    async for msg in call:
+        out.setdefault(msg.index, []).extend(msg.token_ids)
+    return [out[i] for i in sorted(out)]

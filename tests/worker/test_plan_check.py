@@ -1,0 +1,51 @@
+"""The worker refuses a plan that would write outside its pool or name sequences it does not hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker_svc.batch import PersistentBatch
+from worker_svc.plan import NewSeq, SeqDelta, StepPlan
+from worker_svc.plan_check import BadPlan, check_plan
+
+NUM_BLOCKS, NUM_CPU_BLOCKS, BS = 8, 2, 4
+
+
+def holding_seq_0() -> PersistentBatch:
+    batch = PersistentBatch()
+    batch.apply(StepPlan(0, new_seqs=[NewSeq(0, [1, 2, 3, 4, 5], [0, 1], 0, 5)]))
+    batch.seqs[0].num_computed_tokens, batch.seqs[0].num_scheduled_tokens = 5, 0
+    batch.seqs[0].token_ids.append(6)
+    return batch
+
+
+def check(plan: StepPlan, batch: PersistentBatch | None = None) -> None:
+    check_plan(plan, (batch or holding_seq_0()).seqs, NUM_BLOCKS, NUM_CPU_BLOCKS, BS)
+
+
+@pytest.mark.parametrize("plan, message", [
+    (StepPlan(1, new_seqs=[NewSeq(1, [1, 2], [8], 0, 2)]), "seq 1: block 8 is outside the pool (0..7)"),
+    (StepPlan(1, new_seqs=[NewSeq(0, [1], [2], 0, 1)]), "new seq 0 is already on this worker"),
+    (StepPlan(1, new_seqs=[NewSeq(1, [1, 2, 3, 4, 5], [2], 0, 5)]), "seq 1: 5 tokens need 2 blocks, its table has 1"),
+    (StepPlan(1, new_seqs=[NewSeq(1, [1, 2], [2], 0, 3)]), "seq 1: 3 tokens scheduled after 0 computed, but only 2"),
+    (StepPlan(1, running=[SeqDelta(7, [], 1)]), "running seq 7 is not on this worker"),
+    (StepPlan(1, running=[SeqDelta(0, [], 1)], finished_seq_ids=[0]), "running seq 0 is not on this worker"),
+    (StepPlan(1, running=[SeqDelta(0, [9], 1)]), "seq 0: block 9 is outside the pool"),
+    (StepPlan(1, running=[SeqDelta(0, [], 2)]), "seq 0: 2 tokens scheduled after 5 computed, but only 6 known"),
+    (StepPlan(1, finished_seq_ids=[3]), "finished/preempted seq 3 is not on this worker"),
+    (StepPlan(1, copies=[(0, 8)]), "copy: block 8 is outside the pool"),
+    (StepPlan(1, swap_out=[(0, 2)]), "swap_out: CPU block 2 is outside the pool (0..1)"),
+    (StepPlan(1, swap_in=[(1, 99)]), "swap_in: block 99 is outside the pool"),
+])
+def test_bad_plans_are_refused_naming_what_is_wrong(plan, message):
+    with pytest.raises(BadPlan, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check(plan)
+
+
+def test_a_good_plan_passes_and_a_refused_one_changes_nothing():
+    batch = holding_seq_0()
+    check(StepPlan(1, new_seqs=[NewSeq(1, [1, 2], [2], 0, 2)], running=[SeqDelta(0, [], 1)],
+                   copies=[(0, 7)], swap_out=[(1, 1)], swap_in=[(1, 3)]), batch)
+    with pytest.raises(BadPlan):
+        check(StepPlan(1, new_seqs=[NewSeq(1, [1, 2], [2], 0, 2)], running=[SeqDelta(0, [99], 1)]), batch)
+    assert list(batch.seqs) == [0] and batch.seqs[0].block_ids == [0, 1]
