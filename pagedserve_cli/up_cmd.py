@@ -87,8 +87,6 @@ def core_shares(cores: list[int], num_workers: int) -> list[list[int]]:
     return [[cores[i % len(cores)]] for i in range(num_workers)]
 
 
-
-
 def visible_gpus() -> int:
     """How many GPUs the workers will see, counted in a child process (keeps torch and CUDA out of `up`)."""
     try:
