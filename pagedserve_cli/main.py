@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedserve_cli import bench_cmd, generate_cmd, kv_plan, model_cmd, serve_cmd, up_cmd
+from pagedserve_cli import bench_cmd, generate_cmd, health_cmd, kv_plan, model_cmd, serve_cmd, up_cmd
+from pagedserve_cli.env import apply_env
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +18,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve_cmd.add_parsers(sub)
     kv_plan.add_parser(sub)
     model_cmd.add_parser(sub)
+    health_cmd.add_parser(sub)
+    apply_env(p)
     return p
 
 

@@ -9,13 +9,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("model", help="manage the local model cache")
     msub = p.add_subparsers(dest="model_command", required=True)
     pull = msub.add_parser("pull", help="fetch and convert a known model into the cache; prints its directory")
-    pull.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    pull.add_argument("name", nargs="?", default="smollm2-135m-instruct",
+                      help="a known model name, or a model directory (printed as is)")
     pull.set_defaults(func=run_pull)
 
 
 def run_pull(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
     from worker_svc.model_store import REGISTRY, pull
 
+    if (Path(args.name) / "config.json").is_file():  # a model directory of one's own: nothing to fetch
+        print(args.name)
+        return 0
     if args.name not in REGISTRY:
         raise ValueError(f"unknown model {args.name!r}; known: {', '.join(sorted(REGISTRY))}")
     print(pull(args.name))

@@ -15,11 +15,12 @@ ROUTING = ("kv", "least-loaded", "round-robin")
 
 
 def parse_device(text: str) -> str:
-    """argparse type for --device: cpu, cuda or cuda:N (kept as given; `up` spreads plain cuda over the GPUs)."""
+    """argparse type for --device: cpu, cuda, cuda:N or cuda:auto (kept as given; `up` spreads plain cuda over the
+    GPUs; a worker resolves cuda:auto by claiming a GPU no other worker on the host holds)."""
     head, sep, index = text.partition(":")
-    if text in ("cpu", "cuda") or (head == "cuda" and sep and index.isdigit()):
+    if text in ("cpu", "cuda", "cuda:auto") or (head == "cuda" and sep and index.isdigit()):
         return text
-    raise argparse.ArgumentTypeError(f"expected cpu, cuda or cuda:N (N a GPU index), got {text!r}")
+    raise argparse.ArgumentTypeError(f"expected cpu, cuda, cuda:N (N a GPU index) or cuda:auto, got {text!r}")
 
 
 def _number(kind, minimum, what: str):
@@ -95,7 +96,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     w = sub.add_parser("worker", help="run a worker that dials in to the scheduler")
     w.add_argument("--scheduler", default="127.0.0.1:50052")
     w.add_argument("--model", default=DEFAULT_MODEL)
-    w.add_argument("--device", default="cpu", type=parse_device, help="cpu, cuda (= cuda:0) or cuda:N")
+    w.add_argument("--device", default="cpu", type=parse_device, help="cpu, cuda (= cuda:0), cuda:N, or cuda:auto (the first GPU no other "
+                        "worker sharing $PAGEDSERVE_CACHE has claimed: one GPU per compose replica)")
     w.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     w.add_argument("--kv-memory", type=parse_bytes, help="bytes for the KV pool, e.g. 1GiB")
     w.add_argument("--block-size", type=int, default=16)
@@ -141,6 +143,11 @@ def run_worker(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: sys.exit(0))
     device = "cuda:0" if args.device == "cuda" else args.device
+    if device == "cuda:auto":
+        import torch
+
+        from worker_svc.gpu_claim import claim_gpu, default_lock_dir
+        device = f"cuda:{claim_gpu(torch.cuda.device_count(), default_lock_dir())}"
     return run(args.scheduler, WorkerConfig(
         model=args.model, device=device, dtype=args.dtype, block_size=args.block_size, kv_memory=args.kv_memory,
         threads=args.threads, swap_space=args.swap_space, attention_backend=args.attention_backend,

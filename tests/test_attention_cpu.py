@@ -120,3 +120,44 @@ def test_build_failure_is_an_error_naming_the_compiler(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
     with pytest.raises(RuntimeError, match="no-such-g"):
         cpu_backend.build_library("no-such-g++")
+
+
+# Portable prebuilt libraries: what a container image without a compiler loads.
+
+def test_prebuild_compiles_every_portable_target_named_by_source_hash(tmp_path):
+    built = cpu_backend.prebuild(tmp_path)
+    assert [p.name.split("-")[1:4] for p in built] == [["x86", "64", "v3"], ["x86", "64", "v2"]]
+    assert all(p.parent == tmp_path and p.stat().st_size > 0 for p in built)
+
+
+def test_without_a_compiler_the_best_prebuilt_build_this_cpu_runs_is_used(tmp_path, monkeypatch):
+    v3, v2 = cpu_backend.prebuild(tmp_path)
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_DIR", str(tmp_path))
+    avx2 = set(cpu_backend.PORTABLE_TARGETS["x86-64-v3"]) | set(cpu_backend.PORTABLE_TARGETS["x86-64-v2"])
+    assert cpu_backend.prebuilt_library(avx2) == v3
+    assert cpu_backend.prebuilt_library(set(cpu_backend.PORTABLE_TARGETS["x86-64-v2"])) == v2
+    assert cpu_backend.prebuilt_library({"sse2"}) is None
+    v3.unlink()  # stale or missing builds are never picked
+    assert cpu_backend.prebuilt_library(avx2) == v2
+    monkeypatch.setattr(cpu_backend.shutil, "which", lambda _: None)
+    assert cpu_backend.build_library() in (v2, v3)
+
+
+def test_without_a_compiler_or_a_prebuilt_build_the_error_says_both(tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDSERVE_KERNEL_DIR", str(tmp_path))
+    monkeypatch.setattr(cpu_backend.shutil, "which", lambda _: None)
+    with pytest.raises(RuntimeError, match="g\\+\\+ is not installed and no prebuilt kernel"):
+        cpu_backend.build_library()
+
+
+@pytest.mark.parametrize("target", ["x86-64-v3", "x86-64-v2"])
+def test_prebuilt_libraries_match_the_float64_reference(tmp_path, target):
+    built = dict(zip(cpu_backend.PORTABLE_TARGETS, cpu_backend.prebuild(tmp_path)))
+    needed = set(cpu_backend.PORTABLE_TARGETS[target])
+    flags = next(ln for ln in cpu_backend._cpu_signature().splitlines() if ln.startswith("flags"))
+    if not needed <= set(flags.split()):
+        pytest.skip(f"this CPU cannot run {target}")
+    backend = CpuAttentionBackend(lib=cpu_backend.load_library(built[target]))
+    rng = np.random.default_rng(7)
+    for dtype in (torch.float32, torch.bfloat16):
+        check(backend, *make_batch(rng, list(MIXED), 16, 9, 3, 64, dtype), dtype)

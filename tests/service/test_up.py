@@ -167,9 +167,10 @@ def test_describe_exit():
 
 
 def test_device_flag_accepts_cpu_cuda_and_cuda_n():
-    assert [parse_device(d) for d in ("cpu", "cuda", "cuda:0", "cuda:3")] == ["cpu", "cuda", "cuda:0", "cuda:3"]
-    for bad in ("gpu", "cuda:", "cuda:x", "cuda:-1", "cpu:0", "CUDA"):
-        with pytest.raises(argparse.ArgumentTypeError, match="cpu, cuda or cuda:N"):
+    good = ("cpu", "cuda", "cuda:0", "cuda:3", "cuda:auto")
+    assert [parse_device(d) for d in good] == list(good)
+    for bad in ("gpu", "cuda:", "cuda:x", "cuda:-1", "cpu:0", "CUDA", "cuda:AUTO"):
+        with pytest.raises(argparse.ArgumentTypeError, match="cpu, cuda, cuda:N .* or cuda:auto"):
             parse_device(bad)
     for cmd in ("worker", "up"):
         with pytest.raises(SystemExit):

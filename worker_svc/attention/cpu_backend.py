@@ -46,24 +46,28 @@ def cache_dir() -> Path:
     return Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve")) / "kernels"
 
 
-def build_library(compiler: str = "g++") -> Path:
-    """The compiled kernel library, building it on first use (cached by source, flags, compiler and CPU)."""
-    cxx = shutil.which(compiler)
-    if cxx is None:
-        raise RuntimeError(f"{compiler} is not installed")
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_signature()]).encode())
-    out = cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
-    if out.exists():
-        return out
+# Portable builds for machines without a compiler (the container image), best first, with the /proc/cpuinfo
+# flags each needs. NOTE: the kernel only branches on AVX2 + FMA, which x86-64-v3 implies.
+PORTABLE_TARGETS = {
+    "x86-64-v3": ("avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"),
+    "x86-64-v2": ("sse4_1", "sse4_2", "ssse3", "popcnt", "cx16"),
+}
+
+
+def prebuilt_dir() -> Path:
+    return Path(os.environ.get("PAGEDSERVE_KERNEL_DIR", Path(__file__).with_name("prebuilt")))
+
+
+def _compile(cxx: str, flags: tuple[str, ...], out: Path) -> Path:
     out.parent.mkdir(parents=True, exist_ok=True)
     # NOTE: build beside the target, then rename: workers starting together never load a half-written file.
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        res = subprocess.run([cxx, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"building {SOURCE.name} failed:\n{res.stderr[-2000:]}")
+        os.chmod(tmp, 0o755)
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
@@ -71,8 +75,56 @@ def build_library(compiler: str = "g++") -> Path:
     return out
 
 
-def load_library() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(build_library()))
+def _portable_flags(target: str) -> tuple[str, ...]:
+    return tuple(f"-march={target}" if f == "-march=native" else f for f in FLAGS)
+
+
+def _prebuilt_name(target: str) -> str:
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *_portable_flags(target)]).encode()).hexdigest()[:16]
+    return f"paged_attention_cpu-{target}-{key}.so"
+
+
+def prebuild(out_dir: Path | None = None, compiler: str = "g++") -> list[Path]:
+    """Compiles every portable target into `out_dir` (an image build does this, then drops the compiler)."""
+    cxx = shutil.which(compiler)
+    if cxx is None:
+        raise RuntimeError(f"{compiler} is not installed")
+    out_dir = out_dir or prebuilt_dir()
+    return [_compile(cxx, _portable_flags(t), out_dir / _prebuilt_name(t)) for t in PORTABLE_TARGETS]
+
+
+def prebuilt_library(cpu_flags: set[str] | None = None) -> Path | None:
+    """The best prebuilt library for this source that this CPU can run, if one was built."""
+    if cpu_flags is None:
+        line = next((ln for ln in _cpu_signature().splitlines() if ln.startswith("flags")), "")
+        cpu_flags = set(line.partition(":")[2].split())
+    for target, needed in PORTABLE_TARGETS.items():
+        path = prebuilt_dir() / _prebuilt_name(target)
+        if cpu_flags.issuperset(needed) and path.is_file():
+            return path
+    return None
+
+
+def build_library(compiler: str = "g++") -> Path:
+    """The compiled kernel library: built for this CPU on first use (cached by source, flags, compiler and CPU);
+    without a compiler, the best prebuilt portable build."""
+    cxx = shutil.which(compiler)
+    if cxx is None:
+        prebuilt = prebuilt_library()
+        if prebuilt is not None:
+            return prebuilt
+        raise RuntimeError(f"{compiler} is not installed and no prebuilt kernel fits this CPU in {prebuilt_dir()}")
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_signature()]).encode())
+    out = cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    return _compile(cxx, FLAGS, out)
+
+
+def load_library(path: Path | None = None) -> ctypes.CDLL:
+    """The kernel library at `path` (default: build_library's), with its function's signature declared."""
+    lib = ctypes.CDLL(str(path or build_library()))
     fn = lib.ps_paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
@@ -121,3 +173,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if meta.max_query_len > MAX_KERNEL_Q_LEN:
             self._prefills(q, kv_layer, meta, scale, out, min_q_len=MAX_KERNEL_Q_LEN + 1)
         return out if query.dtype == torch.float32 else out.to(query.dtype)
+
+
+if __name__ == "__main__":  # python -m worker_svc.attention.cpu_backend --prebuild [DIR]
+    import sys
+
+    if sys.argv[1:2] != ["--prebuild"]:
+        sys.exit("usage: python -m worker_svc.attention.cpu_backend --prebuild [DIR]")
+    for built in prebuild(Path(sys.argv[2]) if len(sys.argv) > 2 else None):
+        print(built)

@@ -14,6 +14,7 @@ that runs the same .cu file compiled for the host (tests/kernels/conftest.py), s
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any, Protocol, Sequence
 
@@ -23,7 +24,9 @@ import torch
 from worker_svc.attention.backend import AttentionBackend, check_shapes
 from worker_svc.attention.metadata import AttentionMetadata
 
-CUDA_DIR = Path(__file__).resolve().parents[2] / "cuda"
+# NOTE: the kernels live at the repository's top (cuda/); an installed copy (the container image) says where
+# it put them with PAGEDSERVE_CUDA_DIR.
+CUDA_DIR = Path(os.environ.get("PAGEDSERVE_CUDA_DIR") or Path(__file__).resolve().parents[2] / "cuda")
 KERNEL_SOURCE = CUDA_DIR / "paged_attention.cu"
 
 DTYPE_TAGS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
@@ -95,7 +98,6 @@ class CupyLauncher:
 def _cuda_include_options() -> list[str]:
     """-I for folders holding cuda_fp16.h/cuda_bf16.h: NVRTC (13.x included) has no built-in copy of them."""
     import glob
-    import os
     import site
 
     dirs = []

@@ -1,0 +1,60 @@
+"""Every long flag can be set by an environment variable: --max-num-seqs is PAGEDSERVE_MAX_NUM_SEQS."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping
+
+PREFIX = "PAGEDSERVE_"
+TRUE, FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off", "")
+
+
+def env_name(option: str) -> str:
+    """The variable for a long option: --kv-memory -> PAGEDSERVE_KV_MEMORY."""
+    return PREFIX + option.lstrip("-").upper().replace("-", "_")
+
+
+def _long_option(action: argparse.Action) -> str | None:
+    return next((s for s in action.option_strings if s.startswith("--") and s != "--help"), None)
+
+
+def _convert(action: argparse.Action, text: str):
+    if isinstance(action, argparse._StoreTrueAction | argparse._StoreFalseAction):
+        lowered = text.strip().lower()
+        if lowered not in TRUE + FALSE:
+            raise ValueError(f"expected one of {', '.join(TRUE + FALSE[:-1])}, got {text!r}")
+        return action.const if lowered in TRUE else not action.const
+    value = action.type(text) if action.type is not None else text
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"expected one of {', '.join(map(str, action.choices))}, got {text!r}")
+    return value
+
+
+def apply_env(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
+    """Turns PAGEDSERVE_* variables into the defaults of the flags they name, in `parser` and every subcommand.
+
+    NOTE: a flag on the command line still wins (the variable only replaces the default), so compose files,
+    Kubernetes manifests and shells configure the same thing the same way. A malformed value is an error naming
+    the variable, not a silent fallback.
+    """
+    environ = os.environ if environ is None else environ
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in set(action.choices.values()):
+                apply_env(sub, environ)
+            continue
+        option = _long_option(action)
+        if option is None or not isinstance(action, (argparse._StoreAction, argparse._StoreTrueAction,
+                                                     argparse._StoreFalseAction)):
+            continue
+        name = env_name(option)
+        if action.help is not argparse.SUPPRESS:
+            action.help = f"{action.help or ''} [env {name}]".lstrip()
+        if name not in environ:
+            continue
+        try:
+            action.default = _convert(action, environ[name])
+        except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
+            parser.error(f"environment variable {name}: {e}")
+        action.required = False

