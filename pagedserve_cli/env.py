@@ -31,12 +31,27 @@ def _convert(action: argparse.Action, text: str):
     return value
 
 
+class EnvArgumentParser(argparse.ArgumentParser):
+    """An ArgumentParser (its subcommands' too) that reports a malformed PAGEDSERVE_* variable when it parses.
+
+    NOTE: one variable may feed flags of several subcommands with different choices (PAGEDSERVE_DTYPE=auto suits
+    `worker`, not `kv-plan`), so an error belongs to the subcommand that runs, not to building the parser.
+    """
+
+    env_errors: list[str]
+
+    def parse_known_args(self, args=None, namespace=None):
+        for message in getattr(self, "env_errors", []):
+            self.error(message)
+        return super().parse_known_args(args, namespace)
+
+
 def apply_env(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:
     """Turns PAGEDSERVE_* variables into the defaults of the flags they name, in `parser` and every subcommand.
 
     NOTE: a flag on the command line still wins (the variable only replaces the default), so compose files,
     Kubernetes manifests and shells configure the same thing the same way. A malformed value is an error naming
-    the variable, not a silent fallback.
+    the variable when that (sub)command parses (see EnvArgumentParser), not a silent fallback.
     """
     environ = os.environ if environ is None else environ
     for action in parser._actions:
@@ -56,5 +71,6 @@ def apply_env(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None
         try:
             action.default = _convert(action, environ[name])
         except (ValueError, TypeError, argparse.ArgumentTypeError) as e:
-            parser.error(f"environment variable {name}: {e}")
+            parser.env_errors = [*getattr(parser, "env_errors", []), f"environment variable {name}: {e}"]
+            continue
         action.required = False

@@ -6,11 +6,11 @@ import argparse
 import sys
 
 from pagedserve_cli import bench_cmd, generate_cmd, health_cmd, kv_plan, model_cmd, serve_cmd, up_cmd
-from pagedserve_cli.env import apply_env
+from pagedserve_cli.env import EnvArgumentParser, apply_env
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="pagedserve", description="LLM serving with PagedAttention")
+    p = EnvArgumentParser(prog="pagedserve", description="LLM serving with PagedAttention")
     sub = p.add_subparsers(dest="command", required=True)
     up_cmd.add_parser(sub)
     generate_cmd.add_parser(sub)

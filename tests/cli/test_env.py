@@ -43,19 +43,27 @@ def test_switches_read_common_spellings_of_true_and_false(monkeypatch, value, ex
     assert args.no_prefix_caching is expected
 
 
-@pytest.mark.parametrize("name, value, words", [
-    ("PAGEDSERVE_MAX_NUM_SEQS", "many", "many"),
-    ("PAGEDSERVE_ROUTING", "random", "random"),
-    ("PAGEDSERVE_NO_PREFIX_CACHING", "maybe", "maybe"),
-    ("PAGEDSERVE_DEVICE", "tpu", "tpu"),
-    ("PAGEDSERVE_STEP_TIMEOUT", "-1", "seconds > 0"),
+@pytest.mark.parametrize("command, name, value, words", [
+    ("scheduler", "PAGEDSERVE_MAX_NUM_SEQS", "many", "many"),
+    ("scheduler", "PAGEDSERVE_ROUTING", "random", "random"),
+    ("scheduler", "PAGEDSERVE_NO_PREFIX_CACHING", "maybe", "maybe"),
+    ("worker", "PAGEDSERVE_DEVICE", "tpu", "tpu"),
+    ("scheduler", "PAGEDSERVE_STEP_TIMEOUT", "-1", "seconds > 0"),
 ])
-def test_a_bad_value_is_an_error_naming_the_variable(monkeypatch, capsys, name, value, words):
+def test_a_bad_value_is_an_error_naming_the_variable(monkeypatch, capsys, command, name, value, words):
     with pytest.raises(SystemExit) as exit_info:
-        parse(monkeypatch, {name: value}, ["scheduler"])
+        parse(monkeypatch, {name: value}, [command])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert f"environment variable {name}" in err and words in err
+
+
+def test_a_value_bad_for_one_subcommand_fails_only_that_one(monkeypatch, capsys):
+    # --dtype: `worker` takes auto, `kv-plan` does not (it needs a concrete KV element type).
+    assert parse(monkeypatch, {"PAGEDSERVE_DTYPE": "auto"}, ["worker"]).dtype == "auto"
+    with pytest.raises(SystemExit):
+        parse(monkeypatch, {"PAGEDSERVE_DTYPE": "auto"}, ["kv-plan", "--model", "m", "--seq-len", "8"])
+    assert "environment variable PAGEDSERVE_DTYPE" in capsys.readouterr().err
 
 
 def test_a_variable_satisfies_a_required_flag(monkeypatch):
