@@ -15,14 +15,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_pull(args: argparse.Namespace) -> int:
-    from pathlib import Path
+    from worker_svc.model_store import resolve_model
 
-    from worker_svc.model_store import REGISTRY, pull
-
-    if (Path(args.name) / "config.json").is_file():  # a model directory of one's own: nothing to fetch
-        print(args.name)
-        return 0
-    if args.name not in REGISTRY:
-        raise ValueError(f"unknown model {args.name!r}; known: {', '.join(sorted(REGISTRY))}")
-    print(pull(args.name))
+    # NOTE: a model directory of one's own is printed as is (nothing to fetch); an unknown name is a ValueError.
+    print(resolve_model(args.name))
     return 0
