@@ -180,7 +180,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m-instruct", help="only its tokenizer is used")
     args = ap.parse_args()
 
-    from scheduler_svc.text.tokenizer import Tokenizer
+    from scheduler_svc.frontend.tokenizer import Tokenizer
     from worker_svc.model_store import resolve_model
     tok = Tokenizer.from_model_dir(resolve_model(args.model))
     requests = build_workload("multi-tenant", tok, args.num_requests, args.seed, num_tenants=args.num_tenants,

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # pagedserve and vLLM (its CPU build, a measurement peer only), one after the other, under the same
-# `pagedserve bench` workload; prints both summaries, then `ratio_vs_vllm=X` (our output tok/s over vLLM's).
+# `pagedserve bench` workload; prints the summaries, then `ratio_http_vs_vllm=Y ratio_http_vs_grpc=Z` (our
+# OpenAI-compatible front, benched like vLLM's) and last `ratio_vs_vllm=X` (our gRPC output tok/s over vLLM's).
 #   usage: bench/vs_vllm.sh MODEL_DIR [VLLM_VENV] [extra bench args]      (VLLM_VENV default /work/vllm_venv)
 #   env:   PAGEDSERVE_UP_ARGS  more `pagedserve up` args (e.g. "--kv-memory 2GiB --threads 2")
 #          VLLM_ARGS           more vLLM api_server args;  VLLM_PORT (8100)
@@ -23,19 +24,28 @@ bench_args=(--tokenizer "$model" --ignore-eos --num-requests 64 --prompt-len 32:
 # shellcheck source=bench/server_lib.sh
 source "$root/bench/server_lib.sh"
 
-# --- pagedserve ---
-listen=127.0.0.1:$(free_port) workers=127.0.0.1:$(free_port) metrics=127.0.0.1:$(free_port)
-echo "== pagedserve up --model $model --dtype float32 on $listen (log: $out/pagedserve_up.log)" >&2
-# shellcheck disable=SC2086  # PAGEDSERVE_UP_ARGS is a list of words on purpose
-"$py" -m pagedserve_cli.main up --model "$model" --dtype float32 --listen "$listen" --worker-listen "$workers" \
-  --metrics "$metrics" ${PAGEDSERVE_UP_ARGS:-} >"$out/pagedserve_up.log" 2>&1 &
-pid=$!
-until grep -q "pagedserve is up" "$out/pagedserve_up.log"; do
-  kill -0 "$pid" 2>/dev/null || { tail -20 "$out/pagedserve_up.log" >&2; echo "pagedserve up exited" >&2; exit 1; }
-  sleep 1
-done
+# --- pagedserve: over gRPC, then (restarted, so its prefix cache starts cold again) its OpenAI-compatible front ---
+start_pagedserve() {
+  listen=127.0.0.1:$(free_port) workers=127.0.0.1:$(free_port) metrics=127.0.0.1:$(free_port)
+  http=127.0.0.1:$(free_port) log=$out/pagedserve_up_$1.log
+  echo "== pagedserve up --model $model --dtype float32 on $listen, HTTP $http (log: $log)" >&2
+  # shellcheck disable=SC2086  # PAGEDSERVE_UP_ARGS is a list of words on purpose
+  "$py" -m pagedserve_cli.main up --model "$model" --dtype float32 --listen "$listen" --worker-listen "$workers" \
+    --metrics "$metrics" --http "$http" ${PAGEDSERVE_UP_ARGS:-} >"$log" 2>&1 &
+  pid=$!
+  until grep -q "pagedserve is up" "$log"; do
+    kill -0 "$pid" 2>/dev/null || { tail -20 "$log" >&2; echo "pagedserve up exited" >&2; exit 1; }
+    sleep 1
+  done
+}
+start_pagedserve grpc
 "$py" -m pagedserve_cli.main bench --server "$listen" --metrics-url "http://$metrics/metrics" \
   --out "$out/pagedserve" "${bench_args[@]}" | tee "$out/pagedserve.txt"
+stop_server
+start_pagedserve http
+# The client vLLM gets below (POST /completions, SSE), against our own front.
+"$py" -m pagedserve_cli.main bench --openai-url "http://$http/v1" --metrics-url "http://$metrics/metrics" \
+  --out "$out/pagedserve_http" "${bench_args[@]}" | tee "$out/pagedserve_http.txt"
 stop_server
 
 # --- vLLM ---
@@ -60,6 +70,8 @@ stop_server
 echo
 cat "$out/pagedserve/summary.md"
 echo
+cat "$out/pagedserve_http/summary.md"
+echo
 cat "$out/vllm/summary.md"
 echo
 if cmp -s "$out/pagedserve/workload.jsonl" "$out/vllm/workload.jsonl"; then
@@ -69,6 +81,11 @@ else
 fi
 ours=$(tail -1 "$out/pagedserve.txt" | sed -n 's/^output_tok_s=\([0-9.]*\).*/\1/p')
 theirs=$(tail -1 "$out/vllm.txt" | sed -n 's/^output_tok_s=\([0-9.]*\).*/\1/p')
+http_ours=$(tail -1 "$out/pagedserve_http.txt" | sed -n 's/^output_tok_s=\([0-9.]*\).*/\1/p')
+echo "pagedserve_http_output_tok_s=$http_ours"
+"$py" -c "import sys; h, g, v = map(float, sys.argv[1:]); print(f'ratio_http_vs_vllm={h / v:.2f} ' if v else \
+  'ratio_http_vs_vllm=nan ', f'ratio_http_vs_grpc={h / g:.2f}' if g else 'ratio_http_vs_grpc=nan', sep='')" \
+  "$http_ours" "$ours" "$theirs"
 echo "pagedserve_output_tok_s=$ours vllm_output_tok_s=$theirs"
 "$py" -c "import sys; a, b = map(float, sys.argv[1:]); print(f'ratio_vs_vllm={a / b:.2f}' if b else \
   'ratio_vs_vllm=nan')" "$ours" "$theirs"

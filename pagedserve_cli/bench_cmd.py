@@ -63,7 +63,7 @@ def build_requests(args: argparse.Namespace, server_max_len: int | None) -> tupl
         if not Path(args.workload).is_file():
             raise ValueError(f"--workload {args.workload!r}: not one of {', '.join(WORKLOADS)} nor a file")
         return load_jsonl(args.workload, args.num_requests), {}
-    from scheduler_svc.text.tokenizer import Tokenizer
+    from scheduler_svc.frontend.tokenizer import Tokenizer
 
     tok_dir = _tokenizer_dir(args)
     # The shorter of the model's and the server's limits, so that both peers of a comparison get the same bytes.

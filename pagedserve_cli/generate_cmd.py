@@ -13,26 +13,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int)
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--model", default="smollm2-135m-instruct", help="for --chat: whose chat template")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message (the server applies the model's chat template)")
     p.set_defaults(func=run)
 
 
 def build_request(args: argparse.Namespace):
-    """The GenerateRequest the command line asks for (with --chat, the prompt wrapped in the chat template)."""
+    """The GenerateRequest the command line asks for (with --chat, the prompt as the user's message)."""
     from pagedserve.v1 import generate_pb2
 
-    prompt = args.prompt
-    if args.chat:
-        from pagedserve_cli.serve_cmd import model_dir
-        from scheduler_svc.text.tokenizer import Tokenizer
-
-        tok = Tokenizer.from_model_dir(model_dir(args.model))
-        prompt = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
     sampling = generate_pb2.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
     if args.seed is not None:
         sampling.seed = args.seed
-    return generate_pb2.GenerateRequest(prompt=prompt, sampling=sampling)
+    if args.chat:
+        return generate_pb2.GenerateRequest(messages=[generate_pb2.ChatMessage(role="user", content=args.prompt)],
+                                            sampling=sampling)
+    return generate_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling)
 
 
 def stream(channel, request, out=None, err=None) -> int:

@@ -83,6 +83,8 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--listen", default="127.0.0.1:50051", help="client API (pagedserve.v1.Generation)")
     p.add_argument("--worker-listen", default="127.0.0.1:50052", help="where workers dial in")
     p.add_argument("--metrics", default="127.0.0.1:9464", help="Prometheus endpoint HOST:PORT ('' = off)")
+    p.add_argument("--http", default="", metavar="HOST:PORT",
+                   help="serve the OpenAI-compatible HTTP API here too, e.g. 127.0.0.1:8000 ('' = off, the default)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step; bounds inter-token latency during long prefills "
@@ -120,7 +122,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
 
     configure()
     cfg = ServerConfig(model_dir=model_dir(args.model), model_id=args.model, listen=args.listen,
-                       worker_listen=args.worker_listen, metrics=args.metrics or None,
+                       worker_listen=args.worker_listen, metrics=args.metrics or None, http=args.http or None,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                        max_queued_requests=args.max_queued_requests, routing=args.routing,

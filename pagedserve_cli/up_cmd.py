@@ -38,6 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--listen", default="127.0.0.1:50051")
     p.add_argument("--worker-listen", default="127.0.0.1:50052")
     p.add_argument("--metrics", default="127.0.0.1:9464")
+    p.add_argument("--http", default="127.0.0.1:8000", metavar="HOST:PORT",
+                   help="the OpenAI-compatible HTTP API ('' = off)")
     p.add_argument("--threads", type=int, default=None,
                    help="compute threads per CPU worker (default: its share of the cores, adapting to load)")
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
@@ -225,7 +227,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     exe = [sys.executable, "-m", "pagedserve_cli.main"]
     sched_cmd = [*exe, "scheduler", "--model", args.model, "--listen", args.listen,
-                 "--worker-listen", args.worker_listen, "--metrics", args.metrics]
+                 "--worker-listen", args.worker_listen, "--metrics", args.metrics, "--http", args.http]
     if args.max_num_batched_tokens:
         sched_cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.max_num_seqs:
@@ -258,7 +260,8 @@ def run(args: argparse.Namespace) -> int:
                             args.workers):
             return 0
         on = ", ".join(dict.fromkeys(devices))
-        print(f"pagedserve is up: {args.listen} ({args.workers} worker(s) on {on}, metrics "
+        http = f"OpenAI-compatible API http://{args.http}/v1, " if args.http else ""
+        print(f"pagedserve is up: {args.listen} ({args.workers} worker(s) on {on}, {http}metrics "
               f"http://{args.metrics}/metrics)", flush=True)
         while not stopping:
             now = time.monotonic()

@@ -7,16 +7,24 @@ import math
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
 
 
+class InvalidField(ValueError):
+    """A request field out of range; `field` names it (as in generate.proto) so each client API can name its own."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 def check_sampling_ranges(temperature: float, top_p: float, top_k: int, min_p: float, logprobs: int | None) -> None:
     """Raises ValueError naming the first sampler setting out of range (shared with the worker's sampler)."""
     # NOTE: written as `not (ok)` so that NaN fails every check.
     if not (temperature >= 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+        raise InvalidField("temperature", f"temperature must be a finite number >= 0, got {temperature}")
     if not (0 < top_p <= 1):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        raise InvalidField("top_p", f"top_p must be in (0, 1], got {top_p}")
     if not (top_k >= 0):
-        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k}")
+        raise InvalidField("top_k", f"top_k must be >= 0 (0 = off), got {top_k}")
     if not (0 <= min_p <= 1):
-        raise ValueError(f"min_p must be in [0, 1], got {min_p}")
+        raise InvalidField("min_p", f"min_p must be in [0, 1], got {min_p}")
     if logprobs is not None and not (0 <= logprobs <= MAX_LOGPROBS):
-        raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")
+        raise InvalidField("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {logprobs}")

@@ -6,7 +6,7 @@ from pagedserve.v1 import generate_pb2, worker_pb2
 
 from scheduler_svc.core.plan import StepFailure, StepPlan, WorkerRegistration
 from scheduler_svc.core.request import SamplingConfig
-from scheduler_svc.stream import StreamItem
+from scheduler_svc.frontend import GenerateInput, StreamItem
 
 _sampling_cache: dict[SamplingConfig, generate_pb2.SamplingParams] = {}
 
@@ -60,7 +60,16 @@ def sampling_from_pb(pb: generate_pb2.SamplingParams) -> tuple[SamplingConfig, t
                         top_p=_opt(pb, "top_p", 1.0), top_k=_opt(pb, "top_k", 0), min_p=_opt(pb, "min_p", 0.0),
                         seed=_opt(pb, "seed", None), n=_opt(pb, "n", 1), stop_token_ids=tuple(pb.stop_token_ids),
                         ignore_eos=pb.ignore_eos, logprobs=_opt(pb, "logprobs", None))
-    return sp, tuple(s for s in pb.stop if s)
+    return sp, tuple(pb.stop)
+
+
+def input_from_pb(pb: generate_pb2.GenerateRequest) -> GenerateInput:
+    """An input counts as set when present: prompt by presence (even empty), the lists when non-empty."""
+    sampling, stop = sampling_from_pb(pb.sampling)
+    return GenerateInput(prompt=pb.prompt if pb.HasField("prompt") else None,
+                         prompt_token_ids=list(pb.prompt_token_ids) or None,
+                         messages=[{"role": m.role, "content": m.content} for m in pb.messages] or None,
+                         sampling=sampling, stop=stop, request_id=pb.request_id, cache_salt=pb.cache_salt)
 
 
 def item_to_pb(request_id: str, item: StreamItem) -> generate_pb2.GenerateResponse:
@@ -84,8 +93,10 @@ def step_error_from_pb(pb: worker_pb2.StepError) -> StepFailure:
     return StepFailure(pb.step_id, worker_pb2.StepError.Kind.Name(pb.kind), pb.message)
 
 
-def model_info_to_pb(model_id: str, max_model_len: int, workers: dict) -> generate_pb2.GetModelInfoResponse:
-    pb = generate_pb2.GetModelInfoResponse(model_id=model_id, max_model_len=max_model_len)
+def model_info_to_pb(model_id: str, max_model_len: int, vocab_size: int, max_n: int,
+                     workers: dict) -> generate_pb2.GetModelInfoResponse:
+    pb = generate_pb2.GetModelInfoResponse(model_id=model_id, max_model_len=max_model_len, vocab_size=vocab_size,
+                                           max_n=max_n)
     for worker_id, w in workers.items():
         r = w.registration
         pb.block_size = r.block_size

@@ -6,18 +6,23 @@ import asyncio
 import itertools
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import structlog
 
+from pagedserve_common.sampling import InvalidField
 from scheduler_svc.core.plan import WorkerRegistration
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput, SamplingConfig
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.routing import Router
-from scheduler_svc.stream import RequestStream
 from scheduler_svc.worker_link import WorkerHandle, run_steps
+
+if TYPE_CHECKING:  # NOTE: the front end makes the streams; the engine only feeds them
+    from scheduler_svc.frontend.stream import RequestStream
 
 log = structlog.get_logger("pagedserve.scheduler")
 
@@ -47,6 +52,10 @@ CPU_BATCHED_TOKENS = 512
 GPU_BATCHED_TOKENS = 2048
 
 
+def _wrapped(value: int) -> str:
+    return " (a negative number sent as uint32?)" if value >= 2**31 else ""
+
+
 def default_batched_tokens(device: str) -> int:
     return CPU_BATCHED_TOKENS if device.startswith("cpu") or not device else GPU_BATCHED_TOKENS
 
@@ -59,9 +68,8 @@ class Engine:
     NOTE: sequence ids come from one counter shared by all workers' schedulers: unique across the fleet.
     """
 
-    def __init__(self, config: EngineConfig, tokenizer, metrics: Metrics | None = None) -> None:
+    def __init__(self, config: EngineConfig, metrics: Metrics | None = None) -> None:
         self.config = config
-        self.tokenizer = tokenizer
         self.metrics = metrics or Metrics()
         self.router = Router(config.routing)
         self.workers: dict[str, WorkerHandle] = {}
@@ -201,8 +209,10 @@ class Engine:
                     stream.fail(ErrorCode.INTERNAL.value, f"internal error on {w.worker_id}: {e}")
 
     # -- requests -----------------------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingConfig,
-               stop: tuple[str, ...] = (), cache_salt: str = "") -> RequestStream:
+    def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingConfig, cache_salt: str = "",
+               *, open_stream: Callable[[Request], RequestStream]) -> RequestStream:
+        """Admits a request and returns its stream, made by `open_stream` (the front end's: it detokenizes).
+        Raises EngineError; an INVALID_ARGUMENT one names the field at fault."""
         cfg = self.config
         if self.draining:
             raise EngineError(ErrorCode.UNAVAILABLE, "the server is draining: no new requests")
@@ -211,25 +221,21 @@ class Engine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.streams:
             raise EngineError(ErrorCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running")
-        bad = next((t for t in prompt_token_ids if t >= cfg.vocab_size), None)
-        if bad is not None:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT,
-                              f"prompt_token_ids: {bad} is outside the vocabulary (size {cfg.vocab_size})")
+        req = Request(request_id, list(prompt_token_ids), sampling, cache_salt or None)
+        try:
+            self._check(req)
+        except ValueError as e:
+            raise EngineError(ErrorCode.INVALID_ARGUMENT, str(e), getattr(e, "field", None)) from None
         num_queued = len(self.unplaced) + sum(w.scheduler.num_waiting for w in self.workers.values())
         if num_queued >= cfg.max_queued_requests:
             raise EngineError(ErrorCode.RESOURCE_EXHAUSTED,
                               f"{cfg.max_queued_requests} requests are already queued; retry later")
-        req = Request(request_id, list(prompt_token_ids), sampling, cache_salt or None)
         try:
-            sampling.validate()
-            if len(prompt_token_ids) > cfg.max_model_len - 1:
-                raise ValueError(f"prompt_token_ids has {len(prompt_token_ids)} tokens; max_model_len "
-                                 f"{cfg.max_model_len} leaves room for at most {cfg.max_model_len - 1}")
             if self._routable():
                 self._place(req)
-        except ValueError as e:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT, str(e)) from None
-        stream = RequestStream(req, self.tokenizer, stop, self.metrics)
+        except ValueError as e:  # the chosen worker is smaller than the scheduler's limits
+            raise EngineError(ErrorCode.INVALID_ARGUMENT, str(e), getattr(e, "field", None)) from None
+        stream = open_stream(req)
         self.streams[request_id] = stream
         if request_id not in self.placement:
             self._wait_for_worker(req)
@@ -237,6 +243,33 @@ class Engine:
                  "worker_id", None), prompt_tokens=len(prompt_token_ids), max_tokens=sampling.max_tokens,
                  n=sampling.n)
         return stream
+
+    def _check(self, req: Request) -> None:
+        """Raises InvalidField when `req` can never be served, whichever worker it would go to."""
+        cfg, sp, ids = self.config, req.sampling, req.prompt_token_ids
+        if not ids:
+            raise InvalidField("prompt_token_ids", "prompt_token_ids is empty")
+        for field, values in (("prompt_token_ids", ids), ("stop_token_ids", sp.stop_token_ids)):
+            bad = next((t for t in values if not 0 <= t < cfg.vocab_size), None)
+            if bad is not None:
+                raise InvalidField(field, f"{field}: {bad} is outside the vocabulary (size {cfg.vocab_size})")
+        sp.validate()
+        # NOTE: these bounds also catch a negative number a client sent into an unsigned field (it wraps to 2^32 - x)
+        if sp.max_tokens > cfg.max_model_len:
+            raise InvalidField("max_tokens", f"max_tokens must be in [1, {cfg.max_model_len}] (max_model_len), got "
+                                             f"{sp.max_tokens}{_wrapped(sp.max_tokens)}")
+        if sp.n > cfg.max_num_seqs:
+            raise InvalidField("n", f"n must be in [1, {cfg.max_num_seqs}] (max_num_seqs: the samples run side by "
+                                    f"side), got {sp.n}{_wrapped(sp.n)}")
+        if len(ids) > cfg.max_model_len - 1:
+            raise InvalidField("prompt_token_ids", f"prompt_token_ids has {len(ids)} tokens; max_model_len "
+                               f"{cfg.max_model_len} leaves room for at most {cfg.max_model_len - 1}")
+
+    def max_output_tokens(self, num_prompt_tokens: int, n: int = 1) -> int:
+        """How many tokens a request may ask for to fill its context: up to max_model_len, and no more than the
+        smallest attached pool can hold (a request that asks more is refused as never fitting)."""
+        limits = [w.scheduler.max_output_tokens(num_prompt_tokens, n) for w in self._routable()]
+        return min([self.config.max_model_len - num_prompt_tokens, *limits])
 
     def _routable(self) -> list[WorkerHandle]:
         return [w for w in self.workers.values() if not w.leaving]

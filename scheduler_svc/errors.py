@@ -7,6 +7,7 @@ import enum
 
 class ErrorCode(enum.Enum):
     INVALID_ARGUMENT = "INVALID_ARGUMENT"
+    NOT_FOUND = "NOT_FOUND"
     ALREADY_EXISTS = "ALREADY_EXISTS"
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     UNAVAILABLE = "UNAVAILABLE"
@@ -17,6 +18,7 @@ class ErrorCode(enum.Enum):
 class EngineError(Exception):
     """A request the engine refuses or can no longer serve; servicers map `code` onto the gRPC status."""
 
-    def __init__(self, code: ErrorCode, message: str) -> None:
+    def __init__(self, code: ErrorCode, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.code = code
+        self.field = field  # the request field at fault (its generate.proto name), for INVALID_ARGUMENT

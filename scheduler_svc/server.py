@@ -19,7 +19,7 @@ from pagedserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.errors import ErrorCode
 from scheduler_svc.servicers import GenerationServicer, WorkerControlServicer
-from scheduler_svc.text.tokenizer import Tokenizer
+from scheduler_svc.frontend import FrontEnd, Tokenizer
 
 log = structlog.get_logger("pagedserve.scheduler")
 SERVICES = ("", "pagedserve.v1.Generation")
@@ -32,6 +32,7 @@ class ServerConfig:
     listen: str = "127.0.0.1:50051"
     worker_listen: str = "127.0.0.1:50052"
     metrics: str | None = "127.0.0.1:9464"
+    http: str | None = None  # the OpenAI-compatible HTTP front, HOST:PORT (None: off)
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: 512 for a CPU worker, 2048 for a GPU one
     max_model_len: int | None = None
@@ -74,7 +75,8 @@ WORKER_SERVER_OPTIONS = (
 
 async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
     tokenizer = Tokenizer.from_model_dir(cfg.model_dir)
-    engine = Engine(engine_config(cfg, tokenizer), tokenizer)
+    engine = Engine(engine_config(cfg, tokenizer))
+    frontend = FrontEnd(engine, tokenizer)
     health = HealthServicer()
     for name in SERVICES:
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -87,7 +89,7 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
 
     engine.on_workers_changed = on_workers_changed
     clients = grpc.aio.server()
-    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), clients)
+    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend), clients)
     health_pb2_grpc.add_HealthServicer_to_server(health, clients)
     reflection.enable_server_reflection(
         (generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
@@ -101,10 +103,18 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
     if cfg.metrics:
         host, port = cfg.metrics.rsplit(":", 1)
         start_http_server(int(port), addr=host, registry=engine.metrics.registry)
+    http = None
+    if cfg.http:
+        from scheduler_svc.http.app import create_app
+        from scheduler_svc.http.server import HttpServer
+
+        http = HttpServer(create_app(frontend), cfg.http)
     await workers.start()
     await clients.start()
-    log.info("scheduler listening", listen=cfg.listen, worker_listen=cfg.worker_listen, metrics=cfg.metrics,
-             model=cfg.model_id)
+    if http is not None:
+        await http.start()
+    log.info("scheduler listening", listen=cfg.listen, worker_listen=cfg.worker_listen, http=cfg.http,
+             metrics=cfg.metrics, model=cfg.model_id)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -124,6 +134,8 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
         engine.fail_all(ErrorCode.UNAVAILABLE, f"the server shut down: the request did not finish within the "
                                                f"{cfg.drain_seconds:g} s drain timeout")
     await clients.stop(grace=1.0)
+    if http is not None:
+        await http.stop()
     for w in list(engine.workers.values()):  # NOTE: the workers stay up and dial in again, to a restarted scheduler
         engine.detach(w)
     await workers.stop(grace=1.0)

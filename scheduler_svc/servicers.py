@@ -1,4 +1,4 @@
-"""gRPC servicers of the scheduler service: they parse, call the engine, answer."""
+"""gRPC servicers of the scheduler service: they parse, call the front end (clients) or the engine (workers), answer."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pagedserve.v1 import generate_pb2_grpc, worker_pb2_grpc
 from scheduler_svc import convert
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import EngineError
+from scheduler_svc.frontend import FrontEnd
 
 
 async def _abort(context, e: EngineError) -> None:
@@ -17,20 +18,12 @@ async def _abort(context, e: EngineError) -> None:
 
 
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, frontend: FrontEnd) -> None:
+        self.frontend = frontend
 
     async def Generate(self, request, context):
-        kind = request.WhichOneof("input")
-        if kind is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "one of prompt or prompt_token_ids must be set")
-        ids = (list(request.prompt_token_ids.ids) if kind == "prompt_token_ids"
-               else self.engine.tokenizer.encode(request.prompt))
-        if not ids:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{kind} is empty")
-        sampling, stop = convert.sampling_from_pb(request.sampling)
         try:
-            stream = self.engine.submit(request.request_id, ids, sampling, stop, request.cache_salt)
+            stream = self.frontend.generate(convert.input_from_pb(request))
         except EngineError as e:
             await _abort(context, e)
         rid, done = stream.request.request_id, False
@@ -43,11 +36,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             await _abort(context, e)
         finally:
             if not done:  # the client cancelled or its deadline passed: free its blocks
-                self.engine.abort(rid)
+                self.frontend.abort(rid)
 
     async def GetModelInfo(self, request, context):
-        cfg = self.engine.config
-        return convert.model_info_to_pb(cfg.model_id, cfg.max_model_len, self.engine.workers)
+        f = self.frontend
+        return convert.model_info_to_pb(f.model_id, f.max_model_len, f.vocab_size, f.max_n, f.engine.workers)
 
 
 class WorkerControlServicer(worker_pb2_grpc.WorkerControlServicer):

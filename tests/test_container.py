@@ -48,7 +48,7 @@ def test_services_ports_and_start_order():
     services = config("compose.yaml")["services"]
     assert sorted(services) == ["model", "scheduler", "worker"]
     assert {(p["host_ip"], p["published"], p["target"]) for p in services["scheduler"]["ports"]} == \
-        {("127.0.0.1", "50051", 50051), ("127.0.0.1", "9464", 9464)}
+        {("127.0.0.1", "50051", 50051), ("127.0.0.1", "9464", 9464), ("127.0.0.1", "8000", 8000)}
     assert "ports" not in services["worker"]  # the worker port stays on the compose network
     assert services["worker"]["environment"]["PAGEDSERVE_SCHEDULER"] == "scheduler:50052"
     assert services["worker"]["depends_on"]["model"]["condition"] == "service_completed_successfully"

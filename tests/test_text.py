@@ -1,4 +1,4 @@
-"""scheduler_svc.text: tokenizer and chat template match transformers; streaming detokenization and stop strings."""
+"""scheduler_svc.frontend: tokenizer and chat template match transformers; streaming detokenization and stop strings."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from scheduler_svc.text import DetokenizeResult, IncrementalDetokenizer, Tokenizer
+from scheduler_svc.frontend import DetokenizeResult, IncrementalDetokenizer, Tokenizer
 from worker_svc.model_store import resolve_model
 
 TEXTS = [
@@ -172,7 +172,7 @@ def test_chat_template_from_tokenizer_config_and_template_helpers(model_dir, tmp
 
 
 def test_importing_text_package_leaves_torch_and_transformers_out():
-    code = ("import sys, scheduler_svc.text; "
+    code = ("import sys, scheduler_svc.frontend; "
             "print(sorted(m for m in ('torch', 'cupy', 'transformers', 'grpc') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "[]"

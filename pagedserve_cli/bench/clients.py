@@ -75,7 +75,7 @@ class GrpcClient:
         msg = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=req.max_tokens, temperature=self.temperature,
                                                             ignore_eos=self.ignore_eos))
         if req.prompt_token_ids is not None:
-            msg.prompt_token_ids.ids.extend(req.prompt_token_ids)
+            msg.prompt_token_ids.extend(req.prompt_token_ids)
         else:
             msg.prompt = req.prompt
         rec.send_time = now()

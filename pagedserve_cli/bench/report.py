@@ -88,7 +88,8 @@ def _ppp(p: dict) -> str:
 def render_summary(summary: dict, config: dict) -> str:
     """summary.md: what ran, then one table of figures (also printed to stdout)."""
     s = summary
-    target = config.get("server") or f"{config.get('openai_url')} (model {config.get('model')})"
+    model = config.get("model") or config.get("served_model")
+    target = config.get("server") or f"{config.get('openai_url')} (model {model})"
     lines = [f"# pagedserve bench: {target}", "",
              f"workload `{config['workload']}`, {s['requests']} requests, seed {config['seed']}, rate "
              f"{config['rate'] or 'all at once'}, max concurrency {config['max_concurrency'] or 'none'}, "

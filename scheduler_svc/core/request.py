@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pagedserve_common.sampling import check_sampling_ranges
+from pagedserve_common.sampling import InvalidField, check_sampling_ranges
 
 
 class RequestStatus(enum.Enum):
@@ -41,12 +41,12 @@ class SamplingConfig:
         """Raises ValueError naming the first field out of range."""
         # NOTE: written as `not (ok)` so that NaN fails every check.
         if not (self.max_tokens >= 1):
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+            raise InvalidField("max_tokens", f"max_tokens must be >= 1, got {self.max_tokens}")
         if not (self.n >= 1):
-            raise ValueError(f"n must be >= 1, got {self.n}")
+            raise InvalidField("n", f"n must be >= 1, got {self.n}")
         check_sampling_ranges(self.temperature, self.top_p, self.top_k, self.min_p, self.logprobs)
         if self.seed is not None and not (0 <= self.seed < 2**64):
-            raise ValueError(f"seed must fit in 64 bits unsigned, got {self.seed}")
+            raise InvalidField("seed", f"seed must fit in 64 bits unsigned, got {self.seed}")
 
 
 @dataclass(slots=True)

@@ -8,6 +8,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from pagedserve_common.sampling import InvalidField
 from scheduler_svc.core.plan import NewSeqPlan, RunningSeqPlan, StepPlan
 from scheduler_svc.core.handover import Handover
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput, RequestStatus
@@ -85,18 +86,27 @@ class Scheduler(Handover):
         its worst case alone needs more than the pool)."""
         cfg, sp = self.config, req.sampling
         if len(req.prompt_token_ids) > cfg.max_model_len - 1:
-            raise ValueError(f"prompt_token_ids has {len(req.prompt_token_ids)} tokens; max_model_len "
-                             f"{cfg.max_model_len} leaves room for at most {cfg.max_model_len - 1}")
+            raise InvalidField("prompt_token_ids", f"prompt_token_ids has {len(req.prompt_token_ids)} tokens; "
+                               f"max_model_len {cfg.max_model_len} leaves room for at most {cfg.max_model_len - 1}")
         sp.validate()
         if sp.n > cfg.max_num_seqs:
-            raise ValueError(f"n={sp.n} exceeds max_num_seqs={cfg.max_num_seqs}: its samples run side by side")
+            raise InvalidField("n", f"n={sp.n} exceeds max_num_seqs={cfg.max_num_seqs}: its samples run side by "
+                                    "side")
         # The worst case alone: the longest sequence, and n of them sharing only the prompt's full blocks.
         num_total = min(len(req.prompt_token_ids) + sp.max_tokens, cfg.max_model_len)
         per_seq = self.kv.num_blocks_for(num_total)
         need = per_seq + (sp.n - 1) * (per_seq - len(req.prompt_token_ids) // cfg.block_size)
         if need > cfg.num_blocks:
-            raise ValueError(f"prompt_token_ids + max_tokens need {need} KV blocks for n={sp.n}; the pool has "
-                             f"{cfg.num_blocks}")
+            raise InvalidField("max_tokens", f"prompt_token_ids + max_tokens need {need} KV blocks for n={sp.n}; "
+                                             f"the pool has {cfg.num_blocks}")
+
+    def max_output_tokens(self, num_prompt_tokens: int, n: int = 1) -> int:
+        """The largest max_tokens check_fits accepts for a prompt this long with n samples (0: none)."""
+        cfg = self.config
+        # n sequences of b blocks each share the prompt's full blocks: b + (n - 1) * (b - shared) <= num_blocks
+        shared = num_prompt_tokens // cfg.block_size
+        per_seq = (cfg.num_blocks + (n - 1) * shared) // n
+        return max(0, min(per_seq * cfg.block_size, cfg.max_model_len) - num_prompt_tokens)
 
     def _new_seq_id(self) -> int:
         return next(self._seq_ids)

@@ -54,3 +54,22 @@ def test_shared_prefix_hits_the_prefix_cache(service, tmp_path):
     s = json.loads((tmp_path / "results.json").read_text())["summary"]
     assert s["completed"] == 3 and s["server"]["prefix_hit_rate"] > 0
     assert "prefix cache hit rate" in out.stdout
+
+
+def test_openai_url_benchmarks_our_own_http_front(service, tmp_path):
+    """The same harness over our OpenAI-compatible front: every request completes with its exact output length."""
+    cmd = [sys.executable, "-m", "pagedserve_cli.main", "bench", "--openai-url", f"http://{service.http}/v1",
+           "--metrics-url", f"http://{service.metrics}/metrics", "--tokenizer", service.model_dir, "--ignore-eos",
+           "--out", str(tmp_path), "--num-requests", "8", "--prompt-len", "16:48", "--output-len", "4:16"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert LAST_LINE.match(out.stdout.splitlines()[-1]), out.stdout.splitlines()[-1]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["config"]["served_model"] == service.model_dir  # the first model /v1/models lists
+    assert results["config"]["max_model_len"] == 512
+    workload = [json.loads(line) for line in (tmp_path / "workload.jsonl").read_text().splitlines()]
+    for rec, req in zip(results["requests"], workload, strict=True):
+        assert rec["error"] is None and rec["finish_reason"] == "length"
+        assert rec["output_tokens"] == rec["max_tokens"] == req["max_tokens"]  # from the usage chunk
+        assert rec["prompt_tokens"] == len(req["prompt_token_ids"])
+    assert (results["summary"]["completed"], results["summary"]["failed"]) == (8, 0)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pagedserve_cli.bench.workloads import build_workload
-from scheduler_svc.text.tokenizer import Tokenizer
+from scheduler_svc.frontend.tokenizer import Tokenizer
 from worker_svc.model_store import resolve_model
 
 _PATH = Path(__file__).resolve().parents[2] / "bench" / "routing.py"

@@ -8,7 +8,7 @@ import pytest
 
 from pagedserve_cli.bench.workloads import (WORKLOADS, BenchRequest, build_workload, dump_jsonl, load_jsonl,
                                             parse_range)
-from scheduler_svc.text.tokenizer import Tokenizer
+from scheduler_svc.frontend.tokenizer import Tokenizer
 from worker_svc.model_store import resolve_model
 
 

@@ -11,7 +11,6 @@ import grpc_testing
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve_cli.generate_cmd import build_request, stream
 from pagedserve_cli.main import build_parser
-from worker_svc.model_store import resolve_model
 
 SERVICE = pb.DESCRIPTOR.services_by_name["Generation"]
 GENERATE = SERVICE.methods_by_name["Generate"]
@@ -37,11 +36,10 @@ def test_flags_become_the_request():
     assert default.sampling.temperature == 0 and not default.sampling.HasField("seed")  # greedy by default
 
 
-def test_chat_wraps_the_prompt_in_the_models_template():
-    args = build_parser().parse_args(["generate", "Name a color.", "--chat", "--model",
-                                      str(resolve_model("smollm2-135m-instruct"))])
-    prompt = build_request(args).prompt
-    assert prompt.endswith("<|im_start|>user\nName a color.<|im_end|>\n<|im_start|>assistant\n"), prompt
+def test_chat_sends_the_prompt_as_a_user_message_for_the_servers_template():
+    request = build_request(build_parser().parse_args(["generate", "Name a color.", "--chat"]))
+    assert not request.HasField("prompt")
+    assert list(request.messages) == [pb.ChatMessage(role="user", content="Name a color.")]
 
 
 def test_text_streams_as_it_arrives_then_the_usage_line():

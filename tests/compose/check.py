@@ -120,6 +120,17 @@ def step_single(args) -> None:
         if got[prompt] != tokens:
             fail(f"{prompt!r}: the container served {got[prompt]}, without containers {tokens}")
     log(f"greedy output of {len(reference)} prompts equals the output served without containers")
+    # The OpenAI-compatible front through its published port: the same text as the gRPC API's.
+    req = pb.GenerateRequest(prompt=PROMPTS[0], sampling=pb.SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0,
+                                                                           ignore_eos=True))
+    text = "".join(m.text for m in stub(args.server).Generate(req, timeout=300))
+    body = json.dumps({"prompt": PROMPTS[0], "max_tokens": GREEDY_TOKENS, "temperature": 0, "ignore_eos": True})
+    http = urllib.request.Request(f"{args.http}/v1/completions", data=body.encode(),
+                                  headers={"Content-Type": "application/json"})
+    got = json.load(urllib.request.urlopen(http, timeout=300))["choices"][0]["text"]
+    if got != text:
+        fail(f"the HTTP front answered {got!r}, the gRPC API {text!r}")
+    log(f"the OpenAI-compatible front at {args.http} answers as the gRPC API does")
 
 
 def step_scale(args) -> None:
@@ -174,6 +185,7 @@ def main() -> None:
     p.add_argument("step", choices=["reference", "single", "scale", "kill", "down"])
     p.add_argument("--server", default="127.0.0.1:50051")
     p.add_argument("--metrics", default="http://127.0.0.1:9464")
+    p.add_argument("--http", default="http://127.0.0.1:8000")
     p.add_argument("--out")
     p.add_argument("--reference")
     p.add_argument("--workers", type=int)

@@ -59,7 +59,7 @@ COMPOSE=("${COMPOSE[@]}" -f "$ROOT/compose.yaml" -f "$ROOT/tests/compose/offline
 step "reference: the same requests served without containers (pagedserve up)"
 listen=127.0.0.1:$(free_port)
 pagedserve up --workers 1 --listen "$listen" --worker-listen "127.0.0.1:$(free_port)" \
-    --metrics "127.0.0.1:$(free_port)" >"$WORK/up.log" 2>&1 &
+    --metrics "127.0.0.1:$(free_port)" --http "127.0.0.1:$(free_port)" >"$WORK/up.log" 2>&1 &
 UP_PID=$!
 for _ in $(seq 600); do grep -q "pagedserve is up" "$WORK/up.log" && break; sleep 1; done
 grep -q "pagedserve is up" "$WORK/up.log" || { echo "pagedserve up did not start" >&2; exit 1; }

@@ -32,6 +32,7 @@ class Service:
     address: str
     metrics: str
     procs: list
+    http: str = ""  # the OpenAI-compatible front, HOST:PORT
 
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.address)
@@ -60,10 +61,10 @@ def tiny_served_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def service(tiny_served_model):
-    listen, worker_listen, metrics = (f"127.0.0.1:{free_port()}" for _ in range(3))
+    listen, worker_listen, metrics, http = (f"127.0.0.1:{free_port()}" for _ in range(4))
     exe = [sys.executable, "-m", "pagedserve_cli.main"]
     sched = subprocess.Popen([*exe, "scheduler", "--model", tiny_served_model, "--listen", listen,
-                              "--worker-listen", worker_listen, "--metrics", metrics,
+                              "--worker-listen", worker_listen, "--metrics", metrics, "--http", http,
                               "--max-num-batched-tokens", str(MAX_BATCHED), "--max-num-seqs", "64"])
     worker = subprocess.Popen([*exe, "worker", "--scheduler", worker_listen, "--model", tiny_served_model,
                                "--kv-memory", str(KV_MEMORY), "--threads", "1"])
@@ -71,7 +72,7 @@ def service(tiny_served_model):
     try:
         from pagedserve_cli.up_cmd import wait_healthy
         wait_healthy(listen, 120, procs)
-        yield Service(tiny_served_model, listen, metrics, procs)
+        yield Service(tiny_served_model, listen, metrics, procs, http)
     finally:
         for p in procs:
             p.terminate()

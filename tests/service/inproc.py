@@ -12,7 +12,7 @@ from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.servicers import GenerationServicer, WorkerControlServicer
-from scheduler_svc.text.tokenizer import Tokenizer
+from scheduler_svc.frontend import FrontEnd, Tokenizer
 from tests.service.conftest import free_port
 from worker_svc.model_store import resolve_model
 
@@ -32,9 +32,10 @@ def with_server(**engine_kwargs):
     def wrap(test):
         def run():
             async def main():
-                engine = Engine(EngineConfig(**config), tokenizer())
+                engine = Engine(EngineConfig(**config))
                 server, address = grpc.aio.server(), f"127.0.0.1:{free_port()}"
-                generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(engine), server)
+                servicer = GenerationServicer(FrontEnd(engine, tokenizer()))
+                generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
                 worker_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(engine), server)
                 server.add_insecure_port(address)
                 await server.start()
@@ -107,7 +108,7 @@ async def wait_for(cond) -> None:
 
 def generate(channel, request_id: str = "", ids=(5, 6, 7), max_tokens: int = 4, **sampling):
     return generate_pb2_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
-        request_id=request_id, prompt_token_ids=pb.TokenIds(ids=ids),
+        request_id=request_id, prompt_token_ids=ids,
         sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)))
 
 

@@ -6,9 +6,10 @@ import asyncio
 
 import grpc
 
-from pagedserve.v1 import worker_pb2
+from pagedserve.v1 import generate_pb2 as pb
+from pagedserve.v1 import generate_pb2_grpc, worker_pb2
 from scheduler_svc.engine import Engine, EngineConfig
-from tests.service.inproc import ScriptedWorker, generate, status_of, tokenizer, wait_for, with_server
+from tests.service.inproc import ScriptedWorker, generate, status_of, tokens_of, wait_for, with_server
 
 
 @with_server()
@@ -71,7 +72,7 @@ def test_the_token_budget_defaults_by_the_workers_device():
         budgets = {}
         for configured in (None, 96):
             engine = Engine(EngineConfig(model_id="m", max_model_len=128, vocab_size=49152,
-                                         max_num_batched_tokens=configured), tokenizer())
+                                         max_num_batched_tokens=configured))
             for device in ("cpu", "cuda:0"):
                 handle = engine.attach_worker(WorkerRegistration("m", 64, 16, "float32", 128, device))
                 budgets[(configured, device)] = handle.scheduler.config.max_num_batched_tokens
@@ -79,3 +80,56 @@ def test_the_token_budget_defaults_by_the_workers_device():
                 await handle.task
         return budgets
     assert asyncio.run(main()) == {(None, "cpu"): 512, (None, "cuda:0"): 2048, (96, "cpu"): 96, (96, "cuda:0"): 96}
+
+
+def request(channel, sampling=None, **fields):
+    return generate_pb2_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+        **fields, sampling=pb.SamplingParams(**(sampling or {}))))
+
+
+@with_server(no_worker_timeout=30, max_num_seqs=8)
+async def test_each_bad_field_is_invalid_argument_naming_it_even_with_no_worker(engine, channel):
+    """Refused at once, before anything is queued. The uint32 cases are what a JavaScript client's negative
+    numbers arrive as (2^32 - x); n = 2^32 - 1 must not allocate 4 billion samples while it waits for a worker."""
+    wrapped = 2**32 - 1
+    cases = [
+        ({"prompt": "hi", "prompt_token_ids": [5]},
+         "set exactly one of prompt, prompt_token_ids and messages (got prompt and prompt_token_ids)"),
+        ({"prompt_token_ids": [5], "messages": [pb.ChatMessage(role="user", content="hi")]},
+         "set exactly one of prompt, prompt_token_ids and messages (got prompt_token_ids and messages)"),
+        ({}, "set exactly one of prompt, prompt_token_ids and messages (got none)"),
+        ({"prompt": ""}, "prompt is empty"),
+        ({"messages": [pb.ChatMessage(role="", content="hi")]}, "messages[0].role must be a non-empty string"),
+        ({"prompt_token_ids": [49152]}, "prompt_token_ids: 49152 is outside the vocabulary (size 49152)"),
+        ({"prompt": "hi", "sampling": {"top_k": -5}}, "top_k must be >= 1, or 0 or -1 to keep all tokens; got -5"),
+        ({"prompt": "hi", "sampling": {"max_tokens": wrapped}},
+         f"max_tokens must be in [1, 128] (max_model_len), got {wrapped} (a negative number sent as uint32?)"),
+        ({"prompt": "hi", "sampling": {"n": wrapped}},
+         f"n must be in [1, 8] (max_num_seqs: the samples run side by side), got {wrapped} (a negative number "
+         "sent as uint32?)"),
+        ({"prompt": "hi", "sampling": {"stop_token_ids": [10**9]}},
+         "stop_token_ids: 1000000000 is outside the vocabulary (size 49152)"),
+        ({"prompt": "hi", "sampling": {"logprobs": wrapped}}, f"logprobs must be in [0, 20], got {wrapped}"),
+        ({"prompt": "hi" * 200}, "prompt has 200 tokens after tokenizing; max_model_len 128 leaves room for at most "
+                                 "127"),
+    ]
+    for fields, message in cases:
+        sampling = fields.pop("sampling", None)
+        assert await status_of(request(channel, sampling, **fields)) == (grpc.StatusCode.INVALID_ARGUMENT, message)
+    assert not engine.streams and not engine.unplaced
+
+
+@with_server(no_worker_timeout=30)
+async def test_top_k_minus_1_is_vllms_spelling_of_off(engine, channel):
+    worker = ScriptedWorker(channel, answer=True)
+    await wait_for(lambda: engine.workers)
+    out = await tokens_of(request(channel, {"top_k": -1, "max_tokens": 3, "ignore_eos": True}, prompt="hi"))
+    assert out == [[7, 7, 7]]
+    assert [p.new_requests[0].sampling.top_k for p in worker.plans if p.new_requests] == [0]  # the worker sees 0
+    worker.close()
+
+
+@with_server(no_worker_timeout=30)
+async def test_model_info_reports_the_bounds_clients_must_respect(engine, channel):
+    info = await generate_pb2_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest())
+    assert (info.max_model_len, info.vocab_size, info.max_n) == (128, 49152, 1)

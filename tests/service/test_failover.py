@@ -98,7 +98,7 @@ class Streams:
         try:
             with grpc.insecure_channel(address) as ch:
                 for msg in generate_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
-                        prompt_token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(
+                        prompt_token_ids=prompt, sampling=pb.SamplingParams(
                             max_tokens=NEW, temperature=0, ignore_eos=True)), timeout=300):
                     self.tokens[i].extend(msg.token_ids)
         except grpc.RpcError as e:

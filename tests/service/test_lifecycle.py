@@ -96,9 +96,9 @@ def stop_all(proc: subprocess.Popen) -> None:
 def up(model: str, listen: str, *extra: str, stderr=None) -> subprocess.Popen:
     # Its own session, like a shell job: Ctrl-C is SIGINT to the whole process group.
     return subprocess.Popen([sys.executable, "-m", "pagedserve_cli.main", "up", "--model", model, "--listen", listen,
-                             "--worker-listen", f"127.0.0.1:{free_port()}", "--metrics", "", "--kv-memory", "4MiB",
-                             "--threads", "1", *extra], stdout=subprocess.PIPE, stderr=stderr, text=True,
-                            start_new_session=True)
+                             "--worker-listen", f"127.0.0.1:{free_port()}", "--metrics", "",
+                             "--http", f"127.0.0.1:{free_port()}", "--kv-memory", "4MiB", "--threads", "1", *extra],
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
 
 
 @pytest.mark.parametrize("how", ["SIGTERM to up", "Ctrl-C to the process group"])

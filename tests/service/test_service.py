@@ -39,7 +39,7 @@ def generate(service, prompt_ids=None, prompt=None, timeout=120, **sampling) -> 
         if prompt is not None:
             req.prompt = prompt
         else:
-            req.prompt_token_ids.ids.extend(prompt_ids)
+            req.prompt_token_ids.extend(prompt_ids)
         msgs = list(generate_pb2_grpc.GenerationStub(ch).Generate(req, timeout=timeout))
     out: dict[int, list[int]] = {}
     for m in msgs:
@@ -99,7 +99,7 @@ def test_parallel_sampling_n2_shares_the_prompt(service, reference):
 def test_cancel_frees_blocks_within_a_step(service):
     with service.channel() as ch:
         call = generate_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
-            prompt_token_ids=pb.TokenIds(ids=PROMPTS[0]), sampling=pb.SamplingParams(
+            prompt_token_ids=PROMPTS[0], sampling=pb.SamplingParams(
                 max_tokens=400, temperature=0, ignore_eos=True)))
         next(call)
         next(call)
@@ -191,7 +191,7 @@ def test_mixed_cancels_deadlines_and_forks_under_preemption_lose_nothing(service
     def one(i: int, kind: str, k: int) -> None:
         try:
             # A deadline request asks for 400 tokens so that it cannot finish before its deadline of <= 0.3 s.
-            req = pb.GenerateRequest(prompt_token_ids=pb.TokenIds(ids=PROMPTS[i]), sampling=pb.SamplingParams(
+            req = pb.GenerateRequest(prompt_token_ids=PROMPTS[i], sampling=pb.SamplingParams(
                 max_tokens=400 if kind == "deadline" else NEW, ignore_eos=kind == "deadline", temperature=0,
                 n=2 if kind == "fork" else 1))
             with service.channel() as ch:

@@ -24,35 +24,35 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedserve/v1/generate.proto\x12\rpagedserve.v1\"\xcc\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0e\n\x01n\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobs\"\xba\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x10\n\x06prompt\x18\x02 \x01(\tH\x00\x12\x33\n\x10prompt_token_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\tB\x07\n\x05input\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"j\n\x10PositionLogprobs\x12,\n\x07sampled\x18\x01 \x01(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x31\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\"\x15\n\x13GetModelInfoRequest\"t\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0c\n\x04name\x18\x06 \x01(\t\"\x7f\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12*\n\x07workers\x18\x04 \x03(\x0b\x32\x19.pagedserve.v1.WorkerInfo*\x97\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xb4\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12W\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a#.pagedserve.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedserve/v1/generate.proto\x12\rpagedserve.v1\"\xcc\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0e\n\x01n\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobs\"\xd8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12,\n\x08messages\x18\x07 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\tB\t\n\x07_promptJ\x04\x08\x03\x10\x04\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"j\n\x10PositionLogprobs\x12,\n\x07sampled\x18\x01 \x01(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x31\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\"\x15\n\x13GetModelInfoRequest\"t\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0c\n\x04name\x18\x06 \x01(\t\"\xa2\x01\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12*\n\x07workers\x18\x04 \x03(\x0b\x32\x19.pagedserve.v1.WorkerInfo\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\r\n\x05max_n\x18\x06 \x01(\r*\x97\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xb4\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12W\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a#.pagedserve.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1344
-  _globals['_FINISHREASON']._serialized_end=1495
+  _globals['_FINISHREASON']._serialized_start=1431
+  _globals['_FINISHREASON']._serialized_end=1582
   _globals['_SAMPLINGPARAMS']._serialized_start=48
   _globals['_SAMPLINGPARAMS']._serialized_end=380
   _globals['_GENERATEREQUEST']._serialized_start=383
-  _globals['_GENERATEREQUEST']._serialized_end=569
-  _globals['_TOKENIDS']._serialized_start=571
-  _globals['_TOKENIDS']._serialized_end=594
-  _globals['_TOKENLOGPROB']._serialized_start=596
-  _globals['_TOKENLOGPROB']._serialized_end=645
-  _globals['_POSITIONLOGPROBS']._serialized_start=647
-  _globals['_POSITIONLOGPROBS']._serialized_end=753
-  _globals['_USAGE']._serialized_start=755
-  _globals['_USAGE']._serialized_end=842
-  _globals['_GENERATERESPONSE']._serialized_start=845
-  _globals['_GENERATERESPONSE']._serialized_end=1071
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1073
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1094
-  _globals['_WORKERINFO']._serialized_start=1096
-  _globals['_WORKERINFO']._serialized_end=1212
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1214
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1341
-  _globals['_GENERATION']._serialized_start=1498
-  _globals['_GENERATION']._serialized_end=1678
+  _globals['_GENERATEREQUEST']._serialized_end=599
+  _globals['_CHATMESSAGE']._serialized_start=601
+  _globals['_CHATMESSAGE']._serialized_end=645
+  _globals['_TOKENLOGPROB']._serialized_start=647
+  _globals['_TOKENLOGPROB']._serialized_end=696
+  _globals['_POSITIONLOGPROBS']._serialized_start=698
+  _globals['_POSITIONLOGPROBS']._serialized_end=804
+  _globals['_USAGE']._serialized_start=806
+  _globals['_USAGE']._serialized_end=893
+  _globals['_GENERATERESPONSE']._serialized_start=896
+  _globals['_GENERATERESPONSE']._serialized_end=1122
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1124
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1145
+  _globals['_WORKERINFO']._serialized_start=1147
+  _globals['_WORKERINFO']._serialized_end=1263
+  _globals['_GETMODELINFORESPONSE']._serialized_start=1266
+  _globals['_GETMODELINFORESPONSE']._serialized_end=1428
+  _globals['_GENERATION']._serialized_start=1585
+  _globals['_GENERATION']._serialized_end=1765
 # @@protoc_insertion_point(module_scope)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.metrics import Metrics
-from scheduler_svc.text.detokenizer import IncrementalDetokenizer
+from scheduler_svc.frontend.detokenizer import IncrementalDetokenizer
 
 
 @dataclass(slots=True)

@@ -1,0 +1,267 @@
+"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, /health."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from scheduler_svc.errors import EngineError
+from scheduler_svc.frontend import FrontEnd, RequestStream, StreamItem
+from scheduler_svc.http import convert
+from scheduler_svc.http.convert import Job, UsageCount
+from scheduler_svc.http.schemas import ChatCompletionRequest, CompletionRequest
+
+
+def _sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events that stop as soon as the client disconnects, not at the next write: the generator is
+    cancelled at once, and its `finally` frees the request's blocks even while it waits in the queue."""
+
+    media_type = "text/event-stream"
+
+    async def __call__(self, scope, receive, send) -> None:
+        writer = asyncio.ensure_future(self.stream_response(send))
+        watcher = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({writer, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            writer.cancel()
+            watcher.cancel()
+        if writer.done() and not writer.cancelled() and not isinstance(writer.exception(), OSError | None):
+            raise writer.exception()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _items(streams: list[RequestStream]) -> AsyncIterator[tuple[int, StreamItem]]:
+    """(prompt index, item) from every stream as they come; raises the first EngineError."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for item in stream:
+                queue.put_nowait((i, item))
+            queue.put_nowait((i, None))
+        except EngineError as e:
+            queue.put_nowait((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        num_open = len(streams)
+        while num_open:
+            i, item = await queue.get()
+            if item is None:
+                num_open -= 1
+            elif isinstance(item, EngineError):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def create_app(frontend: FrontEnd) -> FastAPI:
+    app = FastAPI(title="pagedserve", summary="OpenAI-compatible API of a pagedserve scheduler")
+    started = int(time.time())
+
+    def error(status: int, message: str, param: str | None = None) -> JSONResponse:
+        return JSONResponse(convert.error_body(status, message, param), status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        if first.get("type") == "json_invalid":
+            return error(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+        loc = [x for x in first.get("loc", ()) if x != "body"]
+        # NOTE: the top-level field is the param; the full location (union members included) goes in the message
+        param = str(loc[0]) if loc else None
+        where = ".".join(str(x) for x in loc) or "body"
+        return error(400, f"{where}: {first.get('msg', 'invalid value')}", param)
+
+    @app.get("/health")
+    async def health() -> Response:
+        ok, why = frontend.serving()
+        return JSONResponse({"status": "ok"}) if ok else error(503, why)
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": frontend.model_id, "object": "model", "created": started,
+                                            "owned_by": "pagedserve", "max_model_len": frontend.max_model_len}]}
+
+    def open_streams(job: Job) -> list[RequestStream]:
+        streams: list[RequestStream] = []
+        try:
+            for inp in job.inputs:
+                streams.append(frontend.generate(inp))
+        except EngineError:
+            close(streams)
+            raise
+        return streams
+
+    def close(streams: list[RequestStream]) -> None:
+        for s in streams:
+            if not s.done:  # the client went away or another prompt failed: free its blocks now
+                frontend.abort(s.request.request_id)
+
+    async def serve(request: Request, body, make_job: Callable, events: Callable, collect: Callable) -> Response:
+        rid = uuid.uuid4().hex
+        try:
+            convert.check_model(frontend, body.model)
+            job = make_job(body, rid)
+        except EngineError as e:
+            return _error_response(e, {})
+        try:
+            streams = open_streams(job)
+        except EngineError as e:
+            return _error_response(e, job.params)
+        meta = {"created": int(time.time()), "model": body.model or frontend.model_id}
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        if body.stream:
+            return EventStream(_events(events(job, streams, rid, meta, include_usage), job, streams),
+                               headers={"Cache-Control": "no-cache"})
+        work = asyncio.ensure_future(_collect(collect, job, streams, rid, meta))
+        watcher = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not work.done():  # the client disconnected: its blocks go back now
+                work.cancel()
+                close(streams)
+        if not work.done() or work.cancelled():
+            return Response(status_code=499)
+        status, content = work.result()
+        return JSONResponse(content, status_code=status)
+
+    async def _collect(collect: Callable, job: Job, streams, rid: str, meta: dict) -> tuple[int, dict]:
+        try:
+            return 200, await collect(job, streams, rid, meta)
+        except EngineError as e:
+            return convert.engine_error(e, job.params)
+        finally:
+            close(streams)
+
+    async def _events(chunks: AsyncIterator[dict], job: Job, streams) -> AsyncIterator[str]:
+        try:
+            async for chunk in chunks:
+                yield _sse(chunk)
+        except EngineError as e:
+            yield _sse(convert.engine_error(e, job.params)[1])
+        finally:
+            close(streams)
+        yield _sse("[DONE]")
+
+    # -- /v1/completions ----------------------------------------------------------------------------------
+    async def completion_events(job: Job, streams, rid: str, meta: dict, include_usage: bool):
+        head = {"id": f"cmpl-{rid}", "object": "text_completion", **meta}
+        usage, offsets = UsageCount(), defaultdict(int)
+        want_logprobs = job.inputs[0].sampling.logprobs is not None
+        async for i, item in _items(streams):
+            index, reason = job.choice_index(i, item.index), convert.finish_reason(item)
+            if reason is not None:
+                usage.add(i, item)
+            elif not item.text and not item.logprobs:
+                continue  # text held back (a partial character or a possible stop string): nothing to say yet
+            choice = {"index": index, "text": item.text, "logprobs": None, "finish_reason": reason}
+            if want_logprobs:
+                choice["logprobs"] = convert.completion_logprobs(frontend, item, offsets[index])
+            offsets[index] += len(item.text)
+            yield {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
+        if include_usage:
+            yield {**head, "choices": [], "usage": usage.to_json()}
+
+    async def completion_collect(job: Job, streams, rid: str, meta: dict) -> dict:
+        texts, reasons, logprobs, usage = defaultdict(str), {}, defaultdict(list), UsageCount()
+        async for i, item in _items(streams):
+            index = job.choice_index(i, item.index)
+            if item.logprobs:
+                logprobs[index].append(convert.completion_logprobs(frontend, item, len(texts[index])))
+            texts[index] += item.text
+            if item.finish_reason is not None:
+                reasons[index] = convert.finish_reason(item)
+                usage.add(i, item)
+        want = job.inputs[0].sampling.logprobs is not None
+        choices = [{"index": k, "text": texts[k], "finish_reason": reasons.get(k),
+                    "logprobs": _join_completion_logprobs(logprobs[k]) if want else None} for k in sorted(texts)]
+        return {"id": f"cmpl-{rid}", "object": "text_completion", **meta, "choices": choices,
+                "usage": usage.to_json()}
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await serve(request, body, convert.completion_job, completion_events, completion_collect)
+
+    # -- /v1/chat/completions -----------------------------------------------------------------------------
+    async def chat_events(job: Job, streams, rid: str, meta: dict, include_usage: bool):
+        head = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", **meta}
+        extra = {"usage": None} if include_usage else {}
+        usage = UsageCount()
+        want_logprobs = job.inputs[0].sampling.logprobs is not None
+        for index in range(job.n):  # each choice opens with the role, as OpenAI's stream does
+            yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                        "logprobs": None, "finish_reason": None}], **extra}
+        async for i, item in _items(streams):
+            reason = convert.finish_reason(item)
+            if reason is not None:
+                usage.add(i, item)
+            elif not item.text and not item.logprobs:
+                continue
+            choice = {"index": job.choice_index(i, item.index), "delta": {"content": item.text} if item.text else {},
+                      "logprobs": {"content": convert.chat_logprobs(frontend, item)} if want_logprobs else None,
+                      "finish_reason": reason}
+            yield {**head, "choices": [choice], **extra}
+        if include_usage:
+            yield {**head, "choices": [], "usage": usage.to_json()}
+
+    async def chat_collect(job: Job, streams, rid: str, meta: dict) -> dict:
+        texts, reasons, logprobs, usage = defaultdict(str), {}, defaultdict(list), UsageCount()
+        async for i, item in _items(streams):
+            index = job.choice_index(i, item.index)
+            texts[index] += item.text
+            logprobs[index] += convert.chat_logprobs(frontend, item)
+            if item.finish_reason is not None:
+                reasons[index] = convert.finish_reason(item)
+                usage.add(i, item)
+        want = job.inputs[0].sampling.logprobs is not None
+        choices = [{"index": k, "message": {"role": "assistant", "content": texts[k]},
+                    "logprobs": {"content": logprobs[k]} if want else None, "finish_reason": reasons.get(k)}
+                   for k in sorted(texts)]
+        return {"id": f"chatcmpl-{rid}", "object": "chat.completion", **meta, "choices": choices,
+                "usage": usage.to_json()}
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await serve(request, body, convert.chat_job, chat_events, chat_collect)
+
+    return app
+
+
+def _error_response(e: EngineError, params: dict[str, str]) -> JSONResponse:
+    status, body = convert.engine_error(e, params)
+    return JSONResponse(body, status_code=status)
+
+
+def _join_completion_logprobs(parts: list[dict]) -> dict:
+    out: dict = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for part in parts:
+        for key in out:
+            out[key] += part[key]
+    return out

@@ -1,0 +1,182 @@
+"""OpenAI request bodies to front-end inputs, stream items to OpenAI's JSON: the only place that knows both."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_svc.core.request import FinishReason, SamplingConfig
+from scheduler_svc.errors import EngineError, ErrorCode
+from scheduler_svc.frontend import FrontEnd, GenerateInput, StreamItem
+from scheduler_svc.frontend.api import invalid
+from scheduler_svc.http.schemas import ChatCompletionRequest, CompletionRequest
+
+FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.STOP_STRING: "stop",
+                  FinishReason.ABORT: "abort"}
+HTTP_STATUS = {ErrorCode.INVALID_ARGUMENT: 400, ErrorCode.NOT_FOUND: 404, ErrorCode.FAILED_PRECONDITION: 400,
+               ErrorCode.ALREADY_EXISTS: 409, ErrorCode.RESOURCE_EXHAUSTED: 429, ErrorCode.UNAVAILABLE: 503,
+               ErrorCode.INTERNAL: 500}
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 409: "invalid_request_error",
+               429: "rate_limit_error", 500: "internal_error", 503: "service_unavailable_error"}
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """OpenAI's error shape."""
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def engine_error(e: EngineError, params: dict[str, str]) -> tuple[int, dict]:
+    """(HTTP status, body) for an engine error; `params` renames generate.proto fields to this API's."""
+    status = HTTP_STATUS.get(e.code, 500)
+    param = params.get(e.field, e.field) if e.field else None
+    return status, error_body(status, str(e), param, "model_not_found" if status == 404 else None)
+
+
+@dataclass(slots=True)
+class Job:
+    """One HTTP request as front-end inputs: several prompts (a completions batch), each with n samples."""
+
+    inputs: list[GenerateInput]
+    n: int
+    params: dict[str, str] = field(default_factory=dict)  # generate.proto field -> the name this request used
+
+    def choice_index(self, prompt_index: int, sample_index: int) -> int:
+        return prompt_index * self.n + sample_index
+
+
+def _refuse_unsupported(body) -> None:
+    neutral = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))
+    for name, value in neutral:
+        got = getattr(body, name)
+        if got is not None and got != value:
+            raise invalid(name, f"{name} is not supported (only {value:g})")
+    if body.logit_bias:
+        raise invalid("logit_bias", "logit_bias is not supported")
+
+
+def _sampling(body, max_tokens: int | None, logprobs: int | None) -> SamplingConfig:
+    def pick(value, default):
+        return default if value is None else value
+
+    return SamplingConfig(max_tokens=pick(max_tokens, 16), temperature=pick(body.temperature, 1.0),
+                          top_p=pick(body.top_p, 1.0), top_k=pick(body.top_k, 0), min_p=pick(body.min_p, 0.0),
+                          seed=body.seed, n=body.n, stop_token_ids=tuple(body.stop_token_ids or ()),
+                          ignore_eos=body.ignore_eos, logprobs=logprobs)
+
+
+def _stop(body) -> tuple[str, ...]:
+    return (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
+
+
+def completion_job(body: CompletionRequest, request_id: str) -> Job:
+    _refuse_unsupported(body)
+    if body.echo:
+        raise invalid("echo", "echo is not supported")
+    if body.suffix:
+        raise invalid("suffix", "suffix is not supported")
+    if body.best_of is not None and body.best_of != body.n:
+        raise invalid("best_of", f"best_of must equal n ({body.n}) when set: samples are not ranked")
+    p = body.prompt
+    if isinstance(p, str):
+        prompts: list = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        prompts = [list(p)]
+    else:
+        prompts = list(p)
+    if not prompts:
+        raise invalid("prompt", "prompt is empty")
+    sampling = _sampling(body, body.max_tokens, body.logprobs)
+    inputs = []
+    for i, one in enumerate(prompts):
+        rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
+        kind = "prompt" if isinstance(one, str) else "prompt_token_ids"
+        inputs.append(GenerateInput(**{kind: one}, sampling=sampling, stop=_stop(body), request_id=rid))
+    return Job(inputs, body.n, {"prompt_token_ids": "prompt"})
+
+
+def _message_dict(i: int, m) -> dict:
+    out = m.model_dump(exclude_none=True)
+    if isinstance(m.content, list):
+        texts = []
+        for j, part in enumerate(m.content):
+            if part.type != "text" or part.text is None:
+                raise invalid("messages", f"messages[{i}].content[{j}]: only text parts are supported, got "
+                                          f"type {part.type!r}")
+            texts.append(part.text)
+        out["content"] = "".join(texts)
+    return out
+
+
+def chat_job(body: ChatCompletionRequest, request_id: str) -> Job:
+    _refuse_unsupported(body)
+    if body.tools:
+        raise invalid("tools", "tools are not supported (no tool-call parsing)")
+    if body.response_format and body.response_format.get("type", "text") != "text":
+        raise invalid("response_format", "only response_format {\"type\": \"text\"} is supported")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
+    max_tokens, name = body.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens, name = body.max_tokens, "max_tokens"
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    sampling = _sampling(body, max_tokens, logprobs)
+    inp = GenerateInput(messages=[_message_dict(i, m) for i, m in enumerate(body.messages)], sampling=sampling,
+                        stop=_stop(body), request_id=request_id, chat_template_kwargs=body.chat_template_kwargs or {},
+                        fill_context=max_tokens is None)
+    return Job([inp], body.n, {"max_tokens": name, "logprobs": "top_logprobs"})
+
+
+def check_model(frontend: FrontEnd, model: str | None) -> None:
+    if model is not None and model != frontend.model_id:
+        raise EngineError(ErrorCode.NOT_FOUND, f"The model `{model}` does not exist (this server serves "
+                                               f"`{frontend.model_id}`)", "model")
+
+
+# -- responses ----------------------------------------------------------------------------------------------
+def finish_reason(item: StreamItem) -> str | None:
+    return None if item.finish_reason is None else FINISH_REASONS[item.finish_reason]
+
+
+def completion_logprobs(frontend: FrontEnd, item: StreamItem, offset: int) -> dict:
+    """Completions' logprobs for one item's tokens; `offset` is where its text starts in the choice's text."""
+    tokens, token_logprobs, top, text_offset = [], [], [], []
+    for lp in item.logprobs:
+        text = frontend.token_text(lp.sampled.token_id)
+        tokens.append(text)
+        token_logprobs.append(lp.sampled.logprob)
+        top.append({frontend.token_text(t.token_id): t.logprob for t in lp.top})
+        text_offset.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}
+
+
+def _chat_entry(frontend: FrontEnd, token_id: int, logprob: float) -> dict:
+    text = frontend.token_text(token_id)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def chat_logprobs(frontend: FrontEnd, item: StreamItem) -> list[dict]:
+    return [{**_chat_entry(frontend, lp.sampled.token_id, lp.sampled.logprob),
+             "top_logprobs": [_chat_entry(frontend, t.token_id, t.logprob) for t in lp.top]} for lp in item.logprobs]
+
+
+@dataclass(slots=True)
+class UsageCount:
+    """Tokens of the whole HTTP request: each prompt once, every sample's output."""
+
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    _prompts_seen: set = field(default_factory=set)
+
+    def add(self, prompt_index: int, item: StreamItem) -> None:
+        self.completion_tokens += item.completion_tokens
+        if prompt_index not in self._prompts_seen:
+            self._prompts_seen.add(prompt_index)
+            self.prompt_tokens += item.prompt_tokens
+            self.cached_tokens += item.cached_prompt_tokens
+
+    def to_json(self) -> dict:
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}

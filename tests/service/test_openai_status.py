@@ -1,0 +1,89 @@
+"""HTTP status codes of the OpenAI-compatible front: the app on uvicorn in this process, scripted workers."""
+
+from __future__ import annotations
+
+import httpx
+
+from pagedserve.v1 import worker_pb2
+from scheduler_svc.errors import ErrorCode
+from scheduler_svc.frontend import FrontEnd
+from scheduler_svc.http.app import create_app
+from scheduler_svc.http.server import HttpServer
+from tests.service.conftest import free_port
+from tests.service.inproc import ScriptedWorker, generate, tokenizer, wait_for, with_server
+
+class Front:
+    """The HTTP front of `engine` on a free loopback port, as the scheduler runs it (same event loop)."""
+
+    def __init__(self, engine) -> None:
+        self.http = HttpServer(create_app(FrontEnd(engine, tokenizer())), f"127.0.0.1:{free_port()}")
+        self.client = httpx.AsyncClient(base_url=f"http://{self.http.address}", timeout=30)
+
+    async def __aenter__(self) -> httpx.AsyncClient:
+        await self.http.start()
+        return self.client
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.aclose()
+        await self.http.stop()
+
+
+async def complete(client: httpx.AsyncClient, **body) -> httpx.Response:
+    return await client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4, **body})
+
+
+@with_server()
+async def test_with_no_worker_health_and_requests_are_503(engine, channel):
+    async with Front(engine) as client:
+        r = await client.get("/health")
+        assert r.status_code == 503
+        assert r.json()["error"]["message"] == "no worker is attached"
+        r = await complete(client)
+        assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
+        assert r.json()["error"]["message"] == "no worker is attached yet"
+
+
+@with_server()
+async def test_a_full_queue_is_429_and_draining_is_503(engine, channel):
+    worker = ScriptedWorker(channel)  # silent: the first request runs forever, the next two wait
+    await wait_for(lambda: engine.workers)
+    calls = [generate(channel, f"r{i}") for i in range(3)]
+    await wait_for(lambda: len(worker.plans) == 1 and sum(w.scheduler.num_waiting
+                                                            for w in engine.workers.values()) == 2)
+    async with Front(engine) as client:
+        assert (await client.get("/health")).status_code == 200
+        r = await complete(client)
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["type"] == "rate_limit_error" and "queued" in r.json()["error"]["message"]
+        engine.draining = True
+        r = await complete(client)
+        assert r.status_code == 503 and "draining" in r.json()["error"]["message"]
+        assert (await client.get("/health")).status_code == 503
+        r = await complete(client, stream=True)  # refused before the stream starts: a plain JSON error
+        assert r.status_code == 503 and r.headers["content-type"] == "application/json"
+    for call in calls:
+        call.cancel()
+    assert not engine.unplaced
+
+
+@with_server(max_num_seqs=4)
+async def test_a_stream_that_fails_midway_ends_with_an_error_event_then_done(engine, channel):
+    worker = ScriptedWorker(channel)  # answers by hand: one step, then the request hangs until it fails
+    await wait_for(lambda: engine.workers)
+    async with Front(engine) as client:
+        async with client.stream("POST", "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 100,
+                                                                  "stream": True, "ignore_eos": True}) as r:
+            assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+            lines = r.aiter_lines()
+            await wait_for(lambda: worker.plans)
+            result = worker_pb2.StepResult(step_id=worker.plans[0].step_id)
+            result.tokens.add(seq_id=worker.plans[0].new_requests[0].seq_id, token_id=504)  # "The": it has text
+            worker.queue.put_nowait(worker_pb2.WorkerMessage(result=result))
+            first = await anext(lines)
+            assert first.startswith("data: {")
+            engine.fail_all(ErrorCode.UNAVAILABLE, "the server shut down")  # e.g. the drain timeout ran out
+            rest = [line async for line in lines if line]
+    assert rest[-1] == "data: [DONE]"
+    assert '"type": "service_unavailable_error"' in rest[-2] and "the server shut down" in rest[-2]
+    worker.close()
+
