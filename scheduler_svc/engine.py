@@ -245,7 +245,8 @@ class Engine:
         return stream
 
     def _check(self, req: Request) -> None:
-        """Raises InvalidField when `req` can never be served, whichever worker it would go to."""
+        """Raises InvalidField when `req` can never be served, whichever worker it would go to. NOTE: the prompt's
+        length is checked by the front end (naming the field it came from) and per worker by Scheduler.check_fits."""
         cfg, sp, ids = self.config, req.sampling, req.prompt_token_ids
         if not ids:
             raise InvalidField("prompt_token_ids", "prompt_token_ids is empty")
@@ -261,9 +262,6 @@ class Engine:
         if sp.n > cfg.max_num_seqs:
             raise InvalidField("n", f"n must be in [1, {cfg.max_num_seqs}] (max_num_seqs: the samples run side by "
                                     f"side), got {sp.n}{_wrapped(sp.n)}")
-        if len(ids) > cfg.max_model_len - 1:
-            raise InvalidField("prompt_token_ids", f"prompt_token_ids has {len(ids)} tokens; max_model_len "
-                               f"{cfg.max_model_len} leaves room for at most {cfg.max_model_len - 1}")
 
     def max_output_tokens(self, num_prompt_tokens: int, n: int = 1) -> int:
         """How many tokens a request may ask for to fill its context: up to max_model_len, and no more than the

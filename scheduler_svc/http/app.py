@@ -8,6 +8,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -77,6 +78,21 @@ async def _items(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Strea
     finally:
         for t in tasks:
             t.cancel()
+
+
+async def _gather(job: Job, streams: list[RequestStream], logprobs_of: Callable) -> tuple[dict, dict, dict, UsageCount]:
+    """A whole non-streamed answer per choice index: its text, finish reason and logprobs (one
+    `logprobs_of(item, offset of its text)` per item, when asked for), and the request's usage."""
+    texts, reasons, logprobs, usage = defaultdict(str), {}, defaultdict(list), UsageCount()
+    async for i, item in _items(streams):
+        index = job.choice_index(i, item.index)
+        if job.wants_logprobs:
+            logprobs[index].append(logprobs_of(item, len(texts[index])))
+        texts[index] += item.text
+        if item.finish_reason is not None:
+            reasons[index] = convert.finish_reason(item)
+            usage.add(i, item)
+    return texts, reasons, logprobs, usage
 
 
 def create_app(frontend: FrontEnd) -> FastAPI:
@@ -174,7 +190,6 @@ def create_app(frontend: FrontEnd) -> FastAPI:
     async def completion_events(job: Job, streams, rid: str, meta: dict, include_usage: bool):
         head = {"id": f"cmpl-{rid}", "object": "text_completion", **meta}
         usage, offsets = UsageCount(), defaultdict(int)
-        want_logprobs = job.inputs[0].sampling.logprobs is not None
         async for i, item in _items(streams):
             index, reason = job.choice_index(i, item.index), convert.finish_reason(item)
             if reason is not None:
@@ -182,7 +197,7 @@ def create_app(frontend: FrontEnd) -> FastAPI:
             elif not item.text and not item.logprobs:
                 continue  # text held back (a partial character or a possible stop string): nothing to say yet
             choice = {"index": index, "text": item.text, "logprobs": None, "finish_reason": reason}
-            if want_logprobs:
+            if job.wants_logprobs:
                 choice["logprobs"] = convert.completion_logprobs(frontend, item, offsets[index])
             offsets[index] += len(item.text)
             yield {**head, "choices": [choice], **({"usage": None} if include_usage else {})}
@@ -190,18 +205,10 @@ def create_app(frontend: FrontEnd) -> FastAPI:
             yield {**head, "choices": [], "usage": usage.to_json()}
 
     async def completion_collect(job: Job, streams, rid: str, meta: dict) -> dict:
-        texts, reasons, logprobs, usage = defaultdict(str), {}, defaultdict(list), UsageCount()
-        async for i, item in _items(streams):
-            index = job.choice_index(i, item.index)
-            if item.logprobs:
-                logprobs[index].append(convert.completion_logprobs(frontend, item, len(texts[index])))
-            texts[index] += item.text
-            if item.finish_reason is not None:
-                reasons[index] = convert.finish_reason(item)
-                usage.add(i, item)
-        want = job.inputs[0].sampling.logprobs is not None
+        texts, reasons, logprobs, usage = await _gather(job, streams, partial(convert.completion_logprobs, frontend))
         choices = [{"index": k, "text": texts[k], "finish_reason": reasons.get(k),
-                    "logprobs": _join_completion_logprobs(logprobs[k]) if want else None} for k in sorted(texts)]
+                    "logprobs": _join_completion_logprobs(logprobs[k]) if job.wants_logprobs else None}
+                   for k in sorted(texts)]
         return {"id": f"cmpl-{rid}", "object": "text_completion", **meta, "choices": choices,
                 "usage": usage.to_json()}
 
@@ -214,7 +221,6 @@ def create_app(frontend: FrontEnd) -> FastAPI:
         head = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", **meta}
         extra = {"usage": None} if include_usage else {}
         usage = UsageCount()
-        want_logprobs = job.inputs[0].sampling.logprobs is not None
         for index in range(job.n):  # each choice opens with the role, as OpenAI's stream does
             yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                         "logprobs": None, "finish_reason": None}], **extra}
@@ -225,25 +231,18 @@ def create_app(frontend: FrontEnd) -> FastAPI:
             elif not item.text and not item.logprobs:
                 continue
             choice = {"index": job.choice_index(i, item.index), "delta": {"content": item.text} if item.text else {},
-                      "logprobs": {"content": convert.chat_logprobs(frontend, item)} if want_logprobs else None,
+                      "logprobs": {"content": convert.chat_logprobs(frontend, item)} if job.wants_logprobs else None,
                       "finish_reason": reason}
             yield {**head, "choices": [choice], **extra}
         if include_usage:
             yield {**head, "choices": [], "usage": usage.to_json()}
 
     async def chat_collect(job: Job, streams, rid: str, meta: dict) -> dict:
-        texts, reasons, logprobs, usage = defaultdict(str), {}, defaultdict(list), UsageCount()
-        async for i, item in _items(streams):
-            index = job.choice_index(i, item.index)
-            texts[index] += item.text
-            logprobs[index] += convert.chat_logprobs(frontend, item)
-            if item.finish_reason is not None:
-                reasons[index] = convert.finish_reason(item)
-                usage.add(i, item)
-        want = job.inputs[0].sampling.logprobs is not None
+        texts, reasons, logprobs, usage = await _gather(job, streams,
+                                                        lambda item, _: convert.chat_logprobs(frontend, item))
         choices = [{"index": k, "message": {"role": "assistant", "content": texts[k]},
-                    "logprobs": {"content": logprobs[k]} if want else None, "finish_reason": reasons.get(k)}
-                   for k in sorted(texts)]
+                    "logprobs": {"content": [e for part in logprobs[k] for e in part]} if job.wants_logprobs
+                    else None, "finish_reason": reasons.get(k)} for k in sorted(texts)]
         return {"id": f"chatcmpl-{rid}", "object": "chat.completion", **meta, "choices": choices,
                 "usage": usage.to_json()}
 

@@ -40,6 +40,10 @@ class Job:
     n: int
     params: dict[str, str] = field(default_factory=dict)  # generate.proto field -> the name this request used
 
+    @property
+    def wants_logprobs(self) -> bool:
+        return self.inputs[0].sampling.logprobs is not None
+
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         return prompt_index * self.n + sample_index
 
