@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagedserve_cli import access_args
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream a completion from a running server")
@@ -15,6 +17,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int)
     p.add_argument("--chat", action="store_true",
                    help="send the prompt as a user message (the server applies the model's chat template)")
+    access_args.add_client_args(p)
     p.set_defaults(func=run)
 
 
@@ -31,7 +34,7 @@ def build_request(args: argparse.Namespace):
     return generate_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling)
 
 
-def stream(channel, request, out=None, err=None) -> int:
+def stream(channel, request, out=None, err=None, metadata=()) -> int:
     """Streams `request` over `channel`: text to `out` as it arrives, the finish line or the error to `err`."""
     import grpc
 
@@ -39,7 +42,7 @@ def stream(channel, request, out=None, err=None) -> int:
     from pagedserve.v1 import generate_pb2, generate_pb2_grpc
 
     try:
-        for resp in generate_pb2_grpc.GenerationStub(channel).Generate(request):
+        for resp in generate_pb2_grpc.GenerationStub(channel).Generate(request, metadata=metadata):
             out.write(resp.text)
             out.flush()
             if resp.finish_reason:
@@ -54,7 +57,5 @@ def stream(channel, request, out=None, err=None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    import grpc
-
-    with grpc.insecure_channel(args.server) as channel:
-        return stream(channel, build_request(args))
+    with access_args.client_channel(args, args.server) as channel:
+        return stream(channel, build_request(args), metadata=access_args.client_metadata(args))

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pagedserve_cli import access_args
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("health", help="exit 0 when the server is SERVING (a worker attached, not draining), else 1")
@@ -14,6 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="also require an attached worker registered from HOST (its name is HOST:PID), e.g. "
                         "$(hostname) in a worker container's health check")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds for each call (default 5)")
+    access_args.add_client_args(p)  # NOTE: health needs no key; --worker asks GetModelInfo, which does
     p.set_defaults(func=run)
 
 
@@ -29,7 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pagedserve.v1 import generate_pb2, generate_pb2_grpc
 
-    with grpc.insecure_channel(args.server) as channel:
+    with access_args.client_channel(args, args.server) as channel:
         try:
             reply = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=args.service), timeout=args.timeout)
@@ -39,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             if args.worker:
                 info = generate_pb2_grpc.GenerationStub(channel).GetModelInfo(
-                    generate_pb2.GetModelInfoRequest(), timeout=args.timeout)
+                    generate_pb2.GetModelInfoRequest(), timeout=args.timeout,
+                    metadata=access_args.client_metadata(args))
                 if not worker_attached(info.workers, args.worker):
                     names = ", ".join(w.name for w in info.workers) or "none"
                     print(f"{args.server}: SERVING, but no worker from {args.worker} is attached (attached: {names})",

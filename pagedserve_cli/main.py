@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedserve_cli import bench_cmd, generate_cmd, health_cmd, kv_plan, model_cmd, serve_cmd, up_cmd
+from pagedserve_cli import bench_cmd, certs_cmd, generate_cmd, health_cmd, kv_plan, model_cmd, serve_cmd, up_cmd
 from pagedserve_cli.env import EnvArgumentParser, apply_env
 
 
@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     kv_plan.add_parser(sub)
     model_cmd.add_parser(sub)
     health_cmd.add_parser(sub)
+    certs_cmd.add_parser(sub)
     apply_env(p)
     return p
 

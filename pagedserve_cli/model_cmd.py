@@ -15,6 +15,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run_pull(args: argparse.Namespace) -> int:
+    import sys
+
+    from pagedserve_cli.logs import disable_progress_bars
+
+    if not sys.stderr.isatty():  # a log file or a supervisor's pipe (`up`, the scheduler pull through this command)
+        disable_progress_bars()
     from worker_svc.model_store import resolve_model
 
     # NOTE: a model directory of one's own is printed as is (nothing to fetch); an unknown name is a ValueError.

@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pagedserve_cli import access_args
 from pagedserve_cli.units import parse_bytes
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
@@ -35,9 +36,21 @@ def _number(kind, minimum, what: str):
     return parse
 
 
+def _bytes_at_least(minimum: int):
+    def parse(text: str) -> int:
+        try:
+            value = parse_bytes(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected at least {minimum} bytes, got {text!r}")
+        return value
+    return parse
+
+
 def add_scheduler_policy_args(p: argparse.ArgumentParser, with_defaults: bool = True) -> None:
-    """Routing, failure handling and drain flags, shared by `scheduler` and `up` (which forwards only those given:
-    `with_defaults=False` leaves them None)."""
+    """Routing, failure handling, drain and input-bound flags, shared by `scheduler` and `up` (which forwards only
+    those given: `with_defaults=False` leaves them None)."""
     def d(value):
         return value if with_defaults else None
     p.add_argument("--routing", choices=ROUTING, default=d("kv"),
@@ -54,12 +67,22 @@ def add_scheduler_policy_args(p: argparse.ArgumentParser, with_defaults: bool = 
     p.add_argument("--drain-timeout", type=_number(float, 0, "seconds >= 0"), default=d(DEFAULT_DRAIN_TIMEOUT),
                    metavar="SECONDS", help="on SIGTERM the scheduler stops admitting (UNAVAILABLE) and lets "
                                            "in-flight streams finish this long (default 30)")
+    # Input bounds (scheduler_svc.frontend.limits): beyond one, a request is refused naming the field and the bound.
+    p.add_argument("--max-message-size", type=_bytes_at_least(1024), default=d(4 << 20), metavar="BYTES",
+                   help="largest client request: one gRPC message (RESOURCE_EXHAUSTED beyond) or one HTTP body "
+                        "(413), e.g. 16MiB (default 4MiB)")
+    p.add_argument("--max-prompt-chars", type=_number(int, 1, "an integer >= 1"), default=None, metavar="N",
+                   help="characters of a text prompt, or of a chat's messages together, checked before tokenizing "
+                        "(default: 32 per token of max_model_len)")
+    p.add_argument("--max-stop-strings", type=_number(int, 0, "an integer >= 0"), default=d(16), metavar="N",
+                   help="stop strings per request, each up to 1024 characters (default 16)")
 
 
 def scheduler_policy_argv(args: argparse.Namespace) -> list[str]:
     """The flags of add_scheduler_policy_args that were given, as scheduler command-line arguments."""
     argv = []
-    for flag in ("--routing", "--step-timeout", "--max-migrations", "--no-worker-timeout", "--drain-timeout"):
+    for flag in ("--routing", "--step-timeout", "--max-migrations", "--no-worker-timeout", "--drain-timeout",
+                 "--max-message-size", "--max-prompt-chars", "--max-stop-strings"):
         value = getattr(args, flag[2:].replace("-", "_"))
         if value is not None:
             argv += [flag, str(value)]
@@ -93,6 +116,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queued-requests", type=int, default=1024)
     p.add_argument("--no-prefix-caching", action="store_true")
     add_scheduler_policy_args(p)
+    access_args.add_scheduler_args(p)
     p.set_defaults(func=run_scheduler)
 
     w = sub.add_parser("worker", help="run a worker that dials in to the scheduler")
@@ -111,6 +135,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
                    help="run the model through the transformers modules instead of the lean forward")
     w.add_argument("--swap-space", type=parse_bytes, default=0,
                    help="host memory for swapped-out KV blocks, e.g. 4GiB (default 0: preemption recomputes)")
+    access_args.add_worker_args(w)
     w.set_defaults(func=run_worker)
 
 
@@ -118,32 +143,40 @@ def run_scheduler(args: argparse.Namespace) -> int:
     import asyncio
 
     from pagedserve_cli.logs import configure
+    from pagedserve_common.signals import exit_on_stop_signals
+
+    exit_on_stop_signals()  # until serve() drains on them: a signal during start-up just exits
+    configure()
     from scheduler_svc.server import ServerConfig, serve
 
-    configure()
     cfg = ServerConfig(model_dir=model_dir(args.model), model_id=args.model, listen=args.listen,
                        worker_listen=args.worker_listen, metrics=args.metrics or None, http=args.http or None,
+                       tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                       api_key_file=args.api_key_file,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
                        max_queued_requests=args.max_queued_requests, routing=args.routing,
                        step_timeout=args.step_timeout, max_migrations=args.max_migrations,
-                       no_worker_timeout=args.no_worker_timeout, drain_seconds=args.drain_timeout)
+                       no_worker_timeout=args.no_worker_timeout, drain_seconds=args.drain_timeout,
+                       max_message_size=args.max_message_size, max_prompt_chars=args.max_prompt_chars,
+                       max_stop_strings=args.max_stop_strings)
     asyncio.run(serve(cfg))
     return 0
 
 
 def run_worker(args: argparse.Namespace) -> int:
-    import signal
-
     from pagedserve_cli.logs import configure
+    from pagedserve_common.signals import exit_on_stop_signals
+
+    # NOTE: while torch imports and the model loads there is nothing to hand over: a signal just exits. Once the
+    # worker serves, the first SIGTERM/SIGINT announces that it leaves (worker_svc.client.Shutdown), a second one
+    # exits. Both before the imports below, which take seconds; configure() too: no progress bars in JSON logs.
+    exit_on_stop_signals()
+    configure()
     from worker_svc.client import run_worker as run
     from worker_svc.worker import WorkerConfig
 
-    configure()
-    # NOTE: while the model loads there is nothing to hand over: a signal just exits. Once the worker serves,
-    # the first SIGTERM/SIGINT announces that it leaves (worker_svc.client.Shutdown), a second one exits.
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: sys.exit(0))
+    credentials = access_args.worker_credentials(args)  # before the model loads: a bad file fails at once
     device = "cuda:0" if args.device == "cuda" else args.device
     if device == "cuda:auto":
         import torch
@@ -153,4 +186,5 @@ def run_worker(args: argparse.Namespace) -> int:
     return run(args.scheduler, WorkerConfig(
         model=args.model, device=device, dtype=args.dtype, block_size=args.block_size, kv_memory=args.kv_memory,
         threads=args.threads, swap_space=args.swap_space, attention_backend=args.attention_backend,
-        lean=not args.transformers_forward))
+        lean=not args.transformers_forward), credentials=credentials,
+        channel_options=access_args.name_override(args.tls_server_name))

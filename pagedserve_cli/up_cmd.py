@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagedserve_cli import access_args
 from pagedserve_cli.serve_cmd import (DEFAULT_DRAIN_TIMEOUT, DEFAULT_MODEL, add_scheduler_policy_args, model_dir,
                                       parse_device, scheduler_policy_argv)
 
@@ -48,19 +49,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--swap-space", default=None, help="host memory per worker for swapped-out KV blocks")
     p.add_argument("--startup-timeout", type=float, default=600.0)
     add_scheduler_policy_args(p, with_defaults=False)  # forwarded to the scheduler only when given
+    access_args.add_scheduler_args(p)  # forwarded too; the workers get --tls-ca/--tls-cert/--tls-key as well
     p.set_defaults(func=run)
 
 
 def wait_healthy(address: str, timeout: float, procs: list[subprocess.Popen], stopping=lambda: False,
-                 num_workers: int = 1) -> bool:
-    """True once `address` is SERVING with `num_workers` attached; False if `stopping()` turns true first."""
+                 num_workers: int = 1, credentials=None, server_name: str | None = None, metadata=()) -> bool:
+    """True once `address` is SERVING with `num_workers` attached; False if `stopping()` turns true first.
+    `credentials`, `server_name` and `metadata` (an API key) as for a TLS client (access_args)."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from pagedserve.v1 import generate_pb2, generate_pb2_grpc
 
     deadline = time.monotonic() + timeout
-    with grpc.insecure_channel(address) as channel:
+    with access_args.open_channel(address, credentials, server_name) as channel:
         health = health_pb2_grpc.HealthStub(channel)
         generation = generate_pb2_grpc.GenerationStub(channel)
         while time.monotonic() < deadline:
@@ -72,7 +75,8 @@ def wait_healthy(address: str, timeout: float, procs: list[subprocess.Popen], st
                 # NOTE: SERVING means one worker is in; the others may still be loading their model.
                 if health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status == \
                         health_pb2.HealthCheckResponse.SERVING and \
-                        len(generation.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=1).workers) \
+                        len(generation.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=1,
+                                                    metadata=metadata).workers) \
                         >= num_workers:
                     return True
             except grpc.RpcError:
@@ -208,6 +212,7 @@ def stop_in_order(scheduler: Child, workers: list[Child], drain_timeout: float) 
 
 
 def run(args: argparse.Namespace) -> int:
+    tls = access_args.up_tls(args)  # first: a bad file fails before anything starts
     model = model_dir(args.model) if args.model == DEFAULT_MODEL else args.model  # pull once, up front
     del model
     stopping = False
@@ -232,7 +237,7 @@ def run(args: argparse.Namespace) -> int:
         sched_cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
     if args.max_num_seqs:
         sched_cmd += ["--max-num-seqs", str(args.max_num_seqs)]
-    sched_cmd += scheduler_policy_argv(args)
+    sched_cmd += scheduler_policy_argv(args) + access_args.scheduler_argv(args)
     num_gpus = visible_gpus() if args.device in (None, "cuda") else 0
     device = args.device or ("cuda" if num_gpus else "cpu")
     devices = worker_devices(device, args.workers, num_gpus)
@@ -250,17 +255,18 @@ def run(args: argparse.Namespace) -> int:
             cmd += ["--threads", str(args.threads)]
         if args.swap_space:
             cmd += ["--swap-space", args.swap_space]
-        workers.append(Child(f"worker {i}", cmd, share))
+        workers.append(Child(f"worker {i}", cmd + tls.worker_argv, share))
     children = [scheduler, *workers]
     try:
         for c in children:
             c.start()
         # Start-up fails fast if a service exits: that is usually a configuration error, not worth retrying.
         if not wait_healthy(args.listen, args.startup_timeout, [c.proc for c in children], lambda: stopping,
-                            args.workers):
+                            args.workers, tls.credentials, tls.server_name, tls.metadata):
             return 0
         on = ", ".join(dict.fromkeys(devices))
-        http = f"OpenAI-compatible API http://{args.http}/v1, " if args.http else ""
+        scheme = "https" if args.tls_cert else "http"
+        http = f"OpenAI-compatible API {scheme}://{args.http}/v1, " if args.http else ""
         print(f"pagedserve is up: {args.listen} ({args.workers} worker(s) on {on}, {http}metrics "
               f"http://{args.metrics}/metrics)", flush=True)
         while not stopping:

@@ -7,6 +7,7 @@ from pagedserve.v1 import generate_pb2, worker_pb2
 from scheduler_svc.core.plan import StepFailure, StepPlan, WorkerRegistration
 from scheduler_svc.core.request import SamplingConfig
 from scheduler_svc.frontend import GenerateInput, StreamItem
+from scheduler_svc.frontend.limits import Limits
 
 _sampling_cache: dict[SamplingConfig, generate_pb2.SamplingParams] = {}
 
@@ -63,11 +64,14 @@ def sampling_from_pb(pb: generate_pb2.SamplingParams) -> tuple[SamplingConfig, t
     return sp, tuple(pb.stop)
 
 
-def input_from_pb(pb: generate_pb2.GenerateRequest) -> GenerateInput:
-    """An input counts as set when present: prompt by presence (even empty), the lists when non-empty."""
+def input_from_pb(pb: generate_pb2.GenerateRequest, limits: Limits) -> GenerateInput:
+    """An input counts as set when present: prompt by presence (even empty), the lists when non-empty.
+    NOTE: list lengths are checked before any list is copied; prompt_token_ids stays the message's own container
+    (the front end checks its length before copying it)."""
+    limits.check_counts(len(pb.sampling.stop), len(pb.sampling.stop_token_ids), len(pb.messages))
     sampling, stop = sampling_from_pb(pb.sampling)
     return GenerateInput(prompt=pb.prompt if pb.HasField("prompt") else None,
-                         prompt_token_ids=list(pb.prompt_token_ids) or None,
+                         prompt_token_ids=pb.prompt_token_ids or None,
                          messages=[{"role": m.role, "content": m.content} for m in pb.messages] or None,
                          sampling=sampling, stop=stop, request_id=pb.request_id, cache_salt=pb.cache_salt)
 

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import structlog
 
 from pagedserve_common.sampling import InvalidField
+from scheduler_svc import request_log
 from scheduler_svc.core.plan import WorkerRegistration
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput, SamplingConfig
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
@@ -77,6 +78,7 @@ class Engine:
         self.placement: dict[str, WorkerHandle] = {}  # request id -> the worker it runs on
         self.unplaced: dict[str, tuple[Request, float]] = {}  # waiting for a worker: request id -> (it, deadline)
         self.draining = False
+        self.last_worker_left: float | None = None  # monotonic; None while no worker has ever left
         self._worker_ids = itertools.count()
         self._seq_ids = itertools.count()
         self.on_workers_changed = lambda num_workers: None  # health: SERVING iff a worker is attached
@@ -134,9 +136,8 @@ class Engine:
             if rid in suspects:
                 req.num_migrations += 1
             if req.num_migrations >= limit:
-                del self.streams[rid]
-                stream.fail(ErrorCode.INTERNAL.value, f"request {rid} was in a step of {req.num_migrations} "
-                            f"workers that failed (the last: {w.worker_id}: {reason}); it is not retried again")
+                self._fail(rid, ErrorCode.INTERNAL, f"request {rid} was in a step of {req.num_migrations} workers "
+                           f"that failed (the last: {w.worker_id}: {reason}); it is not retried again", w.worker_id)
                 failed += 1
                 continue
             self.metrics.migrations.inc()
@@ -166,7 +167,7 @@ class Engine:
         self._move_queued(w)
         if not w.scheduler.has_unfinished_requests():
             self.detach(w)
-            log.info("worker left", worker=w.worker_id)
+            log.info("worker left", worker=w.worker_id, workers_left=len(self.workers))
 
     def _move_queued(self, w: WorkerHandle) -> None:
         """A leaving worker's queued requests (preempted ones too) go to the others, if there are any."""
@@ -181,6 +182,8 @@ class Engine:
         """Ends the worker's step loop and its Attach stream (a worker still running registers again)."""
         w.attached = False
         self.workers.pop(w.worker_id, None)
+        if not self.workers:
+            self.last_worker_left = time.monotonic()
         self.router.forget_worker(w.worker_id)
         w.inbox.put_nowait(None)
         w.outbox.put_nowait(None)
@@ -203,10 +206,8 @@ class Engine:
             log.exception("step loop failed", worker=w.worker_id)
             self.detach(w)
             for req in w.scheduler.release_all():
-                stream = self.streams.pop(req.request_id, None)
                 self.placement.pop(req.request_id, None)
-                if stream is not None:
-                    stream.fail(ErrorCode.INTERNAL.value, f"internal error on {w.worker_id}: {e}")
+                self._fail(req.request_id, ErrorCode.INTERNAL, f"internal error on {w.worker_id}: {e}", w.worker_id)
 
     # -- requests -----------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingConfig, cache_salt: str = "",
@@ -217,7 +218,7 @@ class Engine:
         if self.draining:
             raise EngineError(ErrorCode.UNAVAILABLE, "the server is draining: no new requests")
         if not self.workers and cfg.no_worker_timeout <= 0:
-            raise EngineError(ErrorCode.UNAVAILABLE, "no worker is attached yet")
+            raise EngineError(ErrorCode.UNAVAILABLE, self.no_worker_reason())
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.streams:
             raise EngineError(ErrorCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running")
@@ -239,9 +240,10 @@ class Engine:
         self.streams[request_id] = stream
         if request_id not in self.placement:
             self._wait_for_worker(req)
-        log.info("request added", request_id=request_id, worker=getattr(self.placement.get(request_id),
-                 "worker_id", None), prompt_tokens=len(prompt_token_ids), max_tokens=sampling.max_tokens,
-                 n=sampling.n)
+        # NOTE: debug: at info it doubles the log's volume; the end line (request_log) says all of it and more
+        log.debug("request added", request_id=request_id, worker=getattr(self.placement.get(request_id),
+                  "worker_id", None), prompt_tokens=len(prompt_token_ids), max_tokens=sampling.max_tokens,
+                  n=sampling.n)
         return stream
 
     def _check(self, req: Request) -> None:
@@ -290,20 +292,20 @@ class Engine:
         if not self._routable():
             self._wait_for_worker(req)
             return
+        moved = req.seq_id >= 0  # else it waited for a first worker
         try:
             w = self._place(req)
         except ValueError as e:  # the new worker is smaller than the old one
-            stream = self.streams.pop(req.request_id, None)
-            if stream is not None:
-                stream.fail(ErrorCode.INVALID_ARGUMENT.value, str(e))
+            self._fail(req.request_id, ErrorCode.INVALID_ARGUMENT, str(e))
             return
-        log.info("request moved", request_id=req.request_id, worker=w.worker_id,
-                 tokens=len(req.all_token_ids), migrations=req.num_migrations)
+        if moved:
+            log.info("request moved", request_id=req.request_id, worker=w.worker_id, tokens=len(req.all_token_ids),
+                     migrations=req.num_migrations)
 
     def _wait_for_worker(self, req: Request) -> None:
         timeout = self.config.no_worker_timeout
         if timeout <= 0:
-            self._fail(req.request_id, ErrorCode.UNAVAILABLE, "no worker is attached")
+            self._fail(req.request_id, ErrorCode.UNAVAILABLE, self.no_worker_reason())
             return
         self.unplaced[req.request_id] = (req, time.monotonic() + timeout)
         asyncio.get_running_loop().call_later(timeout, self._expire_unplaced)
@@ -316,28 +318,39 @@ class Engine:
                 self._fail(request_id, ErrorCode.UNAVAILABLE,
                            f"no worker was attached for {self.config.no_worker_timeout:g} s")
 
-    def _fail(self, request_id: str, code: ErrorCode, message: str) -> None:
+    def no_worker_reason(self) -> str:
+        """Why no worker takes a new request now; honest about the past (none yet, or the last one left)."""
+        if self.workers:
+            return "no worker takes new requests: every attached worker is leaving"
+        if self.last_worker_left is None:
+            return "no worker is attached yet"
+        return f"no worker is attached (the last one left {time.monotonic() - self.last_worker_left:.0f} s ago)"
+
+    def _fail(self, request_id: str, code: ErrorCode, message: str, worker: str | None = None) -> None:
+        """Ends an admitted request with an error status. NOTE: every failure goes through here (one log line)."""
         stream = self.streams.pop(request_id, None)
         if stream is not None:
             stream.fail(code.value, message)
+            request_log.failed(stream, worker, code, message)
 
     def abort(self, request_id: str) -> None:
         """Client cancel or deadline: its blocks go back to the pool at the next step."""
-        self.streams.pop(request_id, None)
+        stream = self.streams.pop(request_id, None)
         self.unplaced.pop(request_id, None)
         self.router.prefilled(request_id)
         w = self.placement.pop(request_id, None)
         if w is not None:
             w.scheduler.abort(request_id)
             w.wakeup.set()
-            log.info("request aborted", request_id=request_id, worker=w.worker_id)
+        if stream is not None:  # NOTE: a stream already ended (finished, failed) was logged then
+            request_log.aborted(stream, w and w.worker_id)
 
     def fail_all(self, code: ErrorCode, message: str) -> None:
         """Ends every unfinished request (shutdown after the drain timeout)."""
-        streams = list(self.streams.values())
-        for stream in streams:
-            self.abort(stream.request.request_id)  # NOTE: frees its blocks at the worker's next step
-            stream.fail(code.value, message)
+        for request_id in list(self.streams):
+            w = self.placement.get(request_id)
+            self._fail(request_id, code, message, w and w.worker_id)
+            self.abort(request_id)  # NOTE: frees its blocks at the worker's next step
 
     # -- results ------------------------------------------------------------------------------------------
     def dispatch(self, w: WorkerHandle, outputs: list[RequestOutput], result) -> None:
@@ -354,8 +367,7 @@ class Engine:
             if stream.done:
                 del self.streams[out.request_id]
                 self.placement.pop(out.request_id, None)
-                log.info("request finished", request_id=out.request_id, worker=w.worker_id,
-                         preemptions=stream.request.num_preemptions, migrations=stream.request.num_migrations)
+                request_log.finished(stream, w.worker_id)
         m = self.metrics
         m.requests_running.set(sum(x.scheduler.num_running for x in self.workers.values()))
         m.requests_waiting.set(sum(x.scheduler.num_waiting for x in self.workers.values()) + len(self.unplaced))

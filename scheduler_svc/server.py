@@ -16,10 +16,12 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
+from scheduler_svc.auth import Access, add_port
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.errors import ErrorCode
 from scheduler_svc.servicers import GenerationServicer, WorkerControlServicer
 from scheduler_svc.frontend import FrontEnd, Tokenizer
+from scheduler_svc.frontend.limits import Limits
 
 log = structlog.get_logger("pagedserve.scheduler")
 SERVICES = ("", "pagedserve.v1.Generation")
@@ -33,6 +35,11 @@ class ServerConfig:
     worker_listen: str = "127.0.0.1:50052"
     metrics: str | None = "127.0.0.1:9464"
     http: str | None = None  # the OpenAI-compatible HTTP front, HOST:PORT (None: off)
+    # NOTE: paths only, so that no key (TLS or API) reaches a repr or a log line.
+    tls_cert: str | None = None  # --tls-cert/--tls-key: TLS on the client API, the worker port and the HTTP front
+    tls_key: str | None = None
+    tls_ca: str | None = None  # --tls-ca: the worker port requires client certificates signed by it (mutual TLS)
+    api_key_file: str | None = None  # --api-key-file: the client API requires `authorization: Bearer KEY`
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: 512 for a CPU worker, 2048 for a GPU one
     max_model_len: int | None = None
@@ -43,6 +50,9 @@ class ServerConfig:
     step_timeout: float = 60.0  # a worker that takes longer for a step is lost (its first step may take 4x)
     max_migrations: int = 3  # a request whose steps took down this many workers ends with INTERNAL
     no_worker_timeout: float = 60.0  # requests wait this long for a worker when none is attached
+    max_message_size: int = 4 << 20  # --max-message-size: one client gRPC message or HTTP body (RESOURCE_EXHAUSTED/413)
+    max_prompt_chars: int | None = None  # --max-prompt-chars (None: 32 per token of max_model_len)
+    max_stop_strings: int = 16  # --max-stop-strings
 
 
 def engine_config(cfg: ServerConfig, tokenizer: Tokenizer) -> EngineConfig:
@@ -72,11 +82,28 @@ WORKER_SERVER_OPTIONS = (
     ("grpc.max_send_message_length", 64 << 20),
 )
 
+# NOTE: the spurious CANCELLED of a flood. grpc.aio picks up new calls one at a time from the event loop; until
+# then grpc core holds them in a backlog, and past `grpc.server.max_pending_requests` (default 1000) it drops
+# them at random (all of them past the hard limit, default 3000) by cancelling the stream: the client gets a bare
+# CANCELLED and the servicer never runs, so nothing is logged. 1,500 calls at once lost 1-4% of them that way.
+# Refusing is the engine's job (RESOURCE_EXHAUSTED past --max-queued-requests), so the backlog only has to hold a
+# burst until the loop gets to it. It stays a bound on memory: a pending call holds about 15 KB (measured: 10,000
+# of them, +150 MB), so this default costs at most ~250 MB under a flood 16 times the default queue.
+MIN_PENDING_CALLS = 1 << 14
+
+
+def pending_call_options(max_queued_requests: int) -> tuple[tuple[str, int], ...]:
+    limit = max(MIN_PENDING_CALLS, 4 * max_queued_requests)
+    return (("grpc.server.max_pending_requests", limit), ("grpc.server.max_pending_requests_hard_limit", limit))
+
 
 async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
+    access = Access.load(cfg.tls_cert, cfg.tls_key, cfg.tls_ca, cfg.api_key_file)  # first: a bad file fails fast
     tokenizer = Tokenizer.from_model_dir(cfg.model_dir)
     engine = Engine(engine_config(cfg, tokenizer))
-    frontend = FrontEnd(engine, tokenizer)
+    limits = Limits.for_model(engine.config.max_model_len, cfg.max_prompt_chars,
+                              max_message_bytes=cfg.max_message_size, max_stop_strings=cfg.max_stop_strings)
+    frontend = FrontEnd(engine, tokenizer, limits)
     health = HealthServicer()
     for name in SERVICES:
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -88,18 +115,21 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
             asyncio.get_running_loop().create_task(health.set(name, status))
 
     engine.on_workers_changed = on_workers_changed
-    clients = grpc.aio.server()
+    # NOTE: grpc refuses a larger message with RESOURCE_EXHAUSTED before the servicer (or the parser) sees it.
+    clients = grpc.aio.server(options=(("grpc.max_receive_message_length", cfg.max_message_size),
+                                       *pending_call_options(cfg.max_queued_requests)),
+                              interceptors=access.interceptors())
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend), clients)
     health_pb2_grpc.add_HealthServicer_to_server(health, clients)
     reflection.enable_server_reflection(
         (generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
          health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), clients)
-    clients.add_insecure_port(cfg.listen)
+    add_port(clients, cfg.listen, access.clients)
     workers = grpc.aio.server(options=WORKER_SERVER_OPTIONS)
     worker_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(engine), workers)
     reflection.enable_server_reflection(
         (worker_pb2.DESCRIPTOR.services_by_name["WorkerControl"].full_name, reflection.SERVICE_NAME), workers)
-    workers.add_insecure_port(cfg.worker_listen)
+    add_port(workers, cfg.worker_listen, access.workers)
     if cfg.metrics:
         host, port = cfg.metrics.rsplit(":", 1)
         start_http_server(int(port), addr=host, registry=engine.metrics.registry)
@@ -108,13 +138,17 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
         from scheduler_svc.http.app import create_app
         from scheduler_svc.http.server import HttpServer
 
-        http = HttpServer(create_app(frontend), cfg.http)
+        http = HttpServer(create_app(frontend, access.api_keys), cfg.http, ssl=access.http_ssl)
     await workers.start()
     await clients.start()
     if http is not None:
         await http.start()
     log.info("scheduler listening", listen=cfg.listen, worker_listen=cfg.worker_listen, http=cfg.http,
-             metrics=cfg.metrics, model=cfg.model_id)
+             metrics=cfg.metrics, model=cfg.model_id, tls=access.clients is not None, mutual_tls=access.mutual,
+             api_keys=len(access.api_keys or ()))
+    if access.workers is not None and not access.mutual:
+        log.warning("the worker port asks no client certificate (no --tls-ca): whoever reaches it can attach "
+                    "as a worker and receive prompts", worker_listen=cfg.worker_listen)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -134,9 +168,16 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
         engine.fail_all(ErrorCode.UNAVAILABLE, f"the server shut down: the request did not finish within the "
                                                f"{cfg.drain_seconds:g} s drain timeout")
     await clients.stop(grace=1.0)
+    frontend.pool.shutdown()
     if http is not None:
         await http.stop()
-    for w in list(engine.workers.values()):  # NOTE: the workers stay up and dial in again, to a restarted scheduler
+    detached = list(engine.workers.values())
+    for w in detached:  # NOTE: the workers stay up and dial in again, to a restarted scheduler
         engine.detach(w)
+        log.info("worker detached", worker=w.worker_id, reason="the scheduler stops")
     await workers.stop(grace=1.0)
+    # A detached worker's step loop ends at its next wake-up: awaited, so that none is pending when the loop closes.
+    loops = [w.task for w in detached if w.task is not None]
+    if loops:
+        await asyncio.wait(loops, timeout=5)
     log.info("scheduler stopped")

@@ -5,12 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import structlog
 
 from pagedserve.v1 import generate_pb2_grpc, worker_pb2_grpc
-from scheduler_svc import convert
+from scheduler_svc import convert, request_log
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import EngineError
 from scheduler_svc.frontend import FrontEnd
+
+log = structlog.get_logger("pagedserve.scheduler")
 
 
 async def _abort(context, e: EngineError) -> None:
@@ -23,8 +26,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         try:
-            stream = self.frontend.generate(convert.input_from_pb(request))
+            stream = await self.frontend.generate(convert.input_from_pb(request, self.frontend.limits))
         except EngineError as e:
+            request_log.rejected("grpc", e, request.request_id)
             await _abort(context, e)
         rid, done = stream.request.request_id, False
         try:
@@ -54,6 +58,7 @@ class WorkerControlServicer(worker_pb2_grpc.WorkerControlServicer):
         try:
             handle = self.engine.attach_worker(convert.registration_from_pb(first.registration))
         except EngineError as e:
+            log.warning("worker refused", name=first.registration.name, status=e.code.value, message=str(e))
             await _abort(context, e)
 
         async def read_messages() -> None:

@@ -83,9 +83,10 @@ async def run_steps(w: WorkerHandle, fleet: Fleet) -> None:
         except TimeoutError:
             fleet.lose_worker(w, "deadline", f"no answer to step {plan.step_id} within {timeout:g} s")
             return
+        if not w.attached:  # NOTE: detached while it waited (lost, or the server stops): its requests were
+            return          # released or ended, so a result queued ahead of the detach is stale
         if answer is None:
-            if w.attached:
-                fleet.lose_worker(w, "stream", "its stream ended")
+            fleet.lose_worker(w, "stream", "its stream ended")
             return
         if isinstance(answer, StepFailure):
             fleet.lose_worker(w, "failed_step",

@@ -32,7 +32,8 @@ def config(*files: str, env: dict | None = None) -> dict:
     return json.loads(out.stdout)
 
 
-@pytest.mark.parametrize("files", [["compose.yaml"], ["compose.yaml", "compose.gpu.yaml"]])
+@pytest.mark.parametrize("files", [["compose.yaml"], ["compose.yaml", "compose.gpu.yaml"],
+                                   ["compose.yaml", "compose.tls.yaml"]])
 def test_compose_config_quiet_accepts_the_files(files):
     out = compose(*[a for f in files for a in ("-f", f)], "config", "--quiet")
     assert out.returncode == 0 and out.stderr == "", out.stderr
@@ -77,6 +78,22 @@ def test_gpu_override_reserves_gpus_and_claims_one_per_worker():
     assert worker["environment"]["PAGEDSERVE_DEVICE"] == "cuda:auto"
     (device,) = worker["deploy"]["resources"]["reservations"]["devices"]
     assert device["driver"] == "nvidia" and device["capabilities"] == ["gpu"]
+
+
+def test_tls_override_gives_each_service_its_certificates_as_secrets():
+    config_ = config("compose.yaml", "compose.tls.yaml")
+    services = config_["services"]
+    assert {name: s["file"] for name, s in config_["secrets"].items()} == \
+        {name: str(ROOT / "certs" / name) for name in ("ca.pem", "server.pem", "server-key.pem", "worker.pem",
+                                                        "worker-key.pem", "api-keys")}
+    for name, cert in (("scheduler", "server"), ("worker", "worker")):
+        env, mounted = services[name]["environment"], {s["target"] for s in services[name]["secrets"]}
+        want = {"PAGEDSERVE_TLS_CERT": f"/run/secrets/{cert}.pem", "PAGEDSERVE_TLS_KEY": f"/run/secrets/{cert}-key.pem",
+                "PAGEDSERVE_TLS_CA": "/run/secrets/ca.pem", "PAGEDSERVE_API_KEY_FILE": "/run/secrets/api-keys"}
+        assert {k: env[k] for k in want} == want, name
+        assert set(want.values()) == mounted, name
+    assert services["worker"]["environment"]["PAGEDSERVE_SCHEDULER"] == "scheduler:50052"  # merged, not replaced
+    assert "secrets" not in services["model"]
 
 
 def test_the_dockerfile_copies_every_package_of_pyproject():

@@ -16,6 +16,7 @@ import structlog
 import torch
 
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
+from pagedserve_common.signals import exit_now
 from worker_svc.convert import plan_from_pb, result_to_pb
 from worker_svc.plan_check import BadPlan
 from worker_svc.threads import ThreadGovernor
@@ -53,7 +54,7 @@ class Shutdown:
 
     def _handle(self, signum, frame) -> None:
         if self.requested:
-            raise SystemExit(0)
+            exit_now()
         self.requested, self.reason = True, signal.Signals(signum).name
 
 
@@ -92,8 +93,10 @@ def make_governor(cfg: WorkerConfig) -> ThreadGovernor | None:
     return ThreadGovernor(available_cores(), torch.set_num_threads, on_change=changed)
 
 
-def run_worker(scheduler: str, cfg: WorkerConfig, shutdown: Shutdown | None = None) -> int:
-    """Serves until asked to leave; returns the exit status (1 when the scheduler refuses this worker)."""
+def run_worker(scheduler: str, cfg: WorkerConfig, shutdown: Shutdown | None = None,
+               credentials: grpc.ChannelCredentials | None = None, channel_options=()) -> int:
+    """Serves until asked to leave; returns the exit status (1 when the scheduler refuses this worker).
+    With `credentials` it dials in over TLS (`channel_options` may name the certificate's expected host)."""
     runner, info = create_runner(cfg)
     if shutdown is None:
         shutdown = Shutdown()
@@ -105,12 +108,14 @@ def run_worker(scheduler: str, cfg: WorkerConfig, shutdown: Shutdown | None = No
              attention=runner.backend.name, forward=runner.forward_path)
     backoff, last_warning = Backoff(), 0.0
     while not shutdown.requested:
-        with grpc.insecure_channel(scheduler, options=CHANNEL_OPTIONS) as channel:
+        with dial(scheduler, credentials, [*CHANNEL_OPTIONS, *channel_options]) as channel:
             try:
-                grpc.channel_ready_future(channel).result(timeout=5)
+                _wait_ready(channel, shutdown)
             except grpc.FutureTimeoutError:
-                if time.monotonic() - last_warning > 30:
-                    log.warning("waiting for the scheduler", scheduler=scheduler)
+                if not shutdown.requested and time.monotonic() - last_warning > 30:
+                    # NOTE: a refused client certificate looks like a scheduler that is down: retried with the
+                    # same backoff (the scheduler's CA may change without restarting this worker), said here.
+                    log.warning("waiting for the scheduler", scheduler=scheduler, **connect_error(channel))
                     last_warning = time.monotonic()
                 _sleep(backoff.next(), shutdown)
                 continue
@@ -131,6 +136,47 @@ def run_worker(scheduler: str, cfg: WorkerConfig, shutdown: Shutdown | None = No
         _sleep(backoff.next(), shutdown)
     log.info("worker leaving", reason=shutdown.reason)
     return 0
+
+
+def dial(scheduler: str, credentials: grpc.ChannelCredentials | None, options) -> grpc.Channel:
+    if credentials is None:
+        return grpc.insecure_channel(scheduler, options=options)
+    return grpc.secure_channel(scheduler, credentials, options=options)
+
+
+def connect_error(channel: grpc.Channel, timeout: float = 5.0) -> dict[str, str]:
+    """Why `channel` does not connect: {'error': gRPC's words, 'hint': what to check} ({} when it does). A call to
+    a method no server has: with no connection, its error is the connection's own."""
+    try:
+        channel.unary_unary("/pagedserve.v1.Probe/Connect")(b"", timeout=timeout)
+        return {}
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.UNAVAILABLE:
+            return {}
+        details = e.details() or ""
+    if "Connection refused" in details:
+        return {"error": details, "hint": "is the scheduler running?"}
+    if any(s in details for s in ("handshake", "Socket closed", "SSL")):
+        return {"error": details, "hint": "TLS set-up failed: with --tls-ca the scheduler accepts only workers whose "
+                                          "--tls-cert its CA signed; a TLS scheduler needs --tls-ca here, a "
+                                          "plaintext one none"}
+    return {"error": details}
+
+
+def _wait_ready(channel: grpc.Channel, shutdown: Shutdown, timeout: float = 5.0) -> None:
+    """Returns once `channel` is connected; raises grpc.FutureTimeoutError after `timeout` seconds, or at once
+    when asked to leave (so that a SIGTERM is not kept waiting for the attempt to end)."""
+    ready, deadline = grpc.channel_ready_future(channel), time.monotonic() + timeout
+    try:
+        while True:
+            try:
+                ready.result(timeout=0.1)
+                return
+            except grpc.FutureTimeoutError:
+                if shutdown.requested or time.monotonic() >= deadline:
+                    raise
+    finally:
+        ready.cancel()  # NOTE: no-op once connected; else it stops watching the channel's state
 
 
 def _sleep(seconds: float, shutdown: Shutdown) -> None:

@@ -19,10 +19,12 @@ def _in_range(ids: Iterable[int], limit: int, what: str) -> None:
 
 
 def check_plan(plan: StepPlan, seqs: Mapping[int, SeqState], num_blocks: int, num_cpu_blocks: int,
-               block_size: int) -> None:
+               block_size: int, vocab_size: int | None = None) -> None:
     """Raises BadPlan naming the first thing wrong: an unknown or duplicate sequence id, a block id outside
-    the pool (or the swap space), a block table too short for the tokens scheduled, more tokens scheduled
-    than the sequence has. NOTE: it reads `seqs` only, so a refused plan leaves the batch as it was."""
+    the pool (or the swap space), a block twice in one sequence's table, a block table too short for the tokens
+    scheduled, more tokens scheduled than the sequence has, a token id outside the vocabulary (an embedding
+    lookup out of range fails the step on a CPU and may kill the context on a GPU). NOTE: it reads `seqs` only, so a refused plan leaves
+    the batch as it was."""
     dropped = set(plan.finished_seq_ids) | set(plan.preempted_seq_ids)
     for seq_id in dropped:
         if seq_id not in seqs:
@@ -33,6 +35,10 @@ def check_plan(plan: StepPlan, seqs: Mapping[int, SeqState], num_blocks: int, nu
             raise BadPlan(f"new seq {new.seq_id} is already on this worker")
         seen.add(new.seq_id)
         _in_range(new.block_ids, num_blocks, f"seq {new.seq_id}: block")
+        _no_repeats(new.seq_id, (), new.block_ids)
+        ids = new.token_ids
+        if vocab_size is not None and ids and not (0 <= min(ids) and max(ids) < vocab_size):
+            raise BadPlan(f"seq {new.seq_id}: a token id is outside the vocabulary (0..{vocab_size - 1})")
         _check_tokens(new.seq_id, new.num_computed_tokens, new.num_scheduled_tokens, len(new.token_ids),
                       len(new.block_ids), block_size)
     for delta in plan.running:
@@ -41,6 +47,8 @@ def check_plan(plan: StepPlan, seqs: Mapping[int, SeqState], num_blocks: int, nu
             raise BadPlan(f"running seq {delta.seq_id} is not on this worker")
         seen.add(delta.seq_id)
         _in_range(delta.new_block_ids, num_blocks, f"seq {delta.seq_id}: block")
+        if delta.new_block_ids:  # NOTE: only then: the table is walked about once a block's worth of tokens
+            _no_repeats(delta.seq_id, s.block_ids, delta.new_block_ids)
         _check_tokens(delta.seq_id, s.num_computed_tokens, delta.num_scheduled_tokens, len(s.token_ids),
                       len(s.block_ids) + len(delta.new_block_ids), block_size)
     for src, dst in plan.copies:
@@ -51,6 +59,15 @@ def check_plan(plan: StepPlan, seqs: Mapping[int, SeqState], num_blocks: int, nu
     for src, dst in plan.swap_in:
         _in_range((src,), num_cpu_blocks, "swap_in: CPU block")
         _in_range((dst,), num_blocks, "swap_in: block")
+
+
+def _no_repeats(seq_id: int, table: Iterable[int], new: Iterable[int]) -> None:
+    """A block may stand once in a sequence's table: twice, two positions' K/V would share one slot."""
+    held = set(table)
+    for b in new:
+        if b in held:
+            raise BadPlan(f"seq {seq_id}: block {b} would stand twice in its block table")
+        held.add(b)
 
 
 def _check_tokens(seq_id: int, num_computed: int, num_scheduled: int, num_known: int, num_table_blocks: int,

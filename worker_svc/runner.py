@@ -68,7 +68,8 @@ class ModelRunner:
         """Runs one plan; raises BadPlan (and changes nothing) when the plan does not fit this worker."""
         t0 = time.perf_counter()
         pool = self.pool
-        check_plan(plan, self.batch.seqs, pool.num_blocks, pool.num_cpu_blocks, pool.layout.block_size)
+        check_plan(plan, self.batch.seqs, pool.num_blocks, pool.num_cpu_blocks, pool.layout.block_size,
+                   self.loaded.vocab_size)
         scheduled = self.batch.apply(plan)
         # NOTE: order matters: blocks swapped out this step may be reused as swap-in or copy targets.
         self.pool.swap_out(plan.swap_out)

@@ -10,6 +10,8 @@ import jinja2
 
 from scheduler_svc.core.request import SamplingConfig
 from scheduler_svc.errors import EngineError, ErrorCode
+from scheduler_svc.frontend.limits import Limits
+from scheduler_svc.frontend.pool import TokenizerPool
 from scheduler_svc.frontend.stream import RequestStream
 from scheduler_svc.frontend.tokenizer import Tokenizer
 
@@ -41,9 +43,12 @@ def invalid(field_name: str, message: str) -> EngineError:
 class FrontEnd:
     """What the gRPC servicer and the HTTP app call: one validation, one tokenization, one stream type."""
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer) -> None:
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, limits: Limits | None = None,
+                 pool: TokenizerPool | None = None) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
+        self.limits = limits or Limits.for_model(engine.config.max_model_len)
+        self.pool = pool or TokenizerPool(tokenizer)
 
     @property
     def model_id(self) -> str:
@@ -66,47 +71,53 @@ class FrontEnd:
         if self.engine.draining:
             return False, "the server is draining: no new requests"
         if not self.engine.workers:
-            return False, "no worker is attached"
+            return False, self.engine.no_worker_reason()
         return True, ""
 
-    def prompt_token_ids(self, inp: GenerateInput) -> tuple[str, list[int]]:
-        """(the input's field name, its token ids). Raises EngineError(INVALID_ARGUMENT) naming the field."""
+    async def prompt_token_ids(self, inp: GenerateInput) -> tuple[str, list[int]]:
+        """(the input's field name, its token ids). Raises EngineError(INVALID_ARGUMENT) naming the field, or
+        RESOURCE_EXHAUSTED when too many prompts are being tokenized. NOTE: the bounds are checked first, in time
+        linear in the input; a long text then goes to the tokenizer pool, so the event loop never waits on it."""
         given = [name for name in INPUTS if getattr(inp, name) is not None]
         if len(given) != 1:
             raise invalid(given[1] if given else "prompt", "set exactly one of prompt, prompt_token_ids and "
                           f"messages (got {' and '.join(given) if given else 'none'})")
-        kind = given[0]
+        self.limits.check(inp)
+        kind, limit = given[0], self.max_model_len - 1
         if kind == "prompt_token_ids":
+            if len(inp.prompt_token_ids) > limit:  # NOTE: before copying a list of up to a million ids
+                raise invalid(kind, f"{kind} has {len(inp.prompt_token_ids)} tokens; max_model_len "
+                                    f"{self.max_model_len} leaves room for at most {limit}")
             ids = list(inp.prompt_token_ids)
         elif kind == "prompt":
-            ids = self.tokenizer.encode(inp.prompt)
+            ids = await self.pool.encode(inp.prompt, limit)
         else:
-            ids = self._chat_ids(inp)
+            ids = await self._chat_ids(inp, limit)
+        if isinstance(ids, int):  # too many to bring back from the tokenizer: their number
+            raise invalid(kind, f"{kind} has {ids} tokens after tokenizing; max_model_len {self.max_model_len} "
+                                f"leaves room for at most {limit}")
         if not ids:
             raise invalid(kind, f"{kind} is empty")
-        limit = self.max_model_len - 1
-        if len(ids) > limit:
-            unit = "" if kind == "prompt_token_ids" else " after tokenizing"
-            raise invalid(kind, f"{kind} has {len(ids)} tokens{unit}; max_model_len {self.max_model_len} leaves "
-                                f"room for at most {limit}")
         return kind, ids
 
-    def _chat_ids(self, inp: GenerateInput) -> list[int]:
+    async def _chat_ids(self, inp: GenerateInput, limit: int) -> list[int] | int:
         if not inp.messages:
             raise invalid("messages", "messages is empty")
         for i, m in enumerate(inp.messages):
             if not isinstance(m.get("role"), str) or not m["role"]:
                 raise invalid("messages", f"messages[{i}].role must be a non-empty string")
         try:
-            return self.tokenizer.encode_chat(inp.messages, add_generation_prompt=True, **inp.chat_template_kwargs)
+            return await self.pool.encode_chat(list(inp.messages), inp.chat_template_kwargs, limit)
         except (jinja2.TemplateError, ValueError, TypeError) as e:
             # NOTE: templates reject bad conversations with raise_exception (e.g. roles that do not alternate)
             raise invalid("messages", f"messages: the chat template refused them: {e}") from None
 
-    def generate(self, inp: GenerateInput) -> RequestStream:
+    async def generate(self, inp: GenerateInput) -> RequestStream:
         """Tokenizes, validates and admits `inp`; iterate the returned stream for its StreamItems.
         Raises EngineError (INVALID_ARGUMENT names the field)."""
-        kind, ids = self.prompt_token_ids(inp)
+        if self.engine.draining:  # before tokenizing: the engine would refuse it anyway
+            raise EngineError(ErrorCode.UNAVAILABLE, "the server is draining: no new requests")
+        kind, ids = await self.prompt_token_ids(inp)
         sampling = inp.sampling
         if sampling.top_k < -1:
             raise invalid("top_k", f"top_k must be >= 1, or 0 or -1 to keep all tokens; got {sampling.top_k}")

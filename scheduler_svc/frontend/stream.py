@@ -32,6 +32,7 @@ class _Sample:
     num_tokens: int = 0
     last_token_time: float = 0.0
     finished: bool = False
+    finish_reason: FinishReason | None = None
 
 
 class RequestStream:
@@ -45,6 +46,8 @@ class RequestStream:
                         for _ in range(request.sampling.n)]
         self.num_open = request.sampling.n
         self.arrival = time.monotonic()
+        self.first_token_time: float | None = None  # monotonic, of any sample
+        self.end_logged = False  # NOTE: scheduler_svc.request_log writes one line per request, at its end
 
     @property
     def done(self) -> bool:
@@ -58,6 +61,8 @@ class RequestStream:
         m = self.metrics
         if s.num_tokens == 0:
             m.ttft.observe(now - self.arrival)
+            if self.first_token_time is None:
+                self.first_token_time = now
         else:
             m.itl.observe(now - s.last_token_time)
         s.num_tokens += len(out.new_token_ids)
@@ -71,7 +76,7 @@ class RequestStream:
         item = StreamItem(out.index, list(out.new_token_ids), text, reason,
                           [logprobs] if logprobs is not None else [])
         if reason is not None:
-            s.finished = True
+            s.finished, s.finish_reason = True, reason
             self.num_open -= 1
             item.prompt_tokens = len(self.request.prompt_token_ids)
             item.completion_tokens = s.num_tokens

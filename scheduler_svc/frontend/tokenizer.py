@@ -101,6 +101,7 @@ class Tokenizer:
         self._explicit_bos_eos = "add_bos_token" in tokenizer_config or "add_eos_token" in tokenizer_config
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))  # dedupe, keep order
         self.chat_template = chat_template
+        self.model_dir: Path | None = None  # where it was loaded from (a tokenizer process loads its own copy)
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> Tokenizer:
@@ -110,7 +111,9 @@ class Tokenizer:
         # special_tokens_map.json (older exports) fills what tokenizer_config.json leaves out.
         for name, value in _read_json(model_dir / "special_tokens_map.json").items():
             tcfg.setdefault(name, value)
-        return cls(tok, tcfg, cls._load_eos_ids(model_dir, tok, tcfg), _find_chat_template(model_dir, tcfg))
+        tokenizer = cls(tok, tcfg, cls._load_eos_ids(model_dir, tok, tcfg), _find_chat_template(model_dir, tcfg))
+        tokenizer.model_dir = model_dir
+        return tokenizer
 
     @staticmethod
     def _load_eos_ids(model_dir: Path, tok: _HFTokenizer, tcfg: dict) -> tuple[int, ...]:

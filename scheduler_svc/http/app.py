@@ -14,10 +14,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from scheduler_svc.errors import EngineError
+from scheduler_svc.auth import ApiKeyMiddleware, ApiKeys
+from scheduler_svc import request_log
+from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend import FrontEnd, RequestStream, StreamItem
 from scheduler_svc.http import convert
 from scheduler_svc.http.convert import Job, UsageCount
+from scheduler_svc.http.limits import BodyLimit
 from scheduler_svc.http.schemas import ChatCompletionRequest, CompletionRequest
 
 
@@ -95,8 +98,12 @@ async def _gather(job: Job, streams: list[RequestStream], logprobs_of: Callable)
     return texts, reasons, logprobs, usage
 
 
-def create_app(frontend: FrontEnd) -> FastAPI:
+def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None) -> FastAPI:
     app = FastAPI(title="pagedserve", summary="OpenAI-compatible API of a pagedserve scheduler")
+    app.add_middleware(BodyLimit, max_bytes=frontend.limits.max_message_bytes)
+    if api_keys is not None:  # NOTE: added last, so it runs first; /health stays open
+        app.add_middleware(ApiKeyMiddleware, keys=api_keys,
+                           error_body=lambda why: convert.error_body(401, why, code="invalid_api_key"))
     started = int(time.time())
 
     def error(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -106,12 +113,16 @@ def create_app(frontend: FrontEnd) -> FastAPI:
     async def bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
         first = exc.errors()[0] if exc.errors() else {}
         if first.get("type") == "json_invalid":
-            return error(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
+            return invalid_body(f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}")
         loc = [x for x in first.get("loc", ()) if x != "body"]
         # NOTE: the top-level field is the param; the full location (union members included) goes in the message
         param = str(loc[0]) if loc else None
         where = ".".join(str(x) for x in loc) or "body"
-        return error(400, f"{where}: {first.get('msg', 'invalid value')}", param)
+        return invalid_body(f"{where}: {first.get('msg', 'invalid value')}", param)
+
+    def invalid_body(message: str, param: str | None = None) -> JSONResponse:
+        request_log.rejected("http", EngineError(ErrorCode.INVALID_ARGUMENT, message, param))
+        return error(400, message, param)
 
     @app.get("/health")
     async def health() -> Response:
@@ -123,12 +134,12 @@ def create_app(frontend: FrontEnd) -> FastAPI:
         return {"object": "list", "data": [{"id": frontend.model_id, "object": "model", "created": started,
                                             "owned_by": "pagedserve", "max_model_len": frontend.max_model_len}]}
 
-    def open_streams(job: Job) -> list[RequestStream]:
+    async def open_streams(job: Job) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
             for inp in job.inputs:
-                streams.append(frontend.generate(inp))
-        except EngineError:
+                streams.append(await frontend.generate(inp))
+        except (EngineError, asyncio.CancelledError):
             close(streams)
             raise
         return streams
@@ -144,11 +155,11 @@ def create_app(frontend: FrontEnd) -> FastAPI:
             convert.check_model(frontend, body.model)
             job = make_job(body, rid)
         except EngineError as e:
-            return _error_response(e, {})
+            return _error_response(e, {}, rid)
         try:
-            streams = open_streams(job)
+            streams = await open_streams(job)
         except EngineError as e:
-            return _error_response(e, job.params)
+            return _error_response(e, job.params, rid)
         meta = {"created": int(time.time()), "model": body.model or frontend.model_id}
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         if body.stream:
@@ -253,7 +264,8 @@ def create_app(frontend: FrontEnd) -> FastAPI:
     return app
 
 
-def _error_response(e: EngineError, params: dict[str, str]) -> JSONResponse:
+def _error_response(e: EngineError, params: dict[str, str], request_id: str) -> JSONResponse:
+    request_log.rejected("http", e, request_id)
     status, body = convert.engine_error(e, params)
     return JSONResponse(body, status_code=status)
 

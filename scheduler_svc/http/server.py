@@ -26,13 +26,14 @@ def parse_address(address: str) -> tuple[str, int]:
 class HttpServer:
     """uvicorn on a socket bound here (so that a taken port fails the scheduler's start with a clear error)."""
 
-    def __init__(self, app, address: str) -> None:
+    def __init__(self, app, address: str, ssl: tuple[str, str] | None = None) -> None:
         host, port = parse_address(address)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.create_server((host, port), family=family)
         self.address = address
+        certfile, keyfile = ssl or (None, None)  # HTTPS with the scheduler's --tls-cert/--tls-key
         config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", http="h11", ws="none",
-                                timeout_graceful_shutdown=1)
+                                timeout_graceful_shutdown=1, ssl_certfile=certfile, ssl_keyfile=keyfile)
         self._server = _Server(config)
         self._task: asyncio.Task | None = None
 

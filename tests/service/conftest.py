@@ -48,8 +48,12 @@ class Service:
 @pytest.fixture(scope="session")
 def tiny_served_model(tmp_path_factory) -> str:
     """A tiny random Llama that speaks SmolLM2's vocabulary (so text prompts and stop strings work)."""
+    return save_tiny_served_model(tmp_path_factory.mktemp("tiny-served"))
+
+
+def save_tiny_served_model(path) -> str:
+    """Writes tiny_served_model's model into the folder `path` (bench/load.py serves it too)."""
     src = resolve_model("smollm2-135m-instruct")
-    path = tmp_path_factory.mktemp("tiny-served")
     torch.manual_seed(0)
     config = LlamaConfig(**{**TINY, "vocab_size": 49152, "eos_token_id": 2, "bos_token_id": 1})
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
@@ -74,10 +78,15 @@ def service(tiny_served_model):
         wait_healthy(listen, 120, procs)
         yield Service(tiny_served_model, listen, metrics, procs, http)
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_processes(procs)
+
+
+def stop_processes(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to each, then SIGKILL to any that has not exited 30 s later."""
+    for p in procs:
+        p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()

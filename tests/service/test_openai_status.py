@@ -37,7 +37,7 @@ async def test_with_no_worker_health_and_requests_are_503(engine, channel):
     async with Front(engine) as client:
         r = await client.get("/health")
         assert r.status_code == 503
-        assert r.json()["error"]["message"] == "no worker is attached"
+        assert r.json()["error"]["message"] == "no worker is attached yet"
         r = await complete(client)
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable_error"
         assert r.json()["error"]["message"] == "no worker is attached yet"

@@ -8,7 +8,7 @@ from worker_svc.batch import PersistentBatch
 from worker_svc.plan import NewSeq, SeqDelta, StepPlan
 from worker_svc.plan_check import BadPlan, check_plan
 
-NUM_BLOCKS, NUM_CPU_BLOCKS, BS = 8, 2, 4
+NUM_BLOCKS, NUM_CPU_BLOCKS, BS, VOCAB = 8, 2, 4, 10
 
 
 def holding_seq_0() -> PersistentBatch:
@@ -20,7 +20,7 @@ def holding_seq_0() -> PersistentBatch:
 
 
 def check(plan: StepPlan, batch: PersistentBatch | None = None) -> None:
-    check_plan(plan, (batch or holding_seq_0()).seqs, NUM_BLOCKS, NUM_CPU_BLOCKS, BS)
+    check_plan(plan, (batch or holding_seq_0()).seqs, NUM_BLOCKS, NUM_CPU_BLOCKS, BS, VOCAB)
 
 
 @pytest.mark.parametrize("plan, message", [
@@ -36,6 +36,10 @@ def check(plan: StepPlan, batch: PersistentBatch | None = None) -> None:
     (StepPlan(1, copies=[(0, 8)]), "copy: block 8 is outside the pool"),
     (StepPlan(1, swap_out=[(0, 2)]), "swap_out: CPU block 2 is outside the pool (0..1)"),
     (StepPlan(1, swap_in=[(1, 99)]), "swap_in: block 99 is outside the pool"),
+    (StepPlan(1, new_seqs=[NewSeq(1, [1, 10], [2], 0, 2)]), "seq 1: a token id is outside the vocabulary (0..9)"),
+    (StepPlan(1, new_seqs=[NewSeq(1, [-1, 2], [2], 0, 2)]), "seq 1: a token id is outside the vocabulary"),
+    (StepPlan(1, new_seqs=[NewSeq(1, [1] * 5, [2, 2], 0, 5)]), "seq 1: block 2 would stand twice in its block table"),
+    (StepPlan(1, running=[SeqDelta(0, [1], 1)]), "seq 0: block 1 would stand twice in its block table"),
 ])
 def test_bad_plans_are_refused_naming_what_is_wrong(plan, message):
     with pytest.raises(BadPlan, match=message.replace("(", r"\(").replace(")", r"\)")):

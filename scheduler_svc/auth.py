@@ -1,0 +1,175 @@
+"""API keys on the client API: the key file, a constant-time check, a gRPC interceptor and an ASGI middleware."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from pagedserve_common.tls import TlsFiles
+from scheduler_svc import request_log
+
+PROTECTED_GRPC = ("/pagedserve.v1.Generation/",)  # NOTE: health and reflection stay open
+PROTECTED_HTTP = "/v1/"  # NOTE: /health stays open
+MISSING = "no API key: send the header `authorization: Bearer KEY`"
+INVALID = "invalid API key"  # NOTE: never echo what was sent
+
+
+@dataclass(slots=True)
+class Access:
+    """The scheduler's access flags, read once at start (a bad file fails the start, naming its flag)."""
+
+    clients: grpc.ServerCredentials | None = None  # the client API: TLS, no client certificate asked
+    workers: grpc.ServerCredentials | None = None  # the worker port: TLS, mutual with --tls-ca
+    http_ssl: tuple[str, str] | None = None  # the HTTP front: (certificate file, key file)
+    api_keys: ApiKeys | None = None
+    mutual: bool = False
+
+    @classmethod
+    def load(cls, tls_cert: str | None, tls_key: str | None, tls_ca: str | None,
+             api_key_file: str | None) -> Access:
+        files = TlsFiles(tls_cert, tls_key, tls_ca)
+        keys = load_keys(api_key_file) if api_key_file else None
+        if not files.serves_tls():
+            return cls(api_keys=keys)
+        return cls(grpc.ssl_server_credentials(**files.server_pems(require_client_auth=False)),
+                   grpc.ssl_server_credentials(**files.server_pems(require_client_auth=bool(tls_ca))),
+                   (tls_cert, tls_key), keys, bool(tls_ca))
+
+    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
+        return [ApiKeyInterceptor(self.api_keys)] if self.api_keys else []
+
+
+def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> None:
+    if credentials is None:
+        server.add_insecure_port(address)
+    else:
+        server.add_secure_port(address, credentials)
+
+
+class ApiKeyFileError(ValueError):
+    """The --api-key-file cannot be read or holds no key (the message never quotes a key)."""
+
+
+def load_keys(path: str) -> ApiKeys:
+    return ApiKeys.of(read_keys(path))
+
+
+def read_keys(path: str) -> list[str]:
+    """The keys in `path`: one a line; blank lines and lines starting with # are ignored."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ApiKeyFileError(f"--api-key-file {path}: cannot read it: {getattr(e, 'strerror', None) or e}") from None
+    keys = []
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if any(c.isspace() for c in line) or not line.isprintable() or not line.isascii():
+            raise ApiKeyFileError(f"--api-key-file {path}: line {number}: a key is printable ASCII without spaces")
+        keys.append(line)
+    if not keys:
+        raise ApiKeyFileError(f"--api-key-file {path}: no key in it (one key a line; blank lines and # comments "
+                              f"are ignored)")
+    return keys
+
+
+def _digest(key: bytes) -> bytes:
+    return hashlib.sha256(key).digest()
+
+
+@dataclass(slots=True, frozen=True)
+class ApiKeys:
+    """The accepted keys, kept as SHA-256 digests (so comparing takes the same time whatever a key's length)."""
+
+    digests: tuple[bytes, ...] = field(repr=False)
+
+    @classmethod
+    def of(cls, keys: list[str]) -> ApiKeys:
+        return cls(tuple(_digest(k.encode()) for k in keys))
+
+    def __len__(self) -> int:
+        return len(self.digests)
+
+    def check(self, key: str | bytes) -> bool:
+        """Whether `key` is one of the keys. NOTE: compares against every key, in constant time, without stopping
+        at a match: the time taken says nothing about which key matched or how much of one."""
+        presented = _digest(key.encode() if isinstance(key, str) else key)
+        found = False
+        for digest in self.digests:
+            found |= hmac.compare_digest(digest, presented)
+        return found
+
+    def refusal(self, authorization: str | bytes | None) -> str | None:
+        """None when the `authorization` value is `Bearer KEY` with a valid KEY, else why it is refused."""
+        if isinstance(authorization, bytes):
+            authorization = authorization.decode("latin-1")
+        scheme, _, key = (authorization or "").strip().partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            return MISSING
+        return None if self.check(key.strip()) else INVALID
+
+
+class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
+    """Refuses every method of the protected services with UNAUTHENTICATED unless the call's metadata has
+    `authorization: Bearer KEY` with a valid key; other services (health, reflection) pass untouched."""
+
+    def __init__(self, keys: ApiKeys, protected: tuple[str, ...] = PROTECTED_GRPC) -> None:
+        self.keys = keys
+        self.protected = protected
+
+    async def intercept_service(self, continuation, details):
+        handler = await continuation(details)
+        if not details.method.startswith(self.protected):
+            return handler
+        metadata = dict(details.invocation_metadata or ())
+        why = self.keys.refusal(metadata.get("authorization"))
+        if why is None:
+            return handler
+        request_log.refused("grpc", "UNAUTHENTICATED", why)
+        return _denying(handler, why)
+
+
+def _denying(handler, why: str):
+    """A handler of the same kind as `handler` (the client expects its framing) that only refuses."""
+    async def deny(request, context) -> None:
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+
+    if handler is not None and handler.response_streaming:
+        make = grpc.stream_stream_rpc_method_handler if handler.request_streaming \
+            else grpc.unary_stream_rpc_method_handler
+    else:
+        make = grpc.stream_unary_rpc_method_handler if handler is not None and handler.request_streaming \
+            else grpc.unary_unary_rpc_method_handler
+    return make(deny)
+
+
+class ApiKeyMiddleware:
+    """ASGI: refuses requests under `prefix` without `Authorization: Bearer KEY` (a valid KEY) with a 401 whose
+    body is `error_body(message)`. Plain ASGI, not BaseHTTPMiddleware, so that streams pass through untouched."""
+
+    def __init__(self, app, keys: ApiKeys, error_body: Callable[[str], dict], prefix: str = PROTECTED_HTTP) -> None:
+        self.app = app
+        self.keys = keys
+        self.error_body = error_body
+        self.prefix = prefix
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith(self.prefix):
+            headers = dict(scope["headers"])  # NOTE: ASGI header names are lower-case bytes
+            why = self.keys.refusal(headers.get(b"authorization"))
+            if why is not None:
+                request_log.refused("http", "UNAUTHENTICATED", why)
+                body = json.dumps(self.error_body(why)).encode()
+                await send({"type": "http.response.start", "status": 401,
+                            "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
+                                        (b"content-length", str(len(body)).encode())]})
+                await send({"type": "http.response.body", "body": body})
+                return
+        await self.app(scope, receive, send)

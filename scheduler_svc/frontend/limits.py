@@ -1,0 +1,71 @@
+"""Input bounds of the client APIs, checked before any tokenizing: each names its field and its bound."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from scheduler_svc.errors import EngineError, ErrorCode
+
+if TYPE_CHECKING:
+    from scheduler_svc.frontend.api import GenerateInput
+
+MiB = 1 << 20
+# NOTE: a token of real text averages ~4 characters; 32 per token of context leaves room for whitespace runs and
+# long words while refusing a multi-megabyte prompt before it costs seconds of tokenizing.
+PROMPT_CHARS_PER_TOKEN = 32
+
+
+@dataclass(slots=True, frozen=True)
+class Limits:
+    """Every bound a request meets before it is queued (the engine adds vocabulary, max_tokens and n).
+
+    Those with a flag are the ones a deployment may need to move; the others are far above any real use."""
+
+    max_prompt_chars: int  # --max-prompt-chars: a text prompt, or the characters of all chat messages together
+    max_message_bytes: int = 4 * MiB  # --max-message-size: one gRPC request message or one HTTP request body
+    max_stop_strings: int = 16  # --max-stop-strings
+    max_stop_chars: int = 1024  # each stop string
+    max_stop_token_ids: int = 1024
+    max_request_id_chars: int = 256
+    max_cache_salt_chars: int = 256
+    max_messages: int = 4096  # chat messages in one request
+
+    @classmethod
+    def for_model(cls, max_model_len: int, max_prompt_chars: int | None = None, **overrides) -> Limits:
+        return cls(max_prompt_chars=max_prompt_chars or max_model_len * PROMPT_CHARS_PER_TOKEN, **overrides)
+
+    def check_counts(self, num_stop: int, num_stop_token_ids: int, num_messages: int) -> None:
+        """The list lengths alone, before an API converts its lists (a 4 MiB message holds ~2 million empty ones)."""
+        _at_most("stop", num_stop, self.max_stop_strings, "strings", "--max-stop-strings")
+        _at_most("stop_token_ids", num_stop_token_ids, self.max_stop_token_ids, "token ids")
+        _at_most("messages", num_messages, self.max_messages, "messages")
+
+    def check(self, inp: GenerateInput) -> None:
+        """Raises EngineError(INVALID_ARGUMENT) naming the first field beyond its bound. O(size of the input)."""
+        _at_most("request_id", len(inp.request_id), self.max_request_id_chars, "characters")
+        _at_most("cache_salt", len(inp.cache_salt), self.max_cache_salt_chars, "characters")
+        self.check_counts(len(inp.stop), len(inp.sampling.stop_token_ids), len(inp.messages or ()))
+        for i, s in enumerate(inp.stop):
+            _at_most(f"stop[{i}]", len(s), self.max_stop_chars, "characters", field="stop")
+        if inp.prompt is not None:
+            _at_most("prompt", len(inp.prompt), self.max_prompt_chars, "characters", "--max-prompt-chars")
+        if inp.messages is not None:
+            chars = sum(len(m.get("role") or "") + _content_chars(m.get("content")) for m in inp.messages)
+            _at_most("messages", chars, self.max_prompt_chars, "characters of role and content together",
+                     "--max-prompt-chars")
+
+
+def _content_chars(content) -> int:
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):  # OpenAI's text parts
+        return sum(len(p.get("text") or "") for p in content if isinstance(p, dict))
+    return 0
+
+
+def _at_most(name: str, value: int, bound: int, unit: str, flag: str = "", field: str | None = None) -> None:
+    if value > bound:
+        where = f" ({flag})" if flag else ""
+        raise EngineError(ErrorCode.INVALID_ARGUMENT, f"{name} has {value} {unit}; the limit is {bound}{where}",
+                          field or name)

@@ -1,0 +1,118 @@
+"""API keys (scheduler_svc.auth) and TLS files (pagedserve_common.tls): parsing, the constant-time check, errors."""
+
+from __future__ import annotations
+
+import hmac
+import stat
+
+import pytest
+
+from pagedserve_cli.certs_cmd import dev_certificates
+from pagedserve_cli.main import main
+from pagedserve_common.tls import TlsConfigError, TlsFiles, certificate_names
+from scheduler_svc.auth import INVALID, MISSING, ApiKeyFileError, ApiKeys, load_keys, read_keys
+
+
+def write(tmp_path, text: str, name: str = "keys"):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_key_file_one_a_line_ignoring_blanks_and_comments(tmp_path):
+    path = write(tmp_path, "# clients\n\n  alpha-1  \n\t\n# beta-2 is retired\nGamma_3\n")
+    assert read_keys(path) == ["alpha-1", "Gamma_3"]
+    keys = load_keys(path)
+    assert len(keys) == 2 and keys.check("alpha-1") and keys.check("Gamma_3")
+    assert not keys.check("beta-2") and not keys.check("alpha-") and not keys.check("alpha-12")
+    assert not keys.check("gamma_3") and not keys.check("")
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n  # indented too\n"])
+def test_a_key_file_without_keys_is_an_error(tmp_path, text):
+    with pytest.raises(ApiKeyFileError, match="--api-key-file .*: no key in it"):
+        load_keys(write(tmp_path, text))
+
+
+def test_a_bad_line_names_its_number_not_the_key(tmp_path):
+    with pytest.raises(ApiKeyFileError, match="line 3") as e:
+        load_keys(write(tmp_path, "# x\nok-key\nsecret with spaces\n"))
+    assert "secret" not in str(e.value)
+
+
+def test_an_unreadable_key_file_names_the_flag(tmp_path):
+    with pytest.raises(ApiKeyFileError, match="--api-key-file .*missing.*cannot read it"):
+        load_keys(str(tmp_path / "missing"))
+    assert isinstance(ApiKeyFileError("x"), ValueError)  # the CLI reports ValueErrors as `error: ...`, exit 2
+
+
+def test_keys_are_neither_kept_nor_shown_in_clear():
+    keys = ApiKeys.of(["s3cret-key"])
+    assert "s3cret" not in repr(keys) and all(b"s3cret" not in d for d in keys.digests)
+
+
+def test_the_check_compares_against_every_key_in_constant_time(monkeypatch):
+    keys = ApiKeys.of(["k1", "k2", "k3"])
+    calls, real = [], hmac.compare_digest
+
+    def spy(a, b):
+        calls.append((len(a), len(b)))
+        return real(a, b)
+
+    monkeypatch.setattr("scheduler_svc.auth.hmac.compare_digest", spy)
+    for presented in ("k1", "k3", "nope", "a much longer key than any of them"):
+        calls.clear()
+        keys.check(presented)
+        # NOTE: one comparison per key whatever matched (no early exit), always of equal-length digests.
+        assert calls == [(32, 32)] * 3, presented
+
+
+@pytest.mark.parametrize("header, why", [
+    ("Bearer k1", None), ("bearer k1", None), ("BEARER   k1 ", None), (b"Bearer k1", None),
+    (None, MISSING), ("", MISSING), ("k1", MISSING), ("Basic k1", MISSING), ("Bearer ", MISSING),
+    ("Bearer k2", INVALID), ("Bearer k1x", INVALID),
+])
+def test_the_authorization_value(header, why):
+    assert ApiKeys.of(["k1"]).refusal(header) == why
+
+
+def test_tls_files_name_the_missing_flag(tmp_path):
+    with pytest.raises(TlsConfigError, match="--tls-cert needs --tls-key"):
+        TlsFiles(cert="a.pem")
+    with pytest.raises(TlsConfigError, match="--tls-key needs --tls-cert"):
+        TlsFiles(key="a.pem")
+    with pytest.raises(TlsConfigError, match=r"--tls-ca .*nothere\.pem: cannot read it"):
+        TlsFiles(ca=str(tmp_path / "nothere.pem")).client_pems()
+    with pytest.raises(TlsConfigError, match="--tls-cert .*: not a PEM file"):
+        TlsFiles(write(tmp_path, "junk", "c.pem"), write(tmp_path, "junk", "k.pem")).server_pems(False)
+    with pytest.raises(TlsConfigError, match="--tls-ca needs --tls-cert"):
+        TlsFiles(ca="ca.pem").serves_tls()
+    assert TlsFiles().client_pems() is None and not TlsFiles().serves_tls()  # no flag: plaintext
+
+
+def test_certs_command_writes_the_files_keys_private(tmp_path, capsys):
+    out = tmp_path / "certs"
+    assert main(["certs", str(out), "--host", "llm.example", "--host", "10.1.2.3"]) == 0
+    names = {"ca.pem", "server.pem", "server-key.pem", "worker.pem", "worker-key.pem", "api-keys"}
+    assert {p.name for p in out.iterdir()} == names
+    for name in ("server-key.pem", "worker-key.pem", "api-keys"):
+        assert stat.S_IMODE((out / name).stat().st_mode) == 0o600, name
+    assert certificate_names(str(out / "server.pem")) == ["localhost", "scheduler", "llm.example", "127.0.0.1",
+                                                          "10.1.2.3"]
+    assert len(read_keys(str(out / "api-keys"))) == 1
+    assert main(["certs", str(out)]) == 2  # does not overwrite
+    assert "exist already" in capsys.readouterr().err
+    assert main(["certs", str(out), "--force"]) == 0
+
+
+def test_dev_certificates_verify_against_their_ca():
+    from cryptography import x509
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    files = dev_certificates()
+    ca = x509.load_pem_x509_certificate(files["ca.pem"])
+    for name, usages in (("server.pem", {ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH}),
+                         ("worker.pem", {ExtendedKeyUsageOID.CLIENT_AUTH})):
+        cert = x509.load_pem_x509_certificate(files[name])
+        cert.verify_directly_issued_by(ca)
+        assert set(cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value) == usages

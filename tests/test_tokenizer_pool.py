@@ -1,0 +1,72 @@
+"""TokenizerPool: long inputs are tokenized in processes of their own, equal to the inline tokenizer's ids."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+
+import pytest
+
+from scheduler_svc.errors import EngineError, ErrorCode
+from scheduler_svc.frontend import Tokenizer
+from scheduler_svc.frontend.pool import INLINE_CHARS, TokenizerPool
+from worker_svc.model_store import resolve_model
+
+LONG = "The quick brown fox jumps over the lazy dog. " * (INLINE_CHARS // 20)
+
+
+@functools.cache
+def tokenizer() -> Tokenizer:
+    return Tokenizer.from_model_dir(resolve_model("smollm2-135m-instruct"))
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_a_long_prompt_in_a_process_gives_the_inline_ids():
+    pool = TokenizerPool(tokenizer(), num_processes=1)
+    try:
+        assert len(LONG) >= INLINE_CHARS
+        assert run(pool.encode(LONG, 10_000)) == tokenizer().encode(LONG)
+        assert pool._executor is not None  # it went to the process
+        messages = [{"role": "user", "content": LONG}]
+        assert run(pool.encode_chat(messages, {}, 10_000)) == tokenizer().encode_chat(messages)
+        assert pool.num_pending == 0
+    finally:
+        pool.shutdown()
+
+
+def test_beyond_max_tokens_only_the_count_comes_back():
+    pool = TokenizerPool(tokenizer(), num_processes=1)
+    try:
+        n = len(tokenizer().encode(LONG))
+        assert run(pool.encode(LONG, n - 1)) == n
+        assert run(pool.encode("short text", 1)) == len(tokenizer().encode("short text"))
+    finally:
+        pool.shutdown()
+
+
+def test_a_short_prompt_stays_inline():
+    pool = TokenizerPool(tokenizer())
+    assert run(pool.encode("Hello there", 100)) == tokenizer().encode("Hello there")
+    assert pool._executor is None
+
+
+def test_more_than_max_pending_long_prompts_is_resource_exhausted():
+    pool = TokenizerPool(tokenizer(), num_processes=1, max_pending=2)
+
+    async def main():
+        first = [asyncio.ensure_future(pool.encode(LONG * 20, 10**6)) for _ in range(2)]
+        await asyncio.sleep(0)
+        with pytest.raises(EngineError) as err:
+            await pool.encode(LONG, 10**6)
+        assert err.value.code is ErrorCode.RESOURCE_EXHAUSTED
+        assert all(isinstance(ids, list) for ids in await asyncio.gather(*first))
+        assert pool.num_pending == 0
+        assert isinstance(await pool.encode(LONG, 10**6), list)  # room again
+
+    try:
+        run(main())
+    finally:
+        pool.shutdown()
