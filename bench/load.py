@@ -37,6 +37,7 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere without installing
 from pagedserve.v1 import generate_pb2 as pb  # noqa: E402
 from pagedserve.v1 import generate_pb2_grpc  # noqa: E402
+from pagedserve_cli.bench.report import percentiles  # noqa: E402
 
 WORDS = ("the", "sea", "a", "ship", "sails", "north", "under", "grey", "skies", "and", "wind", "calls", "home")
 DELIBERATE = "CANCELLED_DELIBERATELY"  # the status key of a request its client cancelled on purpose
@@ -209,13 +210,6 @@ async def drive(address: str, pid: int | None, args) -> tuple[Stats, float, int,
     return stats, wall, rss_start, peak[0]
 
 
-def quantile_ms(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return 1e3 * ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 IDLE_SERIES = ("pagedserve_requests_running", "pagedserve_requests_waiting", "pagedserve_kv_blocks_used")
 
 
@@ -241,9 +235,10 @@ def report(args, stats: Stats, wall: float, rss_start_kb: int, rss_peak_kb: int,
           f"cpu_ms_per_token={1e3 * stats.scheduler_cpu_s / max(1, stats.tokens):.2f}")
     print(f"wall_s={wall:.1f} tokens={stats.tokens} itl_samples={len(stats.gaps)}")
     ok = stats.statuses["OK"]
+    itl = {k: float("nan") if v is None else v for k, v in percentiles(stats.gaps).items()}
     return (f"load clients={args.clients} ok={ok} failed={stats.failed} "
             f"cancelled_deliberately={stats.statuses[DELIBERATE]} rss_mb={rss_mb:.1f} "
-            f"itl_p50_ms={quantile_ms(stats.gaps, 0.5):.1f} itl_p99_ms={quantile_ms(stats.gaps, 0.99):.1f} "
+            f"itl_p50_ms={itl['p50'] * 1e3:.1f} itl_p99_ms={itl['p99'] * 1e3:.1f} "
             f"tok_s={tok_s:.1f}")
 
 

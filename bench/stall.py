@@ -25,6 +25,7 @@ import grpc
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from pagedserve.v1 import generate_pb2 as pb  # noqa: E402
 from pagedserve.v1 import generate_pb2_grpc  # noqa: E402
+from pagedserve_cli.bench.report import percentiles  # noqa: E402
 
 
 def free_port() -> int:
@@ -33,11 +34,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def p99(values: list[float]) -> float:
+    return percentiles(values)["p99"] or float("nan")
 
 
 async def stream_gaps(stub, tokens: int, status: dict | None = None) -> list[float]:
@@ -112,10 +110,10 @@ async def measure(address: str, tokens: int, senders: int, text: str, pause: flo
         await asyncio.gather(*tasks)
         for c in channels:
             await c.close()
-    return {"idle_p50": statistics.median(idle), "idle_p99": pct(idle, 0.99), "loaded_p50": statistics.median(loaded),
-            "loaded_p99": pct(loaded, 0.99), "loaded_max": max(loaded), "reject_p50": pct(rejects, 0.5),
+    return {"idle_p50": statistics.median(idle), "idle_p99": p99(idle), "loaded_p50": statistics.median(loaded),
+            "loaded_p99": p99(loaded), "loaded_max": max(loaded), "reject_p50": percentiles(rejects)["p50"] or float("nan"),
             "reject_max": max(rejects, default=float("nan")), "num_huge": len(rejects), "codes": codes,
-            "info_idle_p99": pct(idle_info, 0.99), "info_loaded_p99": pct(loaded_info, 0.99),
+            "info_idle_p99": p99(idle_info), "info_loaded_p99": p99(loaded_info),
             "stream": status["stream"]}
 
 

@@ -68,13 +68,13 @@ def add_scheduler_policy_args(p: argparse.ArgumentParser, with_defaults: bool = 
                    metavar="SECONDS", help="on SIGTERM the scheduler stops admitting (UNAVAILABLE) and lets "
                                            "in-flight streams finish this long (default 30)")
     # Input bounds (scheduler_svc.frontend.limits): beyond one, a request is refused naming the field and the bound.
-    p.add_argument("--max-message-size", type=_bytes_at_least(1024), default=d(4 << 20), metavar="BYTES",
+    p.add_argument("--max-message-size", type=_bytes_at_least(1024), default=None, metavar="BYTES",
                    help="largest client request: one gRPC message (RESOURCE_EXHAUSTED beyond) or one HTTP body "
                         "(413), e.g. 16MiB (default 4MiB)")
     p.add_argument("--max-prompt-chars", type=_number(int, 1, "an integer >= 1"), default=None, metavar="N",
                    help="characters of a text prompt, or of a chat's messages together, checked before tokenizing "
                         "(default: 32 per token of max_model_len)")
-    p.add_argument("--max-stop-strings", type=_number(int, 0, "an integer >= 0"), default=d(16), metavar="N",
+    p.add_argument("--max-stop-strings", type=_number(int, 0, "an integer >= 0"), default=None, metavar="N",
                    help="stop strings per request, each up to 1024 characters (default 16)")
 
 
@@ -139,6 +139,23 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     w.set_defaults(func=run_worker)
 
 
+def scheduler_config(args: argparse.Namespace, path: str):
+    """The ServerConfig of `pagedserve scheduler`'s flags, for the model at `path`."""
+    from scheduler_svc.server import ServerConfig
+
+    return ServerConfig(model_dir=path, model_id=args.model, listen=args.listen,
+                        worker_listen=args.worker_listen, metrics=args.metrics or None, http=args.http or None,
+                        tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
+                        api_key_file=args.api_key_file,
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+                        max_queued_requests=args.max_queued_requests, routing=args.routing,
+                        step_timeout=args.step_timeout, max_migrations=args.max_migrations,
+                        no_worker_timeout=args.no_worker_timeout, drain_seconds=args.drain_timeout,
+                        max_message_size=args.max_message_size, max_prompt_chars=args.max_prompt_chars,
+                        max_stop_strings=args.max_stop_strings)
+
+
 def run_scheduler(args: argparse.Namespace) -> int:
     import asyncio
 
@@ -147,19 +164,9 @@ def run_scheduler(args: argparse.Namespace) -> int:
 
     exit_on_stop_signals()  # until serve() drains on them: a signal during start-up just exits
     configure()
-    from scheduler_svc.server import ServerConfig, serve
+    from scheduler_svc.server import serve
 
-    cfg = ServerConfig(model_dir=model_dir(args.model), model_id=args.model, listen=args.listen,
-                       worker_listen=args.worker_listen, metrics=args.metrics or None, http=args.http or None,
-                       tls_cert=args.tls_cert, tls_key=args.tls_key, tls_ca=args.tls_ca,
-                       api_key_file=args.api_key_file,
-                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
-                       max_queued_requests=args.max_queued_requests, routing=args.routing,
-                       step_timeout=args.step_timeout, max_migrations=args.max_migrations,
-                       no_worker_timeout=args.no_worker_timeout, drain_seconds=args.drain_timeout,
-                       max_message_size=args.max_message_size, max_prompt_chars=args.max_prompt_chars,
-                       max_stop_strings=args.max_stop_strings)
+    cfg = scheduler_config(args, model_dir(args.model))
     asyncio.run(serve(cfg))
     return 0
 

@@ -17,7 +17,7 @@ from scheduler_svc import request_log
 from scheduler_svc.core.plan import WorkerRegistration
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput, SamplingConfig
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.errors import EngineError, ErrorCode
+from scheduler_svc.errors import DRAINING, EngineError, ErrorCode
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.routing import Router
 from scheduler_svc.worker_link import WorkerHandle, run_steps
@@ -216,7 +216,7 @@ class Engine:
         Raises EngineError; an INVALID_ARGUMENT one names the field at fault."""
         cfg = self.config
         if self.draining:
-            raise EngineError(ErrorCode.UNAVAILABLE, "the server is draining: no new requests")
+            raise EngineError(ErrorCode.UNAVAILABLE, DRAINING)
         if not self.workers and cfg.no_worker_timeout <= 0:
             raise EngineError(ErrorCode.UNAVAILABLE, self.no_worker_reason())
         request_id = request_id or uuid.uuid4().hex

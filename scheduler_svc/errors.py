@@ -15,6 +15,9 @@ class ErrorCode(enum.Enum):
     INTERNAL = "INTERNAL"  # only for bugs: a worker that breaks the protocol, an exception in the step loop
 
 
+DRAINING = "the server is draining: no new requests"  # UNAVAILABLE, from the front end and the engine alike
+
+
 class EngineError(Exception):
     """A request the engine refuses or can no longer serve; servicers map `code` onto the gRPC status."""
 

@@ -50,9 +50,10 @@ class ServerConfig:
     step_timeout: float = 60.0  # a worker that takes longer for a step is lost (its first step may take 4x)
     max_migrations: int = 3  # a request whose steps took down this many workers ends with INTERNAL
     no_worker_timeout: float = 60.0  # requests wait this long for a worker when none is attached
-    max_message_size: int = 4 << 20  # --max-message-size: one client gRPC message or HTTP body (RESOURCE_EXHAUSTED/413)
+    # Input bounds (None: the defaults of scheduler_svc.frontend.limits.Limits)
+    max_message_size: int | None = None  # --max-message-size: a client gRPC message or an HTTP body
     max_prompt_chars: int | None = None  # --max-prompt-chars (None: 32 per token of max_model_len)
-    max_stop_strings: int = 16  # --max-stop-strings
+    max_stop_strings: int | None = None  # --max-stop-strings
 
 
 def engine_config(cfg: ServerConfig, tokenizer: Tokenizer) -> EngineConfig:
@@ -97,12 +98,18 @@ def pending_call_options(max_queued_requests: int) -> tuple[tuple[str, int], ...
     return (("grpc.server.max_pending_requests", limit), ("grpc.server.max_pending_requests_hard_limit", limit))
 
 
+def input_limits(cfg: ServerConfig, max_model_len: int) -> Limits:
+    """The client APIs' input bounds: the flags given, Limits' defaults for the others."""
+    given = {"max_message_bytes": cfg.max_message_size, "max_stop_strings": cfg.max_stop_strings}
+    return Limits.for_model(max_model_len, cfg.max_prompt_chars,
+                            **{name: value for name, value in given.items() if value is not None})
+
+
 async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
     access = Access.load(cfg.tls_cert, cfg.tls_key, cfg.tls_ca, cfg.api_key_file)  # first: a bad file fails fast
     tokenizer = Tokenizer.from_model_dir(cfg.model_dir)
     engine = Engine(engine_config(cfg, tokenizer))
-    limits = Limits.for_model(engine.config.max_model_len, cfg.max_prompt_chars,
-                              max_message_bytes=cfg.max_message_size, max_stop_strings=cfg.max_stop_strings)
+    limits = input_limits(cfg, engine.config.max_model_len)
     frontend = FrontEnd(engine, tokenizer, limits)
     health = HealthServicer()
     for name in SERVICES:
@@ -116,7 +123,7 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
 
     engine.on_workers_changed = on_workers_changed
     # NOTE: grpc refuses a larger message with RESOURCE_EXHAUSTED before the servicer (or the parser) sees it.
-    clients = grpc.aio.server(options=(("grpc.max_receive_message_length", cfg.max_message_size),
+    clients = grpc.aio.server(options=(("grpc.max_receive_message_length", limits.max_message_bytes),
                                        *pending_call_options(cfg.max_queued_requests)),
                               interceptors=access.interceptors())
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend), clients)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import jinja2
 
 from scheduler_svc.core.request import SamplingConfig
-from scheduler_svc.errors import EngineError, ErrorCode
+from scheduler_svc.errors import DRAINING, EngineError, ErrorCode
 from scheduler_svc.frontend.limits import Limits
 from scheduler_svc.frontend.pool import TokenizerPool
 from scheduler_svc.frontend.stream import RequestStream
@@ -69,7 +69,7 @@ class FrontEnd:
     def serving(self) -> tuple[bool, str]:
         """(True, "") when requests can be served now, else (False, why): no worker, or draining."""
         if self.engine.draining:
-            return False, "the server is draining: no new requests"
+            return False, DRAINING
         if not self.engine.workers:
             return False, self.engine.no_worker_reason()
         return True, ""
@@ -116,7 +116,7 @@ class FrontEnd:
         """Tokenizes, validates and admits `inp`; iterate the returned stream for its StreamItems.
         Raises EngineError (INVALID_ARGUMENT names the field)."""
         if self.engine.draining:  # before tokenizing: the engine would refuse it anyway
-            raise EngineError(ErrorCode.UNAVAILABLE, "the server is draining: no new requests")
+            raise EngineError(ErrorCode.UNAVAILABLE, DRAINING)
         kind, ids = await self.prompt_token_ids(inp)
         sampling = inp.sampling
         if sampling.top_k < -1:
