@@ -82,11 +82,11 @@ def worker_credentials(args: argparse.Namespace):
     return channel_credentials(TlsFiles(args.tls_cert, args.tls_key, args.tls_ca))
 
 
-def client_channel(args: argparse.Namespace, address: str):
+def client_channel(args: argparse.Namespace, address: str, options=()):
     """A channel to `address` as the client flags say: TLS with --tls-ca, else plaintext."""
     from pagedserve_common.tls import TlsFiles
 
-    return open_channel(address, channel_credentials(TlsFiles(ca=args.tls_ca)), args.tls_server_name)
+    return open_channel(address, channel_credentials(TlsFiles(ca=args.tls_ca)), args.tls_server_name, options)
 
 
 def api_key_metadata(key: str | None) -> tuple[tuple[str, str], ...]:

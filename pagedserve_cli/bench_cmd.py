@@ -13,14 +13,21 @@ from pagedserve_cli.bench.workloads import WORKLOADS, parse_range
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 FALLBACK_MAX_MODEL_LEN = 2048
+COMPARISON_NAMES = ("static-prealloc", "no-prefix-cache")
+# NOTE: a comparison needs a pool that memory, not --max-num-seqs, fills: 512 MiB holds 11,650 tokens of the
+# default model in float32 (46,080 bytes each), 5 sequences of 2,048 slots, or about 45 of the mixed workload's.
+COMPARE_KV_MEMORY = "512MiB"
+COMPARE_MAX_MODEL_LEN = 2048
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="load-test a server (ours over gRPC, or any OpenAI-compatible one)")
     p.add_argument("--server", help=f"our gRPC client API, HOST:PORT (default {DEFAULT_SERVER})")
     p.add_argument("--openai-url", help="an OpenAI-compatible server instead, e.g. http://127.0.0.1:8100/v1")
-    p.add_argument("--model", help="with --openai-url: the served model name (default: the first it lists)")
-    p.add_argument("--workload", default="mixed", help=f"{' | '.join(WORKLOADS)} | FILE.jsonl (default mixed)")
+    p.add_argument("--model", help="with --openai-url: the served model name (default: the first it lists); with "
+                                   "--spawn or --compare: the model to serve (default: the default model)")
+    p.add_argument("--workload", help=f"{' | '.join(WORKLOADS)} | FILE.jsonl (default mixed; with --compare: the "
+                                      "comparison's own, mixed or shared-prefix)")
     p.add_argument("--num-requests", type=int, help="default 64 (a .jsonl workload: all its lines)")
     p.add_argument("--rate", type=float, help="Poisson arrivals, requests/s (default: all at once)")
     p.add_argument("--max-concurrency", type=int, help="at most N requests in flight")
@@ -36,6 +43,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                          "http://SERVER_HOST:9464/metrics; '' = off)")
     p.add_argument("--out", help="output dir (default bench/out/YYYYmmdd-HHMMSS)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    p.add_argument("--kv-sample-period", type=float, default=0.25, metavar="SECONDS",
+                   help="with our server: how often the worker's KV pool is sampled (GetKVState) for the block "
+                        "maps and the waste figures (default 0.25)")
+    s = p.add_argument_group("private servers", "--spawn starts its own `pagedserve up` (scheduler + one worker on "
+                                                "free loopback ports) and stops it after the run; --compare starts "
+                                                "one per side, one after another")
+    s.add_argument("--compare", choices=COMPARISON_NAMES,
+                   help="static-prealloc: paging vs contiguous preallocation of max_model_len (and of prompt + "
+                        "max_tokens) slots per sequence, same KV budget; no-prefix-cache: prefix caching on vs off")
+    s.add_argument("--spawn", action="store_true", help="bench a private server instead of --server")
+    s.add_argument("--dtype", default="auto", help="the worker's dtype (default auto)")
+    s.add_argument("--kv-memory", help=f"the worker's KV pool, e.g. 512MiB (default: auto; with --compare "
+                                       f"{COMPARE_KV_MEMORY}, so that memory, not max-num-seqs, bounds the batch)")
+    s.add_argument("--max-model-len", type=int,
+                   help=f"the scheduler's max_model_len (default: the model's; with --compare {COMPARE_MAX_MODEL_LEN})")
+    s.add_argument("--max-num-seqs", type=int, help="the scheduler's --max-num-seqs (default: its own)")
+    s.add_argument("--max-num-batched-tokens", type=int, help="the scheduler's token budget per step")
+    s.add_argument("--threads", type=int, help="the worker's compute threads")
     p.set_defaults(func=run)
 
 
@@ -84,6 +109,7 @@ def _client(args: argparse.Namespace):
 
 async def _bench(args: argparse.Namespace):
     """Connects, builds the workload, runs it; None when the server can't be reached."""
+    from pagedserve_cli.bench.kv_sampler import sampling
     from pagedserve_cli.bench.runner import run_workload
 
     client = _client(args)
@@ -94,15 +120,45 @@ async def _bench(args: argparse.Namespace):
         return None
     try:
         requests, resolved = build_requests(args, info.get("max_model_len"))
-        result = await run_workload(client, requests, args.rate, args.max_concurrency, args.seed,
-                                    args.metrics_url, progress=not args.no_progress)
+        async with sampling(None if args.openai_url else args.server, args.kv_sample_period) as sampler:
+            result = await run_workload(client, requests, args.rate, args.max_concurrency, args.seed,
+                                        args.metrics_url, progress=not args.no_progress)
     finally:
         await client.close()
-    return requests, result, {**resolved, "served_model": info.get("model")}
+    states = sampler.states if sampler is not None else []
+    return requests, result, {**resolved, "served_model": info.get("model")}, states
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedserve_cli.bench import report
+    if args.compare:
+        from pagedserve_cli.bench.compare import run as run_compare
+
+        args.kv_memory = args.kv_memory or COMPARE_KV_MEMORY
+        args.max_model_len = args.max_model_len or COMPARE_MAX_MODEL_LEN
+        return run_compare(args)
+    args.workload = args.workload or "mixed"
+    if not args.spawn:
+        return bench(args)
+    if args.server or args.openai_url:
+        raise ValueError("--spawn starts its own server: leave out --server and --openai-url")
+    from pagedserve_cli.bench.compare import spawn_config
+    from pagedserve_cli.bench.spawn import spawn
+    from pagedserve_cli.serve_cmd import DEFAULT_MODEL, model_dir
+
+    model = model_dir(args.model or DEFAULT_MODEL)
+    args.tokenizer = args.tokenizer or model
+    server = spawn(spawn_config(args, model), [], "server")
+    try:
+        args.server = server.address
+        args.metrics_url = f"http://{server.metrics}/metrics" if args.metrics_url is None else args.metrics_url
+        return bench(args)
+    finally:
+        server.stop()
+
+
+def bench(args: argparse.Namespace) -> int:
+    """One run against --server or --openai-url."""
+    from pagedserve_cli.bench import kv_frames, report
     from pagedserve_cli.bench.workloads import dump_jsonl
 
     if args.server and args.openai_url:
@@ -115,15 +171,18 @@ def run(args: argparse.Namespace) -> int:
     done = asyncio.run(_bench(args))
     if done is None:
         return 1
-    requests, result, resolved = done
+    requests, result, resolved, states = done
     config = {k: v for k, v in vars(args).items() if k != "func"} | resolved | {"started": started}
     out = Path(args.out or Path("bench") / "out" / started)
     summary = report.summarize(result.records, result.metrics)
     report.write_results(out, config, summary, result.records, result.metrics)
     dump_jsonl(requests, out / "workload.jsonl")
     report.write_plots(out, result.records, args.openai_url or args.server)
+    # NOTE: the block maps only when the server answered GetKVState (ours; not an OpenAI-compatible peer)
+    pictures = kv_frames.write_pictures(out, args.server or "", [("pagedserve", states)])
     print(report.render_summary(summary, config))
-    print(f"wrote {out}/: results.json, summary.md, workload.jsonl, throughput.png, ttft.png, itl.png")
+    print(f"wrote {out}/: results.json, summary.md, workload.jsonl, throughput.png, ttft.png, itl.png"
+          + "".join(f", {name}" for name in pictures))
     print(report.last_line(summary), flush=True)
     if summary["completed"] == 0:
         print("pagedserve bench: every request failed", file=sys.stderr)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from pagedserve_cli import bench_cmd, certs_cmd, generate_cmd, health_cmd, kv_plan, model_cmd, serve_cmd, up_cmd
+from pagedserve_cli import (bench_cmd, certs_cmd, generate_cmd, health_cmd, kv_map_cmd, kv_plan, model_cmd,
+                            serve_cmd, up_cmd)
 from pagedserve_cli.env import EnvArgumentParser, apply_env
 
 
@@ -17,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cmd.add_parser(sub)
     serve_cmd.add_parsers(sub)
     kv_plan.add_parser(sub)
+    kv_map_cmd.add_parser(sub)
     model_cmd.add_parser(sub)
     health_cmd.add_parser(sub)
     certs_cmd.add_parser(sub)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from pagedserve_cli import access_args
 from pagedserve_cli.units import parse_bytes
+from scheduler_svc.kv.static import KV_ALLOCATIONS
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 DEFAULT_DRAIN_TIMEOUT = 30.0  # ServerConfig.drain_seconds; `pagedserve up` waits this plus a margin on stop
@@ -49,10 +50,19 @@ def _bytes_at_least(minimum: int):
 
 
 def add_scheduler_policy_args(p: argparse.ArgumentParser, with_defaults: bool = True) -> None:
-    """Routing, failure handling, drain and input-bound flags, shared by `scheduler` and `up` (which forwards only
-    those given: `with_defaults=False` leaves them None)."""
+    """KV, routing, failure handling, drain and input-bound flags, shared by `scheduler` and `up` (which forwards
+    only those given: `with_defaults=False` leaves them None)."""
     def d(value):
         return value if with_defaults else None
+    p.add_argument("--max-model-len", type=_number(int, 1, "an integer >= 1"), default=None, metavar="N",
+                   help="longest sequence, prompt and output together (default and upper bound: the model's)")
+    p.add_argument("--no-prefix-caching", action="store_true", default=d(False),
+                   help="never reuse the KV blocks of a prompt's prefix computed before")
+    p.add_argument("--kv-allocation", choices=KV_ALLOCATIONS, default=d("paged"),
+                   help="paged: a KV block whenever a sequence needs one (default); static-max-model-len: each "
+                        "sequence reserves one contiguous run of blocks for max_model_len tokens when admitted, "
+                        "static-request: for prompt + max_tokens (FasterTransformer/Orca-style preallocation, to "
+                        "compare; no prefix caching, n = 1, no swap space)")
     p.add_argument("--routing", choices=ROUTING, default=d("kv"),
                    help="which worker takes a new request: kv (the one holding the longest prefix of the prompt, "
                         "unless it is much busier than the others), least-loaded (fewest pending tokens) or "
@@ -81,10 +91,13 @@ def add_scheduler_policy_args(p: argparse.ArgumentParser, with_defaults: bool = 
 def scheduler_policy_argv(args: argparse.Namespace) -> list[str]:
     """The flags of add_scheduler_policy_args that were given, as scheduler command-line arguments."""
     argv = []
-    for flag in ("--routing", "--step-timeout", "--max-migrations", "--no-worker-timeout", "--drain-timeout",
-                 "--max-message-size", "--max-prompt-chars", "--max-stop-strings"):
+    for flag in ("--max-model-len", "--no-prefix-caching", "--kv-allocation", "--routing", "--step-timeout",
+                 "--max-migrations", "--no-worker-timeout", "--drain-timeout", "--max-message-size",
+                 "--max-prompt-chars", "--max-stop-strings"):
         value = getattr(args, flag[2:].replace("-", "_"))
-        if value is not None:
+        if value is True:  # a switch
+            argv.append(flag)
+        elif value is not None and value is not False:
             argv += [flag, str(value)]
     return argv
 
@@ -112,9 +125,7 @@ def add_parsers(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-num-batched-tokens", type=int, default=None,
                    help="tokens per step; bounds inter-token latency during long prefills "
                         "(default: 512 for a CPU worker, 2048 for a GPU worker)")
-    p.add_argument("--max-model-len", type=int)
     p.add_argument("--max-queued-requests", type=int, default=1024)
-    p.add_argument("--no-prefix-caching", action="store_true")
     add_scheduler_policy_args(p)
     access_args.add_scheduler_args(p)
     p.set_defaults(func=run_scheduler)
@@ -149,6 +160,7 @@ def scheduler_config(args: argparse.Namespace, path: str):
                         api_key_file=args.api_key_file,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         max_model_len=args.max_model_len, enable_prefix_caching=not args.no_prefix_caching,
+                        kv_allocation=args.kv_allocation,
                         max_queued_requests=args.max_queued_requests, routing=args.routing,
                         step_timeout=args.step_timeout, max_migrations=args.max_migrations,
                         no_worker_timeout=args.no_worker_timeout, drain_seconds=args.drain_timeout,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pagedserve.v1 import generate_pb2, worker_pb2
 
+from scheduler_svc.core.kv_snapshot import KVPoolSnapshot
 from scheduler_svc.core.plan import StepFailure, StepPlan, WorkerRegistration
 from scheduler_svc.core.request import SamplingConfig
 from scheduler_svc.frontend import GenerateInput, StreamItem
@@ -106,4 +107,18 @@ def model_info_to_pb(model_id: str, max_model_len: int, vocab_size: int, max_n: 
         pb.block_size = r.block_size
         pb.workers.add(worker_id=worker_id, num_blocks=r.num_blocks, block_size=r.block_size, dtype=r.dtype,
                        device=r.device, name=r.name)
+    return pb
+
+
+def kv_state_to_pb(snap: KVPoolSnapshot) -> generate_pb2.KVState:
+    pb = generate_pb2.KVState(
+        worker_id=snap.worker_id, block_size=snap.block_size, num_blocks=snap.num_blocks,
+        ref_counts=snap.ref_counts, cached=snap.cached, kv_allocation=snap.kv_allocation, num_steps=snap.num_steps,
+        num_waiting=snap.num_waiting, prefix_query_tokens=snap.prefix_query_tokens,
+        prefix_hit_tokens=snap.prefix_hit_tokens, num_evictions=snap.num_evictions,
+        num_preemptions=snap.num_preemptions, num_prefill_tokens=snap.num_prefill_tokens, time=snap.time,
+        waiting_for_blocks=snap.waiting_for_blocks)
+    add = pb.sequences.add
+    for s in snap.sequences:
+        add(request_id=s.request_id, seq_id=s.seq_id, block_ids=s.block_ids, num_tokens=s.num_tokens)
     return pb

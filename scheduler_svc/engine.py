@@ -37,6 +37,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None  # None: by the worker's device (default_batched_tokens)
     enable_prefix_caching: bool = True
+    kv_allocation: str = "paged"  # paged | static-max-model-len | static-request (scheduler_svc.kv.static)
     max_queued_requests: int = 1024  # beyond this, RESOURCE_EXHAUSTED
     routing: str = "kv"  # kv | least-loaded | round-robin
     step_timeout: float = 60.0  # seconds a worker may take for a step before it is lost (4x for its first)
@@ -99,12 +100,16 @@ class Engine:
         if reg.num_blocks < 1:
             raise EngineError(ErrorCode.INVALID_ARGUMENT, "num_blocks must be >= 1")
         cfg = self.config
-        sched = Scheduler(SchedulerConfig(
-            num_blocks=reg.num_blocks, max_model_len=min(cfg.max_model_len, reg.max_model_len),
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(reg.device),
-            block_size=reg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
-            eos_token_ids=cfg.eos_token_ids, num_cpu_blocks=reg.num_cpu_blocks), seq_ids=self._seq_ids)
+        try:
+            sched = Scheduler(SchedulerConfig(
+                num_blocks=reg.num_blocks, max_model_len=min(cfg.max_model_len, reg.max_model_len),
+                max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(reg.device),
+                block_size=reg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
+                eos_token_ids=cfg.eos_token_ids, num_cpu_blocks=reg.num_cpu_blocks,
+                kv_allocation=cfg.kv_allocation), seq_ids=self._seq_ids)
+        except ValueError as e:  # e.g. swap space under a static kv_allocation
+            raise EngineError(ErrorCode.FAILED_PRECONDITION, str(e)) from None
         w = WorkerHandle(f"worker-{next(self._worker_ids)}", reg, sched)
         self.workers[w.worker_id] = w
         self.metrics.kv_blocks_total.labels(w.worker_id).set(reg.num_blocks)

@@ -27,6 +27,8 @@ class Metrics:
                                       "prefix cache", ["worker"], registry=r)
         self.prefix_hits = Counter("pagedserve_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache",
                                    ["worker"], registry=r)
+        self.prefill_tokens = Counter("pagedserve_prefill_tokens", "Prompt tokens computed (prefix-cache hits "
+                                      "excluded, recomputation after preemption included)", ["worker"], registry=r)
         self.preemptions = Counter("pagedserve_preemptions", "Sequences preempted (recomputed later)", ["worker"],
                                    registry=r)
         self.workers = Gauge("pagedserve_workers", "Workers attached (leaving ones included)", registry=r)

@@ -44,6 +44,7 @@ class ServerConfig:
     max_num_batched_tokens: int | None = None  # None: 512 for a CPU worker, 2048 for a GPU one
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    kv_allocation: str = "paged"  # --kv-allocation (scheduler_svc.kv.static.KV_ALLOCATIONS)
     max_queued_requests: int = 1024
     drain_seconds: float = 30.0  # --drain-timeout: how long SIGTERM lets in-flight streams finish
     routing: str = "kv"  # kv | least-loaded | round-robin (scheduler_svc.routing)
@@ -62,7 +63,7 @@ def engine_config(cfg: ServerConfig, tokenizer: Tokenizer) -> EngineConfig:
     return EngineConfig(model_id=cfg.model_id, max_model_len=min(cfg.max_model_len or max_len, max_len),
                         vocab_size=int(model["vocab_size"]), eos_token_ids=tokenizer.eos_token_ids,
                         max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                        enable_prefix_caching=cfg.enable_prefix_caching,
+                        enable_prefix_caching=cfg.enable_prefix_caching, kv_allocation=cfg.kv_allocation,
                         max_queued_requests=cfg.max_queued_requests, routing=cfg.routing,
                         step_timeout=cfg.step_timeout, max_migrations=cfg.max_migrations,
                         no_worker_timeout=cfg.no_worker_timeout, drain_seconds=cfg.drain_seconds)

@@ -46,6 +46,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         f = self.frontend
         return convert.model_info_to_pb(f.model_id, f.max_model_len, f.vocab_size, f.max_n, f.engine.workers)
 
+    async def GetKVState(self, request, context):
+        try:
+            return convert.kv_state_to_pb(self.frontend.kv_state(request.worker_id))
+        except EngineError as e:
+            await _abort(context, e)
+
 
 class WorkerControlServicer(worker_pb2_grpc.WorkerControlServicer):
     def __init__(self, engine: Engine) -> None:

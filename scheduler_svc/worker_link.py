@@ -37,6 +37,7 @@ class WorkerHandle:
     num_prefix_queries: int = 0  # KV manager counters already exported
     num_prefix_hits: int = 0
     num_preemptions: int = 0
+    num_prefill_tokens: int = 0
 
 
 class Fleet(Protocol):
@@ -115,5 +116,6 @@ def export(w: WorkerHandle, m: Metrics) -> None:
     m.prefix_queries.labels(wid).inc(kv.prefix_query_tokens - w.num_prefix_queries)
     m.prefix_hits.labels(wid).inc(kv.prefix_hit_tokens - w.num_prefix_hits)
     m.preemptions.labels(wid).inc(w.scheduler.num_preemptions - w.num_preemptions)
+    m.prefill_tokens.labels(wid).inc(w.scheduler.num_prefill_tokens - w.num_prefill_tokens)
     w.num_prefix_queries, w.num_prefix_hits = kv.prefix_query_tokens, kv.prefix_hit_tokens
-    w.num_preemptions = w.scheduler.num_preemptions
+    w.num_preemptions, w.num_prefill_tokens = w.scheduler.num_preemptions, w.scheduler.num_prefill_tokens

@@ -9,11 +9,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pagedserve_common.sampling import InvalidField
+from scheduler_svc.core import reservation
 from scheduler_svc.core.plan import NewSeqPlan, RunningSeqPlan, StepPlan
 from scheduler_svc.core.handover import Handover
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput, RequestStatus
 from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.manager import KVCacheManager, KVCacheStats
+from scheduler_svc.kv.static import KV_ALLOCATIONS, STATIC_KV_ALLOCATIONS, StaticKVCacheManager
 
 _RUNNING, _FINISHED = RequestStatus.RUNNING, RequestStatus.FINISHED
 
@@ -29,10 +31,12 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0  # > 0: cap on one sequence's prefill chunk per step
     eos_token_ids: tuple[int, ...] = ()
     num_cpu_blocks: int = 0  # the worker's swap space; 0: preemption always recomputes
+    kv_allocation: str = "paged"  # or a contiguous reservation per sequence (scheduler_svc.kv.static)
 
 
 class Scheduler(Handover):
-    """Decides each step's batch; owns every sequence's block table through a KVCacheManager.
+    """Decides each step's batch; owns every sequence's block table through a KVCacheManager (a
+    StaticKVCacheManager in the static kv_allocation modes: one contiguous run per sequence, reserved at admission).
 
     Protocol: schedule() -> send the plan -> update(plan, sampled) -> schedule() ..., one plan in flight.
     NOTE: a sequence the worker holds (on_worker) is only ever sent as a delta: its table is append-only.
@@ -45,8 +49,19 @@ class Scheduler(Handover):
         sequence id names one sequence across the whole fleet (and a migrated sequence gets a fresh one)."""
         if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
+        if config.kv_allocation not in KV_ALLOCATIONS:
+            raise ValueError(f"kv_allocation must be one of {', '.join(KV_ALLOCATIONS)}, "
+                             f"got {config.kv_allocation!r}")
         self.config = config
-        self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.static = config.kv_allocation in STATIC_KV_ALLOCATIONS
+        self.kv: KVCacheManager | StaticKVCacheManager
+        if self.static:
+            if config.num_cpu_blocks:
+                raise ValueError(f"kv_allocation {config.kv_allocation} does not support swap space (num_cpu_blocks "
+                                 f"{config.num_cpu_blocks}): a reservation is never swapped out")
+            self.kv = StaticKVCacheManager(config.num_blocks, config.block_size)
+        else:
+            self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         # NOTE: CPU swap blocks hold no prefix cache: a plain pool of ids.
         self.cpu_pool = BlockPool(config.num_cpu_blocks) if config.num_cpu_blocks else None
         self._cpu_blocks_to_free: list[int] = []  # swapped in this step: free once the worker has read them
@@ -55,6 +70,8 @@ class Scheduler(Handover):
         self.waiting: deque[Request] = deque()  # FIFO; preempted sequences go back to the front
         self.running: list[Request] = []  # in admission order: the last is the first preemption victim
         self.num_preemptions = 0
+        self.num_prefill_tokens = 0  # prompt tokens computed: prefix hits excluded, recomputation included
+        self.waiting_for_blocks = False  # the last schedule() left the queue head waiting for free KV blocks
         self.steps = 0
         self._seq_ids = seq_ids if seq_ids is not None else itertools.count()
         self._num_seq_slots = 0  # running sequences, counting an unforked parent as its n future children
@@ -92,6 +109,9 @@ class Scheduler(Handover):
         if sp.n > cfg.max_num_seqs:
             raise InvalidField("n", f"n={sp.n} exceeds max_num_seqs={cfg.max_num_seqs}: its samples run side by "
                                     "side")
+        if self.static:
+            reservation.check_fits(cfg, len(req.prompt_token_ids), sp)
+            return
         # The worst case alone: the longest sequence, and n of them sharing only the prompt's full blocks.
         num_total = min(len(req.prompt_token_ids) + sp.max_tokens, cfg.max_model_len)
         per_seq = self.kv.num_blocks_for(num_total)
@@ -100,9 +120,15 @@ class Scheduler(Handover):
             raise InvalidField("max_tokens", f"prompt_token_ids + max_tokens need {need} KV blocks for n={sp.n}; "
                                              f"the pool has {cfg.num_blocks}")
 
+    def num_reserved_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
+        """Static modes: the tokens a request reserves at admission (scheduler_svc.core.reservation)."""
+        return reservation.num_reserved_tokens(self.config, num_prompt_tokens, max_tokens)
+
     def max_output_tokens(self, num_prompt_tokens: int, n: int = 1) -> int:
         """The largest max_tokens check_fits accepts for a prompt this long with n samples (0: none)."""
         cfg = self.config
+        if self.static:
+            return reservation.max_output_tokens(cfg, num_prompt_tokens, n)
         # n sequences of b blocks each share the prompt's full blocks: b + (n - 1) * (b - shared) <= num_blocks
         shared = num_prompt_tokens // cfg.block_size
         per_seq = (cfg.num_blocks + (n - 1) * shared) // n
@@ -166,6 +192,7 @@ class Scheduler(Handover):
         scheduled: list[tuple[Request, int]] = []
         budget, cap = cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens
         num_preempted = 0
+        self.waiting_for_blocks = False
         new_plans, running_plans, copies = plan.new, plan.running, plan.copies
         i = 0
         # Running sequences first: decodes and unfinished prefill chunks, in admission order.
@@ -195,6 +222,8 @@ class Scheduler(Handover):
             i += 1
         # Then admit waiting ones in FIFO order, unless memory is so tight that someone was just preempted.
         waiting = self.waiting
+        if num_preempted and waiting:  # memory is so tight that nobody is admitted
+            self.waiting_for_blocks = True
         while waiting and not num_preempted and budget > 0:
             req = waiting[0]
             width = req.fork_into or 1
@@ -203,6 +232,7 @@ class Scheduler(Handover):
             tokens = req.all_token_ids
             if req.cpu_block_ids is not None:  # swapped out: restore its KV instead of recomputing it
                 if not self._swap_in(req, plan, min(req.num_target_tokens() - req.num_computed_tokens, budget)):
+                    self.waiting_for_blocks = True
                     break
                 num_new = new_plans[-1].num_scheduled_tokens
                 scheduled.append((req, num_new))
@@ -210,8 +240,12 @@ class Scheduler(Handover):
                 continue
             hit = kv.find_prefix(tokens, req.cache_salt)
             num_new = min(req.num_target_tokens() - hit.num_tokens, budget, cap)
+            if self.static and not self._reserve(req, num_new):
+                self.waiting_for_blocks = True  # no free run that long, though the holes may add up to enough
+                break
             if kv.allocate(req.seq_id, hit.num_tokens + num_new, tokens, hit, req.cache_salt) is None:
-                break  # no blocks: wait for running sequences to finish
+                self.waiting_for_blocks = True  # wait for running sequences to finish
+                break
             # NOTE: counted once admitted: a queue head that waits for blocks is looked up again every step.
             kv.record_prefix_query(len(tokens), hit.num_tokens)
             waiting.popleft()
@@ -238,9 +272,16 @@ class Scheduler(Handover):
             budget -= num_new
         if not scheduled and not plan.finished_seq_ids and not plan.preempted_seq_ids:
             return None
+        for req, num_new in scheduled:  # NOTE: num_computed_tokens is still the count before this step
+            self.num_prefill_tokens += min(num_new, max(0, len(req.prompt_token_ids) - req.num_computed_tokens))
         self._scheduled, self._in_flight = scheduled, plan.step_id
         self.steps += 1
         return plan
+
+    def _reserve(self, req: Request, num_new: int) -> bool:
+        """Static modes: reserves the run `req` keeps while it runs (and no shorter than its first step needs)."""
+        num_tokens = self.num_reserved_tokens(len(req.prompt_token_ids), req.sampling.max_tokens)
+        return self.kv.reserve(req.seq_id, max(num_tokens, num_new))
 
     def _new_plan(self, req: Request, num_new: int) -> NewSeqPlan:
         req.on_worker = True

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 import jinja2
 
+from scheduler_svc.core.kv_snapshot import KVPoolSnapshot, snapshot
 from scheduler_svc.core.request import SamplingConfig
 from scheduler_svc.errors import DRAINING, EngineError, ErrorCode
 from scheduler_svc.frontend.limits import Limits
@@ -135,6 +136,18 @@ class FrontEnd:
             if e.field == "prompt_token_ids" and kind != "prompt_token_ids":
                 e.field = kind  # the ids came from this field
             raise
+
+    def kv_state(self, worker_id: str = "") -> KVPoolSnapshot:
+        """One worker's KV pool between two steps (GetKVState): `worker_id` as GetModelInfo lists it, '' for the
+        first attached. Raises EngineError: UNAVAILABLE with no worker attached, NOT_FOUND naming an unknown id."""
+        workers = self.engine.workers
+        if not workers:
+            raise EngineError(ErrorCode.UNAVAILABLE, self.engine.no_worker_reason())
+        w = workers.get(worker_id) if worker_id else next(iter(workers.values()))
+        if w is None:
+            raise EngineError(ErrorCode.NOT_FOUND, f"worker_id {worker_id!r} is not attached (attached: "
+                                                   f"{', '.join(workers)})", "worker_id")
+        return snapshot(w.worker_id, w.scheduler)
 
     def abort(self, request_id: str) -> None:
         """The client went away (cancel, deadline, disconnect): its blocks go back to the pool at the next step."""

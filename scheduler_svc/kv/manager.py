@@ -59,24 +59,18 @@ def _root(extra_key: object) -> object:
     return None if extra_key is None else ("extra", extra_key)
 
 
-class KVCacheManager:
-    """Owns every request's block table (logical block i -> physical block id) on one worker's pool.
+class BlockTables:
+    """What every KV manager shares: the tables by request id, their queries and the prefix-query counters.
+    A subclass sets `pool` and keeps its per-request state (with block_ids and num_tokens) in `_seqs`."""
 
-    NOTE: tables are append-only while a request runs, except that a forked request's first write into the
-    partial block it shares replaces that last entry (copy-on-write) before the worker ever saw the old one.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, block_size: int) -> None:
         if block_size not in VALID_BLOCK_SIZES:
             raise ValueError(f"block_size must be a power of two from 8 to 256, got {block_size}")
         self.block_size = block_size
-        self.enable_prefix_caching = enable_prefix_caching
-        self.pool = BlockPool(num_blocks)
-        self._seqs: dict[Hashable, _Seq] = {}
+        self._seqs: dict = {}
         self.prefix_query_tokens = 0
         self.prefix_hit_tokens = 0
 
-    # -- queries ------------------------------------------------------------------------------------------
     def __contains__(self, request_id: Hashable) -> bool:
         return request_id in self._seqs
 
@@ -102,6 +96,21 @@ class KVCacheManager:
         self.prefix_query_tokens += num_query_tokens
         self.prefix_hit_tokens += num_hit_tokens
 
+
+class KVCacheManager(BlockTables):
+    """Owns every request's block table (logical block i -> physical block id) on one worker's pool.
+
+    NOTE: tables are append-only while a request runs, except that a forked request's first write into the
+    partial block it shares replaces that last entry (copy-on-write) before the worker ever saw the old one.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+        super().__init__(block_size)
+        self.enable_prefix_caching = enable_prefix_caching
+        self.pool = BlockPool(num_blocks)
+        self._seqs: dict[Hashable, _Seq] = {}
+
+    # -- queries ------------------------------------------------------------------------------------------
     def cached_prefix_len(self, token_ids: Sequence[int], extra_key: object = None) -> int:
         """Tokens of the prompt's prefix this pool holds now, as lookup() would find them; no side effects (no
         counters, no LRU change), so the router can ask every worker."""

@@ -39,8 +39,8 @@ def test_every_request_completes_with_exactly_its_output_tokens(service, tmp_pat
     assert s["server"] is not None and s["server"]["kv_blocks_total"] == 40
     assert s["server"]["samples"] >= 2 and s["server"]["preemptions"] >= 0
     assert results["config"]["max_model_len"] == 512  # the tiny model's limit, seen through GetModelInfo
-    for name in ("summary.md", "throughput.png", "ttft.png", "itl.png"):
-        assert (tmp_path / name).stat().st_size > 0
+    for name in ("summary.md", "throughput.png", "ttft.png", "itl.png", "kv_map.png", "kv_usage.png", "kv_map.gif"):
+        assert (tmp_path / name).stat().st_size > 0, name  # the pool's pictures: the server answers GetKVState
     for name in ("throughput.png", "ttft.png", "itl.png"):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| requests | 16 completed, 0 failed |" in (tmp_path / "summary.md").read_text()

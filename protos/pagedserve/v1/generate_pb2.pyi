@@ -149,3 +149,57 @@ class GetModelInfoResponse(_message.Message):
     vocab_size: int
     max_n: int
     def __init__(self, model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., block_size: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., vocab_size: _Optional[int] = ..., max_n: _Optional[int] = ...) -> None: ...
+
+class GetKVStateRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class KVSequence(_message.Message):
+    __slots__ = ("request_id", "seq_id", "block_ids", "num_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SEQ_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    seq_id: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    num_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class KVState(_message.Message):
+    __slots__ = ("worker_id", "block_size", "num_blocks", "ref_counts", "cached", "sequences", "kv_allocation", "num_steps", "num_waiting", "prefix_query_tokens", "prefix_hit_tokens", "num_evictions", "num_preemptions", "num_prefill_tokens", "time", "waiting_for_blocks")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    REF_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    KV_ALLOCATION_FIELD_NUMBER: _ClassVar[int]
+    NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREFILL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TIME_FIELD_NUMBER: _ClassVar[int]
+    WAITING_FOR_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    block_size: int
+    num_blocks: int
+    ref_counts: bytes
+    cached: bytes
+    sequences: _containers.RepeatedCompositeFieldContainer[KVSequence]
+    kv_allocation: str
+    num_steps: int
+    num_waiting: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_evictions: int
+    num_preemptions: int
+    num_prefill_tokens: int
+    time: float
+    waiting_for_blocks: bool
+    def __init__(self, worker_id: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., ref_counts: _Optional[bytes] = ..., cached: _Optional[bytes] = ..., sequences: _Optional[_Iterable[_Union[KVSequence, _Mapping]]] = ..., kv_allocation: _Optional[str] = ..., num_steps: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., time: _Optional[float] = ..., waiting_for_blocks: _Optional[bool] = ...) -> None: ...

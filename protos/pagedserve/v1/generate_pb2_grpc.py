@@ -45,6 +45,11 @@ class GenerationStub:
                 request_serializer=pagedserve_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.GetKVState = channel.unary_unary(
+                '/pagedserve.v1.Generation/GetKVState',
+                request_serializer=pagedserve_dot_v1_dot_generate__pb2.GetKVStateRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_generate__pb2.KVState.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -66,6 +71,14 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetKVState(self, request, context):
+        """GetKVState is a read-only snapshot of one worker's KV block pool, taken between two scheduler steps:
+        every block's state and every live sequence's block table (what `pagedserve kv-map` draws).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +91,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=pagedserve_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_generate__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'GetKVState': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKVState,
+                    request_deserializer=pagedserve_dot_v1_dot_generate__pb2.GetKVStateRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_generate__pb2.KVState.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +153,33 @@ class Generation:
             '/pagedserve.v1.Generation/GetModelInfo',
             pagedserve_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
             pagedserve_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKVState(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Generation/GetKVState',
+            pagedserve_dot_v1_dot_generate__pb2.GetKVStateRequest.SerializeToString,
+            pagedserve_dot_v1_dot_generate__pb2.KVState.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,196 @@
+"""`pagedserve bench --compare`: one workload on several private servers that differ in one setting, side by side."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pagedserve_cli.bench.kv_sampler import sampling, summarize_usage
+from pagedserve_cli.bench.spawn import SpawnConfig, Spawned, spawn
+
+
+@dataclass(slots=True)
+class Side:
+    name: str
+    extra: list[str]  # the `pagedserve up` flags that make this side what it is
+
+
+@dataclass(slots=True)
+class Comparison:
+    workload: str  # the default workload: the one that shows the effect
+    sides: list[Side]
+
+
+COMPARISONS = {
+    # The paged side first: the ratios are paged / static (concurrency, throughput).
+    "static-prealloc": Comparison("mixed", [
+        Side("paged", []),
+        Side("static-max-model-len", ["--kv-allocation", "static-max-model-len"]),
+        Side("static-request", ["--kv-allocation", "static-request"])]),
+    "no-prefix-cache": Comparison("shared-prefix", [
+        Side("prefix-cache", []),
+        Side("no-prefix-cache", ["--no-prefix-caching"])]),
+}
+
+
+@dataclass(slots=True)
+class SideResult:
+    side: Side
+    summary: dict
+    usage: dict
+    records: list = field(default_factory=list)
+    metrics: list = field(default_factory=list)
+    states: list = field(default_factory=list)  # (t, pagedserve.v1.KVState) every 0.25 s
+
+    @property
+    def num_prefill_tokens(self) -> int | None:
+        return self.states[-1][1].num_prefill_tokens if self.states else None
+
+
+async def run_side(side: Side, server: Spawned, requests: list, args: argparse.Namespace) -> SideResult:
+    """Runs the workload against one private server while sampling its KV pool."""
+    from pagedserve_cli.bench import report
+    from pagedserve_cli.bench.clients import GrpcClient
+    from pagedserve_cli.bench.runner import run_workload
+
+    client = GrpcClient(server.address, args.temperature, args.ignore_eos)
+    await client.start(timeout=60.0)
+    try:
+        async with sampling(server.address, args.kv_sample_period) as sampler:
+            result = await run_workload(client, requests, args.rate, args.max_concurrency, args.seed,
+                                        f"http://{server.metrics}/metrics", progress=not args.no_progress)
+    finally:
+        await client.close()
+    summary = report.summarize(result.records, result.metrics)
+    return SideResult(side, summary, summarize_usage(sampler.usages()), result.records, result.metrics,
+                      sampler.states)
+
+
+def spawn_config(args: argparse.Namespace, model: str) -> SpawnConfig:
+    return SpawnConfig(model=model, dtype=args.dtype, kv_memory=args.kv_memory, max_model_len=args.max_model_len,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       threads=args.threads)
+
+
+def run_comparison(args: argparse.Namespace, requests: list, cfg: SpawnConfig) -> list[SideResult]:
+    comparison = COMPARISONS[args.compare]
+    results = []
+    for side in comparison.sides:
+        print(f"pagedserve bench: side {side.name}: starting `pagedserve up {' '.join(side.extra)}`",
+              file=sys.stderr, flush=True)
+        server = spawn(cfg, side.extra, side.name)
+        try:
+            results.append(asyncio.run(run_side(side, server, requests, args)))
+        finally:
+            server.stop()
+    return results
+
+
+def _f(value: float | None, fmt: str) -> str:
+    return "n/a" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, fmt)
+
+
+def _ratio(a: float | None, b: float | None) -> float:
+    return a / b if a is not None and b else float("nan")
+
+
+def static_prealloc_lines(results: list[SideResult]) -> tuple[list[str], str]:
+    """The table and the last line: waste under each side, and paged's concurrency and throughput over static's."""
+    by = {r.side.name: r for r in results}
+    rows = ["| side | waste | reserved, no token | free, unusable | mean running | peak running | output tok/s | "
+            "TTFT p50 | wall |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        u, s = r.usage, r.summary
+        rows.append(f"| {r.side.name} | {_f(u['waste'], '.2%')} | {_f(u['internal'], '.2%')} | "
+                    f"{_f(u['external'], '.2%')} | {_f(u['mean_running'], '.1f')} | {u['peak_running']} | "
+                    f"{s['output_tok_s']:.1f} | {_f(s['ttft_s']['p50'], '.3f')} s | {s['wall_s']:.1f} s |")
+    paged = by["paged"]
+    lines = []
+    for name, suffix in (("static-request", "_request"), ("static-max-model-len", "")):
+        st = by[name]
+        lines.append(f"waste_paged={_f(paged.usage['waste'], '.4f')} waste_static{suffix}={_f(st.usage['waste'], '.4f')} "
+                     f"concurrency_ratio{suffix}={_ratio(paged.usage['mean_running'], st.usage['mean_running']):.2f} "
+                     f"throughput_ratio{suffix}="
+                     f"{_ratio(paged.summary['output_tok_s'], st.summary['output_tok_s']):.2f}")
+    return rows + [""] + lines[:-1], lines[-1]
+
+
+def no_prefix_cache_lines(results: list[SideResult]) -> tuple[list[str], str]:
+    """The table and the last line: prefill tokens computed with the cache over without; TTFT p50 without over with."""
+    rows = ["| side | prefill tokens computed | prompt tokens | prefix hit rate | TTFT p50 | TTFT p90 | output tok/s | "
+            "wall |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        s, m = r.summary, r.summary.get("server") or {}
+        rows.append(f"| {r.side.name} | {_f(r.num_prefill_tokens, ',')} | {s['prompt_tokens']:,} | "
+                    f"{_f(m.get('prefix_hit_rate'), '.1%')} | {_f(s['ttft_s']['p50'], '.3f')} s | "
+                    f"{_f(s['ttft_s']['p90'], '.3f')} s | {s['output_tok_s']:.1f} | {s['wall_s']:.1f} s |")
+    on, off = results
+    last = (f"prefill_tokens_ratio={_ratio(on.num_prefill_tokens, off.num_prefill_tokens):.4f} "
+            f"ttft_ratio={_ratio(off.summary['ttft_s']['p50'], on.summary['ttft_s']['p50']):.2f}")
+    return rows, last
+
+
+def write_outputs(out: Path, args: argparse.Namespace, config: dict, results: list[SideResult],
+                  table: list[str], last: str) -> list[str]:
+    """Each side's usual bench files in out/SIDE/, then compare.md, compare.json and the pictures; returns the
+    names written at the top level."""
+    from pagedserve_cli.bench import kv_frames, report
+
+    for r in results:
+        side_out = out / r.side.name
+        report.write_results(side_out, {**config, "side": r.side.name, "side_flags": r.side.extra}, r.summary,
+                             r.records, r.metrics)
+        report.write_plots(side_out, r.records, f"{args.compare}: {r.side.name}")
+    doc = {"config": config, "sides": [{"name": r.side.name, "flags": r.side.extra, "usage": r.usage,
+                                        "prefill_tokens": r.num_prefill_tokens, "summary": r.summary}
+                                       for r in results], "last_line": last}
+    (out / "compare.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    head = [f"# pagedserve bench --compare {args.compare}", "",
+            f"workload `{config['workload']}`, {config['num_requests']} requests, seed {args.seed}, model "
+            f"{config['spawn']['model']} ({args.dtype}), KV memory {args.kv_memory or 'auto'}, max_model_len "
+            f"{args.max_model_len or 'model'}", ""]
+    (out / "compare.md").write_text("\n".join(head + table + ["", last]) + "\n", encoding="utf-8")
+    names = ["compare.md", "compare.json"]
+    names += kv_frames.write_pictures(out, args.compare, [(r.side.name, r.states) for r in results])
+    return names
+
+
+def run(args: argparse.Namespace) -> int:
+    from pagedserve_cli.bench_cmd import build_requests
+    from pagedserve_cli.bench.workloads import dump_jsonl
+    from pagedserve_cli.serve_cmd import DEFAULT_MODEL, model_dir
+
+    if args.server or args.openai_url:
+        raise ValueError("--compare starts its own servers: leave out --server and --openai-url")
+    comparison = COMPARISONS[args.compare]
+    args.workload = args.workload or comparison.workload
+    model = model_dir(args.model or DEFAULT_MODEL)
+    args.tokenizer = args.tokenizer or model
+    started = time.strftime("%Y%m%d-%H%M%S")
+    cfg = spawn_config(args, model)
+    requests, resolved = build_requests(args, cfg.max_model_len)
+    results = run_comparison(args, requests, cfg)
+    out = Path(args.out or Path("bench") / "out" / f"compare-{args.compare}-{started}")
+    out.mkdir(parents=True, exist_ok=True)
+    dump_jsonl(requests, out / "workload.jsonl")
+    config = {k: v for k, v in vars(args).items() if k != "func"} | resolved | \
+        {"started": started, "num_requests": len(requests), "spawn": {"model": model, "dtype": cfg.dtype,
+                                                                      "kv_memory": cfg.kv_memory}}
+    lines = static_prealloc_lines if args.compare == "static-prealloc" else no_prefix_cache_lines
+    table, last = lines(results)
+    names = write_outputs(out, args, config, results, table, last)
+    print("\n".join(table))
+    print(f"wrote {out}/: {', '.join(names)}, workload.jsonl, and each side's bench files in "
+          f"{', '.join(r.side.name + '/' for r in results)}")
+    print(last, flush=True)
+    failed = [r.side.name for r in results if r.summary["completed"] == 0]
+    if failed:
+        print(f"pagedserve bench: every request failed on {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0

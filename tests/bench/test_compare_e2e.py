@@ -1,0 +1,87 @@
+"""`pagedserve bench --compare` end to end: each side is a real `pagedserve up` (scheduler + worker processes)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from PIL import Image
+
+# The tiny model: 2 layers x 2 kv heads x 16 head_dim x 4 bytes x 2 (K, V) = 512 bytes per token, 8 KiB a block.
+KV_MEMORY = str(80 * 16 * 512)  # 80 blocks
+MAX_MODEL_LEN = 256  # a static reservation: 16 blocks, so at most 5 sequences at once
+
+STATIC_LAST = re.compile(r"^waste_paged=(\d\.\d{4}) waste_static=(\d\.\d{4}) concurrency_ratio=(\d+\.\d\d) "
+                         r"throughput_ratio=(\d+\.\d\d)$")
+PREFIX_LAST = re.compile(r"^prefill_tokens_ratio=(\d\.\d{4}) ttft_ratio=(\d+\.\d\d)$")
+
+
+def compare(model: str, out: Path, *args: str) -> subprocess.CompletedProcess:
+    # NOTE: a fine sampling period: the tiny model's runs last a fraction of a second on a quiet machine.
+    cmd = [sys.executable, "-m", "pagedserve_cli.main", "bench", "--model", model, "--kv-memory", KV_MEMORY,
+           "--max-model-len", str(MAX_MODEL_LEN), "--threads", "1", "--no-progress", "--kv-sample-period", "0.01",
+           "--out", str(out), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+
+
+def test_static_prealloc_reserves_whole_sequences_and_wastes_what_paging_does_not(tiny_served_model, tmp_path):
+    out = compare(tiny_served_model, tmp_path, "--compare", "static-prealloc", "--num-requests", "12",
+                  "--prompt-len", "16:48", "--output-len", "32:48", "--ignore-eos")
+    assert out.returncode == 0, out.stderr[-4000:]
+    print(out.stdout)
+    m = STATIC_LAST.match(out.stdout.splitlines()[-1])
+    assert m, out.stdout.splitlines()[-1]
+    doc = json.loads((tmp_path / "compare.json").read_text())
+    sides = {s["name"]: s for s in doc["sides"]}
+    assert list(sides) == ["paged", "static-max-model-len", "static-request"]
+    for s in sides.values():
+        assert (s["summary"]["completed"], s["summary"]["failed"]) == (12, 0)
+        assert s["usage"]["samples"] >= 1
+    # Every sequence holds at most 96 tokens: a 256-slot reservation leaves at least 62% of it empty, while a
+    # paged table leaves less than one block per sequence of at least 16 tokens empty (under 50%).
+    assert float(m[1]) == round(sides["paged"]["usage"]["waste"], 4) < 0.5
+    assert float(m[2]) == round(sides["static-max-model-len"]["usage"]["waste"], 4) > 0.62
+    assert sides["static-max-model-len"]["usage"]["peak_running"] <= 5  # 80 blocks / 16 per reservation
+    assert sides["paged"]["usage"]["external"] == 0.0
+    for name in ("compare.md", "kv_usage.png", "kv_map.png", "workload.jsonl", "paged/results.json",
+                 "static-request/throughput.png"):
+        assert (tmp_path / name).stat().st_size > 0, name
+    with Image.open(tmp_path / "kv_map.gif") as gif:
+        assert gif.n_frames >= 1 and gif.size[0] >= 3 * 400  # three maps side by side
+
+
+def test_no_prefix_cache_computes_the_shared_system_prompt_once_per_request(tiny_served_model, tmp_path):
+    # One at a time: request k > 0 finds the 128-token system prompt (max_model_len / 2, 8 full blocks) cached.
+    out = compare(tiny_served_model, tmp_path, "--compare", "no-prefix-cache", "--num-requests", "6",
+                  "--max-concurrency", "1", "--prompt-len", "8:24", "--output-len", "2:4")
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert PREFIX_LAST.match(out.stdout.splitlines()[-1]), out.stdout.splitlines()[-1]
+    doc = json.loads((tmp_path / "compare.json").read_text())
+    assert doc["config"]["workload"] == "shared-prefix"
+    on, off = doc["sides"]
+    assert (on["name"], off["name"]) == ("prefix-cache", "no-prefix-cache")
+    num_prompt = on["summary"]["prompt_tokens"]
+    assert off["summary"]["prompt_tokens"] == num_prompt
+    assert off["prefill_tokens"] == num_prompt
+    assert on["prefill_tokens"] == num_prompt - 5 * 128
+    assert doc["last_line"].startswith(f"prefill_tokens_ratio={on['prefill_tokens'] / num_prompt:.4f} ")
+
+
+def test_spawn_benches_a_private_server_and_stops_it(tiny_served_model, tmp_path):
+    out = compare(tiny_served_model, tmp_path, "--spawn", "--num-requests", "4", "--prompt-len", "8:16",
+                  "--output-len", "4:4", "--ignore-eos")
+    assert out.returncode == 0, out.stderr[-4000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert results["summary"]["completed"] == 4 and results["summary"]["output_tokens"] == 16
+    assert results["summary"]["server"]["kv_blocks_total"] == 80  # its own worker, with --kv-memory
+    server = results["config"]["server"]
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert f"--listen {server}" not in ps  # `up` and its children are gone
+
+
+def test_compare_refuses_a_server_of_its_own(tmp_path):
+    out = compare("unused", tmp_path, "--compare", "no-prefix-cache", "--server", "127.0.0.1:1")
+    assert out.returncode == 2 and "--compare starts its own servers" in out.stderr
