@@ -68,9 +68,8 @@ def snapshot(worker_id: str, scheduler: Scheduler) -> KVPoolSnapshot:
     return KVPoolSnapshot(
         worker_id=worker_id, block_size=kv.block_size, num_blocks=pool.num_blocks,
         ref_counts=ref_count_bytes(pool.ref_cnt), cached=cached_bytes(pool.block_key), sequences=sequences,
-        # NOTE: getattr: kv_allocation and num_prefill_tokens are newer than some schedulers this reads
-        kv_allocation=getattr(scheduler.config, "kv_allocation", "paged"), num_steps=scheduler.steps,
+        kv_allocation=scheduler.config.kv_allocation, num_steps=scheduler.steps,
         num_waiting=scheduler.num_waiting, prefix_query_tokens=kv.prefix_query_tokens,
         prefix_hit_tokens=kv.prefix_hit_tokens, num_evictions=pool.num_evictions,
-        num_preemptions=scheduler.num_preemptions, num_prefill_tokens=getattr(scheduler, "num_prefill_tokens", 0),
-        time=time.time(), waiting_for_blocks=getattr(scheduler, "waiting_for_blocks", False))
+        num_preemptions=scheduler.num_preemptions, num_prefill_tokens=scheduler.num_prefill_tokens,
+        time=time.time(), waiting_for_blocks=scheduler.waiting_for_blocks)

@@ -60,11 +60,18 @@ def test_waiting_sequences_hold_no_table_and_are_counted():
     assert [q.request_id for q in snap.sequences] == ["a"] and snap.num_waiting == 1
 
 
-def test_the_allocation_mode_and_prefill_count_are_read_when_the_scheduler_has_them():
-    s = make()
-    assert snapshot("w", s).kv_allocation == getattr(s.config, "kv_allocation", "paged")
-    s.num_prefill_tokens = 123
-    assert snapshot("w", s).num_prefill_tokens == 123
+def test_a_static_pool_shows_whole_reservations_prefill_tokens_and_a_head_waiting_for_blocks():
+    # static-request: 20 prompt + 12 max_tokens = 32 tokens = 4 blocks each: the 8-block pool holds 2 runs.
+    s = make(kv_allocation="static-request")
+    for rid in "abc":
+        s.add_request(Request(rid, PROMPT, SamplingConfig(max_tokens=12)))
+    run_step(s)
+    snap = snapshot("w", s)
+    assert snap.kv_allocation == "static-request" and snap.num_waiting == 1 and snap.waiting_for_blocks
+    assert [(q.request_id, q.block_ids, q.num_tokens) for q in snap.sequences] == [
+        ("a", [0, 1, 2, 3], 20), ("b", [4, 5, 6, 7], 20)]
+    assert snap.ref_counts == bytes([1] * 8) and snap.cached == bytes(8)
+    assert snap.num_prefill_tokens == 2 * len(PROMPT)
 
 
 def test_bytes_encodings():
