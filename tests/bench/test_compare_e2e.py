@@ -78,8 +78,15 @@ def test_spawn_benches_a_private_server_and_stops_it(tiny_served_model, tmp_path
     assert results["summary"]["completed"] == 4 and results["summary"]["output_tokens"] == 16
     assert results["summary"]["server"]["kv_blocks_total"] == 80  # its own worker, with --kv-memory
     server = results["config"]["server"]
-    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
-    assert f"--listen {server}" not in ps  # `up` and its children are gone
+    assert not [p for p in Path("/proc").glob("[0-9]*/cmdline")  # `up` and its children are gone
+                if server.encode() in _read(p)]
+
+
+def _read(path: Path) -> bytes:
+    try:
+        return path.read_bytes()
+    except OSError:  # the process ended while we looked
+        return b""
 
 
 def test_compare_refuses_a_server_of_its_own(tmp_path):
