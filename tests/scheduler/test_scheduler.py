@@ -356,20 +356,13 @@ def test_scheduler_core_imports_neither_torch_nor_grpc():
     assert out.strip() == "[]"
 
 
-@pytest.mark.parametrize("seed", range(40))
-def test_random_workloads_keep_the_worker_protocol_and_free_every_block(seed):
-    import random
-    rng = random.Random(seed)
-    s = make(num_blocks=rng.randint(6, 30), max_model_len=60, max_num_seqs=rng.randint(3, 8),
-             max_num_batched_tokens=rng.randint(4, 40), eos_token_ids=(3,),
-             num_cpu_blocks=rng.choice([0, 0, 4, 40]))
+def random_steps(s: Scheduler, rng, new_request, num_iterations: int, check) -> tuple[FakeWorker, list[Request]]:
+    """Drives `s` with random arrivals (up to 20, from new_request(i); those that never fit are skipped) and
+    aborts, a step at a time, calling check(worker) after each; returns the worker and the requests added."""
     w, reqs = FakeWorker(lambda seq_id, position: rng.randrange(3, 40)), []
-    for _ in range(3000):
+    for _ in range(num_iterations):
         if len(reqs) < 20 and rng.random() < 0.3:
-            shared = rng.choice([[], toks(0, 9), toks(0, 17)])
-            r = Request(str(len(reqs)), shared + [rng.randrange(100, 200) for _ in range(rng.randint(1, 12))],
-                        SamplingConfig(max_tokens=rng.randint(1, 20), n=rng.choice([1, 1, 2, 3])),
-                        cache_salt=rng.choice([None, None, "x"]))
+            r = new_request(len(reqs))
             try:
                 s.add_request(r)
                 reqs.append(r)
@@ -384,9 +377,30 @@ def test_random_workloads_keep_the_worker_protocol_and_free_every_block(seed):
             continue
         plan_to_pb(plan)
         s.update(plan, w.step(plan))
+        check(w)
+    return w, reqs
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_random_workloads_keep_the_worker_protocol_and_free_every_block(seed):
+    import random
+    rng = random.Random(seed)
+    s = make(num_blocks=rng.randint(6, 30), max_model_len=60, max_num_seqs=rng.randint(3, 8),
+             max_num_batched_tokens=rng.randint(4, 40), eos_token_ids=(3,),
+             num_cpu_blocks=rng.choice([0, 0, 4, 40]))
+
+    def new_request(i: int) -> Request:
+        shared = rng.choice([[], toks(0, 9), toks(0, 17)])
+        return Request(str(i), shared + [rng.randrange(100, 200) for _ in range(rng.randint(1, 12))],
+                       SamplingConfig(max_tokens=rng.randint(1, 20), n=rng.choice([1, 1, 2, 3])),
+                       cache_salt=rng.choice([None, None, "x"]))
+
+    def check(w: FakeWorker) -> None:
         for q in s.running:  # NOTE: what the worker built from deltas is the scheduler's table, exactly
             if q.on_worker:
                 assert w.seqs[q.seq_id]["blocks"] == s.kv.block_table(q.seq_id)
+
+    w, reqs = random_steps(s, rng, new_request, 3000, check)
     assert not s.has_unfinished_requests() and s.kv.pool.num_free_blocks == s.config.num_blocks
     assert s.cpu_pool is None or s.cpu_pool.num_free_blocks == s.config.num_cpu_blocks
     assert w.seqs == {}  # every sequence the worker held was dropped

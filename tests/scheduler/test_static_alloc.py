@@ -8,13 +8,12 @@ import random
 import pytest
 
 from pagedserve_common.sampling import InvalidField
-from scheduler_svc.convert import plan_to_pb
 from scheduler_svc.core.plan import RunningSeqPlan
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus, SamplingConfig
 from scheduler_svc.kv.manager import NO_CHANGE
 from scheduler_svc.kv.run_pool import RunPool
 from scheduler_svc.kv.static import KV_ALLOCATIONS, StaticKVCacheManager
-from tests.scheduler.test_scheduler import BS, FakeWorker, drive, make, position_token, req, step, toks
+from tests.scheduler.test_scheduler import BS, FakeWorker, drive, make, position_token, random_steps, req, step, toks
 
 
 def static(num_blocks: int, mode: str = "static-request", max_model_len: int = 256, **kw):
@@ -171,29 +170,18 @@ def test_random_static_workloads_keep_runs_contiguous_and_free_every_block(mode,
     rng = random.Random(seed)
     s = static(rng.randint(8, 30), mode, max_model_len=rng.choice([24, 40, 60]), max_num_seqs=rng.randint(2, 8),
                max_num_batched_tokens=rng.randint(4, 40), eos_token_ids=(3,))
-    w, reqs = FakeWorker(lambda seq_id, position: rng.randrange(3, 40)), []
-    for _ in range(2000):
-        if len(reqs) < 20 and rng.random() < 0.3:
-            r = Request(str(len(reqs)), [rng.randrange(100, 200) for _ in range(rng.randint(1, 20))],
-                        SamplingConfig(max_tokens=rng.randint(1, 20)))
-            try:
-                s.add_request(r)
-                reqs.append(r)
-            except ValueError:
-                pass  # never fits this pool
-        if reqs and rng.random() < 0.03:
-            s.abort(rng.choice(reqs).request_id)
-        plan = s.schedule()
-        if plan is None:
-            if len(reqs) >= 20:
-                break
-            continue
-        plan_to_pb(plan)
-        s.update(plan, w.step(plan))
+
+    def new_request(i: int) -> Request:
+        return Request(str(i), [rng.randrange(100, 200) for _ in range(rng.randint(1, 20))],
+                       SamplingConfig(max_tokens=rng.randint(1, 20)))
+
+    def check(w: FakeWorker) -> None:
         for q in s.running:
             table = s.kv.block_table(q.seq_id)
             assert table == list(range(table[0], table[0] + len(table)))  # one run of consecutive ids
             assert w.seqs[q.seq_id]["blocks"] == table
+
+    w, reqs = random_steps(s, rng, new_request, 2000, check)
     assert not s.has_unfinished_requests() and s.kv.pool.holes() == [(0, s.config.num_blocks)]
     assert w.seqs == {} and s.num_preemptions == 0 and s.kv.prefix_hit_tokens == 0
 
