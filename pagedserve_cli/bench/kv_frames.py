@@ -56,10 +56,9 @@ def block_map(state) -> np.ndarray:
 
 def _caption(name: str, state, t: float) -> list[str]:
     u = usage_of(state, t)
-    waste = 1 - u.filled / (u.reserved + u.stranded) if u.reserved + u.stranded else 0.0
     return [f"{name}  t={t:.1f}s",
             f"{u.num_running} running, {u.num_waiting} waiting; {u.filled:,} of {u.reserved:,} held slots "
-            f"hold tokens; waste {waste:.0%}"]
+            f"hold tokens; waste {u.waste:.0%}"]
 
 
 def _font(size: int):

@@ -30,6 +30,17 @@ class KVUsage:
     free: int
     stranded: int
 
+    @property
+    def waste(self) -> float:
+        """This sample's share of tied-up slots without a token (summarize_usage takes it over all samples' sums)."""
+        return waste_share(self.reserved, self.filled, self.stranded)
+
+
+def waste_share(reserved: int, filled: int, stranded: int) -> float:
+    """1 - filled / (reserved + stranded): KV memory tied up (held, or free but unusable) without a token."""
+    tied = reserved + stranded
+    return 1 - filled / tied if tied else 0.0
+
 
 def usage_of(state, t: float) -> KVUsage:
     """KVUsage of a pagedserve.v1.KVState taken `t` seconds into the run."""
@@ -107,7 +118,7 @@ def summarize_usage(usages: list[KVUsage]) -> dict:
     reserved, filled, stranded = (sum(getattr(u, k) for u in busy) for k in ("reserved", "filled", "stranded"))
     tied = reserved + stranded
     return {"samples": len(busy),
-            "waste": 1 - filled / tied if tied else 0.0,
+            "waste": waste_share(reserved, filled, stranded),
             "internal": (reserved - filled) / tied if tied else 0.0,  # reserved slots without a token
             "external": stranded / tied if tied else 0.0,
             "mean_running": sum(u.num_running for u in busy) / len(busy),

@@ -38,8 +38,8 @@ class KVPoolSnapshot:
     num_evictions: int
     num_preemptions: int
     num_prefill_tokens: int
-    time: float
-    waiting_for_blocks: bool = False  # the last step left the queue head waiting for free blocks  # wall clock, seconds since the epoch
+    time: float  # wall clock, seconds since the epoch
+    waiting_for_blocks: bool = False  # the last step left the queue head waiting for free blocks
 
 
 def ref_count_bytes(ref_cnt: list[int]) -> bytes:

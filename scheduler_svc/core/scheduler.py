@@ -272,8 +272,12 @@ class Scheduler(Handover):
             budget -= num_new
         if not scheduled and not plan.finished_seq_ids and not plan.preempted_seq_ids:
             return None
-        for req, num_new in scheduled:  # NOTE: num_computed_tokens is still the count before this step
-            self.num_prefill_tokens += min(num_new, max(0, len(req.prompt_token_ids) - req.num_computed_tokens))
+        num_prefill = 0  # NOTE: num_computed_tokens is still the count before this step; decodes add nothing
+        for req, num_new in scheduled:
+            pending = len(req.prompt_token_ids) - req.num_computed_tokens
+            if pending > 0:
+                num_prefill += num_new if num_new < pending else pending
+        self.num_prefill_tokens += num_prefill
         self._scheduled, self._in_flight = scheduled, plan.step_id
         self.steps += 1
         return plan
