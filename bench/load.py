@@ -23,7 +23,6 @@ import collections
 import json
 import os
 import random
-import socket
 import subprocess
 import sys
 import tempfile
@@ -38,15 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 from pagedserve.v1 import generate_pb2 as pb  # noqa: E402
 from pagedserve.v1 import generate_pb2_grpc  # noqa: E402
 from pagedserve_cli.bench.report import percentiles  # noqa: E402
+from pagedserve_common.ports import free_port  # noqa: E402
 
 WORDS = ("the", "sea", "a", "ship", "sails", "north", "under", "grey", "skies", "and", "wind", "calls", "home")
 DELIBERATE = "CANCELLED_DELIBERATELY"  # the status key of a request its client cancelled on purpose
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def read_status_kb(pid: int, key: str) -> int | None:
@@ -73,7 +67,7 @@ def cpu_seconds(pid: int) -> float | None:
 
 def metric(metrics: str, name: str) -> float:
     """The sum of a Prometheus series over its labels, from http://METRICS/metrics."""
-    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=5).read().decode()
+    text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=30).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name) and line[len(name)] in " {")
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -26,12 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from pagedserve.v1 import generate_pb2 as pb  # noqa: E402
 from pagedserve.v1 import generate_pb2_grpc  # noqa: E402
 from pagedserve_cli.bench.report import percentiles  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from pagedserve_common.ports import free_port  # noqa: E402
 
 
 def p99(values: list[float]) -> float:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import shutil
+import signal
 import sys
 import time
 
@@ -77,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
                 return 1
             out.write(render(snap, grid_width(args.width), colour=tty, source=args.server))
             return 0
+        _stop_on_signals()
         if tty:
             out.write(HIDE_CURSOR + CLEAR_SCREEN)
         try:
@@ -87,6 +89,22 @@ def run(args: argparse.Namespace) -> int:
             if tty:
                 out.write(SHOW_CURSOR + "\n")
                 out.flush()
+
+
+def _stop_on_signals() -> None:
+    """Ctrl-C (SIGINT), SIGTERM and a closed terminal (SIGHUP) end the live view through its `finally`, which
+    shows the cursor again.
+
+    NOTE: installed whatever the disposition inherited. A shell without job control starts a background job
+    with SIGINT ignored so that the terminal's Ctrl-C spares it, and Python keeps an ignored SIGINT ignored; but
+    the live view is a foreground program whose only way out is Ctrl-C, so honouring that would leave it
+    unstoppable but by SIGKILL, with the cursor hidden. (A job that job control put in the background gets no
+    Ctrl-C from the terminal anyway: it is not in the foreground process group.)"""
+    def stop(signum: int, frame) -> None:
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, stop)
 
 
 def _live(stub, args: argparse.Namespace, metadata, out, tty: bool) -> int:

@@ -49,7 +49,7 @@ class GrpcClient:
         self.server, self.temperature, self.ignore_eos = server, temperature, ignore_eos
         self._channel = self._stub = None
 
-    async def start(self, timeout: float = 10.0) -> dict:
+    async def start(self, timeout: float = 30.0) -> dict:
         """Connects; returns {'max_model_len': N}. Raises ConnectionError when the server can't be reached."""
         import grpc
 
@@ -108,7 +108,7 @@ class OpenAIClient:
         self.temperature, self.ignore_eos = temperature, ignore_eos
         self._http = None
 
-    async def start(self, timeout: float = 10.0) -> dict:
+    async def start(self, timeout: float = 30.0) -> dict:
         """Checks GET {url}/models; picks the first model when none was named. ConnectionError if unreachable."""
         import httpx
 

@@ -60,7 +60,7 @@ class KVSampler:
         self.server, self.t0, self.period = server, t0, period
         self.states: list[tuple[float, object]] = []  # (seconds into the run, pagedserve.v1.KVState)
 
-    async def snapshot(self, stub, timeout: float = 10.0):
+    async def snapshot(self, stub, timeout: float = 30.0):
         from pagedserve.v1 import generate_pb2
 
         return await stub.GetKVState(generate_pb2.GetKVStateRequest(), timeout=timeout)

@@ -69,7 +69,9 @@ class MetricsPoller:
             return
         import httpx
 
-        async with httpx.AsyncClient(timeout=2.0) as self._http:
+        # NOTE: wide: a scrape of a loaded 2-core machine can take seconds, and a lost first or last sample
+        # loses the run's server figures (a refused connection still fails at once)
+        async with httpx.AsyncClient(timeout=30.0) as self._http:
             if not await self.poll():  # unreachable: the run goes on without server metrics
                 return
             while not stop.is_set():

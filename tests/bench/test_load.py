@@ -22,7 +22,9 @@ def test_forty_clients_for_ten_seconds_fail_nothing(tiny_served_model, tmp_path)
     m = LAST_LINE.match(lines[-1])
     assert m, lines[-1]
     ok, failed, cancelled = (int(x) for x in m.groups()[:3])
-    assert failed == 0 and ok >= 40 and cancelled >= 1, lines[-1]
+    # NOTE: each client's first request goes out at once, and the seeds make 10 of those 40 cancel themselves;
+    # how many more requests fit in the 10 s depends on the machine's load, so `ok` alone bounds nothing here.
+    assert failed == 0 and ok + cancelled >= 40 and cancelled >= 1, lines[-1]
     assert float(m.group(4)) > 0, "no RSS read for the scheduler"
     assert "scheduler_errors_logged=0" in lines, out.stdout
     assert any(line.startswith("after ") and '"pagedserve_kv_blocks_used": 0.0' in line for line in lines), out.stdout

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import shutil
-import socket
+import signal
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import grpc
@@ -15,15 +19,10 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tests.worker.helpers import TINY
 from worker_svc.model_store import resolve_model
+from pagedserve_common.ports import free_port  # noqa: F401 - the tests import it from here
 
 KV_MEMORY = 40 * 16 * 512  # 40 blocks of 16 tokens: 2 (K, V) x 2 layers x 2 kv heads x 16 head_dim x 4 bytes
 MAX_BATCHED = 64
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass
@@ -40,9 +39,54 @@ class Service:
     def metric(self, name: str) -> float:
         import urllib.request
 
-        text = urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=5).read().decode()
+        text = urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=60).read().decode()
         return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                    if line.startswith(name) and (line[len(name)] in " {"))
+
+    def kv_state(self):
+        """GetKVState of the (first) worker: the scheduler's own state, between two steps."""
+        from pagedserve.v1 import generate_pb2 as pb
+        from pagedserve.v1 import generate_pb2_grpc
+
+        with self.channel() as ch:
+            return generate_pb2_grpc.GenerationStub(ch).GetKVState(pb.GetKVStateRequest(), timeout=60)
+
+    def live_request_ids(self) -> list[str]:
+        """The requests holding blocks on the (first) worker."""
+        return [s.request_id for s in self.kv_state().sequences]
+
+    def worker_idle(self) -> bool:
+        """No request runs or waits and no step is in flight: every plan sent has been answered (a plan still
+        goes out after the last request ends, to tell the worker so)."""
+        import urllib.request
+
+        before = urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=60).read().decode()
+        state = self.kv_state()  # NOTE: read after the scrape: answered then <= answered now <= planned now
+        series = f'pagedserve_step_seconds_count{{worker="{state.worker_id}"}} '
+        answered = sum(float(line.rsplit(" ", 1)[1]) for line in before.splitlines() if line.startswith(series))
+        return not state.sequences and not state.num_waiting and answered == state.num_steps
+
+    @contextmanager
+    def worker_paused(self) -> Iterator[None]:
+        """The worker stopped (SIGSTOP) inside the block, from a moment it is idle: the next request's first step
+        stays in flight, so a test can act on a request mid-generation without racing the tiny model, whose few
+        hundred tokens take about a second. NOTE: far shorter than --step-timeout (60 s), so the scheduler keeps
+        the worker."""
+        worker = self.procs[0]  # NOTE: procs are [worker, scheduler]
+        wait_until(self.worker_idle)  # else a plan in flight would hold back the next request's admission
+        os.kill(worker.pid, signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            os.kill(worker.pid, signal.SIGCONT)
+
+
+def wait_until(cond, timeout: float = 120.0, interval: float = 0.05) -> None:
+    """Polls cond() until it holds; fails after `timeout` seconds (a hang guard, never a measure of speed)."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {cond}"
+        time.sleep(interval)
 
 
 @pytest.fixture(scope="session")

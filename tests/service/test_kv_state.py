@@ -169,7 +169,9 @@ def test_a_streaming_requests_table_grows_with_its_tokens_then_is_freed_and_cach
     assert (idle.num_blocks, idle.block_size) == (KV_MEMORY // (16 * 512), 16)
     assert len(idle.ref_counts) == len(idle.cached) == idle.num_blocks and idle.kv_allocation == "paged"
     prompt, new = random_prompt(1), 200
-    stream = Streaming(service, "long", prompt, new)
+    with service.worker_paused():  # NOTE: so that a loaded machine cannot let it end before the first snapshot
+        stream = Streaming(service, "long", prompt, new)
+        poll(kv, lambda s: sequence(s, "long") is not None, "the request admitted")
     last = None
     try:
         while True:
@@ -204,12 +206,16 @@ def test_a_streaming_requests_table_grows_with_its_tokens_then_is_freed_and_cach
 def test_a_second_request_with_the_same_prompt_shares_the_full_prompt_blocks(service, kv):
     prompt = random_prompt(2)
     before = poll(kv, lambda s: not s.sequences, "an idle pool")
-    # NOTE: a runs to max_model_len (512 tokens: 32 of the 40 blocks), b fits beside it (8 blocks, 2 shared)
-    a = Streaming(service, "a", prompt, 512 - len(prompt))
-    b = None
+    # NOTE: a runs to max_model_len (512 tokens: 32 of the 40 blocks), b fits beside it (8 blocks, 2 shared).
+    # The worker is paused while a's first step is in flight and b queues, so b is admitted in the step after
+    # a's prefill, whatever the load: a cannot have ended by then.
+    a = b = None
     try:
-        poll(kv, lambda s: sequence(s, "a") is not None, "a running")
-        b = Streaming(service, "b", prompt, 80)
+        with service.worker_paused():
+            a = Streaming(service, "a", prompt, 512 - len(prompt))
+            poll(kv, lambda s: sequence(s, "a") is not None, "a running")
+            b = Streaming(service, "b", prompt, 80)
+            poll(kv, lambda s: s.num_waiting == 1, "b queued")
         state = poll(kv, lambda s: sequence(s, "b") is not None, "b running")
         sa, sb = sequence(state, "a"), sequence(state, "b")
         assert sa is not None, "a ended before b was admitted"
@@ -218,9 +224,9 @@ def test_a_second_request_with_the_same_prompt_shares_the_full_prompt_blocks(ser
         assert all(state.ref_counts[x] == 1 for x in [*sa.block_ids[2:], *sb.block_ids[2:]])
         assert state.prefix_hit_tokens - before.prefix_hit_tokens >= 32
     finally:
-        a.close()
-        if b is not None:
-            b.close()
+        for x in (a, b):
+            if x is not None:
+                x.close()
     end = poll(kv, lambda s: not s.sequences, "both freed")
     assert end.ref_counts == bytes(end.num_blocks)
 
@@ -253,7 +259,12 @@ def test_kv_map_names_an_unknown_worker(service):
     assert done.returncode == 1 and "NOT_FOUND" in done.stderr and "worker_id 'worker-9'" in done.stderr
 
 
-def test_kv_map_live_redraws_in_a_terminal_until_ctrl_c(service, kv):
+@pytest.mark.parametrize("inherited", ["default", "ignored"])
+@pytest.mark.parametrize("stop", ["SIGINT", "SIGTERM"])
+def test_kv_map_live_redraws_in_a_terminal_until_stopped(service, kv, inherited, stop):
+    """Live mode in a pseudo-terminal: it redraws, and Ctrl-C (or SIGTERM) ends it with status 0 and the cursor
+    shown again. `ignored`: started with SIGINT ignored, as a non-interactive shell starts a background job (and
+    as CI may start this suite); Python keeps that disposition, so kv-map must install its own handler."""
     import os
     import pty
     import select
@@ -262,18 +273,23 @@ def test_kv_map_live_redraws_in_a_terminal_until_ctrl_c(service, kv):
     from pagedserve_cli.kv_map_cmd import HIDE_CURSOR, SHOW_CURSOR
 
     master, slave = pty.openpty()
-    proc = subprocess.Popen([sys.executable, "-m", "pagedserve_cli.main", "kv-map", "--server", service.address,
-                             "--interval", "0.05", "--width", "16"], stdin=slave, stdout=slave, stderr=slave)
+    argv = [sys.executable, "-m", "pagedserve_cli.main", "kv-map", "--server", service.address, "--interval", "0.05",
+            "--width", "16"]
+    if inherited == "ignored":  # as a shell does it: an ignored disposition survives exec
+        argv = ["sh", "-c", 'trap "" INT; exec "$0" "$@"', *argv]
+    proc = subprocess.Popen(argv, stdin=slave, stdout=slave, stderr=slave)
     os.close(slave)
     out, deadline = b"", time.monotonic() + HANG_GUARD
 
     def read_until(done) -> None:
+        """Reads the terminal until done() or the child closes it. NOTE: it keeps reading while it waits, so a
+        child writing frames never blocks on a full terminal."""
         nonlocal out
         while not done() and time.monotonic() < deadline:
             if select.select([master], [], [], 0.5)[0]:
                 try:
                     chunk = os.read(master, 65536)
-                except OSError:  # the child closed the terminal
+                except OSError:  # EIO: every writer closed the terminal, as the child does when it exits
                     return
                 if not chunk:
                     return
@@ -282,9 +298,10 @@ def test_kv_map_live_redraws_in_a_terminal_until_ctrl_c(service, kv):
     try:
         read_until(lambda: out.count(b"pagedserve kv-map") >= 2)  # two frames: it redraws
         assert out.startswith(HIDE_CURSOR.encode()) and out.count(b"\x1b[H") >= 2
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGINT if stop == "SIGINT" else signal.SIGTERM)
+        read_until(lambda: proc.poll() is not None)
+        read_until(lambda: False)  # what it wrote before it exited
         assert proc.wait(HANG_GUARD) == 0
-        read_until(lambda: False)
     finally:
         proc.kill()
         os.close(master)

@@ -20,10 +20,11 @@ from tests.service.conftest import free_port
 
 def health(address: str, service: str = ""):
     with grpc.insecure_channel(address) as ch:
-        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=30).status
 
 
-def wait_until(cond, timeout: float = 120) -> None:
+def wait_until(cond, timeout: float = 120, interval: float = 0.1) -> None:
+    """Polls cond() (a gRPC error counts as not yet) until it holds; `timeout` only guards against a hang."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -31,8 +32,8 @@ def wait_until(cond, timeout: float = 120) -> None:
                 return
         except grpc.RpcError:
             pass
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.1)
+        assert time.monotonic() < deadline, f"condition not reached in {timeout:g} s"
+        time.sleep(interval)
 
 
 def test_not_serving_until_a_worker_attaches_then_drains_on_sigterm(tiny_served_model):
@@ -55,11 +56,14 @@ def test_not_serving_until_a_worker_attaches_then_drains_on_sigterm(tiny_served_
                                    "--kv-memory", "4MiB"])
         wait_until(lambda: health(listen) == health_pb2.HealthCheckResponse.SERVING)
         sched.send_signal(signal.SIGTERM)
-        assert sched.wait(timeout=60) == 0
-        time.sleep(1)
-        assert worker.poll() is None  # the worker outlives the scheduler: it dials in again, with backoff
+        assert sched.wait(timeout=120) == 0
+        # The worker outlives the scheduler: it dials in again, with backoff, and attaches to the next one.
+        sched = subprocess.Popen([*exe, "scheduler", "--model", tiny_served_model, "--listen", listen,
+                                  "--worker-listen", worker_listen, "--metrics", ""])
+        wait_until(lambda: health(listen) == health_pb2.HealthCheckResponse.SERVING)
+        assert worker.poll() is None
         worker.send_signal(signal.SIGTERM)
-        assert worker.wait(timeout=60) == 0  # and leaves at once on SIGTERM, with nothing to hand over
+        assert worker.wait(timeout=120) == 0  # and leaves at once on SIGTERM, with nothing to hand over
     finally:
         for p in (worker, sched):
             if p is not None and p.poll() is None:
@@ -85,7 +89,7 @@ def stop_all(proc: subprocess.Popen) -> None:
         kids = children(proc.pid)
         proc.terminate()
         try:
-            proc.wait(timeout=30)
+            proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.kill()
         for k in kids:
@@ -117,7 +121,7 @@ def test_up_runs_n_workers_as_processes_and_stops_them_all(tiny_served_model, tm
         if len(cores) >= 2:
             assert pinned == sorted(core_shares(cores, 2))
         with grpc.insecure_channel(listen) as ch:
-            info = generate_pb2_grpc.GenerationStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=10)
+            info = generate_pb2_grpc.GenerationStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=60)
             assert sorted(w.worker_id for w in info.workers) == ["worker-0", "worker-1"]
             msgs = list(generate_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
                 prompt="hi", sampling=pb.SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)), timeout=60))
@@ -126,7 +130,7 @@ def test_up_runs_n_workers_as_processes_and_stops_them_all(tiny_served_model, tm
             proc.send_signal(signal.SIGTERM)
         else:
             os.killpg(proc.pid, signal.SIGINT)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=120) == 0
         assert not [k for k in kids if alive(k)]
         assert "Traceback" not in (tmp_path / "stderr").read_text()
     finally:
@@ -143,13 +147,10 @@ def test_core_shares_split_without_oversubscribing():
 def test_up_stopped_during_start_up_leaves_no_process_behind(tiny_served_model):
     proc = up(tiny_served_model, f"127.0.0.1:{free_port()}")
     try:
-        deadline = time.monotonic() + 30
-        while len(children(proc.pid)) < 2:  # the scheduler and the worker have started, not yet healthy
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_until(lambda: len(children(proc.pid)) >= 2, interval=0.01)  # both started, not yet healthy
         kids = children(proc.pid)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=120) == 0
         assert proc.stdout.read() == ""  # it never claimed to be up
         assert not [k for k in kids if alive(k)]
     finally:

@@ -64,7 +64,7 @@ def test_node_client_against_the_live_service(service, tmp_path):
     expected = tmp_path / "expected.json"
     expected.write_text(json.dumps(_expected(service), indent=1))
     env = {**os.environ, "PAGEDSERVE_SERVER": service.address, "PAGEDSERVE_METRICS": service.metrics,
-           "PAGEDSERVE_EXPECTED": str(expected)}
+           "PAGEDSERVE_EXPECTED": str(expected), "PAGEDSERVE_WORKER_PID": str(service.procs[0].pid)}
     # NOTE: no directory argument: `node --test test/` works on Node 20 only (21+ read it as a glob that matches
     # the directory itself and fail); with none, node finds test/*.test.js itself on every version.
     r = subprocess.run(["node", "--test"], cwd=NODE_DIR, env=env, capture_output=True, text=True,

@@ -6,7 +6,6 @@ import asyncio
 import json
 import shutil
 import subprocess
-import time
 
 import httpx
 import openai
@@ -14,6 +13,7 @@ import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
+from tests.service.conftest import wait_until
 
 PROMPT = "The capital of France is"
 
@@ -43,13 +43,6 @@ def client(service):
 def idle(service) -> bool:
     return (service.metric("pagedserve_requests_running") == 0 and service.metric("pagedserve_requests_waiting") == 0
             and service.metric("pagedserve_kv_blocks_used") == 0)
-
-
-def wait_until(cond, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def test_models_and_health(service, client):
@@ -221,20 +214,33 @@ def test_curl_sees_sse_frames_ending_with_done(service):
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_frees_its_blocks(service, stream):
-    """A long request is cut off by its client: the request leaves the scheduler and its blocks the pool, as an
-    abort (no end-to-end latency is recorded: it never finished)."""
+    """A long request is cut off by its client while it holds blocks: the request leaves the scheduler and its
+    blocks the pool at once, as an abort (no end-to-end latency is recorded: it never finished).
+
+    NOTE: the worker is paused (SIGSTOP) for the cut, so the request cannot run to its end first: the tiny model
+    makes its 500 tokens in about a second, less than a loaded machine may keep this test waiting. Paused, its
+    first step stays in flight, and the state asserted is the scheduler's (GetKVState), polled."""
+    import socket
+
     finished = service.metric("pagedserve_e2e_seconds_count")
-    body = {"model": service.model_dir, "prompt": PROMPT, "max_tokens": 500, "temperature": 0, "stream": stream,
-            "ignore_eos": True}
-    with httpx.Client(base_url=f"http://{service.http}", timeout=120) as http:
-        if stream:
-            with http.stream("POST", "/v1/completions", json=body) as r:
-                assert r.status_code == 200
-                next(r.iter_lines())  # the first event arrived: the request holds blocks now
-                assert service.metric("pagedserve_kv_blocks_used") > 0
-        else:
-            with pytest.raises(httpx.ReadTimeout):  # gives up while the server is still generating
-                http.post("/v1/completions", json=body,
-                          timeout=httpx.Timeout(120, read=0.5))
-    wait_until(lambda: idle(service))
+    body = json.dumps({"model": service.model_dir, "prompt": PROMPT, "max_tokens": 500, "temperature": 0,
+                       "stream": stream, "ignore_eos": True}).encode()
+    host, port = service.http.rsplit(":", 1)
+    assert service.live_request_ids() == []
+    with service.worker_paused():
+        with socket.create_connection((host, int(port)), timeout=60) as sock:
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (service.http.encode(), len(body), body))
+            wait_until(lambda: len(service.live_request_ids()) == 1)  # admitted: holds blocks, a step in flight
+            if stream:  # the event stream is open: its headers came before any token
+                head = b""
+                while b"\r\n\r\n" not in head:
+                    chunk = sock.recv(4096)
+                    assert chunk, head
+                    head += chunk
+                assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head
+        wait_until(lambda: service.live_request_ids() == [])  # the disconnect aborted it; its blocks are free
+    wait_until(lambda: idle(service))  # the gauges, exported after the worker's next step
     assert service.metric("pagedserve_e2e_seconds_count") == finished
+    out = grpc_samples(service, prompt=PROMPT, sampling={"max_tokens": 3, "temperature": 0, "ignore_eos": True})
+    assert len(out[0]["token_ids"]) == 3  # and the worker, resumed, serves on

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 
 import grpc
 import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.conftest import KV_MEMORY, MAX_BATCHED
+from tests.service.conftest import KV_MEMORY, MAX_BATCHED, wait_until
 from tests.worker.helpers import assert_same_greedy, reference_greedy, reference_model
 
 PROMPTS = [[random.Random(100 + i).randrange(3, 49152) for _ in range(random.Random(i).randint(4, 60))]
@@ -97,23 +96,24 @@ def test_parallel_sampling_n2_shares_the_prompt(service, reference):
 
 
 def test_cancel_frees_blocks_within_a_step(service):
+    """A cancelled stream's blocks go back to the pool at once, and its remaining ~400 tokens never run.
+
+    NOTE: the worker is paused (SIGSTOP) from before the request until after the cancel, so the request cannot
+    finish first on a loaded machine (the tiny model makes 400 tokens in about a second): its first step stays
+    in flight, and the state asserted is the scheduler's (GetKVState), polled."""
     with service.channel() as ch:
-        call = generate_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
-            prompt_token_ids=PROMPTS[0], sampling=pb.SamplingParams(
-                max_tokens=400, temperature=0, ignore_eos=True)))
-        next(call)
-        next(call)
-        assert service.metric("pagedserve_kv_blocks_used") > 0
-        steps_at_cancel = service.metric("pagedserve_step_seconds_count")
-        call.cancel()
-    deadline = time.monotonic() + 30
-    while service.metric("pagedserve_kv_blocks_used") > 0 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    assert service.metric("pagedserve_kv_blocks_used") == 0
-    # Freed at once, not after the remaining ~398 tokens. The bound is loose on purpose: a tiny-model step
-    # takes milliseconds, so a few steps run while the scrape returns and the cancel crosses loopback on a
-    # loaded 2-core machine (CI once saw 4); holding the blocks to the end would take ~398.
-    assert service.metric("pagedserve_step_seconds_count") - steps_at_cancel <= 40
+        with service.worker_paused():
+            call = generate_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+                prompt_token_ids=PROMPTS[0], sampling=pb.SamplingParams(
+                    max_tokens=400, temperature=0, ignore_eos=True)))
+            wait_until(lambda: len(service.live_request_ids()) == 1)  # admitted: holds blocks, a step in flight
+            steps_at_cancel = service.metric("pagedserve_step_seconds_count")
+            call.cancel()
+            wait_until(lambda: service.live_request_ids() == [])  # dropped, its blocks freed, at once
+        wait_until(lambda: service.metric("pagedserve_kv_blocks_used") == 0)  # exported after the next step
+    # The step in flight at the cancel ends, then at most one more plan (telling the worker the request is gone):
+    # holding the blocks to the end would take ~400 steps.
+    assert service.metric("pagedserve_step_seconds_count") - steps_at_cancel <= 2
 
 
 def test_stop_string_ends_the_text_before_it(service):
@@ -225,10 +225,7 @@ def test_mixed_cancels_deadlines_and_forks_under_preemption_lose_nothing(service
             assert sorted(done[i]) == ([0, 1] if kind == "fork" else [0])
             for tokens in done[i].values():
                 assert_same_greedy(tokens, *reference(PROMPTS[i]))
-    deadline = time.monotonic() + 30
     names = ("pagedserve_kv_blocks_used", "pagedserve_requests_running", "pagedserve_requests_waiting")
-    while any(service.metric(n) for n in names) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert [service.metric(n) for n in names] == [0, 0, 0]
+    wait_until(lambda: not any(service.metric(n) for n in names))  # aborts free at the worker's next step
     out, _ = generate(service, PROMPTS[30], max_tokens=NEW, temperature=0)
     assert_same_greedy(out[0], *reference(PROMPTS[30]))

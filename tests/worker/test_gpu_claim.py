@@ -42,7 +42,7 @@ def test_another_process_holds_its_claim_until_it_dies(tmp_path):
     finally:
         holder.kill()
         holder.wait()
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + 120  # NOTE: a hang guard only, never a measure of speed
     while True:  # the kernel drops a dead process's lock
         try:
             assert claim_gpu(2, tmp_path) == 0

@@ -12,9 +12,12 @@ const {connect, generate, getModelInfo, describeError, normalizeResponse, grpc} 
 // PAGEDSERVE_SERVER: the scheduler's host:port. PAGEDSERVE_METRICS: host:port of its Prometheus metrics.
 // PAGEDSERVE_EXPECTED: a JSON file of the Python client's greedy outputs: {model_id, vocab_size, max_model_len,
 // cases: [{name, prompt | prompt_token_ids | messages, sampling, token_ids, text}]}.
+// PAGEDSERVE_WORKER_PID (optional): the pid of the server's only worker, which the cancel test pauses.
 const {PAGEDSERVE_SERVER: SERVER, PAGEDSERVE_METRICS: METRICS, PAGEDSERVE_EXPECTED} = process.env;
+const WORKER_PID = Number(process.env.PAGEDSERVE_WORKER_PID) || 0;
 const LIVE = Boolean(SERVER && METRICS && PAGEDSERVE_EXPECTED);
 const SKIP_LIVE = LIVE ? false : 'needs PAGEDSERVE_SERVER, PAGEDSERVE_METRICS and PAGEDSERVE_EXPECTED';
+const HANG_GUARD_MS = 120_000; // a wait's bound: only a guard against a hang, never a measure of speed
 const CLI = path.join(__dirname, '..', 'generate.js');
 
 /** The request of an expected case: its one input field and its sampling parameters. */
@@ -42,14 +45,46 @@ function metric(text, name) {
     .reduce((sum, line) => sum + Number(line.slice(line.lastIndexOf(' ') + 1)), 0);
 }
 
-/** Polls the metrics until no request runs and no KV block is held (cached prefix blocks may stay), or 30 s. */
+/** Polls the metrics until no request runs and no KV block is held (cached prefix blocks may stay), or 120 s. */
 async function waitUntilIdle() {
-  const deadline = Date.now() + 30_000;
+  const deadline = Date.now() + HANG_GUARD_MS;
   for (;;) {
     const text = await scrape();
     const state = {running: metric(text, 'pagedserve_requests_running'),
       used: metric(text, 'pagedserve_kv_blocks_used')};
     if ((state.running === 0 && state.used === 0) || Date.now() > deadline) return state;
+    await new Promise((r) => setTimeout(r, 50));
+  }
+}
+
+/** GetKVState of the first worker: the scheduler's own state, between two steps. */
+function kvState(client) {
+  return new Promise((resolve, reject) => {
+    client.GetKVState({}, {deadline: Date.now() + 60_000}, (err, state) => (err ? reject(err) : resolve(state)));
+  });
+}
+
+/** The ids of the requests holding KV blocks on the first worker. */
+async function liveRequestIds(client) {
+  return ((await kvState(client)).sequences ?? []).map((s) => s.request_id);
+}
+
+/** No request runs or waits on the worker and no step is in flight (every plan sent has been answered), as
+ * tests/service/conftest.py's Service.worker_idle: scraped first, so answered then <= answered now <= planned. */
+async function workerIdle(client) {
+  const text = await scrape();
+  const state = await kvState(client);
+  const answered = metric(text.split('\n').filter((l) => l.includes(`worker="${state.worker_id}"`)).join('\n'),
+    'pagedserve_step_seconds_count');
+  return !(state.sequences ?? []).length && !Number(state.num_waiting ?? 0) &&
+    answered === Number(state.num_steps ?? 0);
+}
+
+/** Polls `cond` (async) until it holds; fails after HANG_GUARD_MS. */
+async function waitFor(cond, what) {
+  const deadline = Date.now() + HANG_GUARD_MS;
+  while (!(await cond())) {
+    assert.ok(Date.now() < deadline, `timed out waiting for ${what}`);
     await new Promise((r) => setTimeout(r, 50));
   }
 }
@@ -146,30 +181,33 @@ describe('against a live server', {skip: SKIP_LIVE}, () => {
     }
   });
 
-  test('a cancel frees the request\'s KV blocks', async () => {
-    const c = expected.cases.find((x) => x.prompt_token_ids !== undefined);
-    const maxTokens = expected.max_model_len - c.prompt_token_ids.length; // as long as the server allows
-    const controller = new AbortController();
-    let received = 0;
-    let usedWhileRunning = null;
-    const call = generate(client, requestOf(c, {max_tokens: maxTokens, temperature: 0, ignore_eos: true}), {
-      signal: controller.signal,
-      onMessage: (msg) => {
-        received += msg.tokenIds.length;
-        if (received === 2) { // cancel once the first messages arrived (after a look at the blocks in use)
-          scrape().then((text) => { usedWhileRunning = metric(text, 'pagedserve_kv_blocks_used'); })
-            .finally(() => controller.abort());
-        }
-      },
+  // NOTE: the worker is paused (SIGSTOP) from before the request until after the cancel: the tiny model makes its
+  // ~500 tokens in about a second, and on a loaded machine the request could end before this test cancels it.
+  test('a cancel frees the request\'s KV blocks', {skip: WORKER_PID ? false : 'needs PAGEDSERVE_WORKER_PID'},
+    async () => {
+      const c = expected.cases.find((x) => x.prompt_token_ids !== undefined);
+      const maxTokens = expected.max_model_len - c.prompt_token_ids.length; // as long as the server allows
+      const controller = new AbortController();
+      // From a moment the worker is idle: a plan still in flight would hold back the request's admission.
+      await waitFor(() => workerIdle(client), 'the worker idle');
+      process.kill(WORKER_PID, 'SIGSTOP');
+      try {
+        const call = generate(client, requestOf(c, {max_tokens: maxTokens, temperature: 0, ignore_eos: true}),
+          {signal: controller.signal});
+        // Admitted: it holds blocks, its first step in flight on the paused worker.
+        await waitFor(async () => (await liveRequestIds(client)).length === 1, 'the request admitted');
+        controller.abort();
+        await assert.rejects(call, (err) => {
+          assert.equal(err.code, grpc.status.CANCELLED, describeError(err));
+          return true;
+        });
+        // The scheduler drops it and frees its blocks at once, with the worker still paused.
+        await waitFor(async () => (await liveRequestIds(client)).length === 0, 'its blocks freed');
+      } finally {
+        process.kill(WORKER_PID, 'SIGCONT');
+      }
+      assert.deepEqual(await waitUntilIdle(), {running: 0, used: 0}); // the gauges, after the worker's next step
     });
-    await assert.rejects(call, (err) => {
-      assert.equal(err.code, grpc.status.CANCELLED, describeError(err));
-      return true;
-    });
-    assert.ok(received < maxTokens, `cancelled after ${received} of ${maxTokens} tokens`);
-    assert.ok(usedWhileRunning > 0, 'the request held KV blocks while it ran');
-    assert.deepEqual(await waitUntilIdle(), {running: 0, used: 0});
-  });
 
   test('INVALID_ARGUMENT names the field, and the server keeps serving', async (t) => {
     const bad = [
