@@ -36,12 +36,11 @@ class Service:
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.address)
 
-    def metric(self, name: str) -> float:
-        import urllib.request
+    def scrape(self) -> str:
+        return scrape(self.metrics)
 
-        text = urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=60).read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith(name) and (line[len(name)] in " {"))
+    def metric(self, name: str, **labels: str) -> float:
+        return metric_value(self.scrape(), name, **labels)
 
     def kv_state(self):
         """GetKVState of the (first) worker: the scheduler's own state, between two steps."""
@@ -58,12 +57,9 @@ class Service:
     def worker_idle(self) -> bool:
         """No request runs or waits and no step is in flight: every plan sent has been answered (a plan still
         goes out after the last request ends, to tell the worker so)."""
-        import urllib.request
-
-        before = urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=60).read().decode()
+        before = self.scrape()
         state = self.kv_state()  # NOTE: read after the scrape: answered then <= answered now <= planned now
-        series = f'pagedserve_step_seconds_count{{worker="{state.worker_id}"}} '
-        answered = sum(float(line.rsplit(" ", 1)[1]) for line in before.splitlines() if line.startswith(series))
+        answered = metric_value(before, "pagedserve_step_seconds_count", worker=state.worker_id)
         return not state.sequences and not state.num_waiting and answered == state.num_steps
 
     @contextmanager
@@ -81,11 +77,31 @@ class Service:
             os.kill(worker.pid, signal.SIGCONT)
 
 
+def scrape(metrics: str) -> str:
+    """The Prometheus text of the scheduler whose metrics listen on HOST:PORT `metrics`."""
+    import urllib.request
+
+    return urllib.request.urlopen(f"http://{metrics}/metrics", timeout=60).read().decode()
+
+
+def metric_value(text: str, name: str, **labels: str) -> float:
+    """The sum of a metric's samples in `text` whose labels include `labels` (every series without any)."""
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and line[len(name)] in " {" and want in line)
+
+
 def wait_until(cond, timeout: float = 120.0, interval: float = 0.05) -> None:
-    """Polls cond() until it holds; fails after `timeout` seconds (a hang guard, never a measure of speed)."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {cond}"
+    """Polls cond() until it holds (a gRPC error counts as not yet: a server still starting, a scheduler
+    restarting); fails after `timeout` seconds, a hang guard, never a measure of speed."""
+    deadline, error = time.monotonic() + timeout, None
+    while True:
+        try:
+            if cond():
+                return
+        except grpc.RpcError as e:
+            error = e
+        assert time.monotonic() < deadline, f"timed out after {timeout:g} s waiting for {cond} (last error: {error})"
         time.sleep(interval)
 
 

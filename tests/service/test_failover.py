@@ -9,14 +9,13 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 
 import grpc
 import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.conftest import free_port
+from tests.service.conftest import free_port, metric_value, scrape
 from tests.worker.helpers import assert_same_greedy, reference_greedy, reference_model
 
 EXE = [sys.executable, "-m", "pagedserve_cli.main"]
@@ -51,15 +50,8 @@ class Fleet:
     def pid_of(self, worker_id: str) -> int:
         return next(int(w.name.rsplit(":", 1)[1]) for w in self.info().workers if w.worker_id == worker_id)
 
-    def metric(self, name: str, **labels) -> float:
-        text = urllib.request.urlopen(f"http://{self.metrics}/metrics", timeout=60).read().decode()
-        want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(name + " ") or line.startswith(name + "{"):
-                if not want or want in line:
-                    total += float(line.rsplit(" ", 1)[1])
-        return total
+    def metric(self, name: str, **labels: str) -> float:
+        return metric_value(scrape(self.metrics), name, **labels)
 
     def wait_workers(self, n: int, timeout: float = 120) -> list[str]:
         deadline = time.monotonic() + timeout

@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -15,25 +14,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from pagedserve_cli.up_cmd import core_shares
-from tests.service.conftest import free_port
+from tests.service.conftest import free_port, wait_until
 
 
 def health(address: str, service: str = ""):
     with grpc.insecure_channel(address) as ch:
         return health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=30).status
-
-
-def wait_until(cond, timeout: float = 120, interval: float = 0.1) -> None:
-    """Polls cond() (a gRPC error counts as not yet) until it holds; `timeout` only guards against a hang."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            if cond():
-                return
-        except grpc.RpcError:
-            pass
-        assert time.monotonic() < deadline, f"condition not reached in {timeout:g} s"
-        time.sleep(interval)
 
 
 def test_not_serving_until_a_worker_attaches_then_drains_on_sigterm(tiny_served_model):

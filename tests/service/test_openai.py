@@ -226,7 +226,6 @@ def test_a_client_that_disconnects_frees_its_blocks(service, stream):
     body = json.dumps({"model": service.model_dir, "prompt": PROMPT, "max_tokens": 500, "temperature": 0,
                        "stream": stream, "ignore_eos": True}).encode()
     host, port = service.http.rsplit(":", 1)
-    assert service.live_request_ids() == []
     with service.worker_paused():
         with socket.create_connection((host, int(port)), timeout=60) as sock:
             sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
