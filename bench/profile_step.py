@@ -28,7 +28,7 @@ from worker_step import BLOCK_SIZE, GREEDY, prefill_template  # noqa: E402
 from worker_svc.kv_pool import KVPool  # noqa: E402
 from worker_svc.model_store import DEFAULT_MODEL, resolve_model  # noqa: E402
 from worker_svc.models import load_model  # noqa: E402
-from worker_svc.plan import NewSeq, SeqDelta, StepPlan  # noqa: E402
+from pagedserve_common.plan import NewSequence, SequenceDelta, StepPlan  # noqa: E402
 from worker_svc.runner import ModelRunner  # noqa: E402
 from worker_svc.worker import make_backend  # noqa: E402
 
@@ -45,8 +45,8 @@ def traced(fn, label):
 
 
 def make_runner(loaded, num_blocks, traced_run: bool):
-    backend = make_backend(ARGS.backend, "cpu", loaded.kv_layout(BLOCK_SIZE))
-    runner = ModelRunner(loaded, KVPool(loaded.kv_layout(BLOCK_SIZE), num_blocks), backend, lean=not ARGS.transformers)
+    backend = make_backend(ARGS.backend, "cpu", loaded.kv_geometry(BLOCK_SIZE))
+    runner = ModelRunner(loaded, KVPool(loaded.kv_geometry(BLOCK_SIZE), num_blocks), backend, lean=not ARGS.transformers)
     if traced_run:
         backend.write_kv = traced(backend.write_kv, "ps.write_kv")
         backend.forward = traced(backend.forward, "ps.attention")
@@ -69,9 +69,9 @@ def decode_plans(tpl, batch: int, steps: int):
     ctx = len(tpl.tokens)
     npb = -(-(ctx + steps) // BLOCK_SIZE)
     tables = [list(range(i * npb, (i + 1) * npb)) for i in range(batch)]
-    plans = [StepPlan(0, new_seqs=[NewSeq(i, list(tpl.tokens), tables[i], ctx - 1, 1, GREEDY)
+    plans = [StepPlan(0, new_seqs=[NewSequence(i, list(tpl.tokens), tables[i], ctx - 1, 1, GREEDY)
                                    for i in range(batch)])]
-    plans += [StepPlan(s, running=[SeqDelta(i, [], 1) for i in range(batch)]) for s in range(1, steps)]
+    plans += [StepPlan(s, running=[SequenceDelta(i, [], 1) for i in range(batch)]) for s in range(1, steps)]
     return plans, batch * npb, tables
 
 
@@ -146,7 +146,7 @@ def main() -> None:
     def prefill_fn(n=2048):
         toks = list(range(100, 100 + n + 1))
         nb = -(-(n + 1) // BLOCK_SIZE)
-        return [StepPlan(0, new_seqs=[NewSeq(0, toks, list(range(nb)), 0, n, GREEDY)])], nb, lambda r: None
+        return [StepPlan(0, new_seqs=[NewSequence(0, toks, list(range(nb)), 0, n, GREEDY)])], nb, lambda r: None
     run_case(loaded, "prefill chunk 2048", prefill_fn, 1)
 
 

@@ -15,8 +15,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere without installing
 
 from pagedserve_cli.bench.workloads import BenchRequest, build_workload  # noqa: E402
-from scheduler_svc.core.plan import StepPlan  # noqa: E402
-from scheduler_svc.core.request import Request, SamplingConfig  # noqa: E402
+from pagedserve_common.plan import StepPlan  # noqa: E402
+from scheduler_svc.core.request import Request  # noqa: E402
+from pagedserve_common.sampling import SamplingParams  # noqa: E402
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from scheduler_svc.routing import Router  # noqa: E402
 
@@ -81,7 +82,7 @@ def simulate(policy: str, requests: list[BenchRequest], arrivals: list[float], n
     seq_ids = itertools.count()  # shared, like the engine's: a seq_id names one sequence across the fleet
     workers = [SimWorker(f"w{i}", Scheduler(cfg, seq_ids)) for i in range(num_workers)]
     router = Router(policy)
-    by_seq: dict[int, Request] = {}  # RunningSeqPlan carries no context length: read it off the Request
+    by_seq: dict[int, Request] = {}  # SequenceDelta carries no context length: read it off the Request
     reqs: dict[str, Request] = {}
     first_token: dict[str, float] = {}
     finished: dict[str, float] = {}
@@ -96,7 +97,7 @@ def simulate(policy: str, requests: list[BenchRequest], arrivals: list[float], n
         if plan is None:
             return  # idle until the next request routed here
         context, sampled = 0, {}
-        for e in plan.new:
+        for e in plan.new_seqs:
             ctx = e.num_computed_tokens + e.num_scheduled_tokens
             context += ctx
             sampled[e.seq_id] = (e.seq_id * 40503 + ctx) % 40000 + 100  # deterministic; EOS is ignored anyway
@@ -122,7 +123,7 @@ def simulate(policy: str, requests: list[BenchRequest], arrivals: list[float], n
             d = router.choose(workers, prompt)
             k = next(j for j, w in enumerate(workers) if w.worker_id == d.worker_id)
             w = workers[k]
-            req = Request(rid, prompt, SamplingConfig(max_tokens=br.max_tokens, ignore_eos=True, seed=0),
+            req = Request(rid, prompt, SamplingParams(max_tokens=br.max_tokens, ignore_eos=True, seed=0),
                           arrival_time=now)
             w.scheduler.add_request(req)
             by_seq[req.seq_id], reqs[rid] = req, req

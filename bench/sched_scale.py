@@ -25,8 +25,9 @@ from pathlib import Path
 
 from pagedserve.v1 import worker_pb2
 
-from scheduler_svc.convert import plan_to_pb, result_from_pb
-from scheduler_svc.core.request import Request, SamplingConfig
+from pagedserve_common.wire import plan_to_pb, result_from_pb
+from scheduler_svc.core.request import Request
+from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, when run as a script
@@ -119,7 +120,7 @@ def run_point(wl: Workload, axis: str, batch_size: int, num_cached: int, block_s
     s = Scheduler(SchedulerConfig(num_blocks=a.num_blocks, max_model_len=max_len, max_num_seqs=batch_size,
                                   max_num_batched_tokens=a.max_batched_tokens, block_size=block_size))
     fill_cache(s, num_cached)
-    reqs = [Request(str(i), p, SamplingConfig(max_tokens=m, ignore_eos=True))
+    reqs = [Request(str(i), p, SamplingParams(max_tokens=m, ignore_eos=True))
             for i, (p, m) in enumerate(zip(wl.prompts, wl.max_tokens))]
     for r in reqs:
         s.add_request(r)  # NOTE: seq ids follow submission order: seq_id == index in reqs
@@ -149,10 +150,10 @@ def drive(s: Scheduler, reqs: list[Request], num_steps: int, now=time.perf_count
             g2, y2, t2 = clock.full, clock.young, now()
             result = fake_worker(plan, reqs).SerializeToString()  # the worker's side: not timed
             g3, y3, t3 = clock.full, clock.young, now()
-            s.update(plan, result_from_pb(worker_pb2.StepResult.FromString(result)))
+            s.update(plan, result_from_pb(worker_pb2.StepResult.FromString(result)).sampled)
             g4, y4, t4 = clock.full, clock.young, now()
             rows.append((t1 - t0 - (g1 - g0), t2 - t1 - (g2 - g1), t4 - t3 - (g4 - g3), g2 - g0 + g4 - g3,
-                         y2 - y0 + y4 - y3, plan.num_seqs, len(plan.new), len(data)))
+                         y2 - y0 + y4 - y3, plan.num_seqs, len(plan.new_seqs), len(data)))
     finally:
         gc.callbacks.remove(clock)
     return rows
@@ -162,7 +163,7 @@ def fake_worker(plan, reqs: list[Request]) -> worker_pb2.StepResult:
     """One token for each sequence whose known tokens are all computed after this step."""
     res = worker_pb2.StepResult(step_id=plan.step_id)
     add = res.tokens.add
-    for p in plan.new:
+    for p in plan.new_seqs:
         if p.num_computed_tokens + p.num_scheduled_tokens == len(p.token_ids):
             add(seq_id=p.seq_id, token_id=token(p.seq_id, len(reqs[p.seq_id].output_token_ids)))
     for p in plan.running:

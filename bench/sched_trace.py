@@ -13,8 +13,9 @@ import json
 import statistics
 import time
 
-from scheduler_svc.convert import plan_to_pb
-from scheduler_svc.core.request import Request, SamplingConfig
+from pagedserve_common.wire import plan_to_pb
+from scheduler_svc.core.request import Request
+from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 
 
@@ -27,7 +28,7 @@ def run(trace: list[dict], cfg: SchedulerConfig) -> tuple[float, int, int]:
     s = Scheduler(cfg)
     t0 = time.perf_counter()
     # Timed from here, as the peer times from building its requests (which hashes their blocks).
-    reqs = [Request(str(i), r["prompt"], SamplingConfig(max_tokens=len(r["decode"]), ignore_eos=True))
+    reqs = [Request(str(i), r["prompt"], SamplingParams(max_tokens=len(r["decode"]), ignore_eos=True))
             for i, r in enumerate(trace)]
     for r in reqs:
         s.add_request(r)
@@ -37,7 +38,7 @@ def run(trace: list[dict], cfg: SchedulerConfig) -> tuple[float, int, int]:
         plan = s.schedule()
         num_plan_bytes += len(plan_to_pb(plan).SerializeToString())
         sampled = {}
-        for p in plan.new:
+        for p in plan.new_seqs:
             if p.num_computed_tokens + p.num_scheduled_tokens == len(p.token_ids):
                 sampled[p.seq_id] = decodes[p.seq_id][len(p.token_ids) - len(trace[p.seq_id]["prompt"])]
         for p in plan.running:

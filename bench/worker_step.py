@@ -34,13 +34,13 @@ from tests.driver import LocalDriver  # noqa: E402
 from worker_svc.kv_pool import KVPool  # noqa: E402
 from worker_svc.model_store import DEFAULT_MODEL, resolve_model  # noqa: E402
 from worker_svc.models import LoadedModel, load_model  # noqa: E402
-from worker_svc.plan import NewSeq, SeqDelta, StepPlan  # noqa: E402
+from pagedserve_common.plan import NewSequence, SequenceDelta, StepPlan  # noqa: E402
 from worker_svc.runner import ModelRunner  # noqa: E402
 from worker_svc.worker import make_backend  # noqa: E402
-from worker_svc.sampling import SamplingOptions  # noqa: E402
+from pagedserve_common.sampling import SamplingParams  # noqa: E402
 
 BLOCK_SIZE = 16
-GREEDY = SamplingOptions(temperature=0.0)
+GREEDY = SamplingParams(temperature=0.0)
 PREFILL_CHUNK = 512
 E2E_NUM_PROMPTS = 32
 E2E_NEW_TOKENS = 64
@@ -91,16 +91,16 @@ def prefill_template(loaded: LoadedModel, ctx: int, seed: int) -> Template:
     rng = random.Random(seed)
     tokens = [rng.randrange(3, loaded.vocab_size) for _ in range(ctx)]
     nb = math.ceil(ctx / BLOCK_SIZE)
-    pool = KVPool(loaded.kv_layout(BLOCK_SIZE), nb)
-    runner = ModelRunner(loaded, pool, make_backend("auto", "cpu", pool.layout))
+    pool = KVPool(loaded.kv_geometry(BLOCK_SIZE), nb)
+    runner = ModelRunner(loaded, pool, make_backend("auto", "cpu", pool.geometry))
     # The last prompt token is left for the decode steps (as a sequence whose prefix is cached).
     done, step = 0, 0
     while done < ctx - 1:
         n = min(PREFILL_CHUNK, ctx - 1 - done)
         if step == 0:
-            plan = StepPlan(0, new_seqs=[NewSeq(0, tokens, list(range(nb)), 0, n, GREEDY)])
+            plan = StepPlan(0, new_seqs=[NewSequence(0, tokens, list(range(nb)), 0, n, GREEDY)])
         else:
-            plan = StepPlan(step, running=[SeqDelta(0, [], n)])
+            plan = StepPlan(step, running=[SequenceDelta(0, [], n)])
         runner.step(plan)
         done, step = done + n, step + 1
     return Template(tokens, pool.kv.clone())
@@ -116,8 +116,8 @@ def decode_point(loaded: LoadedModel, tpl: Template, batch: int, warm: int, time
     steps = warm + timed
     npb = math.ceil(ctx / BLOCK_SIZE)
     num_blocks = batch * math.ceil((ctx + steps) / BLOCK_SIZE)
-    pool = KVPool(loaded.kv_layout(BLOCK_SIZE), num_blocks)
-    runner = ModelRunner(loaded, pool, make_backend("auto", "cpu", pool.layout))
+    pool = KVPool(loaded.kv_geometry(BLOCK_SIZE), num_blocks)
+    runner = ModelRunner(loaded, pool, make_backend("auto", "cpu", pool.geometry))
     next_block = 0
 
     def alloc(n: int) -> list[int]:
@@ -133,7 +133,7 @@ def decode_point(loaded: LoadedModel, tpl: Template, batch: int, warm: int, time
     for step in range(steps):
         seq_len = ctx + step  # context after this step's token is written
         if step == 0:
-            plan = StepPlan(0, new_seqs=[NewSeq(i, list(tpl.tokens), list(tables[i]), ctx - 1, 1, GREEDY)
+            plan = StepPlan(0, new_seqs=[NewSequence(i, list(tpl.tokens), list(tables[i]), ctx - 1, 1, GREEDY)
                                          for i in range(batch)])
         else:
             need = math.ceil(seq_len / BLOCK_SIZE) - len(tables[0])
@@ -141,12 +141,12 @@ def decode_point(loaded: LoadedModel, tpl: Template, batch: int, warm: int, time
             for i in range(batch):
                 new = alloc(need) if need > 0 else []
                 tables[i].extend(new)
-                deltas.append(SeqDelta(i, new, 1))
+                deltas.append(SequenceDelta(i, new, 1))
             plan = StepPlan(step, running=deltas)
         t0 = time.perf_counter()
         out = runner.step(plan)
         dt = time.perf_counter() - t0
-        assert len(out.token_ids) == batch
+        assert len(out.sampled) == batch
         if step == 0 and dt * steps > 1.5 * max_point_s:
             return dt
         if step >= warm:
@@ -190,7 +190,7 @@ def thread_check(loaded: LoadedModel, warm: int, timed: int) -> dict[tuple[int, 
 
 def decode_grid(loaded: LoadedModel, batches: list[int], ctxs: list[int], warm: int, timed: int,
                 max_point_s: float) -> dict[tuple[int, int], float | str]:
-    layout = loaded.kv_layout(BLOCK_SIZE)
+    layout = loaded.kv_geometry(BLOCK_SIZE)
     log(f"## decode step time: every sequence decodes 1 token/step; {warm} warm + {timed} timed steps, median")
     log(f"   (prefill untimed: one real chunked prefill of random tokens per context length, its KV copied into "
         f"each sequence's own blocks; block_size {BLOCK_SIZE}; KV {layout.bytes_per_token} B/token)")
@@ -245,10 +245,10 @@ def build_prompts(tokenizer, n: int) -> list[list[int]]:
 def run_pagedserve(loaded: LoadedModel, prompts: list[list[int]],
                    new_tokens: int) -> tuple[list[list[int]], float, int]:
     num_blocks = sum(math.ceil((len(p) + new_tokens) / BLOCK_SIZE) for p in prompts) + 8
-    pool = KVPool(loaded.kv_layout(BLOCK_SIZE), num_blocks)
+    pool = KVPool(loaded.kv_geometry(BLOCK_SIZE), num_blocks)
 
     def driver() -> LocalDriver:
-        runner = ModelRunner(loaded, pool, make_backend("auto", "cpu", pool.layout))
+        runner = ModelRunner(loaded, pool, make_backend("auto", "cpu", pool.geometry))
         return LocalDriver(runner, max_num_batched_tokens=512, max_num_seqs=32, eos_token_ids=())
 
     warm = driver()  # warm-up, untimed

@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
 import time
 from pathlib import Path
 
-from pagedserve_cli.bench.workloads import WORKLOADS, parse_range
+from pagedserve_cli.bench.workloads import WORKLOADS, build_requests, parse_range
 
 DEFAULT_SERVER = "127.0.0.1:50051"
-FALLBACK_MAX_MODEL_LEN = 2048
 COMPARISON_NAMES = ("static-prealloc", "no-prefix-cache")
 # NOTE: a comparison needs a pool that memory, not --max-num-seqs, fills: 512 MiB holds 11,650 tokens of the
 # default model in float32 (46,080 bytes each), 5 sequences of 2,048 slots, or about 45 of the mixed workload's.
@@ -62,41 +60,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-num-batched-tokens", type=int, help="the scheduler's token budget per step")
     s.add_argument("--threads", type=int, help="the worker's compute threads")
     p.set_defaults(func=run)
-
-
-def _tokenizer_dir(args: argparse.Namespace) -> str:
-    if args.tokenizer:
-        return args.tokenizer
-    from pagedserve_cli.serve_cmd import DEFAULT_MODEL, model_dir
-
-    return model_dir(DEFAULT_MODEL)
-
-
-def _config_max_len(model_dir: str) -> int | None:
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    return cfg.get("max_position_embeddings")
-
-
-def build_requests(args: argparse.Namespace, server_max_len: int | None) -> tuple[list, dict]:
-    """The workload's requests, and what was resolved to build them (tokenizer dir, max_model_len)."""
-    from pagedserve_cli.bench.workloads import build_workload, load_jsonl
-
-    if args.workload not in WORKLOADS:
-        if not Path(args.workload).is_file():
-            raise ValueError(f"--workload {args.workload!r}: not one of {', '.join(WORKLOADS)} nor a file")
-        return load_jsonl(args.workload, args.num_requests), {}
-    from scheduler_svc.frontend.tokenizer import Tokenizer
-
-    tok_dir = _tokenizer_dir(args)
-    # The shorter of the model's and the server's limits, so that both peers of a comparison get the same bytes.
-    lens = [n for n in (_config_max_len(tok_dir), server_max_len) if n]
-    max_len = min(lens) if lens else FALLBACK_MAX_MODEL_LEN
-    reqs = build_workload(args.workload, Tokenizer.from_model_dir(tok_dir), args.num_requests or 64, args.seed,
-                          args.prompt_len, args.output_len, args.num_tenants, max_len)
-    return reqs, {"tokenizer": tok_dir, "max_model_len": max_len}
 
 
 def _client(args: argparse.Namespace):

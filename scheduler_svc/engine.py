@@ -12,20 +12,24 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from pagedserve_common.sampling import InvalidField
+from pagedserve_common.plan import StepPlan
+from pagedserve_common.registration import WorkerRegistration
+from pagedserve_common.result import StepResult
+from pagedserve_common.sampling import InvalidField, SamplingParams
 from scheduler_svc import request_log
-from scheduler_svc.core.plan import WorkerRegistration
-from scheduler_svc.core.request import FinishReason, Request, RequestOutput, SamplingConfig
+from scheduler_svc.core.request import FinishReason, Request, RequestOutput
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.errors import DRAINING, EngineError, ErrorCode
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.routing import Router
-from scheduler_svc.worker_link import WorkerHandle, run_steps
+from scheduler_svc.worker_link import Lost, WorkerHandle, export
 
 if TYPE_CHECKING:  # NOTE: the front end makes the streams; the engine only feeds them
     from scheduler_svc.frontend.stream import RequestStream
 
 log = structlog.get_logger("pagedserve.scheduler")
+
+LEAVING_POLL_SECONDS = 0.5  # a leaving worker with nothing to run still has its drain deadline checked
 
 
 @dataclass(slots=True)
@@ -85,10 +89,6 @@ class Engine:
         self.on_workers_changed = lambda num_workers: None  # health: SERVING iff a worker is attached
 
     @property
-    def step_timeout(self) -> float:
-        return self.config.step_timeout
-
-    @property
     def num_unfinished(self) -> int:
         return len(self.streams)
 
@@ -113,7 +113,7 @@ class Engine:
         w = WorkerHandle(f"worker-{next(self._worker_ids)}", reg, sched)
         self.workers[w.worker_id] = w
         self.metrics.kv_blocks_total.labels(w.worker_id).set(reg.num_blocks)
-        w.task = asyncio.get_running_loop().create_task(self._step_loop(w))
+        w.task = asyncio.get_running_loop().create_task(self._serve(w))
         log.info("worker attached", worker=w.worker_id, name=reg.name, num_blocks=reg.num_blocks,
                  block_size=reg.block_size, dtype=reg.dtype, device=reg.device)
         self._workers_changed()
@@ -122,13 +122,12 @@ class Engine:
             self._place_or_wait(req)
         return w
 
-    def lose_worker(self, w: WorkerHandle, kind: str, reason: str, charge: bool = True) -> None:
-        """The worker broke (or ran out of time leaving): recompute its requests on the others. With `charge`,
-        the requests in its step in flight count a migration against --max-migrations. `kind` labels
-        pagedserve_workers_lost_total: stream, deadline, failed_step or leave_timeout."""
+    def lose_worker(self, w: WorkerHandle, lost: Lost) -> None:
+        """The worker broke (or ran out of time leaving): recompute its requests on the others."""
         if not w.attached:
             return
-        suspects = w.scheduler.in_flight_request_ids() if charge else set()
+        reason = lost.reason
+        suspects = w.scheduler.in_flight_request_ids() if lost.charge else set()
         self.detach(w)
         moved, failed = 0, 0
         limit = self.config.max_migrations
@@ -148,7 +147,7 @@ class Engine:
             self.metrics.migrations.inc()
             self._place_or_wait(req)
             moved += 1
-        self.metrics.workers_lost.labels(kind).inc()
+        self.metrics.workers_lost.labels(lost.kind).inc()
         log.warning("worker lost; its requests are recomputed elsewhere", worker=w.worker_id, reason=reason,
                     migrated=moved, failed=failed, workers_left=len(self.workers))
 
@@ -163,16 +162,16 @@ class Engine:
         self._move_queued(w)  # NOTE: safe with a step in flight: queued requests are not in it
         w.wakeup.set()
 
-    def leaving_tick(self, w: WorkerHandle) -> None:
+    def _leaving_tick(self, w: WorkerHandle) -> Lost | None:
         """Between a leaving worker's steps: move what can move, close it once it holds nothing."""
         if time.monotonic() > w.leave_deadline:
-            self.lose_worker(w, "leave_timeout", f"its requests did not finish within "
-                             f"{self.config.drain_seconds:g} s of it announcing it leaves", charge=False)
-            return
+            return Lost("leave_timeout", f"its requests did not finish within {self.config.drain_seconds:g} s of it "
+                        "announcing it leaves", charge=False)
         self._move_queued(w)
         if not w.scheduler.has_unfinished_requests():
             self.detach(w)
             log.info("worker left", worker=w.worker_id, workers_left=len(self.workers))
+        return None
 
     def _move_queued(self, w: WorkerHandle) -> None:
         """A leaving worker's queued requests (preempted ones too) go to the others, if there are any."""
@@ -204,9 +203,25 @@ class Engine:
         self.metrics.workers.set(len(self.workers))
         self.on_workers_changed(len(self.workers))
 
-    async def _step_loop(self, w: WorkerHandle) -> None:
+    # -- a worker's steps ----------------------------------------------------------------------------------
+    async def _serve(self, w: WorkerHandle) -> None:
+        """A worker's step loop: schedule -> send -> receive -> update -> publish, one plan in flight, until the
+        worker detaches (it left, or the server stops) or is lost (the one place a loss is handled)."""
         try:
-            await run_steps(w, self)
+            while True:
+                plan = await self._next_plan(w)  # schedule: waits while there is nothing to run
+                if not isinstance(plan, StepPlan):
+                    break
+                t0 = time.perf_counter()
+                w.send(plan)
+                result = await w.receive(plan, self.config.step_timeout)
+                if not isinstance(result, StepResult):
+                    plan = result
+                    break
+                outputs = w.scheduler.update(plan, result.sampled)
+                self._publish(w, plan, outputs, result, t0)
+            if isinstance(plan, Lost):
+                self.lose_worker(w, plan)
         except Exception as e:  # a bug: end this worker's requests loudly rather than leave them hanging
             log.exception("step loop failed", worker=w.worker_id)
             self.detach(w)
@@ -214,8 +229,61 @@ class Engine:
                 self.placement.pop(req.request_id, None)
                 self._fail(req.request_id, ErrorCode.INTERNAL, f"internal error on {w.worker_id}: {e}", w.worker_id)
 
+    async def _next_plan(self, w: WorkerHandle) -> StepPlan | Lost | None:
+        """The worker's next plan; a Lost when its stream broke or its drain ran out; None once it is detached."""
+        while w.attached:
+            if w.lost is not None:
+                return w.lost
+            if w.leaving and (lost := self._leaving_tick(w)) is not None:
+                return lost
+            if not w.attached:
+                break
+            plan = w.scheduler.schedule()
+            if plan is not None:
+                return plan
+            w.wakeup.clear()
+            w.back_to_back = False
+            if w.leaving:  # re-check its deadline now and then, even with nothing to run
+                try:
+                    await asyncio.wait_for(w.wakeup.wait(), LEAVING_POLL_SECONDS)
+                except TimeoutError:
+                    pass
+            else:
+                await w.wakeup.wait()
+        return None
+
+    def _publish(self, w: WorkerHandle, plan: StepPlan, outputs: list[RequestOutput], result: StepResult,
+                 t0: float) -> None:
+        """Streams a step's tokens to their clients and finishes the samples whose text hit a stop string (the
+        scheduler cannot: stop strings need detokenized text); then the step's metrics."""
+        now, logprobs = time.monotonic(), result.logprobs
+        for out in outputs:
+            self.router.prefilled(out.request_id)  # its prompt's blocks are in the worker's cache now
+            stream = self.streams.get(out.request_id)
+            if stream is None:
+                continue
+            reason = stream.push(out, logprobs.get(out.seq_id) if logprobs else None, now)
+            if reason is FinishReason.STOP_STRING and out.finish_reason is None:
+                w.scheduler.finish(out.request_id, FinishReason.STOP_STRING, out.index)
+            if stream.done:
+                del self.streams[out.request_id]
+                self.placement.pop(out.request_id, None)
+                request_log.finished(stream, w.worker_id)
+        m, wid = self.metrics, w.worker_id
+        m.step.labels(wid).observe(time.perf_counter() - t0)
+        if w.back_to_back:
+            m.worker_idle.labels(wid).observe(result.idle_seconds)
+        w.back_to_back = True
+        if plan.preempted_seq_ids:
+            log.info("preempted", worker=wid, seq_ids=list(plan.preempted_seq_ids),
+                     total=w.scheduler.num_preemptions)
+        m.batch_size.labels(wid).observe(plan.num_seqs)
+        m.requests_running.set(sum(x.scheduler.num_running for x in self.workers.values()))
+        m.requests_waiting.set(sum(x.scheduler.num_waiting for x in self.workers.values()) + len(self.unplaced))
+        export(w, m)
+
     # -- requests -----------------------------------------------------------------------------------------
-    def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingConfig, cache_salt: str = "",
+    def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str = "",
                *, open_stream: Callable[[Request], RequestStream]) -> RequestStream:
         """Admits a request and returns its stream, made by `open_stream` (the front end's: it detokenizes).
         Raises EngineError; an INVALID_ARGUMENT one names the field at fault."""
@@ -356,24 +424,3 @@ class Engine:
             w = self.placement.get(request_id)
             self._fail(request_id, code, message, w and w.worker_id)
             self.abort(request_id)  # NOTE: frees its blocks at the worker's next step
-
-    # -- results ------------------------------------------------------------------------------------------
-    def dispatch(self, w: WorkerHandle, outputs: list[RequestOutput], result) -> None:
-        logprobs = {t.seq_id: t.logprobs for t in result.tokens if t.HasField("logprobs")}
-        now = time.monotonic()
-        for out in outputs:
-            self.router.prefilled(out.request_id)  # its prompt's blocks are in the worker's cache now
-            stream = self.streams.get(out.request_id)
-            if stream is None:
-                continue
-            reason = stream.push(out, logprobs.get(out.seq_id), now)
-            if reason is FinishReason.STOP_STRING and out.finish_reason is None:
-                w.scheduler.finish(out.request_id, FinishReason.STOP_STRING, out.index)
-            if stream.done:
-                del self.streams[out.request_id]
-                self.placement.pop(out.request_id, None)
-                request_log.finished(stream, w.worker_id)
-        m = self.metrics
-        m.requests_running.set(sum(x.scheduler.num_running for x in self.workers.values()))
-        m.requests_waiting.set(sum(x.scheduler.num_waiting for x in self.workers.values()) + len(self.unplaced))
-

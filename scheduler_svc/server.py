@@ -19,7 +19,7 @@ from pagedserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb
 from scheduler_svc.auth import Access, add_port
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.errors import ErrorCode
-from scheduler_svc.servicers import GenerationServicer, WorkerControlServicer
+from scheduler_svc.grpc.servicers import GenerationServicer, WorkerControlServicer
 from scheduler_svc.frontend import FrontEnd, Tokenizer
 from scheduler_svc.frontend.limits import Limits
 

@@ -1,24 +1,28 @@
-"""One attached worker as the scheduler sees it: its own Scheduler, its Attach stream's queues, its step loop."""
+"""One attached worker as the scheduler sees it: its own Scheduler, and its Attach stream as send and receive."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from dataclasses import dataclass, field
-from typing import Protocol
 
-import structlog
-
-from scheduler_svc.convert import plan_to_pb, result_from_pb
-from scheduler_svc.core.plan import StepFailure, WorkerRegistration
-from scheduler_svc.core.request import RequestOutput
+from pagedserve_common.plan import StepPlan
+from pagedserve_common.registration import WorkerRegistration
+from pagedserve_common.result import StepError, StepResult
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.metrics import Metrics
 
-log = structlog.get_logger("pagedserve.scheduler")
-
 FIRST_STEP_TIMEOUT_FACTOR = 4  # a worker's first step may compile kernels (NVRTC, the CPU kernel's cache)
-LEAVING_POLL_SECONDS = 0.5
+
+
+@dataclass(slots=True, frozen=True)
+class Lost:
+    """Why a worker can serve no more: the engine recomputes its requests elsewhere. `kind` labels
+    pagedserve_workers_lost_total (stream, deadline, failed_step, leave_timeout); with `charge`, the requests in
+    its step in flight count a migration against --max-migrations."""
+
+    kind: str
+    reason: str
+    charge: bool = True
 
 
 @dataclass(slots=True)
@@ -26,91 +30,55 @@ class WorkerHandle:
     worker_id: str
     registration: WorkerRegistration
     scheduler: Scheduler  # NOTE: this worker's block tables: its pool, its prefix cache, its requests
-    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # plan protobufs; None closes the stream
-    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # StepResult protobuf | StepFailure | None: gone
-    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # StepPlan to send; None closes the stream
+    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # StepResult | StepError | Lost | None
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)  # new work, a leave or a loss: plan again
     task: asyncio.Task | None = None
     attached: bool = True  # False once detached (lost, or left); its step loop then ends
+    lost: Lost | None = None  # set by the Attach stream when it breaks; the step loop ends on it
     leaving: bool = False  # announced a deliberate shutdown: gets no new requests
     leave_deadline: float = 0.0  # monotonic time by which its running requests move elsewhere
     num_steps: int = 0
+    back_to_back: bool = False  # NOTE: the worker's idle time counts only between steps that had work waiting
     num_prefix_queries: int = 0  # KV manager counters already exported
     num_prefix_hits: int = 0
     num_preemptions: int = 0
     num_prefill_tokens: int = 0
 
+    def fail(self, lost: Lost) -> None:
+        """The stream broke (or was refused): the step loop ends on `lost`, now or when its step returns."""
+        if self.lost is None:
+            self.lost = lost
+        self.inbox.put_nowait(lost)
+        self.wakeup.set()
 
-class Fleet(Protocol):
-    """What the step loop needs from the engine."""
+    def send(self, plan: StepPlan) -> None:
+        self.outbox.put_nowait(plan)
 
-    metrics: Metrics
-    step_timeout: float
-
-    def dispatch(self, w: WorkerHandle, outputs: list[RequestOutput], result) -> None: ...
-    def lose_worker(self, w: WorkerHandle, kind: str, reason: str, charge: bool = True) -> None: ...
-    def leaving_tick(self, w: WorkerHandle) -> None: ...
-
-
-async def run_steps(w: WorkerHandle, fleet: Fleet) -> None:
-    """Plans a step, sends it, awaits the result under a deadline, applies it; until the worker detaches.
-
-    NOTE: one plan in flight per worker. A worker that misses the deadline, whose stream ends, or that
-    reports a failed step is lost: the engine recomputes its requests on the others.
-    """
-    sched, m, wid = w.scheduler, fleet.metrics, w.worker_id
-    back_to_back = False  # NOTE: the worker's idle time counts only between steps that had work waiting
-    while w.attached:
-        if w.leaving:
-            fleet.leaving_tick(w)
-            if not w.attached:
-                return
-        plan = sched.schedule()
-        if plan is None:
-            w.wakeup.clear()
-            if w.leaving:  # re-check its deadline now and then, even with nothing to run
-                try:
-                    await asyncio.wait_for(w.wakeup.wait(), LEAVING_POLL_SECONDS)
-                except TimeoutError:
-                    pass
-            else:
-                await w.wakeup.wait()
-            back_to_back = False
-            continue
-        t0 = time.perf_counter()
-        w.outbox.put_nowait(plan_to_pb(plan))
-        timeout = fleet.step_timeout * (FIRST_STEP_TIMEOUT_FACTOR if w.num_steps == 0 else 1)
+    async def receive(self, plan: StepPlan, step_timeout: float) -> StepResult | Lost:
+        """The worker's answer to `plan`, or why none will come: a missed deadline, a failed step, a broken stream.
+        NOTE: one plan in flight per worker, so the next answer is this plan's."""
+        timeout = step_timeout * (FIRST_STEP_TIMEOUT_FACTOR if self.num_steps == 0 else 1)
         try:
-            answer = await asyncio.wait_for(w.inbox.get(), timeout)
+            answer = await asyncio.wait_for(self.inbox.get(), timeout)
         except TimeoutError:
-            fleet.lose_worker(w, "deadline", f"no answer to step {plan.step_id} within {timeout:g} s")
-            return
-        if not w.attached:  # NOTE: detached while it waited (lost, or the server stops): its requests were
-            return          # released or ended, so a result queued ahead of the detach is stale
-        if answer is None:
-            fleet.lose_worker(w, "stream", "its stream ended")
-            return
-        if isinstance(answer, StepFailure):
-            fleet.lose_worker(w, "failed_step",
-                              f"step {answer.step_id} failed ({answer.kind}): {answer.message}")
-            return
+            return Lost("deadline", f"no answer to step {plan.step_id} within {timeout:g} s")
+        if answer is None:  # detached while it waited: its requests were released or ended already
+            return Lost("stream", "its stream ended")
+        if isinstance(answer, Lost):
+            return answer
+        if isinstance(answer, StepError):
+            return Lost("failed_step", f"step {answer.step_id} failed ({answer.kind.name}): {answer.message}")
         if answer.step_id != plan.step_id:
             raise RuntimeError(f"the worker answered step {answer.step_id} to plan {plan.step_id}")
-        w.num_steps += 1
-        outputs = sched.update(plan, result_from_pb(answer))
-        m.step.labels(wid).observe(time.perf_counter() - t0)
-        if back_to_back:
-            m.worker_idle.labels(wid).observe(answer.idle_seconds)
-        back_to_back = True
-        if plan.preempted_seq_ids:
-            log.info("preempted", worker=wid, seq_ids=list(plan.preempted_seq_ids), total=sched.num_preemptions)
-        m.batch_size.labels(wid).observe(plan.num_seqs)
-        fleet.dispatch(w, outputs, answer)
-        export(w, m)
+        self.num_steps += 1
+        return answer
 
 
 def export(w: WorkerHandle, m: Metrics) -> None:
+    """The worker's pool gauges and counters, after a step."""
     kv, wid = w.scheduler.kv, w.worker_id
-    # NOTE: pool counters, not kv.stats(): that walks every sequence, and this runs every step.
+    # NOTE: pool counters, not a walk over every sequence: this runs every step.
     m.kv_blocks_used.labels(wid).set(kv.pool.num_used_blocks)
     m.kv_blocks_cached.labels(wid).set(kv.pool.num_cached_free_blocks)
     m.prefix_queries.labels(wid).inc(kv.prefix_query_tokens - w.num_prefix_queries)

@@ -9,13 +9,14 @@ from __future__ import annotations
 import dataclasses
 
 from pagedserve.v1 import worker_pb2
-from scheduler_svc.convert import plan_to_pb, result_from_pb
-from scheduler_svc.core.request import Request, SamplingConfig
+from pagedserve_common.wire import plan_to_pb, result_from_pb
+from scheduler_svc.core.request import Request
+from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from worker_svc.convert import plan_from_pb, result_to_pb
+from pagedserve_common.wire import plan_from_pb, result_to_pb
 from worker_svc.runner import ModelRunner
 
-GREEDY = SamplingConfig(temperature=0.0)
+GREEDY = SamplingParams(temperature=0.0)
 
 
 class LocalDriver:
@@ -25,7 +26,7 @@ class LocalDriver:
         self.runner = runner
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=runner.pool.num_blocks, max_model_len=runner.loaded.max_model_len,
-            block_size=runner.pool.layout.block_size, max_num_seqs=max_num_seqs,
+            block_size=runner.pool.geometry.block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             eos_token_ids=runner.loaded.eos_token_ids if eos_token_ids is None else eos_token_ids,
             num_cpu_blocks=num_cpu_blocks))
@@ -34,7 +35,7 @@ class LocalDriver:
         self.step_id = 0
         self.num_copies = 0
 
-    def add(self, prompt: list[int], max_new_tokens: int, sampling: SamplingConfig = GREEDY, arrival_step: int = 0,
+    def add(self, prompt: list[int], max_new_tokens: int, sampling: SamplingParams = GREEDY, arrival_step: int = 0,
             n: int = 1) -> str:
         request_id = f"r{len(self.outputs)}"
         sampling = dataclasses.replace(sampling, max_tokens=max_new_tokens, n=n)
@@ -56,6 +57,6 @@ class LocalDriver:
             self.num_copies += len(plan.copies)
             result = self.runner.step(plan_from_pb(worker_pb2.StepPlan.FromString(
                 plan_to_pb(plan).SerializeToString())))
-            for out in sched.update(plan, result_from_pb(result_to_pb(result))):
+            for out in sched.update(plan, result_from_pb(result_to_pb(result)).sampled):
                 self.outputs[out.request_id][out.index].extend(out.new_token_ids)
         return self.outputs

@@ -60,3 +60,67 @@ def test_the_services_never_import_each_other_only_the_shared_module():
     # And the shared module really is shared: both services use it.
     for package in ("worker_svc", "scheduler_svc"):
         assert any("pagedserve_common" in n for n in _imported_top_levels(package).values()), package
+
+
+PACKAGES = ("scheduler_svc", "worker_svc", "pagedserve_common", "pagedserve_cli")
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Every module of PACKAGES -> the modules of PACKAGES it imports, at any depth (lazily, under TYPE_CHECKING
+    or not): `from a.b import c` counts as importing a.b.c when that is a module, else a.b."""
+    import ast
+
+    modules = {}
+    for package in PACKAGES:
+        for path in (ROOT / package).rglob("*.py"):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        edges = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+                           for a in node.names]
+            else:
+                continue
+            edges |= {t for t in targets if t in modules and t != name}
+        graph[name] = edges
+    return graph
+
+
+def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle (its modules in order, the first repeated at the end), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)) is not None:
+                return cycle
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)) is not None:
+            return cycle
+    return None
+
+
+def test_no_module_imports_itself_through_others():
+    """No import circle among the project's modules: each one can be read, and imported, after what it uses."""
+    graph = _module_graph()
+    assert "scheduler_svc.engine" in graph and "scheduler_svc.worker_link" in graph["scheduler_svc.engine"]
+    assert _find_cycle(graph) is None, " -> ".join(_find_cycle(graph))
+
+
+def test_the_circle_finder_finds_a_circle():
+    assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _find_cycle({"a": {"b"}, "b": set()}) is None

@@ -6,12 +6,13 @@ import random
 import pytest
 import torch
 
-from worker_svc.sampling import LogprobEntry, Sampler, SampleOutput, SamplingOptions, make_generator
+from pagedserve_common.sampling import SamplingParams
+from worker_svc.sampling import LogprobEntry, Sampler, SampleOutput, make_generator
 
-S = SamplingOptions
+S = SamplingParams
 
 
-def draws(logits_row: torch.Tensor, opt: SamplingOptions, n: int, seed: int) -> list[int]:
+def draws(logits_row: torch.Tensor, opt: SamplingParams, n: int, seed: int) -> list[int]:
     """n draws from one distribution as one batch; every row shares one seeded generator."""
     g = make_generator(seed)
     out = Sampler().sample(logits_row.expand(n, -1).contiguous(), [opt] * n, [g] * n)
@@ -179,7 +180,7 @@ def test_logprobs_come_from_raw_logits():
 
 def test_default_options_are_valid():
     S().validate()
-    S(temperature=0, top_p=0.01, top_k=1, min_p=1.0, seed=-5, logprobs=20).validate()
+    S(temperature=0, top_p=0.01, top_k=1, min_p=1.0, seed=2**64 - 1, logprobs=20).validate()
     S(logprobs=0).validate()
 
 

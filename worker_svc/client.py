@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import random
@@ -16,11 +17,13 @@ import structlog
 import torch
 
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
+from pagedserve_common import wire
+from pagedserve_common.registration import WorkerRegistration
+from pagedserve_common.result import StepError, StepErrorKind
 from pagedserve_common.signals import exit_now
-from worker_svc.convert import plan_from_pb, result_to_pb
 from worker_svc.plan_check import BadPlan
 from worker_svc.threads import ThreadGovernor
-from worker_svc.worker import WorkerConfig, WorkerInfo, available_cores, create_runner
+from worker_svc.worker import WorkerConfig, available_cores, create_runner
 
 log = structlog.get_logger("pagedserve.worker")
 
@@ -75,13 +78,6 @@ class Backoff:
         self.current = 0.0
 
 
-def registration_pb(info: WorkerInfo) -> worker_pb2.WorkerMessage:
-    return worker_pb2.WorkerMessage(registration=worker_pb2.WorkerRegistration(
-        model_id=info.model_id, num_blocks=info.num_blocks, block_size=info.block_size, dtype=info.dtype,
-        max_model_len=info.max_model_len, device=info.device, num_cpu_blocks=info.num_cpu_blocks,
-        name=f"{socket.gethostname()}:{os.getpid()}"))
-
-
 def make_governor(cfg: WorkerConfig) -> ThreadGovernor | None:
     """Adaptive compute threads, unless --threads fixed them (or the worker is on a GPU)."""
     if cfg.threads is not None or cfg.device != "cpu":
@@ -97,13 +93,13 @@ def run_worker(scheduler: str, cfg: WorkerConfig, shutdown: Shutdown | None = No
                credentials: grpc.ChannelCredentials | None = None, channel_options=()) -> int:
     """Serves until asked to leave; returns the exit status (1 when the scheduler refuses this worker).
     With `credentials` it dials in over TLS (`channel_options` may name the certificate's expected host)."""
-    runner, info = create_runner(cfg)
+    runner, reg = create_runner(cfg)
     if shutdown is None:
         shutdown = Shutdown()
         shutdown.install()
     governor = make_governor(cfg)
-    log.info("worker ready", scheduler=scheduler, num_blocks=info.num_blocks, block_size=info.block_size,
-             dtype=info.dtype, device=info.device, kv_bytes=runner.pool.nbytes, threads=torch.get_num_threads(),
+    log.info("worker ready", scheduler=scheduler, num_blocks=reg.num_blocks, block_size=reg.block_size,
+             dtype=reg.dtype, device=reg.device, kv_bytes=runner.pool.nbytes, threads=torch.get_num_threads(),
              cores=available_cores(), adaptive_threads=bool(governor and governor.enabled),
              attention=runner.backend.name, forward=runner.forward_path)
     backoff, last_warning = Backoff(), 0.0
@@ -121,7 +117,7 @@ def run_worker(scheduler: str, cfg: WorkerConfig, shutdown: Shutdown | None = No
                 continue
             started = time.monotonic()
             try:
-                serve_plans(channel, runner, info, governor, shutdown)
+                serve_plans(channel, runner, reg, governor, shutdown)
             except grpc.RpcError as e:
                 if e.code() in FATAL_CODES:
                     log.error("the scheduler refused this worker", code=e.code().name, details=e.details())
@@ -185,13 +181,14 @@ def _sleep(seconds: float, shutdown: Shutdown) -> None:
         time.sleep(min(0.1, deadline - time.monotonic()))
 
 
-def serve_plans(channel: grpc.Channel, runner, info: WorkerInfo, governor: ThreadGovernor | None = None,
+def serve_plans(channel: grpc.Channel, runner, reg: WorkerRegistration, governor: ThreadGovernor | None = None,
                 shutdown: Shutdown | None = None) -> None:
     """Attach: registration first, then one StepResult (or StepError) per StepPlan, until the scheduler ends
     the stream. Raises grpc.RpcError when the stream breaks."""
     shutdown = shutdown or Shutdown()
     outbox: queue.Queue = queue.Queue()
-    outbox.put(registration_pb(info))
+    reg = dataclasses.replace(reg, name=reg.name or f"{socket.gethostname()}:{os.getpid()}")
+    outbox.put(worker_pb2.WorkerMessage(registration=wire.registration_to_pb(reg)))
 
     def messages():
         announced = False
@@ -223,16 +220,15 @@ def serve_plans(channel: grpc.Channel, runner, info: WorkerInfo, governor: Threa
 def _answer(runner, plan_pb, t0: float, sent_at: float | None) -> dict:
     """{'result': StepResult} or {'error': StepError}: a refused plan or a failed step is reported, not fatal."""
     try:
-        out = runner.step(plan_from_pb(plan_pb))
+        result = runner.step(wire.plan_from_pb(plan_pb))
     except BadPlan as e:
         log.error("refused a bad plan", step_id=plan_pb.step_id, error=str(e))
-        return {"error": worker_pb2.StepError(step_id=plan_pb.step_id, kind=worker_pb2.StepError.BAD_PLAN,
-                                              message=str(e))}
+        return {"error": wire.step_error_to_pb(StepError(plan_pb.step_id, StepErrorKind.BAD_PLAN, str(e)))}
     except Exception as e:  # NOTE: out of device memory, a kernel fault: the scheduler recomputes elsewhere
         log.exception("step failed", step_id=plan_pb.step_id)
-        return {"error": worker_pb2.StepError(step_id=plan_pb.step_id, kind=worker_pb2.StepError.STEP_FAILED,
-                                              message=f"{type(e).__name__}: {e}")}
-    result = result_to_pb(out)
+        return {"error": wire.step_error_to_pb(StepError(plan_pb.step_id, StepErrorKind.STEP_FAILED,
+                                                         f"{type(e).__name__}: {e}"))}
+    # NOTE: the step's time as the scheduler sees it includes decoding the plan
     result.step_seconds = time.perf_counter() - t0
     result.idle_seconds = 0.0 if sent_at is None else t0 - sent_at
-    return {"result": result}
+    return {"result": wire.result_to_pb(result)}

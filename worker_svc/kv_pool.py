@@ -2,32 +2,11 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from pagedserve_common.kv_geometry import KVGeometry
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass(slots=True, frozen=True)
-class KVLayout:
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    block_size: int
-    dtype: torch.dtype
-
-    @property
-    def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype.itemsize
-
-    @property
-    def bytes_per_block(self) -> int:
-        return self.bytes_per_token * self.block_size
-
-    def num_blocks_for(self, kv_memory: int) -> int:
-        return kv_memory // self.bytes_per_block
 
 
 class KVPool:
@@ -38,17 +17,18 @@ class KVPool:
     Slot s of the pool is token s % block_size of block s // block_size.
     """
 
-    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu",
+    def __init__(self, geometry: KVGeometry, num_blocks: int, device: torch.device | str = "cpu",
                  num_cpu_blocks: int = 0) -> None:
         if num_blocks < 1:
-            raise ValueError(f"the KV budget holds no block: {layout.bytes_per_block} bytes needed per block")
-        self.layout = layout
+            raise ValueError(f"the KV budget holds no block: {geometry.bytes_per_block} bytes needed per block")
+        self.geometry = geometry
         self.num_blocks = num_blocks
-        shape = (layout.num_layers, 2, num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        self.kv = torch.zeros(shape, dtype=layout.dtype, device=device)
+        shape = (geometry.num_layers, 2, num_blocks, geometry.block_size, geometry.num_kv_heads, geometry.head_dim)
+        dtype = DTYPES[geometry.dtype]
+        self.kv = torch.zeros(shape, dtype=dtype, device=device)
         # Swap space: the same layout in host memory (pinned beside a GPU, for fast copies).
         self.num_cpu_blocks = num_cpu_blocks
-        self.cpu_kv = torch.zeros((*shape[:2], num_cpu_blocks, *shape[3:]), dtype=layout.dtype,
+        self.cpu_kv = torch.zeros((*shape[:2], num_cpu_blocks, *shape[3:]), dtype=dtype,
                                   pin_memory=torch.device(device).type == "cuda") if num_cpu_blocks else None
 
     @property

@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 from transformers import AttentionInterface, AutoModelForCausalLM
 
-from worker_svc.kv_pool import DTYPES, KVLayout
+from pagedserve_common.kv_geometry import KVGeometry
+from worker_svc.kv_pool import DTYPES
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTN_IMPLEMENTATION = "pagedserve"
@@ -47,11 +48,11 @@ class LoadedModel:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
 
-    def kv_layout(self, block_size: int, kv_dtype: torch.dtype | None = None) -> KVLayout:
+    def kv_geometry(self, block_size: int, kv_dtype: torch.dtype | None = None) -> KVGeometry:
         cfg = self.model.config
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return KVLayout(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads,
-                        head_dim=head_dim, block_size=block_size, dtype=kv_dtype or self.dtype)
+        return KVGeometry(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
+                          dtype=str(kv_dtype or self.dtype).removeprefix("torch."), block_size=block_size)
 
 
 def resolve_dtype(dtype: str, device: str, config: dict) -> torch.dtype:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from worker_svc.batch import SeqState
-from worker_svc.plan import StepPlan
+from pagedserve_common.plan import StepPlan
 
 
 class BadPlan(ValueError):
@@ -26,6 +26,8 @@ def check_plan(plan: StepPlan, seqs: Mapping[int, SeqState], num_blocks: int, nu
     lookup out of range fails the step on a CPU and may kill the context on a GPU). NOTE: it reads `seqs` only, so a refused plan leaves
     the batch as it was."""
     dropped = set(plan.finished_seq_ids) | set(plan.preempted_seq_ids)
+    if len(dropped) != len(plan.finished_seq_ids) + len(plan.preempted_seq_ids):
+        raise BadPlan("a finished/preempted seq is dropped twice")
     for seq_id in dropped:
         if seq_id not in seqs:
             raise BadPlan(f"finished/preempted seq {seq_id} is not on this worker")

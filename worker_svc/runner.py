@@ -8,12 +8,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pagedserve_common.plan import StepPlan
+from pagedserve_common.result import PositionLogprobs, StepResult, TokenLogprob
 from worker_svc.attention import AttentionBackend, AttentionMetadata
 from worker_svc.batch import PersistentBatch
 from worker_svc.kv_pool import KVPool
 from worker_svc.lean_model import build_lean
 from worker_svc.models import LoadedModel
-from worker_svc.plan import StepOutput, StepPlan
 from worker_svc.plan_check import check_plan
 from worker_svc.sampling import Sampler, make_generator
 
@@ -64,11 +65,12 @@ class ModelRunner:
         again: the scheduler's new block tables start from nothing)."""
         self.batch = PersistentBatch()
 
-    def step(self, plan: StepPlan) -> StepOutput:
-        """Runs one plan; raises BadPlan (and changes nothing) when the plan does not fit this worker."""
+    def step(self, plan: StepPlan) -> StepResult:
+        """Runs one plan; raises BadPlan (and changes nothing) when the plan does not fit this worker. The
+        result's step_seconds is this call's wall time."""
         t0 = time.perf_counter()
         pool = self.pool
-        check_plan(plan, self.batch.seqs, pool.num_blocks, pool.num_cpu_blocks, pool.layout.block_size,
+        check_plan(plan, self.batch.seqs, pool.num_blocks, pool.num_cpu_blocks, pool.geometry.block_size,
                    self.loaded.vocab_size)
         scheduled = self.batch.apply(plan)
         # NOTE: order matters: blocks swapped out this step may be reused as swap-in or copy targets.
@@ -76,8 +78,8 @@ class ModelRunner:
         self.pool.swap_in(plan.swap_in)
         self.backend.copy_blocks(self.pool.kv, plan.copies)
         if not scheduled:
-            return StepOutput(plan.step_id, [], [], [], time.perf_counter() - t0)
-        bs = self.pool.layout.block_size
+            return StepResult(plan.step_id, step_seconds=time.perf_counter() - t0)
+        bs = self.pool.geometry.block_size
         q_lens = np.fromiter((s.num_scheduled_tokens for s in scheduled), np.int64, len(scheduled))
         starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, len(scheduled))
         seq_lens = starts + q_lens
@@ -92,14 +94,15 @@ class ModelRunner:
                                   torch.from_numpy(meta.positions_host).to(self.device, torch.long),
                                   StepContext(self.pool.kv, meta, self.backend), keep)
             sampled = [scheduled[i] for i in sampling_rows]
-            generators = [None if s.sampling.seed is None else
-                          make_generator(_seed_for(s.sampling.seed, len(s.token_ids)), self.device)
-                          for s in sampled]
+            generators = [make_generator(_seed_for(s.seed, len(s.token_ids)), self.device) for s in sampled]
             result = self.sampler.sample(logits.float(), [s.sampling for s in sampled], generators)
         for s in scheduled:
             s.num_computed_tokens += s.num_scheduled_tokens
             s.num_scheduled_tokens = 0
         for s, tok in zip(sampled, result.token_ids):
             s.token_ids.append(tok)
-        return StepOutput(plan.step_id, [s.seq_id for s in sampled], result.token_ids, result.logprobs,
+        logprobs = {s.seq_id: PositionLogprobs(TokenLogprob(lp.token_id, lp.logprob),
+                                               tuple(TokenLogprob(t, v) for t, v in lp.top))
+                    for s, lp in zip(sampled, result.logprobs) if lp is not None}
+        return StepResult(plan.step_id, {s.seq_id: tok for s, tok in zip(sampled, result.token_ids)}, logprobs,
                           time.perf_counter() - t0)

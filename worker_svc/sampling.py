@@ -6,30 +6,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve_common.sampling import check_sampling_ranges
+from pagedserve_common.sampling import SamplingParams
 # Slack for float32 rounding in the nucleus cumsum: without it, a crafted distribution whose head sums to
 # exactly top_p (0.5 + 0.3 vs 0.8) keeps one extra token or not depending on the rounding direction.
 TOP_P_EPS = 1e-6
 CANDIDATES = 256  # most likely tokens a top-p row is sampled from (more only when they hold less than top_p)
-
-
-@dataclass(slots=True)
-class SamplingOptions:
-    """Sampling settings of one request; temperature 0 means greedy."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    min_p: float = 0.0
-    seed: int | None = None
-    logprobs: int | None = None  # None = none; 0 = the sampled token's only; N = also the top N
-
-    def validate(self) -> None:
-        check_sampling_ranges(self.temperature, self.top_p, self.top_k, self.min_p, self.logprobs)
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
 
 
 @dataclass(slots=True)
@@ -67,10 +48,10 @@ class Sampler:
     def sample(
         self,
         logits: torch.Tensor,
-        options: list[SamplingOptions],
+        options: list[SamplingParams],
         generators: list[torch.Generator | None],
     ) -> SampleOutput:
-        # NOTE: options are validated once on admission (the scheduler's SamplingConfig.validate), not every step.
+        # NOTE: options are validated once on admission (the scheduler's SamplingParams.validate), not every step.
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
         b = logits.shape[0]
@@ -94,7 +75,7 @@ class Sampler:
         return SampleOutput(token_ids=ids, logprobs=_logprobs(logits, token_ids, ids, options))
 
 
-def _filtered_probs(logits: torch.Tensor, options: list[SamplingOptions]) -> torch.Tensor:
+def _filtered_probs(logits: torch.Tensor, options: list[SamplingParams]) -> torch.Tensor:
     """The exact full-sort path, for rows whose nucleus is wider than the candidates: temperature, then top-k,
     top-p and min-p as masks over one batched sort of the whole vocabulary; returns probabilities."""
     n, v = logits.shape
@@ -147,7 +128,7 @@ def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return idx.clamp_(max=probs.shape[1] - 1)  # NOTE: zero-probability tokens have empty intervals: never hit
 
 
-def _sample_rows(logits: torch.Tensor, options: list[SamplingOptions], u: torch.Tensor) -> torch.Tensor:
+def _sample_rows(logits: torch.Tensor, options: list[SamplingParams], u: torch.Tensor) -> torch.Tensor:
     """Temperature, top-k, top-p and min-p, then one inverse-CDF draw per row.
 
     Rows with top-k or top-p work on their CANDIDATES (one batched topk, sorted), never on a sort of the whole
@@ -205,7 +186,7 @@ def _sample_rows(logits: torch.Tensor, options: list[SamplingOptions], u: torch.
 
 
 def _logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, ids: list[int], options: list[SamplingOptions]
+    logits: torch.Tensor, token_ids: torch.Tensor, ids: list[int], options: list[SamplingParams]
 ) -> list[LogprobEntry | None]:
     """Logprobs from log_softmax of the raw logits, only for rows that asked."""
     out: list[LogprobEntry | None] = [None] * len(options)

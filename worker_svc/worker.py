@@ -9,7 +9,9 @@ import structlog
 import torch
 
 from worker_svc.attention import AttentionBackend, TorchAttentionBackend
-from worker_svc.kv_pool import KVLayout, KVPool
+from pagedserve_common.kv_geometry import KVGeometry
+from pagedserve_common.registration import WorkerRegistration
+from worker_svc.kv_pool import DTYPES, KVPool
 from worker_svc.model_store import resolve_model
 from worker_svc.models import ATTN_IMPLEMENTATION, load_model
 from worker_svc.runner import ModelRunner
@@ -29,19 +31,6 @@ class WorkerConfig:
     swap_space: int = 0  # bytes of host memory for swapped-out KV blocks (0: preemption recomputes)
     attention_backend: str = "auto"  # auto: cupy on a GPU, the C++ kernel on the CPU (torch if it can't build)
     lean: bool = True  # run supported models through LeanModel instead of the transformers modules
-
-
-@dataclass(slots=True, frozen=True)
-class WorkerInfo:
-    """What a worker registers with the scheduler."""
-
-    model_id: str
-    num_blocks: int
-    block_size: int
-    dtype: str
-    max_model_len: int
-    device: str
-    num_cpu_blocks: int = 0
 
 
 GPU_HEADROOM = 256 * 2**20  # bytes left free on the GPU for what the profile doesn't see (allocator slack, NVRTC)
@@ -87,7 +76,7 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def make_backend(name: str, device: str, layout: KVLayout) -> AttentionBackend:
+def make_backend(name: str, device: str, geometry: KVGeometry) -> AttentionBackend:
     if name not in ("auto", "cpu", "torch", "cupy"):
         raise ValueError(f"attention backend must be auto, cpu, torch or cupy, got {name!r}")
     if name == "cupy" or (name == "auto" and device.startswith("cuda")):
@@ -96,10 +85,10 @@ def make_backend(name: str, device: str, layout: KVLayout) -> AttentionBackend:
     if name == "torch" or device != "cpu":
         return TorchAttentionBackend()
     from worker_svc.attention.cpu_backend import CpuAttentionBackend
-    if not CpuAttentionBackend.supports(layout.dtype, layout.head_dim, layout.block_size):
+    if not CpuAttentionBackend.supports(DTYPES[geometry.dtype], geometry.head_dim, geometry.block_size):
         if name == "cpu":
-            raise ValueError(f"the CPU kernel has no {layout.dtype} / head_dim {layout.head_dim} / block_size "
-                             f"{layout.block_size} instance")
+            raise ValueError(f"the CPU kernel has no {geometry.dtype} / head_dim {geometry.head_dim} / block_size "
+                             f"{geometry.block_size} instance")
         return TorchAttentionBackend()
     try:
         return CpuAttentionBackend()
@@ -110,12 +99,14 @@ def make_backend(name: str, device: str, layout: KVLayout) -> AttentionBackend:
         return TorchAttentionBackend()
 
 
-def create_runner(cfg: WorkerConfig, backend: AttentionBackend | None = None) -> tuple[ModelRunner, WorkerInfo]:
+def create_runner(cfg: WorkerConfig, backend: AttentionBackend | None = None) -> tuple[ModelRunner,
+                                                                                    WorkerRegistration]:
+    """The runner, and what the worker registers with (its name is filled in when it dials in)."""
     if cfg.device == "cpu":
         torch.set_num_threads(cfg.threads or available_cores())
     set_device(cfg.device)
     loaded = load_model(resolve_model(cfg.model), cfg.dtype, cfg.device, model_id=cfg.model)
-    layout = loaded.kv_layout(cfg.block_size)
+    geometry = loaded.kv_geometry(cfg.block_size)
     kv_memory = cfg.kv_memory
     if kv_memory is None:
         if cfg.device.startswith("cuda"):
@@ -125,10 +116,9 @@ def create_runner(cfg: WorkerConfig, backend: AttentionBackend | None = None) ->
             loaded.model.set_attn_implementation(ATTN_IMPLEMENTATION)
         else:
             kv_memory = 2**30
-    pool = KVPool(layout, layout.num_blocks_for(kv_memory), cfg.device, layout.num_blocks_for(cfg.swap_space))
-    runner = ModelRunner(loaded, pool, backend or make_backend(cfg.attention_backend, cfg.device, layout),
+    pool = KVPool(geometry, geometry.num_blocks_for(kv_memory), cfg.device, geometry.num_blocks_for(cfg.swap_space))
+    runner = ModelRunner(loaded, pool, backend or make_backend(cfg.attention_backend, cfg.device, geometry),
                          lean=cfg.lean)
-    info = WorkerInfo(model_id=cfg.model, num_blocks=pool.num_blocks, block_size=cfg.block_size,
-                      dtype=str(layout.dtype).removeprefix("torch."), max_model_len=loaded.max_model_len,
-                      device=cfg.device, num_cpu_blocks=pool.num_cpu_blocks)
-    return runner, info
+    reg = WorkerRegistration(model_id=cfg.model, max_model_len=loaded.max_model_len, device=cfg.device,
+                             kv_geometry=geometry, num_blocks=pool.num_blocks, num_cpu_blocks=pool.num_cpu_blocks)
+    return runner, reg

@@ -162,8 +162,7 @@ def write_outputs(out: Path, args: argparse.Namespace, config: dict, results: li
 
 
 def run(args: argparse.Namespace) -> int:
-    from pagedserve_cli.bench_cmd import build_requests
-    from pagedserve_cli.bench.workloads import dump_jsonl
+    from pagedserve_cli.bench.workloads import build_requests, dump_jsonl
     from pagedserve_cli.serve_cmd import DEFAULT_MODEL, model_dir
 
     if args.server or args.openai_url:

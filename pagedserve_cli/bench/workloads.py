@@ -182,3 +182,40 @@ def load_jsonl(path: str | Path, num_requests: int | None = None) -> list[BenchR
 def dump_jsonl(requests: list[BenchRequest], path: str | Path) -> None:
     """Writes requests in the format load_jsonl reads, so a run can be replayed with --workload."""
     Path(path).write_text("".join(json.dumps(r.to_json()) + "\n" for r in requests), encoding="utf-8")
+
+
+# -- what `pagedserve bench` runs ------------------------------------------------------------------------------
+FALLBACK_MAX_MODEL_LEN = 2048  # when neither the model nor the server says
+
+
+def _tokenizer_dir(args) -> str:
+    if args.tokenizer:
+        return args.tokenizer
+    from pagedserve_cli.serve_cmd import DEFAULT_MODEL, model_dir
+
+    return model_dir(DEFAULT_MODEL)
+
+
+def _config_max_len(model_dir: str) -> int | None:
+    try:
+        cfg = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return cfg.get("max_position_embeddings")
+
+
+def build_requests(args, server_max_len: int | None) -> tuple[list, dict]:
+    """The workload's requests, and what was resolved to build them (tokenizer dir, max_model_len)."""
+    if args.workload not in WORKLOADS:
+        if not Path(args.workload).is_file():
+            raise ValueError(f"--workload {args.workload!r}: not one of {', '.join(WORKLOADS)} nor a file")
+        return load_jsonl(args.workload, args.num_requests), {}
+    from scheduler_svc.frontend.tokenizer import Tokenizer
+
+    tok_dir = _tokenizer_dir(args)
+    # The shorter of the model's and the server's limits, so that both peers of a comparison get the same bytes.
+    lens = [n for n in (_config_max_len(tok_dir), server_max_len) if n]
+    max_len = min(lens) if lens else FALLBACK_MAX_MODEL_LEN
+    reqs = build_workload(args.workload, Tokenizer.from_model_dir(tok_dir), args.num_requests or 64, args.seed,
+                          args.prompt_len, args.output_len, args.num_tenants, max_len)
+    return reqs, {"tokenizer": tok_dir, "max_model_len": max_len}

@@ -8,9 +8,9 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from pagedserve_common.plan import NewSequence, SequenceDelta, StepPlan
 from pagedserve_common.sampling import InvalidField
 from scheduler_svc.core import reservation
-from scheduler_svc.core.plan import NewSeqPlan, RunningSeqPlan, StepPlan
 from scheduler_svc.core.handover import Handover
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput, RequestStatus
 from scheduler_svc.kv.block_pool import BlockPool
@@ -193,7 +193,7 @@ class Scheduler(Handover):
         budget, cap = cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens
         num_preempted = 0
         self.waiting_for_blocks = False
-        new_plans, running_plans, copies = plan.new, plan.running, plan.copies
+        new_plans, running_plans, copies = plan.new_seqs, plan.running, plan.copies
         i = 0
         # Running sequences first: decodes and unfinished prefill chunks, in admission order.
         while i < len(running) and budget > 0:
@@ -214,7 +214,7 @@ class Scheduler(Handover):
             if alloc.copies:
                 copies.extend(alloc.copies)
             if req.on_worker:
-                running_plans.append(RunningSeqPlan(req.seq_id, list(alloc.new_block_ids), num_new))
+                running_plans.append(SequenceDelta(req.seq_id, list(alloc.new_block_ids), num_new))
             else:  # a fork child's first step: its table after copy-on-write goes whole
                 new_plans.append(self._new_plan(req, num_new))
             scheduled.append((req, num_new))
@@ -287,9 +287,9 @@ class Scheduler(Handover):
         num_tokens = self.num_reserved_tokens(len(req.prompt_token_ids), req.sampling.max_tokens)
         return self.kv.reserve(req.seq_id, max(num_tokens, num_new))
 
-    def _new_plan(self, req: Request, num_new: int) -> NewSeqPlan:
+    def _new_plan(self, req: Request, num_new: int) -> NewSequence:
         req.on_worker = True
-        return NewSeqPlan(req.seq_id, list(req.all_token_ids), self.kv.block_table(req.seq_id),
+        return NewSequence(req.seq_id, list(req.all_token_ids), self.kv.block_table(req.seq_id),
                           req.num_computed_tokens, num_new, req.sampling, req.seed)
 
     def _swap_in(self, req: Request, plan: StepPlan, num_new: int) -> bool:
@@ -305,7 +305,7 @@ class Scheduler(Handover):
         req.cpu_block_ids, req.status = None, _RUNNING
         self.running.append(req)
         self._num_seq_slots += req.fork_into or 1
-        plan.new.append(self._new_plan(req, num_new))  # a new table: sent whole, never as a delta
+        plan.new_seqs.append(self._new_plan(req, num_new))  # a new table: sent whole, never as a delta
         return True
 
     def _preempt(self, victim: Request, plan: StepPlan) -> None:

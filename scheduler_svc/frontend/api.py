@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import jinja2
 
 from scheduler_svc.core.kv_snapshot import KVPoolSnapshot, snapshot
-from scheduler_svc.core.request import SamplingConfig
 from scheduler_svc.errors import DRAINING, EngineError, ErrorCode
+from scheduler_svc.frontend.inputs import INPUTS, GenerateInput
 from scheduler_svc.frontend.limits import Limits
 from scheduler_svc.frontend.pool import TokenizerPool
 from scheduler_svc.frontend.stream import RequestStream
@@ -18,24 +17,6 @@ from scheduler_svc.frontend.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from scheduler_svc.engine import Engine
-
-INPUTS = ("prompt", "prompt_token_ids", "messages")
-
-
-@dataclass(slots=True)
-class GenerateInput:
-    """One generation before tokenizing, whichever API it came from. Exactly one of the inputs is set (not None)."""
-
-    prompt: str | None = None
-    prompt_token_ids: list[int] | None = None
-    messages: list[dict] | None = None  # [{"role": ..., "content": ...}], rendered with the chat template
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    stop: tuple[str, ...] = ()
-    request_id: str = ""
-    cache_salt: str = ""
-    chat_template_kwargs: dict = field(default_factory=dict)  # e.g. enable_thinking; reach the template as is
-    fill_context: bool = False  # max_tokens unset (OpenAI chat): generate up to the context's end
-
 
 def invalid(field_name: str, message: str) -> EngineError:
     return EngineError(ErrorCode.INVALID_ARGUMENT, message, field_name)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 from scheduler_svc.errors import EngineError, ErrorCode
 
 if TYPE_CHECKING:
-    from scheduler_svc.frontend.api import GenerateInput
+    from scheduler_svc.frontend.inputs import GenerateInput
 
 MiB = 1 << 20
 # NOTE: a token of real text averages ~4 characters; 32 per token of context leaves room for whitespace runs and

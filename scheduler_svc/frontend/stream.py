@@ -6,6 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from pagedserve_common.result import PositionLogprobs
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.metrics import Metrics
@@ -20,7 +21,7 @@ class StreamItem:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason | None = None
-    logprobs: list = field(default_factory=list)  # pagedserve.v1.PositionLogprobs, one per token
+    logprobs: list[PositionLogprobs] = field(default_factory=list)  # one per token, when asked for
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
@@ -53,7 +54,7 @@ class RequestStream:
     def done(self) -> bool:
         return self.num_open == 0
 
-    def push(self, out: RequestOutput, logprobs, now: float) -> FinishReason | None:
+    def push(self, out: RequestOutput, logprobs: PositionLogprobs | None, now: float) -> FinishReason | None:
         """Streams one step's tokens of one sample; returns STOP_STRING when its text hit a stop string."""
         s = self.samples[out.index]
         if s.finished:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_svc.core.request import FinishReason, SamplingConfig
+from scheduler_svc.core.request import FinishReason
+from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend import FrontEnd, GenerateInput, StreamItem
 from scheduler_svc.frontend.api import invalid
@@ -58,11 +59,11 @@ def _refuse_unsupported(body) -> None:
         raise invalid("logit_bias", "logit_bias is not supported")
 
 
-def _sampling(body, max_tokens: int | None, logprobs: int | None) -> SamplingConfig:
+def _sampling(body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
     def pick(value, default):
         return default if value is None else value
 
-    return SamplingConfig(max_tokens=pick(max_tokens, 16), temperature=pick(body.temperature, 1.0),
+    return SamplingParams(max_tokens=pick(max_tokens, 16), temperature=pick(body.temperature, 1.0),
                           top_p=pick(body.top_p, 1.0), top_k=pick(body.top_k, 0), min_p=pick(body.min_p, 0.0),
                           seed=body.seed, n=body.n, stop_token_ids=tuple(body.stop_token_ids or ()),
                           ignore_eos=body.ignore_eos, logprobs=logprobs)

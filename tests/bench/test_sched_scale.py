@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from scheduler_svc.core.request import Request, SamplingConfig
+from scheduler_svc.core.request import Request
+from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 
 _BENCH = Path(__file__).resolve().parents[2] / "bench"
@@ -50,7 +51,7 @@ def test_quick_run_writes_table_json_plot_and_last_line(tmp_path):
 
 def _requests(ss, num: int) -> tuple[list[Request], list[list[int]]]:
     wl = ss.make_workload(num, seed=1, num_prefixes=2, prefix_len=64, suffix=(4, 40), decode=(1, 20))
-    reqs = [Request(str(i), p, SamplingConfig(max_tokens=m, ignore_eos=True))
+    reqs = [Request(str(i), p, SamplingParams(max_tokens=m, ignore_eos=True))
             for i, (p, m) in enumerate(zip(wl.prompts, wl.max_tokens))]
     return reqs, wl.prompts
 

@@ -10,7 +10,8 @@ import pytest
 
 from pagedserve_cli.main import build_parser
 from pagedserve_cli.serve_cmd import scheduler_config, scheduler_policy_argv
-from scheduler_svc.core.plan import WorkerRegistration
+from pagedserve_common.kv_geometry import KVGeometry
+from pagedserve_common.registration import WorkerRegistration
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.server import engine_config
@@ -23,8 +24,8 @@ def attach(tmp_path, argv: list[str], num_cpu_blocks: int = 0):
     engine = Engine(engine_config(cfg, SimpleNamespace(eos_token_ids=(2,))))
 
     async def main():
-        handle = engine.attach_worker(WorkerRegistration("smollm2-135m-instruct", 64, 16, "float32", 512, "cpu",
-                                                         num_cpu_blocks))
+        handle = engine.attach_worker(WorkerRegistration("smollm2-135m-instruct", 512, "cpu",
+                                                         KVGeometry(30, 3, 64, "float32", 16), 64, num_cpu_blocks))
         engine.detach(handle)
         await handle.task
         return handle.scheduler.config

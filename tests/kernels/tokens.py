@@ -31,7 +31,7 @@ def check_greedy_tokens(model_dir: str, backend, device: str, chunk: int) -> Non
     from worker_svc.runner import ModelRunner
 
     loaded = load_model(model_dir, dtype="float32", device=device)
-    runner = ModelRunner(loaded, KVPool(loaded.kv_layout(16), 64, device), backend)
+    runner = ModelRunner(loaded, KVPool(loaded.kv_geometry(16), 64, device), backend)
     prompts = [[random.Random(i).randrange(512) for _ in range(n)] for i, n in enumerate([5, 17, 40, 70])]
     prompts.append(prompts[3][:48] + [7, 8, 9])  # three full blocks shared with prompt 3
     # 30 tokens: 29 computed once, then the two samples share the partial second block (13 tokens).

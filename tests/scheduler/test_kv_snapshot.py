@@ -4,9 +4,10 @@ import pytest
 
 from pagedserve.v1 import generate_pb2
 from pagedserve_cli.kv_state import CACHED, FREE, KVSnapshot, figures
-from scheduler_svc.convert import kv_state_to_pb
+from scheduler_svc.grpc.convert import kv_state_to_pb
 from scheduler_svc.core.kv_snapshot import SequenceBlocks, cached_bytes, ref_count_bytes, snapshot
-from scheduler_svc.core.request import Request, SamplingConfig
+from scheduler_svc.core.request import Request
+from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 
 BS = 8
@@ -19,7 +20,7 @@ def make(**kw) -> Scheduler:
 
 def run_step(s: Scheduler, token: int = 7) -> None:
     plan = s.schedule()
-    s.update(plan, {p.seq_id: token for p in (*plan.new, *plan.running)})
+    s.update(plan, {p.seq_id: token for p in (*plan.new_seqs, *plan.running)})
 
 
 def test_an_idle_pool_is_all_free():
@@ -31,14 +32,14 @@ def test_an_idle_pool_is_all_free():
 
 def test_a_prefix_hit_shares_the_full_prompt_blocks_and_freed_ones_stay_cached():
     s = make(max_num_seqs=4)
-    s.add_request(Request("a", PROMPT, SamplingConfig(max_tokens=8)))
+    s.add_request(Request("a", PROMPT, SamplingParams(max_tokens=8)))
     plan = s.schedule()  # NOTE: the step in flight: its tokens count
     snap = snapshot("w", s)
     assert snap.sequences == [SequenceBlocks("a", 0, [0, 1, 2], 20)]
     assert snap.ref_counts == bytes([1, 1, 1, 0, 0, 0, 0, 0])
     assert snap.cached == bytes([1, 1, 0, 0, 0, 0, 0, 0])  # the full prompt blocks entered the prefix cache
     s.update(plan, {0: 7})
-    s.add_request(Request("b", PROMPT, SamplingConfig(max_tokens=8)))
+    s.add_request(Request("b", PROMPT, SamplingParams(max_tokens=8)))
     run_step(s)  # a decodes its 21st token; b hits blocks 0 and 1 (16 tokens) and gets block 3
     snap = snapshot("w", s)
     assert snap.sequences == [SequenceBlocks("a", 0, [0, 1, 2], 21), SequenceBlocks("b", 1, [0, 1, 3], 20)]
@@ -53,8 +54,8 @@ def test_a_prefix_hit_shares_the_full_prompt_blocks_and_freed_ones_stay_cached()
 
 def test_waiting_sequences_hold_no_table_and_are_counted():
     s = make(max_num_seqs=1)
-    s.add_request(Request("a", PROMPT, SamplingConfig(max_tokens=8)))
-    s.add_request(Request("b", [5, 6, 7], SamplingConfig(max_tokens=8)))
+    s.add_request(Request("a", PROMPT, SamplingParams(max_tokens=8)))
+    s.add_request(Request("b", [5, 6, 7], SamplingParams(max_tokens=8)))
     run_step(s)
     snap = snapshot("w", s)
     assert [q.request_id for q in snap.sequences] == ["a"] and snap.num_waiting == 1
@@ -64,7 +65,7 @@ def test_a_static_pool_shows_whole_reservations_prefill_tokens_and_a_head_waitin
     # static-request: 20 prompt + 12 max_tokens = 32 tokens = 4 blocks each: the 8-block pool holds 2 runs.
     s = make(kv_allocation="static-request")
     for rid in "abc":
-        s.add_request(Request(rid, PROMPT, SamplingConfig(max_tokens=12)))
+        s.add_request(Request(rid, PROMPT, SamplingParams(max_tokens=12)))
     run_step(s)
     snap = snapshot("w", s)
     assert snap.kv_allocation == "static-request" and snap.num_waiting == 1 and snap.waiting_for_blocks
@@ -82,7 +83,7 @@ def test_bytes_encodings():
 def test_the_protobuf_round_trip_gives_the_clis_snapshot():
     s = make(max_num_seqs=4)
     for rid in ("a", "b"):
-        s.add_request(Request(rid, PROMPT, SamplingConfig(max_tokens=8)))
+        s.add_request(Request(rid, PROMPT, SamplingParams(max_tokens=8)))
         run_step(s)
     pb = generate_pb2.KVState.FromString(kv_state_to_pb(snapshot("worker-3", s)).SerializeToString())
     snap = KVSnapshot.from_pb(pb)
@@ -102,7 +103,7 @@ def test_static_reservations_show_whole_runs_and_the_holes_between_them():
         pytest.skip("this scheduler has no static kv_allocation modes")
     s = make(kv_allocation="static-request", max_num_seqs=4)
     for rid, max_tokens in (("a", 12), ("b", 20), ("c", 4)):  # 4-token prompts: 16, 24 and 8 tokens reserved
-        s.add_request(Request(rid, [5, 6, 7, 8], SamplingConfig(max_tokens=max_tokens)))
+        s.add_request(Request(rid, [5, 6, 7, 8], SamplingParams(max_tokens=max_tokens)))
     run_step(s)
     s.abort("b")
     snap = KVSnapshot.from_pb(kv_state_to_pb(snapshot("w", s)))

@@ -34,13 +34,13 @@ def test_release_all_mid_step_frees_every_block_and_adopt_continues_from_the_str
     assert [r.request_id for r in released] == ["a", "b", "c"]  # oldest first
     assert lost.kv.pool.num_free_blocks == 16 and not lost.has_unfinished_requests()
     assert lost.schedule() is None  # nothing in flight, nothing to run
-    old_ids = {s.seq_id for s in in_flight.new} | {s.seq_id for s in in_flight.running}
+    old_ids = {s.seq_id for s in in_flight.new_seqs} | {s.seq_id for s in in_flight.running}
     for r in released:
         survivor.adopt(r)
     plan = survivor.schedule()
-    assert [(s.token_ids, s.num_computed_tokens, s.num_scheduled_tokens) for s in plan.new] == [
+    assert [(s.token_ids, s.num_computed_tokens, s.num_scheduled_tokens) for s in plan.new_seqs] == [
         (toks(0, 10) + [510, 511], 0, 12), (toks(50, 3) + [503, 504], 0, 5), (toks(90, 4) + [504, 505], 0, 6)]
-    assert not {s.seq_id for s in plan.new} & old_ids  # fresh sequence ids
+    assert not {s.seq_id for s in plan.new_seqs} & old_ids  # fresh sequence ids
     other = FakeWorker(by_position)
     survivor.update(plan, other.step(plan))
     drive(survivor, other)
@@ -63,8 +63,8 @@ def test_a_forked_request_moves_only_its_unfinished_samples():
     assert released == [r] and lost.kv.pool.num_free_blocks == 16
     survivor.adopt(r)
     plan = survivor.schedule()
-    assert [s.token_ids for s in plan.new] == [toks(0, 9) + streamed]  # only the unfinished sample
-    assert plan.new[0].seed == child1.seed
+    assert [s.token_ids for s in plan.new_seqs] == [toks(0, 9) + streamed]  # only the unfinished sample
+    assert plan.new_seqs[0].seed == child1.seed
     other = FakeWorker()
     survivor.update(plan, other.step(plan))
     drive(survivor, other)

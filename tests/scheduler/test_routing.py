@@ -7,11 +7,12 @@ from dataclasses import dataclass
 
 import pytest
 
-from scheduler_svc.core.request import Request, SamplingConfig
+from scheduler_svc.core.request import Request
+from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.routing import Router, chain_hashes
 
-GREEDY = SamplingConfig(max_tokens=4, temperature=0.0, ignore_eos=True)
+GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 SYSTEM = list(range(100, 132))  # two full blocks of 16
 
 
@@ -31,7 +32,7 @@ def prefill(w: W, request_id: str, prompt: list[int]) -> None:
     """Runs one request's prefill on the worker's scheduler: its full blocks enter the prefix cache."""
     w.scheduler.add_request(Request(request_id, prompt, GREEDY))
     plan = w.scheduler.schedule()
-    w.scheduler.update(plan, {s.seq_id: 1 for s in plan.new})
+    w.scheduler.update(plan, {s.seq_id: 1 for s in plan.new_seqs})
 
 
 def test_kv_routes_to_the_worker_that_holds_the_prefix_and_says_how_much():

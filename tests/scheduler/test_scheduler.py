@@ -5,9 +5,10 @@ import sys
 
 import pytest
 
-from scheduler_svc.convert import plan_to_pb, result_from_pb
-from scheduler_svc.core.plan import NewSeqPlan, RunningSeqPlan, StepPlan
-from scheduler_svc.core.request import FinishReason, Request, RequestStatus, SamplingConfig
+from pagedserve_common.wire import plan_to_pb, result_from_pb
+from pagedserve_common.plan import NewSequence, SequenceDelta, StepPlan
+from scheduler_svc.core.request import FinishReason, Request, RequestStatus
+from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.v1 import worker_pb2
 
@@ -19,7 +20,7 @@ def make(num_blocks: int = 64, max_model_len: int = 256, **kw) -> Scheduler:
 
 
 def req(rid: str, prompt: list[int], max_tokens: int = 4, **kw) -> Request:
-    return Request(rid, prompt, SamplingConfig(max_tokens=max_tokens, **kw))
+    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **kw))
 
 
 def toks(start: int, n: int) -> list[int]:
@@ -59,7 +60,7 @@ class FakeWorker:
         self._move(self.cpu, self.kv, plan.swap_in)
         self._move(dict(self.kv), self.kv, plan.copies)
         sampled, bs = {}, self.block_size
-        for p in plan.new:
+        for p in plan.new_seqs:
             assert p.seq_id not in self.seqs, f"seq {p.seq_id} sent whole while the worker holds it"
             assert len(p.block_ids) * bs >= p.num_computed_tokens + p.num_scheduled_tokens
             self.seqs[p.seq_id] = dict(tokens=list(p.token_ids), blocks=list(p.block_ids),
@@ -68,14 +69,14 @@ class FakeWorker:
             s = self.seqs[r.seq_id]  # NOTE: KeyError = a delta for a sequence the worker does not hold
             s["blocks"] += r.new_block_ids
             s["scheduled"] = r.num_scheduled_tokens
-        for p in [*plan.new, *plan.running]:
+        for p in [*plan.new_seqs, *plan.running]:
             s = self.seqs[p.seq_id]
             start, end, tokens, blocks = s["computed"], s["computed"] + s["scheduled"], s["tokens"], s["blocks"]
             assert len(blocks) * bs >= end
             for pos in range(start, end):  # the forward writes this step's K/V
                 self.kv[(blocks[pos // bs], pos % bs)] = tuple(tokens[:pos + 1])
             s["computed"] = end
-        for p in [*plan.new, *plan.running]:  # every context read back whole: hits, copies and swaps were right
+        for p in [*plan.new_seqs, *plan.running]:  # every context read back whole: hits, copies and swaps were right
             s = self.seqs[p.seq_id]
             tokens, blocks = s["tokens"], s["blocks"]
             for pos in range(s["computed"]):
@@ -108,21 +109,21 @@ def test_running_decodes_go_first_then_admission_within_the_token_budget():
     a = req("a", toks(0, 6))
     s.add_request(a)
     plan, out = step(s, w)
-    assert [(p.seq_id, p.block_ids, p.num_computed_tokens, p.num_scheduled_tokens) for p in plan.new] == \
+    assert [(p.seq_id, p.block_ids, p.num_computed_tokens, p.num_scheduled_tokens) for p in plan.new_seqs] == \
         [(0, [0], 0, 6)]
     assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in out] == [("a", [10_006], None)]
     s.add_request(req("b", toks(100, 20)))
     plan, out = step(s, w)
-    assert plan.running == [RunningSeqPlan(0, [], 1)]  # a's decode first
-    assert [(p.seq_id, p.block_ids, p.num_scheduled_tokens) for p in plan.new] == [(1, [1, 2], 9)]  # 10 - 1
+    assert plan.running == [SequenceDelta(0, [], 1)]  # a's decode first
+    assert [(p.seq_id, p.block_ids, p.num_scheduled_tokens) for p in plan.new_seqs] == [(1, [1, 2], 9)]  # 10 - 1
     assert [o.request_id for o in out] == ["a"]
     plan, _ = step(s, w)
-    assert plan.running == [RunningSeqPlan(0, [], 1), RunningSeqPlan(1, [3], 9)]
+    assert plan.running == [SequenceDelta(0, [], 1), SequenceDelta(1, [3], 9)]
     plan, out = step(s, w)
-    assert plan.running == [RunningSeqPlan(0, [4], 1), RunningSeqPlan(1, [], 2)]
+    assert plan.running == [SequenceDelta(0, [4], 1), SequenceDelta(1, [], 2)]
     assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in out] == \
         [("a", [10_009], FinishReason.LENGTH), ("b", [11_020], None)]
-    assert plan.new == [] and plan.step_id == 3
+    assert plan.new_seqs == [] and plan.step_id == 3
 
 
 def test_max_num_seqs_caps_admission():
@@ -130,7 +131,7 @@ def test_max_num_seqs_caps_admission():
     for i in range(3):
         s.add_request(req(str(i), toks(100 * i, 5)))
     plan = s.schedule()
-    assert [p.seq_id for p in plan.new] == [0, 1] and [r.request_id for r in s.waiting] == ["2"]
+    assert [p.seq_id for p in plan.new_seqs] == [0, 1] and [r.request_id for r in s.waiting] == ["2"]
 
 
 def test_long_prompt_is_chunked_by_the_token_budget():
@@ -138,9 +139,9 @@ def test_long_prompt_is_chunked_by_the_token_budget():
     a = req("a", toks(0, 40), max_tokens=2)
     s.add_request(a)
     plans = drive(s, w)
-    assert plans[0].new == [NewSeqPlan(0, toks(0, 40), [0, 1], 0, 16, a.sampling, a.seed)]
-    assert [p.running for p in plans[1:]] == [[RunningSeqPlan(0, [2, 3], 16)], [RunningSeqPlan(0, [4], 8)],
-                                              [RunningSeqPlan(0, [5], 1)]]
+    assert plans[0].new_seqs == [NewSequence(0, toks(0, 40), [0, 1], 0, 16, a.sampling, a.seed)]
+    assert [p.running for p in plans[1:]] == [[SequenceDelta(0, [2, 3], 16)], [SequenceDelta(0, [4], 8)],
+                                              [SequenceDelta(0, [5], 1)]]
     assert a.output_token_ids == [10_040, 10_041] and a.num_computed_tokens == 41
 
 
@@ -148,7 +149,7 @@ def test_long_prefill_token_threshold_caps_one_sequences_chunk():
     s = make(max_num_batched_tokens=64, long_prefill_token_threshold=12)
     s.add_request(req("a", toks(0, 30)))
     s.add_request(req("b", toks(100, 30)))
-    assert [p.num_scheduled_tokens for p in s.schedule().new] == [12, 12]
+    assert [p.num_scheduled_tokens for p in s.schedule().new_seqs] == [12, 12]
 
 
 def test_prefix_hit_skips_cached_tokens_and_cache_salt_isolates():
@@ -158,13 +159,13 @@ def test_prefix_hit_skips_cached_tokens_and_cache_salt_isolates():
     b = req("b", toks(0, 16) + toks(500, 5))
     s.add_request(b)
     plan = s.schedule()
-    assert [(p.block_ids, p.num_computed_tokens, p.num_scheduled_tokens) for p in plan.new] == \
+    assert [(p.block_ids, p.num_computed_tokens, p.num_scheduled_tokens) for p in plan.new_seqs] == \
         [([0, 1, 3], 16, 5)]  # blocks 0 and 1 are a's; block 2 (a's partial tail) went back to the free queue
     assert b.num_cached_prompt_tokens == 16
     s.update(plan, w.step(plan))
     drive(s, w)
-    s.add_request(Request("c", toks(0, 20), SamplingConfig(max_tokens=1), cache_salt="tenant-1"))
-    assert s.schedule().new[0].num_computed_tokens == 0
+    s.add_request(Request("c", toks(0, 20), SamplingParams(max_tokens=1), cache_salt="tenant-1"))
+    assert s.schedule().new_seqs[0].num_computed_tokens == 0
 
 
 def test_preemption_recomputes_the_most_recently_admitted_and_everyone_completes():
@@ -173,10 +174,10 @@ def test_preemption_recomputes_the_most_recently_admitted_and_everyone_completes
     for r in (a, b, c):
         s.add_request(r)
     plans = [step(s, w)[0] for _ in range(9)]
-    assert [p.seq_id for p in plans[0].new] == [0, 1] and s.num_preemptions == 0
+    assert [p.seq_id for p in plans[0].new_seqs] == [0, 1] and s.num_preemptions == 0
     assert s.kv.block_table(0) == [0, 2] and s.kv.block_table(1) == [1, 3]  # pool full, both at 16 tokens
     plan, out = step(s, w)  # both need a third block: b, admitted last, loses its blocks
-    assert plan.preempted_seq_ids == [1] and plan.running == [RunningSeqPlan(0, [3], 1)] and plan.new == []
+    assert plan.preempted_seq_ids == [1] and plan.running == [SequenceDelta(0, [3], 1)] and plan.new_seqs == []
     assert [(o.request_id, o.finish_reason) for o in out] == [("a", FinishReason.LENGTH)]
     assert [r.request_id for r in s.waiting] == ["b", "c"]  # back at the front
     assert (b.status, b.num_preemptions, s.num_preemptions, len(b.all_token_ids)) == \
@@ -184,7 +185,7 @@ def test_preemption_recomputes_the_most_recently_admitted_and_everyone_completes
     plan, _ = step(s, w)
     # b comes back whole: all 17 tokens; its prompt block survived in the cache, its second block was evicted.
     assert [(p.seq_id, p.token_ids, p.block_ids, p.num_computed_tokens, p.num_scheduled_tokens)
-            for p in plan.new] == [(1, b.all_token_ids[:17], [1, 3, 2], 8, 9), (2, toks(200, 8), [0], 0, 8)]
+            for p in plan.new_seqs] == [(1, b.all_token_ids[:17], [1, 3, 2], 8, 9), (2, toks(200, 8), [0], 0, 8)]
     assert plan.finished_seq_ids == [0]
     drive(s, w)
     for r in (a, b, c):
@@ -217,7 +218,7 @@ def test_abort_frees_blocks_and_tells_the_worker_only_about_sequences_it_had():
     s.abort("b")  # still waiting: the worker never had it
     assert (a.finish_reason, b.finish_reason) == (FinishReason.ABORT, FinishReason.ABORT)
     plan = s.schedule()
-    assert (plan.finished_seq_ids, plan.new, plan.running) == ([0], [], [])
+    assert (plan.finished_seq_ids, plan.new_seqs, plan.running) == ([0], [], [])
     s.update(plan, w.step(plan))
     assert s.schedule() is None and not s.has_unfinished_requests()
     assert s.kv.pool.num_free_blocks == 64 and s.kv.stats().num_used_blocks == 0
@@ -229,7 +230,7 @@ def test_parallel_sampling_forks_after_the_prefix_with_copy_on_write():
     r = req("r", toks(0, 12), max_tokens=2, n=2, seed=5)
     s.add_request(r)
     plan, out = step(s, w)
-    assert [(p.seq_id, p.block_ids, p.num_computed_tokens, p.num_scheduled_tokens) for p in plan.new] == \
+    assert [(p.seq_id, p.block_ids, p.num_computed_tokens, p.num_scheduled_tokens) for p in plan.new_seqs] == \
         [(0, [0, 1], 0, 11)]  # the prompt but its last token
     assert out == [] and [c.seq_id for c in r.children] == [1, 2]
     plan, out = step(s, w)
@@ -238,10 +239,10 @@ def test_parallel_sampling_forks_after_the_prefix_with_copy_on_write():
     # fresh block 2; the second, by then its last holder, writes block 1 in place.
     assert plan.copies == [(1, 2)]
     assert [(p.seq_id, p.token_ids, p.block_ids, p.num_computed_tokens, p.num_scheduled_tokens, p.seed)
-            for p in plan.new] == [(1, toks(0, 12), [0, 2], 11, 1, 5), (2, toks(0, 12), [0, 1], 11, 1, 6)]
+            for p in plan.new_seqs] == [(1, toks(0, 12), [0, 2], 11, 1, 5), (2, toks(0, 12), [0, 1], 11, 1, 6)]
     assert [(o.index, o.new_token_ids) for o in out] == [(0, [11_012]), (1, [12_012])]
     plan, out = step(s, w)
-    assert plan.running == [RunningSeqPlan(1, [], 1), RunningSeqPlan(2, [], 1)] and plan.new == []
+    assert plan.running == [SequenceDelta(1, [], 1), SequenceDelta(2, [], 1)] and plan.new_seqs == []
     assert [(o.index, o.new_token_ids, o.finish_reason) for o in out] == \
         [(0, [11_013], FinishReason.LENGTH), (1, [12_013], FinishReason.LENGTH)]
     assert r.is_finished and not s.has_unfinished_requests() and s.kv.stats().num_used_blocks == 0
@@ -256,7 +257,7 @@ def test_fork_parent_whose_whole_prefix_hits_the_cache_forks_at_admission():
     r = req("r", toks(0, 17), max_tokens=1, n=2)
     s.add_request(r)
     plan, out = step(s, w)
-    assert [(p.seq_id, p.num_computed_tokens, p.num_scheduled_tokens) for p in plan.new] == [(2, 16, 1), (3, 16, 1)]
+    assert [(p.seq_id, p.num_computed_tokens, p.num_scheduled_tokens) for p in plan.new_seqs] == [(2, 16, 1), (3, 16, 1)]
     assert plan.copies == [] and [o.finish_reason for o in out] == [FinishReason.LENGTH] * 2
 
 
@@ -269,7 +270,7 @@ def test_fork_parent_whose_whole_prefix_hits_the_cache_forks_at_admission():
 ])
 def test_stop_conditions(kw, config, outputs, reason):
     s = make(**config)
-    a = Request("a", toks(0, 8), SamplingConfig(**{"max_tokens": 5, **kw}))
+    a = Request("a", toks(0, 8), SamplingParams(**{"max_tokens": 5, **kw}))
     s.add_request(a)
     drive(s, FakeWorker(lambda seq_id, position: position - 3))
     assert (a.output_token_ids, a.finish_reason, a.all_token_ids) == (outputs, reason, toks(0, 8) + outputs)
@@ -304,7 +305,7 @@ def test_finish_hook_for_stop_strings():
 def test_bad_input_raises_value_error_naming_the_field(prompt, sampling, field):
     s = make(num_blocks=12, max_model_len=100)
     with pytest.raises(ValueError, match=field):
-        s.add_request(Request("a", prompt, SamplingConfig(**sampling)))
+        s.add_request(Request("a", prompt, SamplingParams(**sampling)))
     assert not s.has_unfinished_requests() and not s.waiting
 
 
@@ -320,12 +321,12 @@ def test_convert_round_trip():
     s.add_request(req("a", toks(0, 9), seed=3, logprobs=2))
     plan = s.schedule()
     pb = worker_pb2.StepPlan.FromString(plan_to_pb(plan).SerializeToString())
-    (n,) = pb.new_requests
+    (n,) = pb.new_seqs
     assert (n.seq_id, list(n.token_ids), list(n.block_ids), n.num_scheduled_tokens, n.seed) == (0, toks(0, 9),
                                                                                                [0, 1], 9, 3)
     assert (n.sampling.max_tokens, n.sampling.seed, n.sampling.logprobs) == (4, 3, 2)
     result = worker_pb2.StepResult(step_id=0, tokens=[worker_pb2.SampledToken(seq_id=0, token_id=77)])
-    assert result_from_pb(result) == {0: 77}
+    assert result_from_pb(result).sampled == {0: 77}
 
 
 def decode_plan_bytes_per_seq(context: int, num_seqs: int = 8, num_steps: int = 32) -> list[float]:
@@ -338,7 +339,7 @@ def decode_plan_bytes_per_seq(context: int, num_seqs: int = 8, num_steps: int = 
     sizes = []
     for _ in range(num_steps):
         plan, _ = step(s, w)
-        assert len(plan.running) == num_seqs and not plan.new
+        assert len(plan.running) == num_seqs and not plan.new_seqs
         sizes.append(len(plan_to_pb(plan).SerializeToString()) / num_seqs)
     return sizes
 
@@ -392,7 +393,7 @@ def test_random_workloads_keep_the_worker_protocol_and_free_every_block(seed):
     def new_request(i: int) -> Request:
         shared = rng.choice([[], toks(0, 9), toks(0, 17)])
         return Request(str(i), shared + [rng.randrange(100, 200) for _ in range(rng.randint(1, 12))],
-                       SamplingConfig(max_tokens=rng.randint(1, 20), n=rng.choice([1, 1, 2, 3])),
+                       SamplingParams(max_tokens=rng.randint(1, 20), n=rng.choice([1, 1, 2, 3])),
                        cache_salt=rng.choice([None, None, "x"]))
 
     def check(w: FakeWorker) -> None:

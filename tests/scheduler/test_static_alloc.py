@@ -8,8 +8,9 @@ import random
 import pytest
 
 from pagedserve_common.sampling import InvalidField
-from scheduler_svc.core.plan import RunningSeqPlan
-from scheduler_svc.core.request import FinishReason, Request, RequestStatus, SamplingConfig
+from pagedserve_common.plan import SequenceDelta
+from scheduler_svc.core.request import FinishReason, Request, RequestStatus
+from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.kv.manager import NO_CHANGE
 from scheduler_svc.kv.run_pool import RunPool
 from scheduler_svc.kv.static import KV_ALLOCATIONS, StaticKVCacheManager
@@ -21,7 +22,7 @@ def static(num_blocks: int, mode: str = "static-request", max_model_len: int = 2
 
 
 def new_tables(plan) -> list[tuple[int, list[int]]]:
-    return [(p.seq_id, p.block_ids) for p in plan.new]
+    return [(p.seq_id, p.block_ids) for p in plan.new_seqs]
 
 
 # -- the run pool and the manager ---------------------------------------------------------------------------------
@@ -74,11 +75,11 @@ def test_static_max_model_len_reserves_max_model_len_as_consecutive_block_ids():
     assert (stats.num_used_blocks, stats.num_slots_allocated, stats.num_slots_filled) == (12, 96, 5 + 6 + 7)
     plan, _ = step(s, w)
     # decodes: the run already covers the whole sequence, so no delta ever carries a block
-    assert plan.running == [RunningSeqPlan(0, [], 1), RunningSeqPlan(1, [], 1), RunningSeqPlan(2, [], 1)]
+    assert plan.running == [SequenceDelta(0, [], 1), SequenceDelta(1, [], 1), SequenceDelta(2, [], 1)]
     assert s.kv_stats().num_slots_filled == 6 + 7 + 8
     plans = drive(s, w)
     assert all(r.new_block_ids == [] for p in plans for r in p.running)
-    assert [(p.seq_id, p.block_ids) for plan in plans for p in plan.new] == [(3, [0, 1, 2, 3])]  # a's old run
+    assert [(p.seq_id, p.block_ids) for plan in plans for p in plan.new_seqs] == [(3, [0, 1, 2, 3])]  # a's old run
     assert s.kv.pool.holes() == [(0, 13)] and s.num_preemptions == 0
     for r in (a, b, c, d):
         assert r.output_token_ids == [position_token(r.seq_id, p) for p in range(len(r.prompt_token_ids),
@@ -114,7 +115,7 @@ def test_a_request_waits_on_external_fragmentation_until_a_neighbour_frees():
     s.add_request(e)  # NOTE: not an error: it fits the pool, just not the holes of the moment
     plan, _ = step(s, w)
     assert s.kv.pool.num_free_blocks == 4 and s.kv.pool.holes() == [(0, 2), (4, 2)]
-    assert plan.new == [] and e.status is RequestStatus.WAITING and list(s.waiting) == [e]
+    assert plan.new_seqs == [] and e.status is RequestStatus.WAITING and list(s.waiting) == [e]
     s.abort("b")  # frees 2..3: the holes around it merge into 0..5
     plan, _ = step(s, w)
     assert new_tables(plan) == [(4, [0, 1, 2])] and s.kv.pool.holes() == [(3, 3)]
@@ -154,7 +155,7 @@ def test_a_sequence_that_outgrows_its_run_grows_in_place_or_is_preempted_and_rec
     plan, _ = step(s, w)
     assert new_tables(plan) == [(0, [0]), (1, [1])]
     plan, _ = step(s, w)  # a needs a second block; block 1 is b's: b is preempted, a grows into its block
-    assert plan.preempted_seq_ids == [1] and plan.running == [RunningSeqPlan(0, [1], 1)]
+    assert plan.preempted_seq_ids == [1] and plan.running == [SequenceDelta(0, [1], 1)]
     assert b.status is RequestStatus.PREEMPTED and s.num_preemptions == 1
     plan, _ = step(s, w)
     assert new_tables(plan) == [(1, [2, 3])]  # its 9 known tokens, recomputed in a fresh run
@@ -173,7 +174,7 @@ def test_random_static_workloads_keep_runs_contiguous_and_free_every_block(mode,
 
     def new_request(i: int) -> Request:
         return Request(str(i), [rng.randrange(100, 200) for _ in range(rng.randint(1, 20))],
-                       SamplingConfig(max_tokens=rng.randint(1, 20)))
+                       SamplingParams(max_tokens=rng.randint(1, 20)))
 
     def check(w: FakeWorker) -> None:
         for q in s.running:
@@ -191,7 +192,7 @@ def test_num_prefill_tokens_counts_chunks_and_excludes_prefix_hits():
     s, w = make(max_num_batched_tokens=16), FakeWorker()
     s.add_request(req("a", toks(0, 20), max_tokens=3))
     plans = drive(s, w)
-    assert [p.new[0].num_scheduled_tokens for p in plans[:1]] == [16] and s.num_prefill_tokens == 20
+    assert [p.new_seqs[0].num_scheduled_tokens for p in plans[:1]] == [16] and s.num_prefill_tokens == 20
     s.add_request(req("b", toks(0, 16) + toks(500, 5)))  # its first 16 tokens hit a's blocks
     drive(s, w)
     assert s.num_prefill_tokens == 20 + 5 and s.kv.prefix_hit_tokens == 16
@@ -208,7 +209,7 @@ def test_num_prefill_tokens_counts_a_preempted_prompt_again():
     plan, _ = step(s, w)
     assert plan.preempted_seq_ids == [1]
     plan, _ = step(s, w)  # b comes back: its 8 prompt tokens (and its 9 outputs) are computed again
-    assert [(p.seq_id, p.num_computed_tokens, p.num_scheduled_tokens) for p in plan.new] == [(1, 0, 17), (2, 0, 8)]
+    assert [(p.seq_id, p.num_computed_tokens, p.num_scheduled_tokens) for p in plan.new_seqs] == [(1, 0, 17), (2, 0, 8)]
     assert s.num_prefill_tokens == 16 + 8 + 8
     drive(s, w)
     assert s.num_prefill_tokens == 32 and s.num_preemptions == 1
@@ -224,12 +225,13 @@ def test_num_prefill_tokens_in_a_static_mode_counts_every_prompt_whole():
 
 
 def test_export_adds_the_prefill_tokens_since_the_last_export_to_the_prometheus_counter():
-    from scheduler_svc.core.plan import WorkerRegistration
+    from pagedserve_common.kv_geometry import KVGeometry
+    from pagedserve_common.registration import WorkerRegistration
     from scheduler_svc.metrics import Metrics
     from scheduler_svc.worker_link import WorkerHandle, export
 
     s, w, m = static(16), FakeWorker(), Metrics()
-    handle = WorkerHandle("worker-0", WorkerRegistration("m", 16, BS, "float32", 256, "cpu"), s)
+    handle = WorkerHandle("worker-0", WorkerRegistration("m", 256, "cpu", KVGeometry(1, 1, 8, "float32", BS), 16), s)
     s.add_request(req("a", toks(0, 20), max_tokens=1))
     drive(s, w)
     export(handle, m)

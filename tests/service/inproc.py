@@ -11,7 +11,7 @@ import pytest
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler_svc.engine import Engine, EngineConfig
-from scheduler_svc.servicers import GenerationServicer, WorkerControlServicer
+from scheduler_svc.grpc.servicers import GenerationServicer, WorkerControlServicer
 from scheduler_svc.frontend import FrontEnd, Tokenizer
 from tests.service.conftest import free_port
 from worker_svc.model_store import resolve_model
@@ -58,8 +58,9 @@ class ScriptedWorker:
     def __init__(self, channel, model_id: str = "m", answer: bool = False, num_blocks: int = 64) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.queue.put_nowait(worker_pb2.WorkerMessage(registration=worker_pb2.WorkerRegistration(
-            model_id=model_id, num_blocks=num_blocks, block_size=16, dtype="float32", max_model_len=128,
-            device="cpu")))
+            model_id=model_id, max_model_len=128, device="cpu", num_blocks=num_blocks,
+            kv_geometry=worker_pb2.KVGeometry(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32",
+                                              block_size=16))))
         self.answer = answer
         self.call = worker_pb2_grpc.WorkerControlStub(channel).Attach(self._messages())
         self.plans: list = []
@@ -83,7 +84,7 @@ class ScriptedWorker:
 
     def reply(self, plan) -> None:
         result = worker_pb2.StepResult(step_id=plan.step_id)
-        for s in (*plan.new_requests, *plan.running):
+        for s in (*plan.new_seqs, *plan.running):
             result.tokens.add(seq_id=s.seq_id, token_id=TOKEN)
         self.queue.put_nowait(worker_pb2.WorkerMessage(result=result))
 
@@ -98,7 +99,7 @@ class ScriptedWorker:
         self.call.cancel()
 
     def seq_ids(self) -> set[int]:
-        return {n.seq_id for p in self.plans for n in p.new_requests}
+        return {n.seq_id for p in self.plans for n in p.new_seqs}
 
 
 async def wait_for(cond) -> None:

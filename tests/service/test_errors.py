@@ -66,7 +66,8 @@ async def test_a_worker_breaking_the_protocol_ends_its_requests_with_internal(en
 def test_the_token_budget_defaults_by_the_workers_device():
     """Unset, a CPU worker's steps take 512 tokens (a ~1 s step bounds inter-token latency during long
     prefills there) and a GPU worker's 2048; a configured budget applies to every worker."""
-    from scheduler_svc.core.plan import WorkerRegistration
+    from pagedserve_common.kv_geometry import KVGeometry
+    from pagedserve_common.registration import WorkerRegistration
 
     async def main():
         budgets = {}
@@ -74,7 +75,7 @@ def test_the_token_budget_defaults_by_the_workers_device():
             engine = Engine(EngineConfig(model_id="m", max_model_len=128, vocab_size=49152,
                                          max_num_batched_tokens=configured))
             for device in ("cpu", "cuda:0"):
-                handle = engine.attach_worker(WorkerRegistration("m", 64, 16, "float32", 128, device))
+                handle = engine.attach_worker(WorkerRegistration("m", 128, device, KVGeometry(1, 1, 8, "float32", 16), 64))
                 budgets[(configured, device)] = handle.scheduler.config.max_num_batched_tokens
                 engine.detach(handle)
                 await handle.task
@@ -125,7 +126,7 @@ async def test_top_k_minus_1_is_vllms_spelling_of_off(engine, channel):
     await wait_for(lambda: engine.workers)
     out = await tokens_of(request(channel, {"top_k": -1, "max_tokens": 3, "ignore_eos": True}, prompt="hi"))
     assert out == [[7, 7, 7]]
-    assert [p.new_requests[0].sampling.top_k for p in worker.plans if p.new_requests] == [0]  # the worker sees 0
+    assert [p.new_seqs[0].sampling.top_k for p in worker.plans if p.new_seqs] == [0]  # the worker sees 0
     worker.close()
 
 

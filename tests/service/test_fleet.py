@@ -33,10 +33,10 @@ async def test_a_lost_workers_request_resumes_elsewhere_with_every_streamed_toke
     call = generate(channel, "r0", PROMPT, max_tokens=6, temperature=0.8)
     await answer(a, 3)  # a prefill and two decodes: 3 tokens streamed
     await wait_for(lambda: len(a.plans) == 4)  # the 4th step is in flight when the worker dies
-    first = a.plans[0].new_requests[0]
+    first = a.plans[0].new_seqs[0]
     a.close()
     assert await tokens_of(call) == [[TOKEN] * 6]  # no error, nothing duplicated, nothing missing
-    moved = b.plans[0].new_requests[0]
+    moved = b.plans[0].new_seqs[0]
     assert list(moved.token_ids) == PROMPT + [TOKEN] * 3  # recomputed from the prompt and the streamed tokens
     assert moved.num_computed_tokens == 0 and moved.num_scheduled_tokens == 6
     assert moved.seed == first.seed and moved.seq_id != first.seq_id  # same sampling, a fleet-unique sequence
@@ -102,7 +102,7 @@ async def test_a_leaving_worker_hands_its_queue_over_and_finishes_its_running_re
     await wait_for(lambda: len(engine.workers) == 2)
     a.leave()
     assert await tokens_of(queued) == [[TOKEN] * 4]  # moved to b at once
-    assert list(b.plans[0].new_requests[0].token_ids) == [8, 9]
+    assert list(b.plans[0].new_seqs[0].token_ids) == [8, 9]
     await answer(a, 4)  # r0 finishes where it runs: no recompute
     assert await tokens_of(running) == [[TOKEN] * 4]
     await a.reader

@@ -19,7 +19,7 @@ from pagedserve.v1 import generate_pb2_grpc
 from scheduler_svc.auth import ApiKeyInterceptor, ApiKeys
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.frontend import FrontEnd
-from scheduler_svc.servicers import GenerationServicer
+from scheduler_svc.grpc.servicers import GenerationServicer
 from tests.service.conftest import KV_MEMORY
 from tests.service.inproc import ScriptedWorker, generate, tokenizer, wait_for, with_server
 

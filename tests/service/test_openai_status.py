@@ -77,7 +77,7 @@ async def test_a_stream_that_fails_midway_ends_with_an_error_event_then_done(eng
             lines = r.aiter_lines()
             await wait_for(lambda: worker.plans)
             result = worker_pb2.StepResult(step_id=worker.plans[0].step_id)
-            result.tokens.add(seq_id=worker.plans[0].new_requests[0].seq_id, token_id=504)  # "The": it has text
+            result.tokens.add(seq_id=worker.plans[0].new_seqs[0].seq_id, token_id=504)  # "The": it has text
             worker.queue.put_nowait(worker_pb2.WorkerMessage(result=result))
             first = await anext(lines)
             assert first.startswith("data: {")

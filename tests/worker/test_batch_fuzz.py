@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from worker_svc.batch import PersistentBatch
-from worker_svc.plan import NewSeq, SeqDelta, StepPlan
+from pagedserve_common.plan import NewSequence, SequenceDelta, StepPlan
 from worker_svc.plan_check import BadPlan, check_plan
 
 NUM_BLOCKS, NUM_CPU_BLOCKS, BS, VOCAB = 24, 6, 4, 50
@@ -69,7 +69,7 @@ class BatchMachine(RuleBasedStateMachine):
             if need > len(free):
                 continue
             new_blocks, free = free[:max(need, 0)], free[max(need, 0):]
-            plan.running.append(SeqDelta(seq_id, new_blocks, k))
+            plan.running.append(SequenceDelta(seq_id, new_blocks, k))
             e.blocks += new_blocks
         for _ in range(data.draw(st.integers(0, 3))):
             back = [i for i in self.preempted if i not in after and i not in (n.seq_id for n in plan.new_seqs)]
@@ -86,7 +86,7 @@ class BatchMachine(RuleBasedStateMachine):
             if need > len(free):
                 continue
             blocks, free = shared + free[:need], free[need:]
-            plan.new_seqs.append(NewSeq(seq_id, tokens, blocks, computed, k))
+            plan.new_seqs.append(NewSequence(seq_id, tokens, blocks, computed, k))
             after[seq_id] = Expected(list(tokens), list(blocks), computed)
         plan.copies = data.draw(st.lists(st.tuples(*[st.integers(0, NUM_BLOCKS - 1)] * 2), max_size=2))
         plan.swap_out = data.draw(st.lists(st.tuples(st.integers(0, NUM_BLOCKS - 1),
@@ -179,13 +179,13 @@ def break_plan(plan: StepPlan, defect: str, ids: list[int], seqs) -> bool:
     if defect == "unknown_finished":
         plan.preempted_seq_ids.append(10**9 + 1)
     elif defect == "unknown_running":
-        plan.running.append(SeqDelta(10**9 + 2, [], 1))
+        plan.running.append(SequenceDelta(10**9 + 2, [], 1))
     elif defect == "new_already_running" and staying:
-        plan.new_seqs.append(NewSeq(staying[0], [1, 2], [0], 0, 1))
+        plan.new_seqs.append(NewSequence(staying[0], [1, 2], [0], 0, 1))
     elif defect == "duplicate_new" and plan.new_seqs:
         plan.new_seqs.append(copy.deepcopy(plan.new_seqs[-1]))
     elif defect == "running_and_finished" and plan.finished_seq_ids:
-        plan.running.append(SeqDelta(plan.finished_seq_ids[0], [], 1))
+        plan.running.append(SequenceDelta(plan.finished_seq_ids[0], [], 1))
     elif defect == "duplicate_running" and plan.running:
         plan.running.append(copy.deepcopy(plan.running[0]))
     elif defect in ("block_out_of_range", "negative_block") and any(tables):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from worker_svc.batch import PersistentBatch
-from worker_svc.plan import NewSeq, SeqDelta, StepPlan
+from pagedserve_common.plan import NewSequence, SequenceDelta, StepPlan
 from worker_svc.plan_check import BadPlan, check_plan
 
 NUM_BLOCKS, NUM_CPU_BLOCKS, BS, VOCAB = 8, 2, 4, 10
@@ -13,7 +13,7 @@ NUM_BLOCKS, NUM_CPU_BLOCKS, BS, VOCAB = 8, 2, 4, 10
 
 def holding_seq_0() -> PersistentBatch:
     batch = PersistentBatch()
-    batch.apply(StepPlan(0, new_seqs=[NewSeq(0, [1, 2, 3, 4, 5], [0, 1], 0, 5)]))
+    batch.apply(StepPlan(0, new_seqs=[NewSequence(0, [1, 2, 3, 4, 5], [0, 1], 0, 5)]))
     batch.seqs[0].num_computed_tokens, batch.seqs[0].num_scheduled_tokens = 5, 0
     batch.seqs[0].token_ids.append(6)
     return batch
@@ -24,22 +24,22 @@ def check(plan: StepPlan, batch: PersistentBatch | None = None) -> None:
 
 
 @pytest.mark.parametrize("plan, message", [
-    (StepPlan(1, new_seqs=[NewSeq(1, [1, 2], [8], 0, 2)]), "seq 1: block 8 is outside the pool (0..7)"),
-    (StepPlan(1, new_seqs=[NewSeq(0, [1], [2], 0, 1)]), "new seq 0 is already on this worker"),
-    (StepPlan(1, new_seqs=[NewSeq(1, [1, 2, 3, 4, 5], [2], 0, 5)]), "seq 1: 5 tokens need 2 blocks, its table has 1"),
-    (StepPlan(1, new_seqs=[NewSeq(1, [1, 2], [2], 0, 3)]), "seq 1: 3 tokens scheduled after 0 computed, but only 2"),
-    (StepPlan(1, running=[SeqDelta(7, [], 1)]), "running seq 7 is not on this worker"),
-    (StepPlan(1, running=[SeqDelta(0, [], 1)], finished_seq_ids=[0]), "running seq 0 is not on this worker"),
-    (StepPlan(1, running=[SeqDelta(0, [9], 1)]), "seq 0: block 9 is outside the pool"),
-    (StepPlan(1, running=[SeqDelta(0, [], 2)]), "seq 0: 2 tokens scheduled after 5 computed, but only 6 known"),
+    (StepPlan(1, new_seqs=[NewSequence(1, [1, 2], [8], 0, 2)]), "seq 1: block 8 is outside the pool (0..7)"),
+    (StepPlan(1, new_seqs=[NewSequence(0, [1], [2], 0, 1)]), "new seq 0 is already on this worker"),
+    (StepPlan(1, new_seqs=[NewSequence(1, [1, 2, 3, 4, 5], [2], 0, 5)]), "seq 1: 5 tokens need 2 blocks, its table has 1"),
+    (StepPlan(1, new_seqs=[NewSequence(1, [1, 2], [2], 0, 3)]), "seq 1: 3 tokens scheduled after 0 computed, but only 2"),
+    (StepPlan(1, running=[SequenceDelta(7, [], 1)]), "running seq 7 is not on this worker"),
+    (StepPlan(1, running=[SequenceDelta(0, [], 1)], finished_seq_ids=[0]), "running seq 0 is not on this worker"),
+    (StepPlan(1, running=[SequenceDelta(0, [9], 1)]), "seq 0: block 9 is outside the pool"),
+    (StepPlan(1, running=[SequenceDelta(0, [], 2)]), "seq 0: 2 tokens scheduled after 5 computed, but only 6 known"),
     (StepPlan(1, finished_seq_ids=[3]), "finished/preempted seq 3 is not on this worker"),
     (StepPlan(1, copies=[(0, 8)]), "copy: block 8 is outside the pool"),
     (StepPlan(1, swap_out=[(0, 2)]), "swap_out: CPU block 2 is outside the pool (0..1)"),
     (StepPlan(1, swap_in=[(1, 99)]), "swap_in: block 99 is outside the pool"),
-    (StepPlan(1, new_seqs=[NewSeq(1, [1, 10], [2], 0, 2)]), "seq 1: a token id is outside the vocabulary (0..9)"),
-    (StepPlan(1, new_seqs=[NewSeq(1, [-1, 2], [2], 0, 2)]), "seq 1: a token id is outside the vocabulary"),
-    (StepPlan(1, new_seqs=[NewSeq(1, [1] * 5, [2, 2], 0, 5)]), "seq 1: block 2 would stand twice in its block table"),
-    (StepPlan(1, running=[SeqDelta(0, [1], 1)]), "seq 0: block 1 would stand twice in its block table"),
+    (StepPlan(1, new_seqs=[NewSequence(1, [1, 10], [2], 0, 2)]), "seq 1: a token id is outside the vocabulary (0..9)"),
+    (StepPlan(1, new_seqs=[NewSequence(1, [-1, 2], [2], 0, 2)]), "seq 1: a token id is outside the vocabulary"),
+    (StepPlan(1, new_seqs=[NewSequence(1, [1] * 5, [2, 2], 0, 5)]), "seq 1: block 2 would stand twice in its block table"),
+    (StepPlan(1, running=[SequenceDelta(0, [1], 1)]), "seq 0: block 1 would stand twice in its block table"),
 ])
 def test_bad_plans_are_refused_naming_what_is_wrong(plan, message):
     with pytest.raises(BadPlan, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -48,8 +48,8 @@ def test_bad_plans_are_refused_naming_what_is_wrong(plan, message):
 
 def test_a_good_plan_passes_and_a_refused_one_changes_nothing():
     batch = holding_seq_0()
-    check(StepPlan(1, new_seqs=[NewSeq(1, [1, 2], [2], 0, 2)], running=[SeqDelta(0, [], 1)],
+    check(StepPlan(1, new_seqs=[NewSequence(1, [1, 2], [2], 0, 2)], running=[SequenceDelta(0, [], 1)],
                    copies=[(0, 7)], swap_out=[(1, 1)], swap_in=[(1, 3)]), batch)
     with pytest.raises(BadPlan):
-        check(StepPlan(1, new_seqs=[NewSeq(1, [1, 2], [2], 0, 2)], running=[SeqDelta(0, [99], 1)]), batch)
+        check(StepPlan(1, new_seqs=[NewSequence(1, [1, 2], [2], 0, 2)], running=[SequenceDelta(0, [99], 1)]), batch)
     assert list(batch.seqs) == [0] and batch.seqs[0].block_ids == [0, 1]

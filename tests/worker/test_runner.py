@@ -9,14 +9,14 @@ import pytest
 import torch
 
 from tests.worker.helpers import make_runner
-from scheduler_svc.core.request import SamplingConfig
+from pagedserve_common.sampling import SamplingParams
 from worker_svc.attention.torch_backend import TorchAttentionBackend
 from tests.driver import LocalDriver
-from worker_svc.kv_pool import KVLayout, KVPool
+from pagedserve_common.kv_geometry import KVGeometry
+from worker_svc.kv_pool import KVPool
 from worker_svc.models import load_model
-from worker_svc.plan import NewSeq, SeqDelta, StepPlan
+from pagedserve_common.plan import NewSequence, SequenceDelta, StepPlan
 from worker_svc.plan_check import BadPlan
-from worker_svc.sampling import SamplingOptions
 
 
 def test_unsupported_architecture_names_its_model_type_and_the_supported_list(tmp_path):
@@ -26,10 +26,10 @@ def test_unsupported_architecture_names_its_model_type_and_the_supported_list(tm
 
 
 def test_kv_pool_layout_bytes_and_block_copies():
-    layout = KVLayout(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype=torch.float32)
+    layout = KVGeometry(num_layers=30, num_kv_heads=3, head_dim=64, dtype="float32", block_size=16)
     assert layout.bytes_per_token == 2 * 30 * 3 * 64 * 4 == 46_080
     assert layout.num_blocks_for(2**20) == 2**20 // (46_080 * 16)
-    small = KVPool(KVLayout(2, 1, 4, 8, torch.float32), num_blocks=4)
+    small = KVPool(KVGeometry(2, 1, 4, "float32", 8), num_blocks=4)
     assert tuple(small.kv.shape) == (2, 2, 4, 8, 1, 4) and small.nbytes == 2 * 2 * 4 * 8 * 4 * 4
     small.kv[:, :, 1] = torch.arange(2 * 2 * 8 * 4, dtype=torch.float32).reshape(2, 2, 8, 1, 4)
     TorchAttentionBackend().copy_blocks(small.kv, [(1, 3)])
@@ -40,7 +40,7 @@ def test_kv_pool_layout_bytes_and_block_copies():
 
 
 def test_seeded_sampling_is_identical_whatever_the_batch(tiny_llama_dir):
-    sampling = SamplingConfig(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=1234)
     prompt = [random.Random(7).randrange(512) for _ in range(20)]
 
     alone = LocalDriver(make_runner(tiny_llama_dir))
@@ -50,35 +50,35 @@ def test_seeded_sampling_is_identical_whatever_the_batch(tiny_llama_dir):
     crowded = LocalDriver(make_runner(tiny_llama_dir), max_num_batched_tokens=12)
     rng = random.Random(0)
     for i in range(5):
-        other = SamplingConfig(temperature=1.0, seed=rng.randrange(1000) if i % 2 else None)
+        other = SamplingParams(temperature=1.0, seed=rng.randrange(1000) if i % 2 else None)
         crowded.add([rng.randrange(512) for _ in range(rng.randint(3, 30))], 16, other, arrival_step=i)
     sid = crowded.add(prompt, 16, sampling, arrival_step=2)
     assert crowded.run()[sid][0] == expected
     unseeded = LocalDriver(make_runner(tiny_llama_dir))
-    different = unseeded.add(prompt, 16, SamplingConfig(temperature=0.9, top_p=0.95, top_k=50, seed=99))
+    different = unseeded.add(prompt, 16, SamplingParams(temperature=0.9, top_p=0.95, top_k=50, seed=99))
     assert unseeded.run()[different][0] != expected
 
 
 def test_plans_for_unknown_or_overrun_sequences_are_rejected(tiny_llama_dir):
     runner = make_runner(tiny_llama_dir)
     with pytest.raises(BadPlan, match="running seq 7 is not on this worker"):
-        runner.step(StepPlan(0, running=[SeqDelta(7, [], 1)]))
+        runner.step(StepPlan(0, running=[SequenceDelta(7, [], 1)]))
     with pytest.raises(BadPlan, match="only 3 known"):
-        runner.step(StepPlan(1, new_seqs=[NewSeq(1, [1, 2, 3], [0], 0, 4)]))
+        runner.step(StepPlan(1, new_seqs=[NewSequence(1, [1, 2, 3], [0], 0, 4)]))
     with pytest.raises(BadPlan, match="block 64 is outside the pool"):  # never written outside the pool
-        runner.step(StepPlan(2, new_seqs=[NewSeq(1, [1, 2, 3], [64], 0, 3)]))
+        runner.step(StepPlan(2, new_seqs=[NewSequence(1, [1, 2, 3], [64], 0, 3)]))
     assert len(runner.batch) == 0
 
 
 def test_chunked_prompt_samples_only_after_its_last_chunk(tiny_llama_dir):
     runner = make_runner(tiny_llama_dir, block_size=16)
     prompt = list(range(1, 21))
-    out = runner.step(StepPlan(0, new_seqs=[NewSeq(5, prompt, [3, 9], 0, 12, SamplingOptions(temperature=0))]))
-    assert out.seq_ids == [] and runner.batch.seqs[5].num_computed_tokens == 12
-    out = runner.step(StepPlan(1, running=[SeqDelta(5, [], 8)]))
-    assert out.seq_ids == [5] and runner.batch.seqs[5].token_ids[-1] == out.token_ids[0]
-    out = runner.step(StepPlan(2, running=[SeqDelta(5, [], 1)]))
-    assert out.seq_ids == [5] and len(runner.batch.seqs[5].token_ids) == 22
+    out = runner.step(StepPlan(0, new_seqs=[NewSequence(5, prompt, [3, 9], 0, 12, SamplingParams(temperature=0))]))
+    assert list(out.sampled) == [] and runner.batch.seqs[5].num_computed_tokens == 12
+    out = runner.step(StepPlan(1, running=[SequenceDelta(5, [], 8)]))
+    assert list(out.sampled) == [5] and runner.batch.seqs[5].token_ids[-1] == out.sampled[5]
+    out = runner.step(StepPlan(2, running=[SequenceDelta(5, [], 1)]))
+    assert list(out.sampled) == [5] and len(runner.batch.seqs[5].token_ids) == 22
     runner.step(StepPlan(3, finished_seq_ids=[5]))
     assert len(runner.batch) == 0
 

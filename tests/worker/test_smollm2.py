@@ -35,8 +35,8 @@ def test_smollm2_greedy_matches_transformers_in_mixed_chunked_batches(model_dir,
     refs = [reference_greedy(ref_model.eval(), p, NEW) for p in prompts]
     loaded = load_model(model_dir, dtype="float32")
     lean, backend = PATHS[path]
-    pool = KVPool(loaded.kv_layout(16), 64)
-    runner = ModelRunner(loaded, pool, make_backend(backend, "cpu", pool.layout), lean=lean)
+    pool = KVPool(loaded.kv_geometry(16), 64)
+    runner = ModelRunner(loaded, pool, make_backend(backend, "cpu", pool.geometry), lean=lean)
     assert runner.forward_path == ("lean" if lean else "transformers")
     # A 6-token budget splits every prompt into chunks and mixes prefills with decodes.
     driver = LocalDriver(runner, max_num_batched_tokens=6)
@@ -54,8 +54,8 @@ def test_smollm2_lean_decode_logits_stay_within_1e_4_of_transformers(model_dir):
     tokens = list(range(1000, 1096))
     ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     loaded = load_model(model_dir, dtype="float32")
-    pool = KVPool(loaded.kv_layout(16), 8)
-    backend = make_backend("cpu", "cpu", pool.layout)
+    pool = KVPool(loaded.kv_geometry(16), 8)
+    backend = make_backend("cpu", "cpu", pool.geometry)
     runner = ModelRunner(loaded, pool, backend)
     table = list(range(6))
     with torch.inference_mode():

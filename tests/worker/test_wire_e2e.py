@@ -5,11 +5,12 @@ from __future__ import annotations
 import random
 
 from pagedserve.v1 import worker_pb2
-from scheduler_svc.convert import plan_to_pb, result_from_pb
-from scheduler_svc.core.request import Request, SamplingConfig
+from pagedserve_common.wire import plan_to_pb, result_from_pb
+from scheduler_svc.core.request import Request
+from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from tests.worker.helpers import assert_same_greedy, make_runner, reference_greedy, reference_model
-from worker_svc.convert import plan_from_pb, result_to_pb
+from pagedserve_common.wire import plan_from_pb, result_to_pb
 
 PROMPTS = [[random.Random(10 + i).randrange(512) for _ in range(n)] for i, n in enumerate([9, 23, 40, 57])]
 
@@ -24,7 +25,7 @@ def serve(runner, scheduler: Scheduler) -> dict[tuple[str, int], list[int]]:
         wire_plan = worker_pb2.StepPlan.FromString(plan_to_pb(plan).SerializeToString())
         result = runner.step(plan_from_pb(wire_plan))
         wire_result = worker_pb2.StepResult.FromString(result_to_pb(result).SerializeToString())
-        for out in scheduler.update(plan, result_from_pb(wire_result)):
+        for out in scheduler.update(plan, result_from_pb(wire_result).sampled):
             outputs.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
     return outputs
 
@@ -32,10 +33,10 @@ def serve(runner, scheduler: Scheduler) -> dict[tuple[str, int], list[int]]:
 def test_scheduler_and_worker_over_the_wire_match_transformers(tiny_llama_dir):
     runner = make_runner(tiny_llama_dir, num_blocks=14, block_size=8)  # tight: forces preemptions
     scheduler = Scheduler(SchedulerConfig(num_blocks=14, max_model_len=512, block_size=8, max_num_batched_tokens=24))
-    greedy = SamplingConfig(max_tokens=20, temperature=0.0)
+    greedy = SamplingParams(max_tokens=20, temperature=0.0)
     for i, p in enumerate(PROMPTS):
         scheduler.add_request(Request(f"r{i}", p, greedy))
-    scheduler.add_request(Request("fork", PROMPTS[1], SamplingConfig(max_tokens=20, temperature=0.0, n=2)))
+    scheduler.add_request(Request("fork", PROMPTS[1], SamplingParams(max_tokens=20, temperature=0.0, n=2)))
     outputs = serve(runner, scheduler)
     ref = reference_model(tiny_llama_dir)
     refs = [reference_greedy(ref, p, 20) for p in PROMPTS]
@@ -52,13 +53,13 @@ def test_scheduler_and_worker_over_the_wire_match_transformers(tiny_llama_dir):
 
 
 def test_seeded_sampling_survives_the_wire_and_batching(tiny_llama_dir):
-    seeded = SamplingConfig(max_tokens=12, temperature=0.8, top_k=40, seed=77)
+    seeded = SamplingParams(max_tokens=12, temperature=0.8, top_k=40, seed=77)
     alone = Scheduler(SchedulerConfig(num_blocks=64, max_model_len=512))
     alone.add_request(Request("x", PROMPTS[2], seeded))
     expected = serve(make_runner(tiny_llama_dir), alone)[("x", 0)]
     crowded = Scheduler(SchedulerConfig(num_blocks=64, max_model_len=512, max_num_batched_tokens=16))
     for i, p in enumerate(PROMPTS):
-        crowded.add_request(Request(f"o{i}", p, SamplingConfig(max_tokens=8, temperature=1.0)))
+        crowded.add_request(Request(f"o{i}", p, SamplingParams(max_tokens=8, temperature=1.0)))
     crowded.add_request(Request("x", PROMPTS[2], seeded))
     assert serve(make_runner(tiny_llama_dir), crowded)[("x", 0)] == expected
 
@@ -70,10 +71,10 @@ def test_swap_preemption_restores_kv_instead_of_recomputing(tiny_llama_dir):
     from worker_svc.runner import ModelRunner
 
     loaded = load_model(tiny_llama_dir, dtype="float32")
-    runner = ModelRunner(loaded, KVPool(loaded.kv_layout(8), 14, num_cpu_blocks=64), TorchAttentionBackend())
+    runner = ModelRunner(loaded, KVPool(loaded.kv_geometry(8), 14, num_cpu_blocks=64), TorchAttentionBackend())
     scheduler = Scheduler(SchedulerConfig(num_blocks=14, max_model_len=512, block_size=8, max_num_batched_tokens=24,
                                           num_cpu_blocks=64))
-    greedy = SamplingConfig(max_tokens=20, temperature=0.0)
+    greedy = SamplingParams(max_tokens=20, temperature=0.0)
     for i, p in enumerate(PROMPTS):
         scheduler.add_request(Request(f"r{i}", p, greedy))
     swapped_in_tokens = []

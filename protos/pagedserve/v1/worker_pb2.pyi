@@ -45,26 +45,38 @@ class Leaving(_message.Message):
     def __init__(self, reason: _Optional[str] = ...) -> None: ...
 
 class WorkerRegistration(_message.Message):
-    __slots__ = ("model_id", "num_blocks", "block_size", "dtype", "max_model_len", "device", "num_cpu_blocks", "name")
+    __slots__ = ("model_id", "max_model_len", "device", "kv_geometry", "num_blocks", "num_cpu_blocks", "name")
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
-    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
-    DTYPE_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    KV_GEOMETRY_FIELD_NUMBER: _ClassVar[int]
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_CPU_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     model_id: str
-    num_blocks: int
-    block_size: int
-    dtype: str
     max_model_len: int
     device: str
+    kv_geometry: KVGeometry
+    num_blocks: int
     num_cpu_blocks: int
     name: str
-    def __init__(self, model_id: _Optional[str] = ..., num_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., max_model_len: _Optional[int] = ..., device: _Optional[str] = ..., num_cpu_blocks: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
+    def __init__(self, model_id: _Optional[str] = ..., max_model_len: _Optional[int] = ..., device: _Optional[str] = ..., kv_geometry: _Optional[_Union[KVGeometry, _Mapping]] = ..., num_blocks: _Optional[int] = ..., num_cpu_blocks: _Optional[int] = ..., name: _Optional[str] = ...) -> None: ...
 
-class NewRequest(_message.Message):
+class KVGeometry(_message.Message):
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size")
+    NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str
+    block_size: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ...) -> None: ...
+
+class NewSequence(_message.Message):
     __slots__ = ("seq_id", "token_ids", "block_ids", "num_computed_tokens", "num_scheduled_tokens", "sampling", "seed")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -82,7 +94,7 @@ class NewRequest(_message.Message):
     seed: int
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ...) -> None: ...
 
-class RunningRequest(_message.Message):
+class SequenceDelta(_message.Message):
     __slots__ = ("seq_id", "new_block_ids", "num_scheduled_tokens")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -101,9 +113,9 @@ class BlockCopy(_message.Message):
     def __init__(self, src: _Optional[int] = ..., dst: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "running", "finished_seq_ids", "preempted_seq_ids", "copies", "swap_out", "swap_in")
+    __slots__ = ("step_id", "new_seqs", "running", "finished_seq_ids", "preempted_seq_ids", "copies", "swap_out", "swap_in")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
-    NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NEW_SEQS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     FINISHED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTED_SEQ_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -111,14 +123,14 @@ class StepPlan(_message.Message):
     SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
-    running: _containers.RepeatedCompositeFieldContainer[RunningRequest]
+    new_seqs: _containers.RepeatedCompositeFieldContainer[NewSequence]
+    running: _containers.RepeatedCompositeFieldContainer[SequenceDelta]
     finished_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     preempted_seq_ids: _containers.RepeatedScalarFieldContainer[int]
     copies: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     swap_out: _containers.RepeatedCompositeFieldContainer[BlockCopy]
     swap_in: _containers.RepeatedCompositeFieldContainer[BlockCopy]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., preempted_seq_ids: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., new_seqs: _Optional[_Iterable[_Union[NewSequence, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[SequenceDelta, _Mapping]]] = ..., finished_seq_ids: _Optional[_Iterable[int]] = ..., preempted_seq_ids: _Optional[_Iterable[int]] = ..., copies: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_out: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockCopy, _Mapping]]] = ...) -> None: ...
 
 class SampledToken(_message.Message):
     __slots__ = ("seq_id", "token_id", "logprobs")

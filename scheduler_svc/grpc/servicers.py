@@ -8,10 +8,13 @@ import grpc
 import structlog
 
 from pagedserve.v1 import generate_pb2_grpc, worker_pb2_grpc
-from scheduler_svc import convert, request_log
+from pagedserve_common import wire
+from scheduler_svc import request_log
 from scheduler_svc.engine import Engine
-from scheduler_svc.errors import EngineError
-from scheduler_svc.frontend import FrontEnd
+from scheduler_svc.errors import EngineError, ErrorCode
+from scheduler_svc.frontend.api import FrontEnd
+from scheduler_svc.grpc import convert
+from scheduler_svc.worker_link import Lost
 
 log = structlog.get_logger("pagedserve.scheduler")
 
@@ -62,7 +65,11 @@ class WorkerControlServicer(worker_pb2_grpc.WorkerControlServicer):
         if first is None or first.WhichOneof("kind") != "registration":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a registration")
         try:
-            handle = self.engine.attach_worker(convert.registration_from_pb(first.registration))
+            try:
+                reg = wire.registration_from_pb(first.registration)
+            except ValueError as e:
+                raise EngineError(ErrorCode.INVALID_ARGUMENT, f"registration: {e}") from None
+            handle = self.engine.attach_worker(reg)
         except EngineError as e:
             log.warning("worker refused", name=first.registration.name, status=e.code.value, message=str(e))
             await _abort(context, e)
@@ -73,20 +80,20 @@ class WorkerControlServicer(worker_pb2_grpc.WorkerControlServicer):
                 async for msg in request_iterator:
                     kind = msg.WhichOneof("kind")
                     if kind == "result":
-                        handle.inbox.put_nowait(msg.result)
+                        handle.inbox.put_nowait(wire.result_from_pb(msg.result))
                     elif kind == "error":
-                        handle.inbox.put_nowait(convert.step_error_from_pb(msg.error))
+                        handle.inbox.put_nowait(wire.step_error_from_pb(msg.error))
                     elif kind == "leaving":
                         self.engine.worker_leaving(handle, msg.leaving.reason)
             except grpc.RpcError as e:  # NOTE: keepalive found the peer dead, or the connection broke
                 reason = f"its stream broke ({e.code().name})"
             finally:
-                self.engine.lose_worker(handle, "stream", reason)
+                handle.fail(Lost("stream", reason))
 
         reader = asyncio.get_running_loop().create_task(read_messages())
         try:
             while (plan := await handle.outbox.get()) is not None:
-                yield plan
+                yield wire.plan_to_pb(plan)
         finally:
             reader.cancel()
-            self.engine.lose_worker(handle, "stream", "its stream ended")
+            handle.fail(Lost("stream", "its stream ended"))

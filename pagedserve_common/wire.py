@@ -1,0 +1,137 @@
+"""The worker protocol's codec (pagedserve.v1 worker.proto): the one place either service turns a plan, a
+result, a step error or a registration into protobuf or back. Both ends import it, so they cannot drift."""
+
+from __future__ import annotations
+
+from pagedserve.v1 import generate_pb2, worker_pb2
+from pagedserve_common.kv_geometry import KVGeometry
+from pagedserve_common.plan import NewSequence, SequenceDelta, StepPlan
+from pagedserve_common.registration import WorkerRegistration
+from pagedserve_common.result import PositionLogprobs, StepError, StepErrorKind, StepResult, TokenLogprob
+from pagedserve_common.sampling import SamplingParams
+
+_sampling_cache: dict[SamplingParams, generate_pb2.SamplingParams] = {}
+
+
+# -- sampling (also the client API's message) ----------------------------------------------------------------
+def sampling_to_pb(sp: SamplingParams) -> generate_pb2.SamplingParams:
+    pb = _sampling_cache.get(sp)
+    if pb is None:
+        pb = generate_pb2.SamplingParams(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
+                                         top_k=sp.top_k, min_p=sp.min_p, n=sp.n,
+                                         stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos)
+        if sp.seed is not None:
+            pb.seed = sp.seed
+        if sp.logprobs is not None:
+            pb.logprobs = sp.logprobs
+        if len(_sampling_cache) < 4096:  # NOTE: requests mostly share a few settings; bound it anyway
+            _sampling_cache[sp] = pb
+    return pb
+
+
+def _opt(pb, name: str, default):
+    return getattr(pb, name) if pb.HasField(name) else default
+
+
+def sampling_from_pb(pb: generate_pb2.SamplingParams) -> SamplingParams:
+    """Unset fields take the defaults (SamplingParams', which generate.proto documents)."""
+    d = SamplingParams()
+    return SamplingParams(max_tokens=_opt(pb, "max_tokens", d.max_tokens),
+                          temperature=_opt(pb, "temperature", d.temperature), top_p=_opt(pb, "top_p", d.top_p),
+                          top_k=_opt(pb, "top_k", d.top_k), min_p=_opt(pb, "min_p", d.min_p),
+                          seed=_opt(pb, "seed", d.seed), n=_opt(pb, "n", d.n),
+                          stop_token_ids=tuple(pb.stop_token_ids), ignore_eos=pb.ignore_eos,
+                          logprobs=_opt(pb, "logprobs", d.logprobs))
+
+
+# -- the plan: scheduler -> worker, every step ----------------------------------------------------------------
+def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
+    pb = worker_pb2.StepPlan(step_id=plan.step_id, finished_seq_ids=plan.finished_seq_ids,
+                             preempted_seq_ids=plan.preempted_seq_ids)
+    add_new = pb.new_seqs.add
+    for s in plan.new_seqs:
+        add_new(seq_id=s.seq_id, token_ids=s.token_ids, block_ids=s.block_ids,
+                num_computed_tokens=s.num_computed_tokens, num_scheduled_tokens=s.num_scheduled_tokens,
+                sampling=sampling_to_pb(s.sampling), seed=s.seed)
+    add_delta = pb.running.add
+    for r in plan.running:
+        add_delta(seq_id=r.seq_id, new_block_ids=r.new_block_ids, num_scheduled_tokens=r.num_scheduled_tokens)
+    for pairs, field in ((plan.copies, pb.copies), (plan.swap_out, pb.swap_out), (plan.swap_in, pb.swap_in)):
+        for src, dst in pairs:
+            field.add(src=src, dst=dst)
+    return pb
+
+
+def plan_from_pb(pb: worker_pb2.StepPlan) -> StepPlan:
+    return StepPlan(
+        step_id=pb.step_id,
+        new_seqs=[NewSequence(n.seq_id, list(n.token_ids), list(n.block_ids), n.num_computed_tokens,
+                              n.num_scheduled_tokens, sampling_from_pb(n.sampling), n.seed) for n in pb.new_seqs],
+        running=[SequenceDelta(r.seq_id, list(r.new_block_ids), r.num_scheduled_tokens) for r in pb.running],
+        finished_seq_ids=list(pb.finished_seq_ids), preempted_seq_ids=list(pb.preempted_seq_ids),
+        copies=[(c.src, c.dst) for c in pb.copies], swap_out=[(c.src, c.dst) for c in pb.swap_out],
+        swap_in=[(c.src, c.dst) for c in pb.swap_in])
+
+
+# -- the answer: worker -> scheduler, every step --------------------------------------------------------------
+def logprobs_to_pb(lp: PositionLogprobs, pb: generate_pb2.PositionLogprobs) -> None:
+    """Fills `pb` (a message's sub-message, or a new one) from `lp`."""
+    pb.sampled.token_id, pb.sampled.logprob = lp.sampled.token_id, lp.sampled.logprob
+    add = pb.top.add
+    for t in lp.top:
+        add(token_id=t.token_id, logprob=t.logprob)
+
+
+def logprobs_from_pb(pb: generate_pb2.PositionLogprobs) -> PositionLogprobs:
+    return PositionLogprobs(TokenLogprob(pb.sampled.token_id, pb.sampled.logprob),
+                            tuple(TokenLogprob(t.token_id, t.logprob) for t in pb.top))
+
+
+def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
+    pb = worker_pb2.StepResult(step_id=result.step_id, step_seconds=result.step_seconds,
+                               idle_seconds=result.idle_seconds)
+    add, logprobs = pb.tokens.add, result.logprobs
+    for seq_id, token_id in result.sampled.items():
+        t = add(seq_id=seq_id, token_id=token_id)
+        lp = logprobs.get(seq_id) if logprobs else None
+        if lp is not None:
+            logprobs_to_pb(lp, t.logprobs)
+    return pb
+
+
+def result_from_pb(pb: worker_pb2.StepResult) -> StepResult:
+    tokens = pb.tokens
+    return StepResult(step_id=pb.step_id, sampled={t.seq_id: t.token_id for t in tokens},
+                      logprobs={t.seq_id: logprobs_from_pb(t.logprobs) for t in tokens if t.HasField("logprobs")},
+                      step_seconds=pb.step_seconds, idle_seconds=pb.idle_seconds)
+
+
+def step_error_to_pb(err: StepError) -> worker_pb2.StepError:
+    return worker_pb2.StepError(step_id=err.step_id, kind=int(err.kind), message=err.message)
+
+
+def step_error_from_pb(pb: worker_pb2.StepError) -> StepError:
+    """NOTE: an unknown kind (a newer worker's) reads as STEP_FAILED: either way the worker is lost."""
+    kind = pb.kind if pb.kind in StepErrorKind._value2member_map_ else StepErrorKind.STEP_FAILED
+    return StepError(pb.step_id, StepErrorKind(kind), pb.message)
+
+
+# -- registration: a worker's first message ------------------------------------------------------------------
+def registration_to_pb(reg: WorkerRegistration) -> worker_pb2.WorkerRegistration:
+    g = reg.kv_geometry
+    return worker_pb2.WorkerRegistration(
+        model_id=reg.model_id, max_model_len=reg.max_model_len, device=reg.device,
+        kv_geometry=worker_pb2.KVGeometry(num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
+                                          dtype=g.dtype, block_size=g.block_size),
+        num_blocks=reg.num_blocks, num_cpu_blocks=reg.num_cpu_blocks, name=reg.name)
+
+
+def registration_from_pb(pb: worker_pb2.WorkerRegistration) -> WorkerRegistration:
+    """Raises ValueError when the geometry is not one a pool can have (an unknown dtype, a zero size)."""
+    g = pb.kv_geometry
+    if min(g.num_layers, g.num_kv_heads, g.head_dim, g.block_size) < 1:
+        raise ValueError("kv_geometry: num_layers, num_kv_heads, head_dim and block_size must be >= 1")
+    return WorkerRegistration(
+        model_id=pb.model_id, max_model_len=pb.max_model_len, device=pb.device,
+        kv_geometry=KVGeometry(g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, g.block_size),
+        num_blocks=pb.num_blocks, num_cpu_blocks=pb.num_cpu_blocks, name=pb.name)

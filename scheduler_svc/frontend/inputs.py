@@ -1,0 +1,24 @@
+"""One generation as a client API asks for it, before tokenizing: the front end's input type."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedserve_common.sampling import SamplingParams
+
+INPUTS = ("prompt", "prompt_token_ids", "messages")
+
+
+@dataclass(slots=True)
+class GenerateInput:
+    """One generation before tokenizing, whichever API it came from. Exactly one of the inputs is set (not None)."""
+
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    messages: list[dict] | None = None  # [{"role": ..., "content": ...}], rendered with the chat template
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    request_id: str = ""
+    cache_salt: str = ""
+    chat_template_kwargs: dict = field(default_factory=dict)  # e.g. enable_thinking; reach the template as is
+    fill_context: bool = False  # max_tokens unset (OpenAI chat): generate up to the context's end

@@ -1,0 +1,78 @@
+"""The worker protocol's codec: every type goes to the wire and back unchanged, under the proto's own names."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pagedserve.v1 import generate_pb2, worker_pb2
+from pagedserve_common import wire
+from pagedserve_common.kv_geometry import KVGeometry
+from pagedserve_common.plan import NewSequence, SequenceDelta, StepPlan
+from pagedserve_common.registration import WorkerRegistration
+from pagedserve_common.result import PositionLogprobs, StepError, StepErrorKind, StepResult, TokenLogprob
+from pagedserve_common.sampling import SamplingParams
+
+
+def through_the_wire(message):
+    return type(message).FromString(message.SerializeToString())
+
+
+def test_a_plan_with_every_field_set_comes_back_equal():
+    sampling = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.75, top_k=3, min_p=0.25, seed=11, n=2,
+                              stop_token_ids=(5, 6), ignore_eos=True, logprobs=4)
+    plan = StepPlan(9, new_seqs=[NewSequence(3, [1, 2, 3], [4, 5], 1, 2, sampling, 2**63 + 1)],
+                    running=[SequenceDelta(4, [7], 1), SequenceDelta(8, [], 1)], finished_seq_ids=[1],
+                    preempted_seq_ids=[2], copies=[(1, 2)], swap_out=[(3, 0)], swap_in=[(1, 6)])
+    assert wire.plan_from_pb(through_the_wire(wire.plan_to_pb(plan))) == plan
+
+
+def test_unset_sampling_fields_read_as_the_documented_defaults():
+    assert wire.sampling_from_pb(generate_pb2.SamplingParams()) == SamplingParams()
+    assert wire.sampling_from_pb(generate_pb2.SamplingParams(temperature=0.0)).temperature == 0.0  # set, not unset
+
+
+def test_a_result_keeps_its_tokens_and_logprobs_per_sequence():
+    lp = PositionLogprobs(TokenLogprob(7, -0.5), (TokenLogprob(7, -0.5), TokenLogprob(3, -1.25)))
+    result = StepResult(4, {10: 7, 11: 2}, {10: lp}, step_seconds=0.25, idle_seconds=0.125)
+    assert wire.result_from_pb(through_the_wire(wire.result_to_pb(result))) == result
+
+
+def test_a_step_error_keeps_its_kind_and_an_unknown_kind_reads_as_a_failed_step():
+    err = StepError(3, StepErrorKind.BAD_PLAN, "block 99 is outside the pool")
+    assert wire.step_error_from_pb(through_the_wire(wire.step_error_to_pb(err))) == err
+    assert wire.step_error_from_pb(worker_pb2.StepError(step_id=1, kind=0)).kind is StepErrorKind.STEP_FAILED
+
+
+def test_a_registration_and_its_kv_geometry_come_back_equal():
+    reg = WorkerRegistration("m", 2048, "cuda:1", KVGeometry(30, 3, 64, "bfloat16", 32), 900, 40, "host:12")
+    assert wire.registration_from_pb(through_the_wire(wire.registration_to_pb(reg))) == reg
+    assert (reg.block_size, reg.dtype, reg.kv_geometry.bytes_per_token) == (32, "bfloat16", 2 * 30 * 3 * 64 * 2)
+
+
+@pytest.mark.parametrize("geometry, match", [
+    (worker_pb2.KVGeometry(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float64", block_size=16), "dtype"),
+    (worker_pb2.KVGeometry(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", block_size=0), "block_size"),
+    (None, "num_layers"),
+])
+def test_a_registration_whose_pool_cannot_exist_is_refused_naming_the_field(geometry, match):
+    pb = worker_pb2.WorkerRegistration(model_id="m", num_blocks=4, max_model_len=64, device="cpu")
+    if geometry is not None:
+        pb.kv_geometry.CopyFrom(geometry)
+    with pytest.raises(ValueError, match=match):
+        wire.registration_from_pb(pb)
+
+
+@pytest.mark.parametrize("cls, message", [
+    (NewSequence, worker_pb2.NewSequence), (SequenceDelta, worker_pb2.SequenceDelta), (StepPlan, worker_pb2.StepPlan),
+    (WorkerRegistration, worker_pb2.WorkerRegistration), (KVGeometry, worker_pb2.KVGeometry),
+    (StepError, worker_pb2.StepError), (SamplingParams, generate_pb2.SamplingParams),
+    (PositionLogprobs, generate_pb2.PositionLogprobs), (TokenLogprob, generate_pb2.TokenLogprob),
+])
+def test_each_type_has_the_fields_of_its_message_under_the_same_names(cls, message):
+    """One name per concept: the in-memory type and its wire message differ only where the wire needs more
+    (SamplingParams has no stop strings: they stay with the front end; the proto's are in GenerateRequest's)."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    wire_names = set(message.DESCRIPTOR.fields_by_name) - {"stop"}
+    assert names == wire_names
