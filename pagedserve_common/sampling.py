@@ -3,8 +3,24 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+
+
+@dataclass(slots=True, frozen=True)
+class SamplingDefaults:
+    """What an unset sampler setting means, in every client API (generate.proto's SamplingParams documents them)."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    n: int = 1
+
+
+SAMPLING_DEFAULTS = SamplingDefaults()
 
 
 class InvalidField(ValueError):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedserve_common.sampling import check_sampling_ranges
+from pagedserve_common.sampling import SAMPLING_DEFAULTS, check_sampling_ranges
 # Slack for float32 rounding in the nucleus cumsum: without it, a crafted distribution whose head sums to
 # exactly top_p (0.5 + 0.3 vs 0.8) keeps one extra token or not depending on the rounding direction.
 TOP_P_EPS = 1e-6
@@ -17,10 +17,10 @@ CANDIDATES = 256  # most likely tokens a top-p row is sampled from (more only wh
 class SamplingOptions:
     """Sampling settings of one request; temperature 0 means greedy."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 = off
-    min_p: float = 0.0
+    temperature: float = SAMPLING_DEFAULTS.temperature
+    top_p: float = SAMPLING_DEFAULTS.top_p
+    top_k: int = SAMPLING_DEFAULTS.top_k  # 0 = off
+    min_p: float = SAMPLING_DEFAULTS.min_p
     seed: int | None = None
     logprobs: int | None = None  # None = none; 0 = the sampled token's only; N = also the top N
 

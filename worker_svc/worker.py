@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from pagedserve_common.config import CPU_KV_MEMORY, RunnerOptions
 from worker_svc.attention import AttentionBackend, TorchAttentionBackend
 from worker_svc.kv_pool import KVLayout, KVPool
 from worker_svc.model_store import resolve_model
@@ -17,18 +18,12 @@ from worker_svc.runner import ModelRunner
 log = structlog.get_logger("pagedserve.worker")
 
 
-@dataclass(slots=True)
-class WorkerConfig:
-    model: str = "smollm2-135m-instruct"  # a known name or a local HF model directory
-    device: str = "cpu"
-    dtype: str = "auto"  # auto: float32 on the CPU, the checkpoint's dtype on a GPU
-    block_size: int = 16
-    kv_memory: int | None = None  # bytes for the KV pool; None: 1 GiB on the CPU, a share of free GPU memory
+@dataclass(slots=True, kw_only=True)
+class WorkerConfig(RunnerOptions):
+    """The worker's flags (pagedserve_common.config.RunnerOptions; device resolved: never cuda:auto) and the
+    settings no flag sets."""
+
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the whole worker may use
-    threads: int | None = None  # torch intra-op threads on the CPU; None: the cores this process may run on
-    swap_space: int = 0  # bytes of host memory for swapped-out KV blocks (0: preemption recomputes)
-    attention_backend: str = "auto"  # auto: cupy on a GPU, the C++ kernel on the CPU (torch if it can't build)
-    lean: bool = True  # run supported models through LeanModel instead of the transformers modules
 
 
 @dataclass(slots=True, frozen=True)
@@ -124,10 +119,10 @@ def create_runner(cfg: WorkerConfig, backend: AttentionBackend | None = None) ->
             kv_memory = _profile_kv_memory(loaded.model, torch.device(cfg.device), cfg.gpu_memory_utilization)
             loaded.model.set_attn_implementation(ATTN_IMPLEMENTATION)
         else:
-            kv_memory = 2**30
+            kv_memory = CPU_KV_MEMORY
     pool = KVPool(layout, layout.num_blocks_for(kv_memory), cfg.device, layout.num_blocks_for(cfg.swap_space))
     runner = ModelRunner(loaded, pool, backend or make_backend(cfg.attention_backend, cfg.device, layout),
-                         lean=cfg.lean)
+                         lean=not cfg.transformers_forward)
     info = WorkerInfo(model_id=cfg.model, num_blocks=pool.num_blocks, block_size=cfg.block_size,
                       dtype=str(layout.dtype).removeprefix("torch."), max_model_len=loaded.max_model_len,
                       device=cfg.device, num_cpu_blocks=pool.num_cpu_blocks)

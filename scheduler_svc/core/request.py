@@ -6,7 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from pagedserve_common.sampling import InvalidField, check_sampling_ranges
+from pagedserve_common.sampling import SAMPLING_DEFAULTS, InvalidField, check_sampling_ranges
 
 
 class RequestStatus(enum.Enum):
@@ -26,13 +26,13 @@ class FinishReason(enum.IntEnum):
 
 @dataclass(slots=True, frozen=True)
 class SamplingConfig:
-    max_tokens: int = 16
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0
+    max_tokens: int = SAMPLING_DEFAULTS.max_tokens
+    temperature: float = SAMPLING_DEFAULTS.temperature
+    top_p: float = SAMPLING_DEFAULTS.top_p
+    top_k: int = SAMPLING_DEFAULTS.top_k  # 0: off
+    min_p: float = SAMPLING_DEFAULTS.min_p
     seed: int | None = None
-    n: int = 1  # parallel samples of one prompt
+    n: int = SAMPLING_DEFAULTS.n  # parallel samples of one prompt
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None

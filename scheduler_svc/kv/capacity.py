@@ -6,6 +6,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from pagedserve_common.defaults import DEFAULT_BLOCK_SIZE
+
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
 
 
@@ -62,7 +64,7 @@ class KVPlan:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-def plan(shape: KVShape, seq_len: int, block_size: int = 16, memory: int | None = None) -> KVPlan:
+def plan(shape: KVShape, seq_len: int, block_size: int = DEFAULT_BLOCK_SIZE, memory: int | None = None) -> KVPlan:
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     per_token = shape.bytes_per_token

@@ -10,6 +10,7 @@ import pytest
 
 from pagedserve_cli.main import build_parser
 from pagedserve_cli.serve_cmd import scheduler_config, scheduler_policy_argv
+from pagedserve_common.defaults import DEFAULT_MODEL
 from scheduler_svc.core.plan import WorkerRegistration
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import EngineError, ErrorCode
@@ -23,7 +24,7 @@ def attach(tmp_path, argv: list[str], num_cpu_blocks: int = 0):
     engine = Engine(engine_config(cfg, SimpleNamespace(eos_token_ids=(2,))))
 
     async def main():
-        handle = engine.attach_worker(WorkerRegistration("smollm2-135m-instruct", 64, 16, "float32", 512, "cpu",
+        handle = engine.attach_worker(WorkerRegistration(DEFAULT_MODEL, 64, 16, "float32", 512, "cpu",
                                                          num_cpu_blocks))
         engine.detach(handle)
         await handle.task
