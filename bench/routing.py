@@ -20,6 +20,7 @@ from scheduler_svc.core.request import Request  # noqa: E402
 from pagedserve_common.sampling import SamplingParams  # noqa: E402
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
 from scheduler_svc.routing import Router  # noqa: E402
+from pagedserve_common.defaults import DEFAULT_MODEL  # noqa: E402
 
 MAX_MODEL_LEN = 2048
 # Step cost model, seconds: fixed + per scheduled token + per token of context of each scheduled sequence.
@@ -178,7 +179,7 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--model", default="smollm2-135m-instruct", help="only its tokenizer is used")
+    ap.add_argument("--model", default=DEFAULT_MODEL, help="only its tokenizer is used")
     args = ap.parse_args()
 
     from scheduler_svc.frontend.tokenizer import Tokenizer

@@ -25,6 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from pagedserve.v1 import generate_pb2 as pb  # noqa: E402
 from pagedserve.v1 import generate_pb2_grpc  # noqa: E402
 from pagedserve_cli.bench.report import percentiles  # noqa: E402
+from pagedserve_common.defaults import DEFAULT_MODEL  # noqa: E402
 from pagedserve_common.ports import free_port  # noqa: E402
 
 
@@ -128,7 +129,7 @@ def run_up(model: str, extra: list[str], log_path: str) -> tuple[subprocess.Pope
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--tokens", type=int, default=200, help="tokens of the measured stream, per phase")
     ap.add_argument("--senders", type=int, default=8)
     ap.add_argument("--prompt-mb", type=float, default=4.0, help="size of each huge prompt (under 4 MiB by default)")

@@ -1,53 +1,18 @@
-"""The access flags of every subcommand (TLS, mutual TLS, API keys) and the channels and metadata they make."""
+"""The access flags of the client subcommands (the services' come from pagedserve_common.config), and the channels
+and metadata that access flags make (TLS, mutual TLS, API keys)."""
 
 from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
 
-SCHEDULER_FLAGS = ("--tls-cert", "--tls-key", "--tls-ca", "--api-key-file")
-
-
-def add_scheduler_args(p: argparse.ArgumentParser) -> None:
-    """`scheduler` and `up`."""
-    p.add_argument("--tls-cert", metavar="PEM", help="the scheduler's certificate (chain): TLS on the client API, "
-                                                    "the worker port and the HTTP front (needs --tls-key)")
-    p.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
-    p.add_argument("--tls-ca", metavar="PEM", help="the CA that signs the workers' client certificates: the worker "
-                                                  "port then requires one (mutual TLS; clients need none)")
-    p.add_argument("--api-key-file", metavar="PATH",
-                   help="API keys, one a line (# comments): the client API then requires `authorization: Bearer "
-                        "KEY` (gRPC metadata or HTTP header); health stays open")
-
-
-def scheduler_argv(args: argparse.Namespace) -> list[str]:
-    """The flags of add_scheduler_args that were given, as scheduler command-line arguments."""
-    argv = []
-    for flag in SCHEDULER_FLAGS:
-        value = getattr(args, flag[2:].replace("-", "_"))
-        if value:
-            argv += [flag, value]
-    return argv
-
-
-def add_worker_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tls-ca", metavar="PEM", help="dial in over TLS, verifying the scheduler's certificate with this "
-                                                  "CA")
-    p.add_argument("--tls-cert", metavar="PEM", help="this worker's client certificate, signed by the CA of the "
-                                                    "scheduler's --tls-ca (needs --tls-key)")
-    p.add_argument("--tls-key", metavar="PEM", help="the private key of --tls-cert")
-    add_server_name_arg(p)
-
-
-def add_server_name_arg(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tls-server-name", metavar="NAME",
-                   help="check the server's certificate for NAME instead of the host dialled")
+from pagedserve_common.config import TLS_SERVER_NAME_HELP
 
 
 def add_client_args(p: argparse.ArgumentParser) -> None:
     """`generate`, `health`, `bench`: clients of the gRPC API."""
     p.add_argument("--tls-ca", metavar="PEM", help="use TLS, verifying the server's certificate with this CA")
-    add_server_name_arg(p)
+    p.add_argument("--tls-server-name", metavar="NAME", help=TLS_SERVER_NAME_HELP)
     p.add_argument("--api-key", metavar="KEY", help="sent as `authorization: Bearer KEY`")
     p.add_argument("--api-key-file", metavar="PATH", help="send the first key of this file (the scheduler's "
                                                          "format), unless --api-key is given")

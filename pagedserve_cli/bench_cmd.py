@@ -9,8 +9,7 @@ import time
 from pathlib import Path
 
 from pagedserve_cli.bench.workloads import WORKLOADS, build_requests, parse_range
-
-DEFAULT_SERVER = "127.0.0.1:50051"
+from pagedserve_common.defaults import DEFAULT_LISTEN, DEFAULT_MODEL, METRICS_PORT, metrics_url
 COMPARISON_NAMES = ("static-prealloc", "no-prefix-cache")
 # NOTE: a comparison needs a pool that memory, not --max-num-seqs, fills: 512 MiB holds 11,650 tokens of the
 # default model in float32 (46,080 bytes each), 5 sequences of 2,048 slots, or about 45 of the mixed workload's.
@@ -20,7 +19,7 @@ COMPARE_MAX_MODEL_LEN = 2048
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="load-test a server (ours over gRPC, or any OpenAI-compatible one)")
-    p.add_argument("--server", help=f"our gRPC client API, HOST:PORT (default {DEFAULT_SERVER})")
+    p.add_argument("--server", help=f"our gRPC client API, HOST:PORT (default {DEFAULT_LISTEN})")
     p.add_argument("--openai-url", help="an OpenAI-compatible server instead, e.g. http://127.0.0.1:8100/v1")
     p.add_argument("--model", help="with --openai-url: the served model name (default: the first it lists); with "
                                    "--spawn or --compare: the model to serve (default: the default model)")
@@ -37,8 +36,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens every time")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--tokenizer", help="model dir whose tokenizer cuts the prompts (default: the default model)")
-    p.add_argument("--metrics-url", help="Prometheus text to poll every 0.5 s (default with --server: "
-                                         "http://SERVER_HOST:9464/metrics; '' = off)")
+    p.add_argument("--metrics-url", help=f"Prometheus text to poll every 0.5 s (default with --server: "
+                                         f"http://SERVER_HOST:{METRICS_PORT}/metrics; '' = off)")
     p.add_argument("--out", help="output dir (default bench/out/YYYYmmdd-HHMMSS)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--kv-sample-period", type=float, default=0.25, metavar="SECONDS",
@@ -106,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--spawn starts its own server: leave out --server and --openai-url")
     from pagedserve_cli.bench.compare import spawn_config
     from pagedserve_cli.bench.spawn import spawn
-    from pagedserve_cli.serve_cmd import DEFAULT_MODEL, model_dir
+    from pagedserve_cli.serve_cmd import model_dir
 
     model = model_dir(args.model or DEFAULT_MODEL)
     args.tokenizer = args.tokenizer or model
@@ -127,9 +126,9 @@ def bench(args: argparse.Namespace) -> int:
     if args.server and args.openai_url:
         raise ValueError("give --server or --openai-url, not both")
     if not args.openai_url:
-        args.server = args.server or DEFAULT_SERVER
+        args.server = args.server or DEFAULT_LISTEN
         if args.metrics_url is None:
-            args.metrics_url = f"http://{args.server.rsplit(':', 1)[0]}:9464/metrics"
+            args.metrics_url = metrics_url(args.server)
     started = time.strftime("%Y%m%d-%H%M%S")
     done = asyncio.run(_bench(args))
     if done is None:

@@ -6,12 +6,13 @@ import argparse
 import sys
 
 from pagedserve_cli import access_args
+from pagedserve_common.defaults import DEFAULT_LISTEN
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream a completion from a running server")
     p.add_argument("prompt")
-    p.add_argument("--server", default="127.0.0.1:50051")
+    p.add_argument("--server", default=DEFAULT_LISTEN, help="the client API, HOST:PORT")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int)

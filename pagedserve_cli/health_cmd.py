@@ -6,11 +6,12 @@ import argparse
 import sys
 
 from pagedserve_cli import access_args
+from pagedserve_common.defaults import DEFAULT_LISTEN
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("health", help="exit 0 when the server is SERVING (a worker attached, not draining), else 1")
-    p.add_argument("--server", default="127.0.0.1:50051", help="the client API, HOST:PORT")
+    p.add_argument("--server", default=DEFAULT_LISTEN, help="the client API, HOST:PORT")
     p.add_argument("--service", default="", help="the health service name to ask about (default '': the server)")
     p.add_argument("--worker", metavar="HOST",
                    help="also require an attached worker registered from HOST (its name is HOST:PID), e.g. "

@@ -9,6 +9,7 @@ import sys
 import time
 
 from pagedserve_cli import access_args
+from pagedserve_common.defaults import DEFAULT_LISTEN
 
 LABEL_WIDTH = 8  # the block id before each grid row, and a margin
 MAX_MESSAGE_BYTES = 256 << 20  # NOTE: a million blocks is ~2 MB of bytes plus the block tables; gRPC's default is 4 MB
@@ -19,7 +20,7 @@ HIDE_CURSOR, SHOW_CURSOR, HOME, CLEAR_SCREEN, CLEAR_BELOW, CLEAR_LINE = (
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("kv-map", help="live map of a worker's KV blocks: who holds which block, sharing, "
                                       "fragmentation, prefix-cache hits")
-    p.add_argument("--server", default="127.0.0.1:50051", help="the client API, HOST:PORT")
+    p.add_argument("--server", default=DEFAULT_LISTEN, help="the client API, HOST:PORT")
     p.add_argument("--worker", default="", metavar="ID",
                    help="a worker id as GetModelInfo lists it (default: the first attached)")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between frames (default 1)")

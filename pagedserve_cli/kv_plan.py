@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 
-from pagedserve_cli.units import parse_bytes
-from scheduler_svc.kv.capacity import DTYPE_BYTES, KVShape, plan
+from pagedserve_common.defaults import DEFAULT_BLOCK_SIZE
+from pagedserve_common.units import parse_bytes
+from pagedserve_common.kv_geometry import DTYPE_BYTES, KVGeometry
+from scheduler_svc.kv.capacity import max_model_len_of, plan, read_config
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -14,7 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="model directory (holding config.json) or a known model name")
     p.add_argument("--seq-len", type=int, required=True, help="sequence length S (prompt + output tokens)")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="KV element type (default: the model's)")
-    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--memory", type=parse_bytes, help="KV memory budget: bytes, or e.g. 80GiB")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)
@@ -29,8 +31,9 @@ def _model_dir(spec: str) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    kv = plan(KVShape.from_model_dir(_model_dir(args.model), args.dtype), args.seq_len, args.block_size,
-              args.memory)
+    config = read_config(_model_dir(args.model))
+    kv = plan(KVGeometry.from_config(config, args.dtype, args.block_size), args.seq_len, args.memory,
+              max_model_len_of(config))
     if args.json:
         print(json.dumps(kv.to_dict()))
         return 0

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 
+from pagedserve_common.defaults import DEFAULT_MODEL
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("model", help="manage the local model cache")
     msub = p.add_subparsers(dest="model_command", required=True)
     pull = msub.add_parser("pull", help="fetch and convert a known model into the cache; prints its directory")
-    pull.add_argument("name", nargs="?", default="smollm2-135m-instruct",
+    pull.add_argument("name", nargs="?", default=DEFAULT_MODEL,
                       help="a known model name, or a model directory (printed as is)")
     pull.set_defaults(func=run_pull)
 

@@ -18,8 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedserve_cli import access_args
-from pagedserve_cli.serve_cmd import (DEFAULT_DRAIN_TIMEOUT, DEFAULT_MODEL, add_scheduler_policy_args, model_dir,
-                                      parse_device, scheduler_policy_argv)
+from pagedserve_cli.flags import DefaultsFormatter, add_flags, forward_argv
+from pagedserve_cli.serve_cmd import model_dir
+from pagedserve_common.config import EngineOptions, RunnerOptions, SchedulerOptions, UpOptions, WorkerOptions
+from pagedserve_common.defaults import DEFAULT_MODEL
 
 CRASH_LOOP_SECONDS = 10.0  # a child that dies sooner than this after starting is restarted after a back-off
 FIRST_BACKOFF, MAX_BACKOFF = 1.0, 30.0  # that back-off doubles from 1 s up to 30 s
@@ -28,29 +30,24 @@ PR_SET_PDEATHSIG = 1
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("up", help="start a scheduler and N workers; Ctrl-C stops them all")
-    p.add_argument("--workers", type=int, default=1)
-    p.add_argument("--model", default=DEFAULT_MODEL)
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--kv-memory", default=None, help="KV pool bytes per worker, e.g. 1GiB")
-    p.add_argument("--device", default=None, type=parse_device,
-                   help="cpu, cuda (worker i on GPU i mod the number of visible GPUs) or cuda:N (all on GPU N); "
-                        "default: cuda when a GPU is visible")
-    p.add_argument("--listen", default="127.0.0.1:50051")
-    p.add_argument("--worker-listen", default="127.0.0.1:50052")
-    p.add_argument("--metrics", default="127.0.0.1:9464")
-    p.add_argument("--http", default="127.0.0.1:8000", metavar="HOST:PORT",
-                   help="the OpenAI-compatible HTTP API ('' = off)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="compute threads per CPU worker (default: its share of the cores, adapting to load)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None,
-                   help="tokens per step (default: the scheduler's)")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="sequences per step (default: the scheduler's)")
-    p.add_argument("--swap-space", default=None, help="host memory per worker for swapped-out KV blocks")
-    p.add_argument("--startup-timeout", type=float, default=600.0)
-    add_scheduler_policy_args(p, with_defaults=False)  # forwarded to the scheduler only when given
-    access_args.add_scheduler_args(p)  # forwarded too; the workers get --tls-ca/--tls-cert/--tls-key as well
+    p = sub.add_parser("up", help="start a scheduler and N workers; Ctrl-C stops them all",
+                       formatter_class=DefaultsFormatter)
+    add_flags(p, UpOptions)
+    # NOTE: the scheduler's and the workers' flags that Option.up marks: forwarded (scheduler_argv, worker_argv);
+    # the scheduler's access flags too, and the workers get --tls-ca/--tls-cert/--tls-key from them (access_args).
+    add_flags(p, SchedulerOptions, child="scheduler")
+    add_flags(p, WorkerOptions, child="worker")
     p.set_defaults(func=run)
+
+
+def scheduler_argv(args: argparse.Namespace) -> list[str]:
+    """The scheduler's command-line arguments under `up`."""
+    return [*forward_argv(args, SchedulerOptions), "--http", args.http]
+
+
+def worker_argv(args: argparse.Namespace, device: str) -> list[str]:
+    """A worker's command-line arguments under `up` (its TLS flags come from access_args.up_tls)."""
+    return ["--scheduler", args.worker_listen, "--device", device, *forward_argv(args, RunnerOptions)]
 
 
 def wait_healthy(address: str, timeout: float, procs: list[subprocess.Popen], stopping=lambda: False,
@@ -231,13 +228,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
     exe = [sys.executable, "-m", "pagedserve_cli.main"]
-    sched_cmd = [*exe, "scheduler", "--model", args.model, "--listen", args.listen,
-                 "--worker-listen", args.worker_listen, "--metrics", args.metrics, "--http", args.http]
-    if args.max_num_batched_tokens:
-        sched_cmd += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    if args.max_num_seqs:
-        sched_cmd += ["--max-num-seqs", str(args.max_num_seqs)]
-    sched_cmd += scheduler_policy_argv(args) + access_args.scheduler_argv(args)
+    sched_cmd = [*exe, "scheduler", *scheduler_argv(args)]
     num_gpus = visible_gpus() if args.device in (None, "cuda") else 0
     device = args.device or ("cuda" if num_gpus else "cpu")
     devices = worker_devices(device, args.workers, num_gpus)
@@ -247,14 +238,7 @@ def run(args: argparse.Namespace) -> int:
     scheduler = Child("scheduler", sched_cmd)
     workers = []
     for i, (dev, share) in enumerate(zip(devices, shares)):
-        cmd = [*exe, "worker", "--scheduler", args.worker_listen, "--model", args.model, "--device", dev,
-               "--dtype", args.dtype]
-        if args.kv_memory:
-            cmd += ["--kv-memory", args.kv_memory]
-        if args.threads:
-            cmd += ["--threads", str(args.threads)]
-        if args.swap_space:
-            cmd += ["--swap-space", args.swap_space]
+        cmd = [*exe, "worker", *worker_argv(args, dev)]
         workers.append(Child(f"worker {i}", cmd + tls.worker_argv, share))
     children = [scheduler, *workers]
     try:
@@ -275,6 +259,6 @@ def run(args: argparse.Namespace) -> int:
                 c.watch(now)
             select.select([wake_r], [], [], 0.2)
     finally:
-        drain = args.drain_timeout if args.drain_timeout is not None else DEFAULT_DRAIN_TIMEOUT
+        drain = args.drain_timeout if args.drain_timeout is not None else EngineOptions().drain_timeout
         stop_in_order(scheduler, workers, drain)
     return 0

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from pagedserve_common.defaults import DEFAULT_BLOCK_SIZE
+
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
-DEFAULT_BLOCK_SIZE = 16  # tokens per KV block
 
 
 @dataclass(slots=True, frozen=True)
@@ -19,6 +20,16 @@ class KVGeometry:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
             raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {self.dtype!r}")
+
+    @classmethod
+    def from_config(cls, config: dict, dtype: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE) -> KVGeometry:
+        """From a HuggingFace config.json (as a dict); `dtype` defaults to the checkpoint's."""
+        cfg = config.get("text_config") or config  # NOTE: multimodal configs nest the language model's
+        heads = cfg["num_attention_heads"]
+        dtype = dtype or str(cfg.get("dtype") or cfg.get("torch_dtype") or config.get("torch_dtype") or "float16")
+        return cls(num_layers=cfg["num_hidden_layers"], num_kv_heads=cfg.get("num_key_value_heads") or heads,
+                   head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads, dtype=dtype.removeprefix("torch."),
+                   block_size=block_size)
 
     @property
     def bytes_per_token(self) -> int:

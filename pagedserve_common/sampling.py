@@ -18,7 +18,8 @@ class InvalidField(ValueError):
 
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
-    """pagedserve.v1.SamplingParams in memory; the defaults are the ones generate.proto documents. Stop strings
+    """pagedserve.v1.SamplingParams in memory. Its defaults are what an unset field means in every client API
+    (generate.proto documents them; SamplingParams() is the one place they are written). Stop strings
     are not here: they need detokenized text, so they stay with the front end's stream."""
 
     max_tokens: int = 16

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from pagedserve_common.config import CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS, EngineOptions
 from pagedserve_common.plan import StepPlan
 from pagedserve_common.registration import WorkerRegistration
 from pagedserve_common.result import StepResult
@@ -32,30 +33,15 @@ log = structlog.get_logger("pagedserve.scheduler")
 LEAVING_POLL_SECONDS = 0.5  # a leaving worker with nothing to run still has its drain deadline checked
 
 
-@dataclass(slots=True)
-class EngineConfig:
+@dataclass(slots=True, kw_only=True)
+class EngineConfig(EngineOptions):
+    """The engine's flags (their defaults and meaning: pagedserve_common.config.EngineOptions; a None
+    max_num_batched_tokens goes by the worker's device: default_batched_tokens) and what the model says."""
+
     model_id: str
-    max_model_len: int
+    max_model_len: int  # --max-model-len within the model's
     vocab_size: int
     eos_token_ids: tuple[int, ...] = ()
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # None: by the worker's device (default_batched_tokens)
-    enable_prefix_caching: bool = True
-    kv_allocation: str = "paged"  # paged | static-max-model-len | static-request (scheduler_svc.kv.static)
-    max_queued_requests: int = 1024  # beyond this, RESOURCE_EXHAUSTED
-    routing: str = "kv"  # kv | least-loaded | round-robin
-    step_timeout: float = 60.0  # seconds a worker may take for a step before it is lost (4x for its first)
-    max_migrations: int = 3  # a request in the steps of this many lost workers ends with INTERNAL
-    no_worker_timeout: float = 60.0  # with no worker attached, requests wait this long, then UNAVAILABLE
-    drain_seconds: float = 30.0  # a leaving worker's running requests may finish this long before they move
-
-
-# Tokens per step when not set. NOTE: a step is one forward, so its token budget bounds the inter-token latency
-# of every running stream while a long prompt is prefilled. Measured on a 2-core CPU with the default model
-# (64 mixed requests at once): 512 gives the best throughput too (256: -17%, 1024: -4%, 2048: -12%), and a
-# 512-token step takes about 1 s there, against 4-5 s for 2048.
-CPU_BATCHED_TOKENS = 512
-GPU_BATCHED_TOKENS = 2048
 
 
 def _wrapped(value: int) -> str:
@@ -105,7 +91,7 @@ class Engine:
                 num_blocks=reg.num_blocks, max_model_len=min(cfg.max_model_len, reg.max_model_len),
                 max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(reg.device),
-                block_size=reg.block_size, enable_prefix_caching=cfg.enable_prefix_caching,
+                block_size=reg.block_size, enable_prefix_caching=not cfg.no_prefix_caching,
                 eos_token_ids=cfg.eos_token_ids, num_cpu_blocks=reg.num_cpu_blocks,
                 kv_allocation=cfg.kv_allocation), seq_ids=self._seq_ids)
         except ValueError as e:  # e.g. swap space under a static kv_allocation
@@ -156,7 +142,7 @@ class Engine:
         finish within the drain timeout (then they move too); then its stream ends and it exits."""
         if not w.attached or w.leaving:
             return
-        w.leaving, w.leave_deadline = True, time.monotonic() + self.config.drain_seconds
+        w.leaving, w.leave_deadline = True, time.monotonic() + self.config.drain_timeout
         log.info("worker leaving", worker=w.worker_id, reason=reason, running=w.scheduler.num_running,
                  waiting=w.scheduler.num_waiting)
         self._move_queued(w)  # NOTE: safe with a step in flight: queued requests are not in it
@@ -165,7 +151,7 @@ class Engine:
     def _leaving_tick(self, w: WorkerHandle) -> Lost | None:
         """Between a leaving worker's steps: move what can move, close it once it holds nothing."""
         if time.monotonic() > w.leave_deadline:
-            return Lost("leave_timeout", f"its requests did not finish within {self.config.drain_seconds:g} s of it "
+            return Lost("leave_timeout", f"its requests did not finish within {self.config.drain_timeout:g} s of it "
                         "announcing it leaves", charge=False)
         self._move_queued(w)
         if not w.scheduler.has_unfinished_requests():

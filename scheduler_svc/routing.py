@@ -8,9 +8,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from pagedserve_common.config import ROUTING as POLICIES
 from scheduler_svc.core.scheduler import Scheduler
-
-POLICIES = ("kv", "least-loaded", "round-robin")
 
 
 class Routable(Protocol):

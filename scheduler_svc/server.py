@@ -16,6 +16,8 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pagedserve_common.config import SchedulerOptions
+from pagedserve_common.options import values
 from scheduler_svc.auth import Access, add_port
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.errors import ErrorCode
@@ -27,46 +29,19 @@ log = structlog.get_logger("pagedserve.scheduler")
 SERVICES = ("", "pagedserve.v1.Generation")
 
 
-@dataclass(slots=True)
-class ServerConfig:
-    model_dir: str
-    model_id: str
-    listen: str = "127.0.0.1:50051"
-    worker_listen: str = "127.0.0.1:50052"
-    metrics: str | None = "127.0.0.1:9464"
-    http: str | None = None  # the OpenAI-compatible HTTP front, HOST:PORT (None: off)
-    # NOTE: paths only, so that no key (TLS or API) reaches a repr or a log line.
-    tls_cert: str | None = None  # --tls-cert/--tls-key: TLS on the client API, the worker port and the HTTP front
-    tls_key: str | None = None
-    tls_ca: str | None = None  # --tls-ca: the worker port requires client certificates signed by it (mutual TLS)
-    api_key_file: str | None = None  # --api-key-file: the client API requires `authorization: Bearer KEY`
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None  # None: 512 for a CPU worker, 2048 for a GPU one
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    kv_allocation: str = "paged"  # --kv-allocation (scheduler_svc.kv.static.KV_ALLOCATIONS)
-    max_queued_requests: int = 1024
-    drain_seconds: float = 30.0  # --drain-timeout: how long SIGTERM lets in-flight streams finish
-    routing: str = "kv"  # kv | least-loaded | round-robin (scheduler_svc.routing)
-    step_timeout: float = 60.0  # a worker that takes longer for a step is lost (its first step may take 4x)
-    max_migrations: int = 3  # a request whose steps took down this many workers ends with INTERNAL
-    no_worker_timeout: float = 60.0  # requests wait this long for a worker when none is attached
-    # Input bounds (None: the defaults of scheduler_svc.frontend.limits.Limits)
-    max_message_size: int | None = None  # --max-message-size: a client gRPC message or an HTTP body
-    max_prompt_chars: int | None = None  # --max-prompt-chars (None: 32 per token of max_model_len)
-    max_stop_strings: int | None = None  # --max-stop-strings
+@dataclass(slots=True, kw_only=True)
+class ServerConfig(SchedulerOptions):
+    """`pagedserve scheduler`'s flags (the tree of pagedserve_common.config) and where its model is."""
+
+    model_dir: str  # --model resolved to a local directory (its config.json and tokenizer)
 
 
 def engine_config(cfg: ServerConfig, tokenizer: Tokenizer) -> EngineConfig:
     model = json.loads((Path(cfg.model_dir) / "config.json").read_text())
     max_len = int(model.get("max_position_embeddings", 2048))
-    return EngineConfig(model_id=cfg.model_id, max_model_len=min(cfg.max_model_len or max_len, max_len),
-                        vocab_size=int(model["vocab_size"]), eos_token_ids=tokenizer.eos_token_ids,
-                        max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                        enable_prefix_caching=cfg.enable_prefix_caching, kv_allocation=cfg.kv_allocation,
-                        max_queued_requests=cfg.max_queued_requests, routing=cfg.routing,
-                        step_timeout=cfg.step_timeout, max_migrations=cfg.max_migrations,
-                        no_worker_timeout=cfg.no_worker_timeout, drain_seconds=cfg.drain_seconds)
+    return EngineConfig(**values(cfg.engine), model_id=cfg.model,
+                        max_model_len=min(cfg.max_model_len or max_len, max_len),
+                        vocab_size=int(model["vocab_size"]), eos_token_ids=tokenizer.eos_token_ids)
 
 
 # NOTE: keepalive on the worker endpoint finds a dead peer (a killed host, a stopped process, a cut cable) in
@@ -100,16 +75,14 @@ def pending_call_options(max_queued_requests: int) -> tuple[tuple[str, int], ...
 
 
 def input_limits(cfg: ServerConfig, max_model_len: int) -> Limits:
-    """The client APIs' input bounds: the flags given, Limits' defaults for the others."""
-    given = {"max_message_bytes": cfg.max_message_size, "max_stop_strings": cfg.max_stop_strings}
-    return Limits.for_model(max_model_len, cfg.max_prompt_chars,
-                            **{name: value for name, value in given.items() if value is not None})
+    """The client APIs' input bounds: those with a flag from it, the fixed ones from Limits."""
+    return Limits.for_model(max_model_len, **values(cfg.limits))
 
 
 async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
-    access = Access.load(cfg.tls_cert, cfg.tls_key, cfg.tls_ca, cfg.api_key_file)  # first: a bad file fails fast
+    access = Access.load(**values(cfg.access))  # first: a bad file fails fast
     tokenizer = Tokenizer.from_model_dir(cfg.model_dir)
-    engine = Engine(engine_config(cfg, tokenizer))
+    engine, net = Engine(engine_config(cfg, tokenizer)), cfg.network
     limits = input_limits(cfg, engine.config.max_model_len)
     frontend = FrontEnd(engine, tokenizer, limits)
     health = HealthServicer()
@@ -124,39 +97,39 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
 
     engine.on_workers_changed = on_workers_changed
     # NOTE: grpc refuses a larger message with RESOURCE_EXHAUSTED before the servicer (or the parser) sees it.
-    clients = grpc.aio.server(options=(("grpc.max_receive_message_length", limits.max_message_bytes),
-                                       *pending_call_options(cfg.max_queued_requests)),
+    clients = grpc.aio.server(options=(("grpc.max_receive_message_length", limits.max_message_size),
+                                       *pending_call_options(cfg.engine.max_queued_requests)),
                               interceptors=access.interceptors())
     generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend), clients)
     health_pb2_grpc.add_HealthServicer_to_server(health, clients)
     reflection.enable_server_reflection(
         (generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
          health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), clients)
-    add_port(clients, cfg.listen, access.clients)
+    add_port(clients, net.listen, access.clients)
     workers = grpc.aio.server(options=WORKER_SERVER_OPTIONS)
     worker_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(engine), workers)
     reflection.enable_server_reflection(
         (worker_pb2.DESCRIPTOR.services_by_name["WorkerControl"].full_name, reflection.SERVICE_NAME), workers)
-    add_port(workers, cfg.worker_listen, access.workers)
-    if cfg.metrics:
-        host, port = cfg.metrics.rsplit(":", 1)
+    add_port(workers, net.worker_listen, access.workers)
+    if net.metrics:
+        host, port = net.metrics.rsplit(":", 1)
         start_http_server(int(port), addr=host, registry=engine.metrics.registry)
     http = None
-    if cfg.http:
+    if net.http:
         from scheduler_svc.http.app import create_app
         from scheduler_svc.http.server import HttpServer
 
-        http = HttpServer(create_app(frontend, access.api_keys), cfg.http, ssl=access.http_ssl)
+        http = HttpServer(create_app(frontend, access.api_keys), net.http, ssl=access.http_ssl)
     await workers.start()
     await clients.start()
     if http is not None:
         await http.start()
-    log.info("scheduler listening", listen=cfg.listen, worker_listen=cfg.worker_listen, http=cfg.http,
-             metrics=cfg.metrics, model=cfg.model_id, tls=access.clients is not None, mutual_tls=access.mutual,
+    log.info("scheduler listening", listen=net.listen, worker_listen=net.worker_listen, http=net.http,
+             metrics=net.metrics, model=cfg.model, tls=access.clients is not None, mutual_tls=access.mutual,
              api_keys=len(access.api_keys or ()))
     if access.workers is not None and not access.mutual:
         log.warning("the worker port asks no client certificate (no --tls-ca): whoever reaches it can attach "
-                    "as a worker and receive prompts", worker_listen=cfg.worker_listen)
+                    "as a worker and receive prompts", worker_listen=net.worker_listen)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -167,14 +140,14 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
     # Drain: refuse new requests (UNAVAILABLE), let running ones finish, then stop.
     engine.draining = True
     await health.enter_graceful_shutdown()
-    log.info("draining", unfinished=engine.num_unfinished, timeout_s=cfg.drain_seconds)
-    deadline = loop.time() + cfg.drain_seconds
+    log.info("draining", unfinished=engine.num_unfinished, timeout_s=cfg.engine.drain_timeout)
+    deadline = loop.time() + cfg.engine.drain_timeout
     while engine.num_unfinished and loop.time() < deadline:
         await asyncio.sleep(0.05)
     if engine.num_unfinished:
         log.warning("drain timeout: ending the unfinished requests", unfinished=engine.num_unfinished)
         engine.fail_all(ErrorCode.UNAVAILABLE, f"the server shut down: the request did not finish within the "
-                                               f"{cfg.drain_seconds:g} s drain timeout")
+                                               f"{cfg.engine.drain_timeout:g} s drain timeout")
     await clients.stop(grace=1.0)
     frontend.pool.shutdown()
     if http is not None:

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scheduler_svc.frontend import DetokenizeResult, IncrementalDetokenizer, Tokenizer
+from pagedserve_common.defaults import DEFAULT_MODEL
 from worker_svc.model_store import resolve_model
 
 TEXTS = [
@@ -41,7 +42,7 @@ HYP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthChe
 
 @pytest.fixture(scope="module")
 def model_dir():
-    return resolve_model("smollm2-135m-instruct")
+    return resolve_model(DEFAULT_MODEL)
 
 
 @pytest.fixture(scope="module")

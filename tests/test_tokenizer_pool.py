@@ -10,6 +10,7 @@ import pytest
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend import Tokenizer
 from scheduler_svc.frontend.pool import INLINE_CHARS, TokenizerPool
+from pagedserve_common.defaults import DEFAULT_MODEL
 from worker_svc.model_store import resolve_model
 
 LONG = "The quick brown fox jumps over the lazy dog. " * (INLINE_CHARS // 20)
@@ -17,7 +18,7 @@ LONG = "The quick brown fox jumps over the lazy dog. " * (INLINE_CHARS // 20)
 
 @functools.cache
 def tokenizer() -> Tokenizer:
-    return Tokenizer.from_model_dir(resolve_model("smollm2-135m-instruct"))
+    return Tokenizer.from_model_dir(resolve_model(DEFAULT_MODEL))
 
 
 def run(coro):

@@ -14,9 +14,10 @@ import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve_common.defaults import DEFAULT_MODEL
+
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
 MARKER = ".pagedserve-complete"  # written last; a model dir without it is incomplete and gets redone
 MODEL_INPUT_NAMES = ["input_ids", "attention_mask"]
 

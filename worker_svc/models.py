@@ -49,10 +49,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
 
     def kv_geometry(self, block_size: int, kv_dtype: torch.dtype | None = None) -> KVGeometry:
-        cfg = self.model.config
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        return KVGeometry(num_layers=cfg.num_hidden_layers, num_kv_heads=cfg.num_key_value_heads, head_dim=head_dim,
-                          dtype=str(kv_dtype or self.dtype).removeprefix("torch."), block_size=block_size)
+        return KVGeometry.from_config(self.model.config.to_dict(), str(kv_dtype or self.dtype), block_size)
 
 
 def resolve_dtype(dtype: str, device: str, config: dict) -> torch.dtype:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
+from pagedserve_common.config import CPU_KV_MEMORY, RunnerOptions
 from worker_svc.attention import AttentionBackend, TorchAttentionBackend
 from pagedserve_common.kv_geometry import KVGeometry
 from pagedserve_common.registration import WorkerRegistration
@@ -19,18 +20,12 @@ from worker_svc.runner import ModelRunner
 log = structlog.get_logger("pagedserve.worker")
 
 
-@dataclass(slots=True)
-class WorkerConfig:
-    model: str = "smollm2-135m-instruct"  # a known name or a local HF model directory
-    device: str = "cpu"
-    dtype: str = "auto"  # auto: float32 on the CPU, the checkpoint's dtype on a GPU
-    block_size: int = 16
-    kv_memory: int | None = None  # bytes for the KV pool; None: 1 GiB on the CPU, a share of free GPU memory
+@dataclass(slots=True, kw_only=True)
+class WorkerConfig(RunnerOptions):
+    """The worker's flags (pagedserve_common.config.RunnerOptions; device resolved: never cuda:auto) and the
+    settings no flag sets."""
+
     gpu_memory_utilization: float = 0.9  # share of the GPU's memory the whole worker may use
-    threads: int | None = None  # torch intra-op threads on the CPU; None: the cores this process may run on
-    swap_space: int = 0  # bytes of host memory for swapped-out KV blocks (0: preemption recomputes)
-    attention_backend: str = "auto"  # auto: cupy on a GPU, the C++ kernel on the CPU (torch if it can't build)
-    lean: bool = True  # run supported models through LeanModel instead of the transformers modules
 
 
 GPU_HEADROOM = 256 * 2**20  # bytes left free on the GPU for what the profile doesn't see (allocator slack, NVRTC)
@@ -115,10 +110,10 @@ def create_runner(cfg: WorkerConfig, backend: AttentionBackend | None = None) ->
             kv_memory = _profile_kv_memory(loaded.model, torch.device(cfg.device), cfg.gpu_memory_utilization)
             loaded.model.set_attn_implementation(ATTN_IMPLEMENTATION)
         else:
-            kv_memory = 2**30
+            kv_memory = CPU_KV_MEMORY
     pool = KVPool(geometry, geometry.num_blocks_for(kv_memory), cfg.device, geometry.num_blocks_for(cfg.swap_space))
     runner = ModelRunner(loaded, pool, backend or make_backend(cfg.attention_backend, cfg.device, geometry),
-                         lean=cfg.lean)
+                         lean=not cfg.transformers_forward)
     reg = WorkerRegistration(model_id=cfg.model, max_model_len=loaded.max_model_len, device=cfg.device,
                              kv_geometry=geometry, num_blocks=pool.num_blocks, num_cpu_blocks=pool.num_cpu_blocks)
     return runner, reg

@@ -163,7 +163,8 @@ def write_outputs(out: Path, args: argparse.Namespace, config: dict, results: li
 
 def run(args: argparse.Namespace) -> int:
     from pagedserve_cli.bench.workloads import build_requests, dump_jsonl
-    from pagedserve_cli.serve_cmd import DEFAULT_MODEL, model_dir
+    from pagedserve_cli.serve_cmd import model_dir
+    from pagedserve_common.defaults import DEFAULT_MODEL
 
     if args.server or args.openai_url:
         raise ValueError("--compare starts its own servers: leave out --server and --openai-url")

@@ -191,7 +191,8 @@ FALLBACK_MAX_MODEL_LEN = 2048  # when neither the model nor the server says
 def _tokenizer_dir(args) -> str:
     if args.tokenizer:
         return args.tokenizer
-    from pagedserve_cli.serve_cmd import DEFAULT_MODEL, model_dir
+    from pagedserve_cli.serve_cmd import model_dir
+    from pagedserve_common.defaults import DEFAULT_MODEL
 
     return model_dir(DEFAULT_MODEL)
 

@@ -9,6 +9,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from pagedserve_common.plan import NewSequence, SequenceDelta, StepPlan
+from pagedserve_common.config import EngineOptions
+from pagedserve_common.defaults import DEFAULT_BLOCK_SIZE
+from pagedserve_common.options import default_of
 from pagedserve_common.sampling import InvalidField
 from scheduler_svc.core import reservation
 from scheduler_svc.core.handover import Handover
@@ -24,14 +27,20 @@ _RUNNING, _FINISHED = RequestStatus.RUNNING, RequestStatus.FINISHED
 class SchedulerConfig:
     num_blocks: int
     max_model_len: int
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 8192
-    block_size: int = 16
+    max_num_seqs: int = default_of(EngineOptions, "max_num_seqs")
+    # NOTE: the engine always sets it (--max-num-batched-tokens, else default_batched_tokens by the worker's
+    # device); None here means no token budget beyond max_num_seqs sequences of max_model_len tokens.
+    max_num_batched_tokens: int | None = None
+    block_size: int = DEFAULT_BLOCK_SIZE
     enable_prefix_caching: bool = True
     long_prefill_token_threshold: int = 0  # > 0: cap on one sequence's prefill chunk per step
     eos_token_ids: tuple[int, ...] = ()
     num_cpu_blocks: int = 0  # the worker's swap space; 0: preemption always recomputes
-    kv_allocation: str = "paged"  # or a contiguous reservation per sequence (scheduler_svc.kv.static)
+    kv_allocation: str = default_of(EngineOptions, "kv_allocation")  # or a contiguous reservation per sequence
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = self.max_num_seqs * self.max_model_len
 
 
 class Scheduler(Handover):

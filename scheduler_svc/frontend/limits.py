@@ -5,15 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from pagedserve_common.config import MAX_MESSAGE_SIZE, MAX_STOP_STRINGS, PROMPT_CHARS_PER_TOKEN
 from scheduler_svc.errors import EngineError, ErrorCode
 
 if TYPE_CHECKING:
     from scheduler_svc.frontend.inputs import GenerateInput
-
-MiB = 1 << 20
-# NOTE: a token of real text averages ~4 characters; 32 per token of context leaves room for whitespace runs and
-# long words while refusing a multi-megabyte prompt before it costs seconds of tokenizing.
-PROMPT_CHARS_PER_TOKEN = 32
 
 
 @dataclass(slots=True, frozen=True)
@@ -23,8 +19,8 @@ class Limits:
     Those with a flag are the ones a deployment may need to move; the others are far above any real use."""
 
     max_prompt_chars: int  # --max-prompt-chars: a text prompt, or the characters of all chat messages together
-    max_message_bytes: int = 4 * MiB  # --max-message-size: one gRPC request message or one HTTP request body
-    max_stop_strings: int = 16  # --max-stop-strings
+    max_message_size: int = MAX_MESSAGE_SIZE  # --max-message-size: one gRPC request message or one HTTP body
+    max_stop_strings: int = MAX_STOP_STRINGS  # --max-stop-strings
     max_stop_chars: int = 1024  # each stop string
     max_stop_token_ids: int = 1024
     max_request_id_chars: int = 256

@@ -100,7 +100,7 @@ async def _gather(job: Job, streams: list[RequestStream], logprobs_of: Callable)
 
 def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None) -> FastAPI:
     app = FastAPI(title="pagedserve", summary="OpenAI-compatible API of a pagedserve scheduler")
-    app.add_middleware(BodyLimit, max_bytes=frontend.limits.max_message_bytes)
+    app.add_middleware(BodyLimit, max_bytes=frontend.limits.max_message_size)
     if api_keys is not None:  # NOTE: added last, so it runs first; /health stays open
         app.add_middleware(ApiKeyMiddleware, keys=api_keys,
                            error_body=lambda why: convert.error_body(401, why, code="invalid_api_key"))

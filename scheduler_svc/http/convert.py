@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_svc.core.request import FinishReason
 from pagedserve_common.sampling import SamplingParams
+from scheduler_svc.core.request import FinishReason
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend import FrontEnd, GenerateInput, StreamItem
 from scheduler_svc.frontend.api import invalid
@@ -63,8 +63,10 @@ def _sampling(body, max_tokens: int | None, logprobs: int | None) -> SamplingPar
     def pick(value, default):
         return default if value is None else value
 
-    return SamplingParams(max_tokens=pick(max_tokens, 16), temperature=pick(body.temperature, 1.0),
-                          top_p=pick(body.top_p, 1.0), top_k=pick(body.top_k, 0), min_p=pick(body.min_p, 0.0),
+    d = SamplingParams()
+    return SamplingParams(max_tokens=pick(max_tokens, d.max_tokens), temperature=pick(body.temperature, d.temperature),
+                          top_p=pick(body.top_p, d.top_p), top_k=pick(body.top_k, d.top_k),
+                          min_p=pick(body.min_p, d.min_p),
                           seed=body.seed, n=body.n, stop_token_ids=tuple(body.stop_token_ids or ()),
                           ignore_eos=body.ignore_eos, logprobs=logprobs)
 

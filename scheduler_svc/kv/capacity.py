@@ -6,37 +6,18 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1}
+from pagedserve_common.kv_geometry import KVGeometry
 
 
-@dataclass(slots=True, frozen=True)
-class KVShape:
-    num_layers: int
-    num_kv_heads: int  # NOTE: grouped-query attention stores kv heads, not attention heads
-    head_dim: int
-    max_model_len: int
-    dtype: str
 
-    @classmethod
-    def from_config(cls, config: dict, dtype: str | None = None) -> KVShape:
-        cfg = config.get("text_config", config)  # multimodal configs nest the language model's
-        heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        dtype = dtype or str(cfg.get("dtype") or cfg.get("torch_dtype") or config.get("torch_dtype") or "float16")
-        if dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPE_BYTES)}, got {dtype!r}")
-        return cls(num_layers=cfg["num_hidden_layers"], num_kv_heads=cfg.get("num_key_value_heads") or heads,
-                   head_dim=head_dim, max_model_len=cfg.get("max_position_embeddings", 0), dtype=dtype)
+def read_config(model_dir: str | Path) -> dict:
+    with open(Path(model_dir) / "config.json") as f:
+        return json.load(f)
 
-    @classmethod
-    def from_model_dir(cls, model_dir: str | Path, dtype: str | None = None) -> KVShape:
-        with open(Path(model_dir) / "config.json") as f:
-            return cls.from_config(json.load(f), dtype)
 
-    @property
-    def bytes_per_token(self) -> int:
-        """2 (K and V) x layers x kv_heads x head_dim x dtype bytes."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+def max_model_len_of(config: dict) -> int:
+    """The model's longest sequence per its config (0 when it does not say)."""
+    return (config.get("text_config") or config).get("max_position_embeddings", 0)
 
 
 @dataclass(slots=True, frozen=True)
@@ -62,20 +43,22 @@ class KVPlan:
         return {k: v for k, v in asdict(self).items() if v is not None}
 
 
-def plan(shape: KVShape, seq_len: int, block_size: int = 16, memory: int | None = None) -> KVPlan:
+def plan(geometry: KVGeometry, seq_len: int, memory: int | None = None, max_model_len: int = 0) -> KVPlan:
+    """What one sequence of seq_len tokens costs, and with `memory` what fits: paged (whole blocks per sequence)
+    against contiguous preallocation at max_model_len (seq_len when 0)."""
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
-    per_token = shape.bytes_per_token
+    per_token, block_size = geometry.bytes_per_token, geometry.block_size
     per_block = per_token * block_size
     blocks_per_seq = -(-seq_len // block_size)
     fit = {}
     if memory is not None:
         num_blocks = memory // per_block
-        max_len = shape.max_model_len or seq_len
+        max_len = max_model_len or seq_len
         fit = dict(memory=memory, num_blocks=num_blocks, num_tokens=num_blocks * block_size,
                    num_sequences=num_blocks // blocks_per_seq, max_model_len=max_len,
                    contiguous_num_sequences=memory // (max_len * per_token))
-    return KVPlan(num_layers=shape.num_layers, num_kv_heads=shape.num_kv_heads, head_dim=shape.head_dim,
-                  dtype=shape.dtype, block_size=block_size, seq_len=seq_len, bytes_per_token=per_token,
+    return KVPlan(num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
+                  dtype=geometry.dtype, block_size=block_size, seq_len=seq_len, bytes_per_token=per_token,
                   bytes_per_block=per_block, blocks_per_sequence=blocks_per_seq,
                   bytes_per_sequence=blocks_per_seq * per_block, **fit)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from pagedserve_common.defaults import DEFAULT_BLOCK_SIZE
 from scheduler_svc.kv.block_pool import BlockPool
 
 VALID_BLOCK_SIZES = tuple(2**i for i in range(3, 9))  # 8 .. 256
@@ -104,7 +105,7 @@ class KVCacheManager(BlockTables):
     partial block it shares replaces that last entry (copy-on-write) before the worker ever saw the old one.
     """
 
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE, enable_prefix_caching: bool = True) -> None:
         super().__init__(block_size)
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks)

@@ -5,13 +5,12 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
+from pagedserve_common.config import KV_ALLOCATIONS
+from pagedserve_common.defaults import DEFAULT_BLOCK_SIZE
 from scheduler_svc.kv.manager import NO_CHANGE, Allocation, BlockTables, KVCacheStats, PrefixHit
 from scheduler_svc.kv.run_pool import RunPool
 
-# SchedulerConfig.kv_allocation: "paged" allocates a block when a sequence needs one (KVCacheManager); the
-# static modes reserve a sequence's whole run at admission (StaticKVCacheManager): for max_model_len tokens, or
-# for min(prompt + max_tokens, max_model_len).
-KV_ALLOCATIONS = ("paged", "static-max-model-len", "static-request")
+# SchedulerConfig.kv_allocation (pagedserve_common.config.KV_ALLOCATIONS): the static modes use StaticKVCacheManager.
 STATIC_KV_ALLOCATIONS = KV_ALLOCATIONS[1:]
 
 
@@ -34,7 +33,7 @@ class StaticKVCacheManager(BlockTables):
 
     enable_prefix_caching = False
 
-    def __init__(self, num_blocks: int, block_size: int = 16) -> None:
+    def __init__(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE) -> None:
         super().__init__(block_size)
         self.pool = RunPool(num_blocks)
         self._seqs: dict[Hashable, _Run] = {}

@@ -10,6 +10,7 @@ import pytest
 
 from pagedserve_cli.bench.workloads import build_workload
 from scheduler_svc.frontend.tokenizer import Tokenizer
+from pagedserve_common.defaults import DEFAULT_MODEL
 from worker_svc.model_store import resolve_model
 
 _PATH = Path(__file__).resolve().parents[2] / "bench" / "routing.py"
@@ -28,7 +29,7 @@ def sim():
 
 @pytest.fixture(scope="module")
 def workload():
-    tok = Tokenizer.from_model_dir(resolve_model("smollm2-135m-instruct"))
+    tok = Tokenizer.from_model_dir(resolve_model(DEFAULT_MODEL))
     return build_workload("multi-tenant", tok, 40, seed=0, num_tenants=6)
 
 

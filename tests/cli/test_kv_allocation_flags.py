@@ -10,6 +10,7 @@ import pytest
 
 from pagedserve_cli.main import build_parser
 from pagedserve_cli.serve_cmd import scheduler_config, scheduler_policy_argv
+from pagedserve_common.defaults import DEFAULT_MODEL
 from pagedserve_common.kv_geometry import KVGeometry
 from pagedserve_common.registration import WorkerRegistration
 from scheduler_svc.engine import Engine
@@ -24,7 +25,7 @@ def attach(tmp_path, argv: list[str], num_cpu_blocks: int = 0):
     engine = Engine(engine_config(cfg, SimpleNamespace(eos_token_ids=(2,))))
 
     async def main():
-        handle = engine.attach_worker(WorkerRegistration("smollm2-135m-instruct", 512, "cpu",
+        handle = engine.attach_worker(WorkerRegistration(DEFAULT_MODEL, 512, "cpu",
                                                          KVGeometry(30, 3, 64, "float32", 16), 64, num_cpu_blocks))
         engine.detach(handle)
         await handle.task

@@ -14,12 +14,12 @@ def limits_of(*argv: str):
 
 def test_without_flags_the_defaults_hold():
     limits = limits_of()
-    assert (limits.max_message_bytes, limits.max_stop_strings, limits.max_prompt_chars) == (4 << 20, 16, 512 * 32)
+    assert (limits.max_message_size, limits.max_stop_strings, limits.max_prompt_chars) == (4 << 20, 16, 512 * 32)
 
 
 def test_each_flag_sets_its_bound():
     limits = limits_of("--max-message-size", "1MiB", "--max-stop-strings", "2", "--max-prompt-chars", "100")
-    assert (limits.max_message_bytes, limits.max_stop_strings, limits.max_prompt_chars) == (1 << 20, 2, 100)
+    assert (limits.max_message_size, limits.max_stop_strings, limits.max_prompt_chars) == (1 << 20, 2, 100)
     assert limits.max_stop_chars == 1024  # the fixed ones are untouched
 
 

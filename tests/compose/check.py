@@ -16,6 +16,7 @@ import grpc
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
+from pagedserve_common.defaults import DEFAULT_HTTP, DEFAULT_LISTEN, DEFAULT_METRICS
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at a temperature of"]
 GREEDY_TOKENS = 24
@@ -183,9 +184,9 @@ def step_down(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("step", choices=["reference", "single", "scale", "kill", "down"])
-    p.add_argument("--server", default="127.0.0.1:50051")
-    p.add_argument("--metrics", default="http://127.0.0.1:9464")
-    p.add_argument("--http", default="http://127.0.0.1:8000")
+    p.add_argument("--server", default=DEFAULT_LISTEN)
+    p.add_argument("--metrics", default=f"http://{DEFAULT_METRICS}")
+    p.add_argument("--http", default=f"http://{DEFAULT_HTTP}")
     p.add_argument("--out")
     p.add_argument("--reference")
     p.add_argument("--workers", type=int)

@@ -18,6 +18,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from tests.worker.helpers import TINY
+from pagedserve_common.defaults import DEFAULT_MODEL
 from worker_svc.model_store import resolve_model
 from pagedserve_common.ports import free_port  # noqa: F401 - the tests import it from here
 
@@ -113,7 +114,7 @@ def tiny_served_model(tmp_path_factory) -> str:
 
 def save_tiny_served_model(path) -> str:
     """Writes tiny_served_model's model into the folder `path` (bench/load.py serves it too)."""
-    src = resolve_model("smollm2-135m-instruct")
+    src = resolve_model(DEFAULT_MODEL)
     torch.manual_seed(0)
     config = LlamaConfig(**{**TINY, "vocab_size": 49152, "eos_token_id": 2, "bos_token_id": 1})
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)

@@ -14,6 +14,7 @@ from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.grpc.servicers import GenerationServicer, WorkerControlServicer
 from scheduler_svc.frontend import FrontEnd, Tokenizer
 from tests.service.conftest import free_port
+from pagedserve_common.defaults import DEFAULT_MODEL
 from worker_svc.model_store import resolve_model
 
 TOKEN = 7  # what a ScriptedWorker samples, for every sequence
@@ -21,7 +22,7 @@ TOKEN = 7  # what a ScriptedWorker samples, for every sequence
 
 @functools.cache
 def tokenizer() -> Tokenizer:
-    return Tokenizer.from_model_dir(resolve_model("smollm2-135m-instruct"))
+    return Tokenizer.from_model_dir(resolve_model(DEFAULT_MODEL))
 
 
 def with_server(**engine_kwargs):

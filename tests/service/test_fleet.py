@@ -110,7 +110,7 @@ async def test_a_leaving_worker_hands_its_queue_over_and_finishes_its_running_re
     assert migrations(engine) == 1
 
 
-@with_server(drain_seconds=0.3)
+@with_server(drain_timeout=0.3)
 async def test_a_leaving_worker_that_does_not_finish_in_time_has_its_requests_moved(engine, channel):
     a = ScriptedWorker(channel)
     await wait_for(lambda: engine.workers)

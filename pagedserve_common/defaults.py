@@ -1,0 +1,16 @@
+"""Defaults that several places mean: the model, the addresses of the services and the KV block size."""
+
+from __future__ import annotations
+
+DEFAULT_MODEL = "smollm2-135m-instruct"  # a known name (worker_svc.model_store) or a local HF model directory
+DEFAULT_LISTEN = "127.0.0.1:50051"  # the scheduler's client API (gRPC); what clients dial by default
+DEFAULT_WORKER_LISTEN = "127.0.0.1:50052"  # where workers dial in
+METRICS_PORT = 9464  # Prometheus
+DEFAULT_METRICS = f"127.0.0.1:{METRICS_PORT}"
+DEFAULT_HTTP = "127.0.0.1:8000"  # the OpenAI-compatible HTTP API of `pagedserve up` (`scheduler`: off)
+DEFAULT_BLOCK_SIZE = 16  # tokens per KV block
+
+
+def metrics_url(server: str) -> str:
+    """The Prometheus URL of the scheduler serving the client API at `server` (HOST:PORT) on the default port."""
+    return f"http://{server.rsplit(':', 1)[0]}:{METRICS_PORT}/metrics"
