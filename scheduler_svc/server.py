@@ -16,6 +16,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
+from scheduler_svc import gc_policy
 from scheduler_svc.auth import Access, add_port
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.errors import ErrorCode
@@ -151,6 +152,7 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
     await clients.start()
     if http is not None:
         await http.start()
+    gc_policy.settle()  # NOTE: start-up is done: what it left alive is frozen, never walked by a collection again
     log.info("scheduler listening", listen=cfg.listen, worker_listen=cfg.worker_listen, http=cfg.http,
              metrics=cfg.metrics, model=cfg.model_id, tls=access.clients is not None, mutual_tls=access.mutual,
              api_keys=len(access.api_keys or ()))
