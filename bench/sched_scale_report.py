@@ -26,7 +26,8 @@ def report(points: list, a, out: Path, tries_mean_ms: list[list[float]]) -> list
     """Prints the table; writes JSON and the plot; returns the summary lines (the last is the contract)."""
     hdr = (f"{'axis':<12} {'B':>5} {'cached':>7} {'bs':>3} {'mean_ms':>7} {'med_ms':>6} {'p99_ms':>6} "
            f"{'dec_ms':>6} {'adm_ms':>6} {'adm%':>5} {'sched':>6} {'pb':>6} {'upd':>6} {'us/seq':>6} "
-           f"{'plan_B':>7} {'evict':>6} {'fullgc':>6} {'gc_ms':>6} {'w/gc_ms':>7} {'workers':>7}")
+           f"{'plan_B':>7} {'evict':>6} {'fullgc':>6} {'gc_ms':>6} {'w/gc_ms':>7} {'workers':>7} {'step_med':>8} "
+           f"{'step_max':>8}")
     print(hdr)
     for p in points:
         print(f"{p.axis:<12} {p.batch_size:>5} {p.num_cached_blocks:>7} {p.block_size:>3} {p.mean_ms:>7.3f} "
@@ -34,10 +35,11 @@ def report(points: list, a, out: Path, tries_mean_ms: list[list[float]]) -> list
               f"{100 * p.admit_frac:>5.1f} {p.sched_ms:>6.3f} {p.pb_ms:>6.3f} {p.update_ms:>6.3f} "
               f"{1e3 * p.mean_ms / p.batch_size:>6.2f} {p.num_plan_bytes:>7.0f} {p.num_evictions:>6} "
               f"{p.num_full_gcs:>6} {p.full_gc_ms:>6.0f} {p.mean_incl_gc_ms:>7.3f} "
-              f"{math.floor(GPU_STEP_MS / p.mean_ms):>7}")
+              f"{math.floor(GPU_STEP_MS / p.mean_ms):>7} {p.median_step_ms:>8.3f} {p.max_step_ms:>8.3f}")
     print(f"workers = floor({GPU_STEP_MS:g} ms / mean_ms): the engine runs one step loop per worker on one asyncio "
           "loop (one thread), so the workers' scheduling times add up; times are per step, less full GC pauses "
-          "(fullgc, gc_ms: their count and mean pause; w/gc_ms: mean with them amortised)")
+          "(fullgc, gc_ms: their count and mean pause; w/gc_ms: mean with them amortised; step_med, step_max: every "
+          "step whole, collections included, the max over every run)")
     curve = [p for p in points if p.axis == "batch"]
     limit = GPU_STEP_MS / 10
     b10 = batch_at(curve, limit)
@@ -58,7 +60,8 @@ def report(points: list, a, out: Path, tries_mean_ms: list[list[float]]) -> list
         f"batch_at_10pct_incl_gc={b10_gc:.0f} workers_fed_at_{at256.batch_size}_incl_gc="
         f"{math.floor(GPU_STEP_MS / at256.mean_incl_gc_ms)}",
         f"sched_scale batch_at_10pct={b10:.0f} us_per_seq={1e3 * top.mean_ms / top.batch_size:.2f} "
-        f"workers_fed_at_256={math.floor(GPU_STEP_MS / at256.mean_ms)}",
+        f"workers_fed_at_256={math.floor(GPU_STEP_MS / at256.mean_ms)} median_step_ms={top.median_step_ms:.3f} "
+        f"max_step_ms={top.max_step_ms:.3f}",
     ]
     out.mkdir(parents=True, exist_ok=True)
     (out / "sched_scale.json").write_text(json.dumps(

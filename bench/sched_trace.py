@@ -47,7 +47,7 @@ def run(trace: list[dict], cfg: SchedulerConfig) -> tuple[float, int, int]:
                 sampled[p.seq_id] = decodes[p.seq_id][len(r.output_token_ids)]
         s.update(plan, sampled)
     wall = time.perf_counter() - t0
-    assert all(r.output_token_ids == trace[i]["decode"] for i, r in enumerate(reqs))
+    assert all(list(r.output_token_ids) == trace[i]["decode"] for i, r in enumerate(reqs))
     assert s.kv.pool.num_free_blocks == cfg.num_blocks
     return wall, s.steps, num_plan_bytes
 

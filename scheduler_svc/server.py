@@ -18,6 +18,7 @@ from prometheus_client import start_http_server
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from pagedserve_common.config import SchedulerOptions
 from pagedserve_common.options import values
+from scheduler_svc import gc_policy
 from scheduler_svc.auth import Access, add_port
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.errors import ErrorCode
@@ -124,6 +125,7 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
     await clients.start()
     if http is not None:
         await http.start()
+    gc_policy.settle()  # NOTE: start-up is done: what it left alive is frozen, never walked by a collection again
     log.info("scheduler listening", listen=net.listen, worker_listen=net.worker_listen, http=net.http,
              metrics=net.metrics, model=cfg.model, tls=access.clients is not None, mutual_tls=access.mutual,
              api_keys=len(access.api_keys or ()))

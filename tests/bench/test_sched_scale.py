@@ -16,7 +16,8 @@ from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 
 _BENCH = Path(__file__).resolve().parents[2] / "bench"
-LAST_LINE = re.compile(r"sched_scale batch_at_10pct=\d+ us_per_seq=\d+\.\d\d workers_fed_at_256=\d+")
+LAST_LINE = re.compile(r"sched_scale batch_at_10pct=\d+ us_per_seq=\d+\.\d\d workers_fed_at_256=\d+ "
+                       r"median_step_ms=(\d+\.\d+) max_step_ms=(\d+\.\d+)")
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,10 @@ def test_quick_run_writes_table_json_plot_and_last_line(tmp_path):
                           capture_output=True, text=True, timeout=300)  # NOTE: a hang guard only
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.strip().splitlines()
-    assert LAST_LINE.fullmatch(lines[-1]), lines[-1]
+    last = LAST_LINE.fullmatch(lines[-1])
+    assert last, lines[-1]
+    median_step_ms, max_step_ms = map(float, last.groups())  # every step, collections included
+    assert 0 < median_step_ms <= max_step_ms, lines[-1]
     assert lines[0] == f"sched_scale out={out}"
     assert lines[1].split()[:5] == ["axis", "B", "cached", "bs", "mean_ms"]
     data = json.loads((out / "sched_scale.json").read_text())
@@ -69,7 +73,7 @@ def test_drive_to_the_end_every_token_and_block_comes_back(ss, num_blocks):
     assert not s.has_unfinished_requests() and s.schedule() is None
     assert len(rows) == s.steps and all(row[5] <= 8 for row in rows)  # num_seqs per step
     for r, prompt in zip(reqs, prompts):
-        assert r.output_token_ids == [ss.token(r.seq_id, k) for k in range(r.sampling.max_tokens)]
+        assert list(r.output_token_ids) == [ss.token(r.seq_id, k) for k in range(r.sampling.max_tokens)]
         assert r.prompt_token_ids is prompt and r.all_token_ids == prompt + r.output_token_ids
     assert pool.num_free_blocks == num_blocks and not any(pool.ref_cnt)
     if num_blocks == 24:

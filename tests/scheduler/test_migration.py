@@ -27,7 +27,7 @@ def test_release_all_mid_step_frees_every_block_and_adopt_continues_from_the_str
     worker = FakeWorker(by_position)
     step(lost, worker)
     step(lost, worker)
-    assert (a.output_token_ids, b.output_token_ids) == ([510, 511], [503, 504])
+    assert (list(a.output_token_ids), list(b.output_token_ids)) == ([510, 511], [503, 504])
     in_flight = lost.schedule()  # the worker dies with this step in flight
     assert lost.in_flight_request_ids() == {"a", "b", "c"}
     released = lost.release_all()
@@ -44,8 +44,8 @@ def test_release_all_mid_step_frees_every_block_and_adopt_continues_from_the_str
     other = FakeWorker(by_position)
     survivor.update(plan, other.step(plan))
     drive(survivor, other)
-    assert a.output_token_ids == [510, 511, 512, 513, 514]  # nothing lost, nothing repeated
-    assert b.output_token_ids == [503, 504, 505, 506, 507]
+    assert list(a.output_token_ids) == [510, 511, 512, 513, 514]  # nothing lost, nothing repeated
+    assert list(b.output_token_ids) == [503, 504, 505, 506, 507]
     assert survivor.kv.pool.num_free_blocks == 16
 
 

@@ -142,7 +142,7 @@ def test_long_prompt_is_chunked_by_the_token_budget():
     assert plans[0].new_seqs == [NewSequence(0, toks(0, 40), [0, 1], 0, 16, a.sampling, a.seed)]
     assert [p.running for p in plans[1:]] == [[SequenceDelta(0, [2, 3], 16)], [SequenceDelta(0, [4], 8)],
                                               [SequenceDelta(0, [5], 1)]]
-    assert a.output_token_ids == [10_040, 10_041] and a.num_computed_tokens == 41
+    assert list(a.output_token_ids) == [10_040, 10_041] and a.num_computed_tokens == 41
 
 
 def test_long_prefill_token_threshold_caps_one_sequences_chunk():
@@ -185,11 +185,11 @@ def test_preemption_recomputes_the_most_recently_admitted_and_everyone_completes
     plan, _ = step(s, w)
     # b comes back whole: all 17 tokens; its prompt block survived in the cache, its second block was evicted.
     assert [(p.seq_id, p.token_ids, p.block_ids, p.num_computed_tokens, p.num_scheduled_tokens)
-            for p in plan.new_seqs] == [(1, b.all_token_ids[:17], [1, 3, 2], 8, 9), (2, toks(200, 8), [0], 0, 8)]
+            for p in plan.new_seqs] == [(1, list(b.all_token_ids[:17]), [1, 3, 2], 8, 9), (2, toks(200, 8), [0], 0, 8)]
     assert plan.finished_seq_ids == [0]
     drive(s, w)
     for r in (a, b, c):
-        assert r.output_token_ids == [position_token(r.seq_id, p) for p in range(8, 18)]
+        assert list(r.output_token_ids) == [position_token(r.seq_id, p) for p in range(8, 18)]
         assert r.finish_reason is FinishReason.LENGTH
     assert s.kv.pool.num_free_blocks == 4
 
@@ -202,7 +202,7 @@ def test_preemption_lists_only_sequences_the_worker_had_and_runs_many_to_complet
     plans = drive(s)
     assert s.num_preemptions > 0 and sum(len(p.preempted_seq_ids) for p in plans) == s.num_preemptions
     assert [len(r.output_token_ids) for r in reqs] == [20] * 8
-    assert all(r.output_token_ids == [position_token(r.seq_id, p) for p in range(9 + i, 29 + i)]
+    assert all(list(r.output_token_ids) == [position_token(r.seq_id, p) for p in range(9 + i, 29 + i)]
                for i, r in enumerate(reqs))
     assert s.kv.pool.num_free_blocks == 12
 
@@ -273,7 +273,7 @@ def test_stop_conditions(kw, config, outputs, reason):
     a = Request("a", toks(0, 8), SamplingParams(**{"max_tokens": 5, **kw}))
     s.add_request(a)
     drive(s, FakeWorker(lambda seq_id, position: position - 3))
-    assert (a.output_token_ids, a.finish_reason, a.all_token_ids) == (outputs, reason, toks(0, 8) + outputs)
+    assert (list(a.output_token_ids), a.finish_reason, list(a.all_token_ids)) == (outputs, reason, toks(0, 8) + outputs)
 
 
 def test_finish_hook_for_stop_strings():

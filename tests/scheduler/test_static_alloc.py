@@ -82,8 +82,8 @@ def test_static_max_model_len_reserves_max_model_len_as_consecutive_block_ids():
     assert [(p.seq_id, p.block_ids) for plan in plans for p in plan.new_seqs] == [(3, [0, 1, 2, 3])]  # a's old run
     assert s.kv.pool.holes() == [(0, 13)] and s.num_preemptions == 0
     for r in (a, b, c, d):
-        assert r.output_token_ids == [position_token(r.seq_id, p) for p in range(len(r.prompt_token_ids),
-                                                                                 len(r.prompt_token_ids) + 4)]
+        assert list(r.output_token_ids) == [position_token(r.seq_id, p) for p in range(len(r.prompt_token_ids),
+                                                                                       len(r.prompt_token_ids) + 4)]
 
 
 def test_static_request_reserves_prompt_plus_max_tokens_and_first_fit_fills_a_hole():
@@ -161,7 +161,7 @@ def test_a_sequence_that_outgrows_its_run_grows_in_place_or_is_preempted_and_rec
     assert new_tables(plan) == [(1, [2, 3])]  # its 9 known tokens, recomputed in a fresh run
     drive(s, w)
     for r in (a, b):
-        assert r.output_token_ids == [position_token(r.seq_id, p) for p in range(8, 8 + r.sampling.max_tokens)]
+        assert list(r.output_token_ids) == [position_token(r.seq_id, p) for p in range(8, 8 + r.sampling.max_tokens)]
     assert s.kv.pool.holes() == [(0, 4)]
 
 
