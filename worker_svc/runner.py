@@ -15,7 +15,7 @@ from worker_svc.lean_model import build_lean
 from worker_svc.models import LoadedModel
 from worker_svc.plan import StepOutput, StepPlan
 from worker_svc.plan_check import check_plan
-from worker_svc.sampling import Sampler, make_generator
+from worker_svc.sampling import Sampler
 
 
 @dataclass(slots=True)
@@ -25,12 +25,6 @@ class StepContext:
     kv: torch.Tensor  # the whole pool: [layers, 2, num_blocks, block_size, kv_heads, head_dim]
     meta: AttentionMetadata
     backend: AttentionBackend
-
-
-def _seed_for(seed: int, position: int) -> int:
-    # NOTE: a sampled token's randomness depends only on (seed, position): the same whatever else is batched,
-    # and after a preemption the recomputed sequence draws exactly what it drew before.
-    return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % 2**63
 
 
 class ModelRunner:
@@ -92,10 +86,10 @@ class ModelRunner:
                                   torch.from_numpy(meta.positions_host).to(self.device, torch.long),
                                   StepContext(self.pool.kv, meta, self.backend), keep)
             sampled = [scheduled[i] for i in sampling_rows]
-            generators = [None if s.sampling.seed is None else
-                          make_generator(_seed_for(s.sampling.seed, len(s.token_ids)), self.device)
-                          for s in sampled]
-            result = self.sampler.sample(logits.float(), [s.sampling for s in sampled], generators)
+            # NOTE: a sampled token's randomness depends only on (seed, position = tokens known so far): the same
+            # whatever else is batched, and a preempted or migrated sequence redraws exactly what it drew before.
+            result = self.sampler.sample(logits.float(), [s.sampling for s in sampled],
+                                         [len(s.token_ids) for s in sampled])
         for s in scheduled:
             s.num_computed_tokens += s.num_scheduled_tokens
             s.num_scheduled_tokens = 0
