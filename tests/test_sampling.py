@@ -1,5 +1,6 @@
 """Sampler tests: greedy, filters, distribution, per-request seed reproducibility, logprobs, validation."""
 
+import dataclasses
 import math
 import random
 
@@ -7,15 +8,16 @@ import pytest
 import torch
 
 from pagedserve_common.sampling import SamplingParams
-from worker_svc.sampling import LogprobEntry, Sampler, SampleOutput, make_generator
+from pagedserve_common.result import PositionLogprobs
+from worker_svc.sampling import Sampler, SampleOutput
 
 S = SamplingParams
 
 
 def draws(logits_row: torch.Tensor, opt: SamplingParams, n: int, seed: int) -> list[int]:
-    """n draws from one distribution as one batch; every row shares one seeded generator."""
-    g = make_generator(seed)
-    out = Sampler().sample(logits_row.expand(n, -1).contiguous(), [opt] * n, [g] * n)
+    """n draws from one distribution as one batch: one seed, row i at position i (n independent uniforms)."""
+    seeded = dataclasses.replace(opt, seed=seed)
+    out = Sampler().sample(logits_row.expand(n, -1).contiguous(), [seeded] * n, list(range(n)))
     return out.token_ids
 
 
@@ -24,13 +26,13 @@ def test_greedy_is_argmax_including_mixed_batches():
     logits = torch.randn(8, 100)
     logits[3, 7] = logits[3, 9] = logits[3].max() + 1  # tie: lowest id wins, like torch.argmax
     opts = [S(temperature=0) if i % 2 else S(temperature=1.5, top_k=10) for i in range(8)]
-    out = Sampler().sample(logits, opts, [None] * 8)
+    out = Sampler().sample(logits, opts, [0] * 8)
     assert isinstance(out, SampleOutput) and len(out.token_ids) == 8
     argmax = logits.argmax(dim=-1).tolist()
     assert argmax[3] == 7
     for i in range(1, 8, 2):
         assert out.token_ids[i] == argmax[i]
-    all_greedy = Sampler().sample(logits, [S(temperature=0)] * 8, [None] * 8)
+    all_greedy = Sampler().sample(logits, [S(temperature=0)] * 8, [0] * 8)
     assert all_greedy.token_ids == argmax
     assert all_greedy.logprobs == [None] * 8
 
@@ -73,7 +75,7 @@ def test_filters_combine_per_row_in_one_batch():
     logits = torch.randn(64, generator=torch.Generator().manual_seed(10))
     order = torch.argsort(logits, descending=True).tolist()
     opts = [S(top_k=1), S(top_k=3), S(temperature=0), S(min_p=1.0), S()] * 200
-    out = Sampler().sample(logits.expand(len(opts), -1).contiguous(), opts, [None] * len(opts))
+    out = Sampler().sample(logits.expand(len(opts), -1).contiguous(), opts, [0] * len(opts))
     for i, tok in enumerate(out.token_ids):
         kind = i % 5
         if kind in (0, 2, 3):
@@ -92,7 +94,7 @@ def test_temperature_1_matches_softmax(seeded: bool):
         got = draws(logits, S(), n, seed=11)
     else:
         torch.manual_seed(12)  # unseeded rows use the global RNG; fixing it keeps the test deterministic
-        got = Sampler().sample(logits.expand(n, -1).contiguous(), [S()] * n, [None] * n).token_ids
+        got = Sampler().sample(logits.expand(n, -1).contiguous(), [S()] * n, [0] * n).token_ids
     expected = torch.softmax(logits, dim=-1).tolist()
     counts = [got.count(i) for i in range(len(expected))]
     chi2 = sum((c - n * p) ** 2 / (n * p) for c, p in zip(counts, expected))
@@ -115,39 +117,44 @@ def test_seeded_request_is_reproducible_across_batches_and_positions():
     v, steps = 500, 20
     target = S(temperature=0.9, top_p=0.95, top_k=100, seed=1234)
     sampler = Sampler()
+    start = 37  # the prompt's length: the position of the first sampled token
 
-    g = make_generator(target.seed)
-    alone = [sampler.sample(step_logits(s, v)[None], [target], [g]).token_ids[0] for s in range(steps)]
+    alone = [sampler.sample(step_logits(s, v)[None], [target], [start + s]).token_ids[0] for s in range(steps)]
 
     rng = random.Random(0)
     torch.manual_seed(99)
-    g = make_generator(target.seed)
-    others_gens = [make_generator(7 + i) for i in range(5)]
     batched = []
     for s in range(steps):
         rows = [step_logits(s, v)] + [torch.randn(v) * 3 for _ in range(5)]
         opts = [target] + [
-            S(temperature=rng.choice([0.0, 0.7, 1.3]), top_k=rng.choice([0, 5]), min_p=rng.choice([0.0, 0.1]))
-            for _ in range(5)
+            S(temperature=rng.choice([0.0, 0.7, 1.3]), top_k=rng.choice([0, 5]), min_p=rng.choice([0.0, 0.1]),
+              seed=7 + i if i % 2 else None)
+            for i in range(5)
         ]
-        gens: list[torch.Generator | None] = [g] + [others_gens[i] if i % 2 else None for i in range(5)]
+        positions = [start + s] + [rng.randrange(1000) for _ in range(5)]
         perm = list(range(6))
         rng.shuffle(perm)  # the target lands in a different row each step
-        out = sampler.sample(torch.stack([rows[p] for p in perm]), [opts[p] for p in perm], [gens[p] for p in perm])
+        out = sampler.sample(torch.stack([rows[p] for p in perm]), [opts[p] for p in perm],
+                             [positions[p] for p in perm])
         batched.append(out.token_ids[perm.index(0)])
 
     assert batched == alone
     assert len(set(alone)) > 5  # a real random sequence, not a degenerate constant
-    g = make_generator(4321)
-    other_seed = [sampler.sample(step_logits(s, v)[None], [target], [g]).token_ids[0] for s in range(steps)]
+    other = dataclasses.replace(target, seed=4321)
+    other_seed = [sampler.sample(step_logits(s, v)[None], [other], [start + s]).token_ids[0] for s in range(steps)]
     assert other_seed != alone
+    # The position, not the call count, drives the draw: the same logits at shifted positions draw differently.
+    shifted = [sampler.sample(step_logits(s, v)[None], [target], [start + 1 + s]).token_ids[0] for s in range(steps)]
+    assert shifted != alone
 
 
-def test_make_generator_accepts_any_int_seed():
-    for seed in (0, -1, 2**70):
-        a = torch.empty(4).exponential_(generator=make_generator(seed))
-        b = torch.empty(4).exponential_(generator=make_generator(seed))
-        assert torch.equal(a, b)
+def test_seed_is_taken_modulo_2_64():
+    logits = torch.zeros(4, 1000)
+    for seed in (0, 5, 2**64 - 1):
+        for alias in (seed - 2**64, seed + 2**64, seed + 3 * 2**64):
+            a = Sampler().sample(logits, [S(seed=seed)] * 4, [0, 1, 2, 3]).token_ids
+            b = Sampler().sample(logits, [S(seed=alias)] * 4, [0, 1, 2, 3]).token_ids
+            assert a == b
 
 
 def test_logprobs_come_from_raw_logits():
@@ -159,23 +166,24 @@ def test_logprobs_come_from_raw_logits():
         S(),
         S(temperature=0.5, logprobs=20),
     ]
-    out = Sampler().sample(logits, opts, [None, make_generator(1), None, None])
+    opts[1] = dataclasses.replace(opts[1], seed=1)
+    out = Sampler().sample(logits, opts, [10, 11, 12, 13])
     lsm = torch.log_softmax(logits, dim=-1)
     assert out.logprobs[2] is None
     for i in (0, 1, 3):
         entry = out.logprobs[i]
-        assert isinstance(entry, LogprobEntry)
-        assert entry.token_id == out.token_ids[i]
+        assert isinstance(entry, PositionLogprobs)
+        assert entry.sampled.token_id == out.token_ids[i]
         # Raw-logit logprobs, whatever the temperature and filters.
-        assert abs(entry.logprob - lsm[i, entry.token_id].item()) < 1e-6
+        assert abs(entry.sampled.logprob - lsm[i, entry.sampled.token_id].item()) < 1e-6
         n = opts[i].logprobs
         assert len(entry.top) == n
         if n:
             vals, ids = torch.topk(lsm[i], n)
-            assert [t for t, _ in entry.top] == ids.tolist()
-            assert all(abs(a - b) < 1e-6 for (_, a), b in zip(entry.top, vals.tolist()))
-            assert [lp for _, lp in entry.top] == sorted((lp for _, lp in entry.top), reverse=True)
-    assert out.logprobs[0].top[0][0] == out.token_ids[0]  # greedy: the sampled token heads the list
+            assert [t.token_id for t in entry.top] == ids.tolist()
+            assert all(abs(t.logprob - b) < 1e-6 for t, b in zip(entry.top, vals.tolist()))
+            assert [t.logprob for t in entry.top] == sorted((t.logprob for t in entry.top), reverse=True)
+    assert out.logprobs[0].top[0].token_id == out.token_ids[0]  # greedy: the sampled token heads the list
 
 
 def test_default_options_are_valid():
@@ -205,8 +213,8 @@ def test_validate_names_the_bad_field(field: str, value):
 
 
 def test_batch_size_mismatch_is_rejected():
-    with pytest.raises(ValueError, match="generators"):
-        Sampler().sample(torch.zeros(2, 4), [S(), S()], [None])
+    with pytest.raises(ValueError, match="positions"):
+        Sampler().sample(torch.zeros(2, 4), [S(), S()], [0])
 
 
 def test_nucleus_wider_than_the_candidates_takes_the_full_sort_path():

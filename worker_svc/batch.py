@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagedserve_common.plan import StepPlan
 from pagedserve_common.sampling import SamplingParams
@@ -14,8 +14,7 @@ class SeqState:
     token_ids: list[int]
     block_ids: list[int]
     num_computed_tokens: int
-    sampling: SamplingParams
-    seed: int
+    sampling: SamplingParams  # NOTE: its seed is the one in use (the plan's): a sampled token depends on it
     num_scheduled_tokens: int = 0  # this step's
 
     @property
@@ -43,8 +42,9 @@ class PersistentBatch:
             del seqs[seq_id]  # NOTE: recompute preemption: it comes back as a new sequence
         scheduled = []
         for new in plan.new_seqs:
-            s = SeqState(new.seq_id, list(new.token_ids), list(new.block_ids), new.num_computed_tokens,
-                         new.sampling, new.seed, new.num_scheduled_tokens)
+            sampling = new.sampling if new.sampling.seed == new.seed else replace(new.sampling, seed=new.seed)
+            s = SeqState(new.seq_id, list(new.token_ids), list(new.block_ids), new.num_computed_tokens, sampling,
+                         new.num_scheduled_tokens)
             seqs[new.seq_id] = s
             scheduled.append(s)
         for delta in plan.running:

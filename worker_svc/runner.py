@@ -9,14 +9,14 @@ import numpy as np
 import torch
 
 from pagedserve_common.plan import StepPlan
-from pagedserve_common.result import PositionLogprobs, StepResult, TokenLogprob
+from pagedserve_common.result import StepResult
 from worker_svc.attention import AttentionBackend, AttentionMetadata
 from worker_svc.batch import PersistentBatch
 from worker_svc.kv_pool import KVPool
 from worker_svc.lean_model import build_lean
 from worker_svc.models import LoadedModel
 from worker_svc.plan_check import check_plan
-from worker_svc.sampling import Sampler, make_generator
+from worker_svc.sampling import Sampler
 
 
 @dataclass(slots=True)
@@ -26,12 +26,6 @@ class StepContext:
     kv: torch.Tensor  # the whole pool: [layers, 2, num_blocks, block_size, kv_heads, head_dim]
     meta: AttentionMetadata
     backend: AttentionBackend
-
-
-def _seed_for(seed: int, position: int) -> int:
-    # NOTE: a sampled token's randomness depends only on (seed, position): the same whatever else is batched,
-    # and after a preemption the recomputed sequence draws exactly what it drew before.
-    return (seed * 0x9E3779B97F4A7C15 + position * 0xBF58476D1CE4E5B9) % 2**63
 
 
 class ModelRunner:
@@ -94,15 +88,15 @@ class ModelRunner:
                                   torch.from_numpy(meta.positions_host).to(self.device, torch.long),
                                   StepContext(self.pool.kv, meta, self.backend), keep)
             sampled = [scheduled[i] for i in sampling_rows]
-            generators = [make_generator(_seed_for(s.seed, len(s.token_ids)), self.device) for s in sampled]
-            result = self.sampler.sample(logits.float(), [s.sampling for s in sampled], generators)
+            # NOTE: a sampled token's randomness depends only on (seed, position = tokens known so far): the same
+            # whatever else is batched, and a preempted or migrated sequence redraws exactly what it drew before.
+            result = self.sampler.sample(logits.float(), [s.sampling for s in sampled],
+                                         [len(s.token_ids) for s in sampled])
         for s in scheduled:
             s.num_computed_tokens += s.num_scheduled_tokens
             s.num_scheduled_tokens = 0
         for s, tok in zip(sampled, result.token_ids):
             s.token_ids.append(tok)
-        logprobs = {s.seq_id: PositionLogprobs(TokenLogprob(lp.token_id, lp.logprob),
-                                               tuple(TokenLogprob(t, v) for t, v in lp.top))
-                    for s, lp in zip(sampled, result.logprobs) if lp is not None}
+        logprobs = {s.seq_id: lp for s, lp in zip(sampled, result.logprobs) if lp is not None}
         return StepResult(plan.step_id, {s.seq_id: tok for s, tok in zip(sampled, result.token_ids)}, logprobs,
                           time.perf_counter() - t0)

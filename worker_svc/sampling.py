@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
+from pagedserve_common.result import PositionLogprobs, TokenLogprob
 from pagedserve_common.sampling import SamplingParams
+from worker_svc.uniforms import seeded_uniforms
+
 # Slack for float32 rounding in the nucleus cumsum: without it, a crafted distribution whose head sums to
 # exactly top_p (0.5 + 0.3 vs 0.8) keeps one extra token or not depending on the rounding direction.
 TOP_P_EPS = 1e-6
@@ -14,28 +17,11 @@ CANDIDATES = 256  # most likely tokens a top-p row is sampled from (more only wh
 
 
 @dataclass(slots=True)
-class LogprobEntry:
-    """The sampled token's logprob and the top-N alternatives, most likely first."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
-
-
-@dataclass(slots=True)
 class SampleOutput:
     """One sampled token per row, plus logprobs for the rows that asked for them."""
 
     token_ids: list[int]
-    logprobs: list[LogprobEntry | None]
-
-
-def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A generator for one seeded request; the worker creates it once and passes it every step."""
-    g = torch.Generator(device=device)
-    # Reduce modulo 2**64 so any Python int (negative, huge) is a valid seed and maps deterministically.
-    g.manual_seed(seed % (1 << 64))
-    return g
+    logprobs: list[PositionLogprobs | None]
 
 
 class Sampler:
@@ -43,20 +29,17 @@ class Sampler:
 
     Logprobs are those of the model's raw distribution, log_softmax of the logits before temperature,
     top-k, top-p and min-p (vLLM's default), so they do not depend on the sampling settings.
+    positions[i] is the number of tokens row i's sequence knows when it samples: with the row's seed, it fixes
+    the row's randomness (worker_svc.uniforms).
     """
 
-    def sample(
-        self,
-        logits: torch.Tensor,
-        options: list[SamplingParams],
-        generators: list[torch.Generator | None],
-    ) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, options: list[SamplingParams], positions: list[int]) -> SampleOutput:
         # NOTE: options are validated once on admission (the scheduler's SamplingParams.validate), not every step.
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
         b = logits.shape[0]
-        if len(options) != b or len(generators) != b:
-            raise ValueError(f"batch of {b} rows but {len(options)} options and {len(generators)} generators")
+        if len(options) != b or len(positions) != b:
+            raise ValueError(f"batch of {b} rows but {len(options)} options and {len(positions)} positions")
         logits = logits.float()
         random_rows = [i for i, o in enumerate(options) if not o.greedy]
         if not random_rows:  # NOTE: the common case: one argmax over the rows as they are, no copy
@@ -69,7 +52,8 @@ class Sampler:
                 token_ids[idx] = logits[idx].argmax(dim=-1)
             idx = torch.tensor(random_rows, device=logits.device)
             token_ids[idx] = _sample_rows(logits[idx], [options[i] for i in random_rows],
-                                          _uniforms([generators[i] for i in random_rows], logits.device))
+                                          _uniforms([options[i].seed for i in random_rows],
+                                                    [positions[i] for i in random_rows], logits.device))
 
         ids = token_ids.tolist()
         return SampleOutput(token_ids=ids, logprobs=_logprobs(logits, token_ids, ids, options))
@@ -108,16 +92,16 @@ def _filtered_probs(logits: torch.Tensor, options: list[SamplingParams]) -> torc
     return torch.softmax(masked, dim=-1)
 
 
-def _uniforms(generators: list[torch.Generator | None], device) -> torch.Tensor:
-    """One uniform in [0, 1) per row: a seeded row's from its own generator, the others' in one batched draw.
-
-    NOTE: a seeded row's randomness is one number from its own generator per step, so its tokens do not depend on
-    batch size, row position or the other rows.
-    """
-    u = torch.rand(len(generators), dtype=torch.float64)
-    for i, g in enumerate(generators):
-        if g is not None:
-            u[i] = torch.rand(1, dtype=torch.float64, generator=g)[0]
+def _uniforms(seeds: list[int | None], positions: list[int], device) -> torch.Tensor:
+    """One uniform in [0, 1) per row: the seeded rows' from one vectorised seeded_uniforms(seed, position) call,
+    the unseeded rows' (if any) from one draw of the global generator."""
+    seeded = [i for i, s in enumerate(seeds) if s is not None]
+    if len(seeded) == len(seeds):  # NOTE: the worker's case: the scheduler gives every sequence a seed
+        u = torch.from_numpy(seeded_uniforms(seeds, positions))
+    else:
+        u = torch.rand(len(seeds), dtype=torch.float64)
+        if seeded:
+            u[seeded] = torch.from_numpy(seeded_uniforms([seeds[i] for i in seeded], [positions[i] for i in seeded]))
     return u.to(device)
 
 
@@ -187,9 +171,9 @@ def _sample_rows(logits: torch.Tensor, options: list[SamplingParams], u: torch.T
 
 def _logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, ids: list[int], options: list[SamplingParams]
-) -> list[LogprobEntry | None]:
+) -> list[PositionLogprobs | None]:
     """Logprobs from log_softmax of the raw logits, only for rows that asked."""
-    out: list[LogprobEntry | None] = [None] * len(options)
+    out: list[PositionLogprobs | None] = [None] * len(options)
     rows = [i for i, o in enumerate(options) if o.logprobs is not None]
     if not rows:
         return out
@@ -204,6 +188,6 @@ def _logprobs(
         top_vals, top_ids = vals.tolist(), tids.tolist()
     for j, i in enumerate(rows):
         n = options[i].logprobs or 0
-        top = list(zip(top_ids[j][:n], top_vals[j][:n]))
-        out[i] = LogprobEntry(token_id=ids[i], logprob=sampled[j], top=top)
+        top = tuple(TokenLogprob(t, v) for t, v in zip(top_ids[j][:n], top_vals[j][:n]))
+        out[i] = PositionLogprobs(TokenLogprob(ids[i], sampled[j]), top)
     return out
