@@ -23,7 +23,8 @@ def run(trace: list[dict], block_size: int, num_blocks: int) -> tuple[float, int
     t0 = time.perf_counter()
     for i, r in enumerate(trace):
         prompt, rid = r["prompt"], str(i)
-        hit = mgr.lookup(prompt)
+        hit = mgr.find_prefix(prompt)
+        mgr.record_prefix_query(len(prompt), hit.num_tokens)
         assert mgr.allocate(rid, len(prompt), prompt, hit) is not None
         tokens = list(prompt)
         for tok in r["decode"]:

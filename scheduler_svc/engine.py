@@ -16,7 +16,7 @@ from pagedserve_common.config import CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS, Eng
 from pagedserve_common.plan import StepPlan
 from pagedserve_common.registration import WorkerRegistration
 from pagedserve_common.result import StepResult
-from pagedserve_common.sampling import InvalidField, SamplingParams
+from pagedserve_common.sampling import SamplingParams
 from scheduler_svc import request_log
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
@@ -42,10 +42,6 @@ class EngineConfig(EngineOptions):
     max_model_len: int  # --max-model-len within the model's
     vocab_size: int
     eos_token_ids: tuple[int, ...] = ()
-
-
-def _wrapped(value: int) -> str:
-    return " (a negative number sent as uint32?)" if value >= 2**31 else ""
 
 
 def default_batched_tokens(device: str) -> int:
@@ -272,7 +268,9 @@ class Engine:
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str = "",
                *, open_stream: Callable[[Request], RequestStream]) -> RequestStream:
         """Admits a request and returns its stream, made by `open_stream` (the front end's: it detokenizes).
-        Raises EngineError; an INVALID_ARGUMENT one names the field at fault."""
+        NOTE: the front end checked the input (FrontEnd._check); here only what needs the fleet: a request id in
+        use, the queue bound, and whether the chosen worker can ever hold it (Scheduler.check_fits). Raises
+        EngineError; an INVALID_ARGUMENT one names the field at fault."""
         cfg = self.config
         if self.draining:
             raise EngineError(ErrorCode.UNAVAILABLE, DRAINING)
@@ -282,10 +280,6 @@ class Engine:
         if request_id in self.streams:
             raise EngineError(ErrorCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running")
         req = Request(request_id, list(prompt_token_ids), sampling, cache_salt or None)
-        try:
-            self._check(req)
-        except ValueError as e:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT, str(e), getattr(e, "field", None)) from None
         num_queued = len(self.unplaced) + sum(w.scheduler.num_waiting for w in self.workers.values())
         if num_queued >= cfg.max_queued_requests:
             raise EngineError(ErrorCode.RESOURCE_EXHAUSTED,
@@ -304,25 +298,6 @@ class Engine:
                   "worker_id", None), prompt_tokens=len(prompt_token_ids), max_tokens=sampling.max_tokens,
                   n=sampling.n)
         return stream
-
-    def _check(self, req: Request) -> None:
-        """Raises InvalidField when `req` can never be served, whichever worker it would go to. NOTE: the prompt's
-        length is checked by the front end (naming the field it came from) and per worker by Scheduler.check_fits."""
-        cfg, sp, ids = self.config, req.sampling, req.prompt_token_ids
-        if not ids:
-            raise InvalidField("prompt_token_ids", "prompt_token_ids is empty")
-        for field, values in (("prompt_token_ids", ids), ("stop_token_ids", sp.stop_token_ids)):
-            bad = next((t for t in values if not 0 <= t < cfg.vocab_size), None)
-            if bad is not None:
-                raise InvalidField(field, f"{field}: {bad} is outside the vocabulary (size {cfg.vocab_size})")
-        sp.validate()
-        # NOTE: these bounds also catch a negative number a client sent into an unsigned field (it wraps to 2^32 - x)
-        if sp.max_tokens > cfg.max_model_len:
-            raise InvalidField("max_tokens", f"max_tokens must be in [1, {cfg.max_model_len}] (max_model_len), got "
-                                             f"{sp.max_tokens}{_wrapped(sp.max_tokens)}")
-        if sp.n > cfg.max_num_seqs:
-            raise InvalidField("n", f"n must be in [1, {cfg.max_num_seqs}] (max_num_seqs: the samples run side by "
-                                    f"side), got {sp.n}{_wrapped(sp.n)}")
 
     def max_output_tokens(self, num_prompt_tokens: int, n: int = 1) -> int:
         """How many tokens a request may ask for to fill its context: up to max_model_len, and no more than the

@@ -120,10 +120,6 @@ class Router:
         for rid in [r for r, (w, _) in self._routed.items() if w == worker_id]:
             del self._routed[rid]
 
-    @property
-    def num_pending_prompts(self) -> int:
-        return len(self._routed)
-
 
 def w_order(w: Routable) -> tuple[int, str]:
     """Tie-break: fewer sequences first, then the worker id (deterministic)."""

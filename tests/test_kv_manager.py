@@ -12,7 +12,9 @@ def toks(start: int, n: int) -> list[int]:
 
 
 def new(mgr: KVCacheManager, rid: str, prompt: list[int], extra_key=None):
-    hit = mgr.lookup(prompt, extra_key)
+    """Admits a prompt as the scheduler does: its cached prefix, the query counted, then its blocks."""
+    hit = mgr.find_prefix(prompt, extra_key)
+    mgr.record_prefix_query(len(prompt), hit.num_tokens)
     return hit, mgr.allocate(rid, len(prompt), prompt, hit, extra_key)
 
 
@@ -45,24 +47,24 @@ def test_prefix_hit_shares_full_blocks_by_ref_count():
 def test_hit_never_covers_the_prompts_last_token():
     mgr = KVCacheManager(num_blocks=10, block_size=BS)
     new(mgr, "a", toks(0, 16))
-    hit = mgr.lookup(toks(0, 16))  # both blocks cached, but the last token's logits must be computed
+    hit = mgr.find_prefix(toks(0, 16))  # both blocks cached, but the last token's logits must be computed
     assert (hit.block_ids, hit.num_tokens) == ([0], 8)
-    assert mgr.lookup(toks(0, 17)).block_ids == [0, 1]
+    assert mgr.find_prefix(toks(0, 17)).block_ids == [0, 1]
 
 
 def test_hit_stops_at_first_miss_even_if_later_blocks_match():
     mgr = KVCacheManager(num_blocks=10, block_size=BS)
     new(mgr, "a", toks(0, 25))
     other = [999] + toks(1, 24)  # block 0 differs; block 1 has the same tokens but another parent
-    assert mgr.lookup(other).block_ids == []
+    assert mgr.find_prefix(other).block_ids == []
 
 
 def test_cache_salt_isolates_prefixes():
     mgr = KVCacheManager(num_blocks=10, block_size=BS)
     new(mgr, "a", toks(0, 17), extra_key="tenant-1")
-    assert mgr.lookup(toks(0, 17)).block_ids == []
-    assert mgr.lookup(toks(0, 17), extra_key="tenant-2").block_ids == []
-    assert mgr.lookup(toks(0, 17), extra_key="tenant-1").block_ids == [0, 1]
+    assert mgr.find_prefix(toks(0, 17)).block_ids == []
+    assert mgr.find_prefix(toks(0, 17), extra_key="tenant-2").block_ids == []
+    assert mgr.find_prefix(toks(0, 17), extra_key="tenant-1").block_ids == [0, 1]
 
 
 def test_freed_blocks_become_evictable_tail_first_and_are_evicted_lru():
@@ -80,11 +82,11 @@ def test_freed_blocks_become_evictable_tail_first_and_are_evicted_lru():
     _, alloc = new(mgr, "c", toks(500, 64))
     assert list(alloc.new_block_ids) == [4, 5, 6, 7, 8, 9, 2, 3]
     assert mgr.pool.num_evictions == 0
-    assert mgr.lookup(toks(0, 17)).block_ids == [0, 1]
+    assert mgr.find_prefix(toks(0, 17)).block_ids == [0, 1]
     # The next block evicts the least recently freed cached block: 1 (the tail), then 0.
     assert list(mgr.allocate("c", 65, toks(500, 65)).new_block_ids) == [1]
     assert mgr.pool.num_evictions == 1
-    assert mgr.lookup(toks(0, 17)).block_ids == [0]
+    assert mgr.find_prefix(toks(0, 17)).block_ids == [0]
 
 
 def test_more_recently_freed_blocks_survive_longer():
@@ -111,24 +113,23 @@ def test_hit_revives_a_cached_free_block():
     assert mgr.pool.eviction_order() == []
 
 
-def test_can_allocate_counts_revived_cached_blocks_as_taken():
+def test_allocate_counts_revived_cached_blocks_as_taken():
     mgr = KVCacheManager(num_blocks=4, block_size=BS)
     new(mgr, "a", toks(0, 16))
     mgr.free("a")  # 0 and 1 cached free; 2 and 3 uncached free
     prompt = toks(0, 16) + toks(50, 16) + [1]
-    hit = mgr.lookup(prompt)
+    hit = mgr.find_prefix(prompt)
     assert hit.block_ids == [0, 1]
-    assert mgr.can_allocate("b", 32, hit)  # 2 revived + 2 new = 4 free blocks
-    assert not mgr.can_allocate("b", 33, hit)  # 2 revived + 3 new > 4
-    assert mgr.allocate("b", 33, prompt, hit) is None
+    assert mgr.allocate("b", 33, prompt, hit) is None  # 2 revived + 3 new > 4
     assert refs(mgr) == [0, 0, 0, 0] and "b" not in mgr  # a refusal changes nothing
     assert mgr.pool.eviction_order() == [1, 0]
+    assert list(mgr.allocate("b", 32, prompt, hit).new_block_ids) == [2, 3]  # 2 revived + 2 new = 4 free blocks
+    assert mgr.block_table("b") == [0, 1, 2, 3] and refs(mgr) == [1, 1, 1, 1]
 
 
 def test_exhaustion_is_reported_not_raised():
     mgr = KVCacheManager(num_blocks=2, block_size=BS)
     new(mgr, "a", toks(0, 16))
-    assert not mgr.can_allocate("a", 17)
     assert mgr.allocate("a", 17, toks(0, 17)) is None
     assert mgr.block_table("a") == [0, 1] and mgr.num_tokens("a") == 16
 
@@ -142,13 +143,13 @@ def test_decode_appends_blocks_only_at_block_boundaries():
     tokens.append(8)
     assert list(mgr.allocate("a", 9, tokens).new_block_ids) == [1]
     assert mgr.block_table("a") == [0, 1]
-    assert mgr.lookup(toks(0, 9)).block_ids == [0]  # the block filled by decoding was cached
+    assert mgr.find_prefix(toks(0, 9)).block_ids == [0]  # the block filled by decoding was cached
 
 
 def test_same_content_computed_twice_is_cached_once():
     mgr = KVCacheManager(num_blocks=6, block_size=BS)
     prompt = toks(0, 17)
-    hit_a, hit_b = mgr.lookup(prompt), mgr.lookup(prompt)  # both miss: neither is computed yet
+    hit_a, hit_b = mgr.find_prefix(prompt), mgr.find_prefix(prompt)  # both miss: neither is computed yet
     mgr.allocate("a", 17, prompt, hit_a)
     mgr.allocate("b", 17, prompt, hit_b)
     assert mgr.block_table("a") == [0, 1, 2] and mgr.block_table("b") == [3, 4, 5]
@@ -156,13 +157,13 @@ def test_same_content_computed_twice_is_cached_once():
     mgr.free("b")
     mgr.free("a")
     assert mgr.pool.eviction_order() == [1, 0]  # b's duplicates went back as plain free blocks
-    assert mgr.lookup(prompt).block_ids == [0, 1]
+    assert mgr.find_prefix(prompt).block_ids == [0, 1]
 
 
 def test_chunked_prefill_grows_the_table_append_only():
     mgr = KVCacheManager(num_blocks=8, block_size=BS)
     prompt = toks(0, 30)
-    hit = mgr.lookup(prompt)
+    hit = mgr.find_prefix(prompt)
     assert list(mgr.allocate("a", 10, prompt, hit).new_block_ids) == [0, 1]
     assert list(mgr.allocate("a", 20, prompt).new_block_ids) == [2]
     assert list(mgr.allocate("a", 30, prompt).new_block_ids) == [3]
@@ -215,22 +216,26 @@ def test_copy_on_write_waits_when_no_block_is_free():
     prompt = toks(0, 10)
     new(mgr, "p", prompt)
     mgr.fork("p", "c")
-    assert not mgr.can_allocate("c", 11)
     assert mgr.allocate("c", 11, prompt + [1]) is None
     assert mgr.block_table("c") == [0, 1] and refs(mgr) == [2, 2]
 
 
-def test_stats_account_used_cached_free_and_fragmentation():
+def test_the_pool_accounts_used_cached_free_and_fragmentation():
+    """What the metrics export (the pool's counters) and kv-map (figures of the tables GetKVState sends) show."""
+    from pagedserve_cli.kv_state import KVSequence, KVSnapshot, figures
+
     mgr = KVCacheManager(num_blocks=10, block_size=BS)
     new(mgr, "a", toks(0, 20))  # 3 blocks, 4 empty slots
     new(mgr, "b", toks(0, 16) + [1])  # shares 2 blocks, 1 new block with 7 empty slots
     new(mgr, "c", toks(300, 8))
     mgr.free("c")  # 1 cached free block
-    s = mgr.stats()
-    assert (s.num_used_blocks, s.num_cached_free_blocks, s.num_free_blocks) == (4, 1, 6)
-    assert s.usage == pytest.approx(0.4)
-    assert (s.num_slots_allocated, s.num_slots_filled) == (32, 32 - 4 - 7)
-    assert (s.prefix_query_tokens, s.prefix_hit_tokens) == (45, 16)
+    pool = mgr.pool
+    assert (pool.num_used_blocks, pool.num_cached_free_blocks, pool.num_free_blocks) == (4, 1, 6)
+    tables = [KVSequence(rid, i, mgr.block_table(rid), mgr.num_tokens(rid)) for i, rid in enumerate("ab")]
+    s = figures(KVSnapshot.build("w", BS, list(pool.ref_cnt), [int(k is not None) for k in pool.block_key], tables))
+    assert s["num_used_blocks"] / s["num_blocks"] == pytest.approx(0.4)
+    assert (s["num_slots_allocated"], s["num_slots_filled"]) == (32, 32 - 4 - 7)
+    assert (mgr.prefix_query_tokens, mgr.prefix_hit_tokens) == (45, 16)
 
 
 def test_block_size_must_be_a_power_of_two_from_8_to_256():
@@ -255,4 +260,4 @@ def test_child_copies_a_block_its_parent_completed_and_cached():
     assert list(alloc.copies) == [(1, 2)]
     assert mgr.block_table("c") == [0, 2]
     assert mgr.pool.eviction_order() == [1]
-    assert mgr.lookup(prompt + toks(50, 6) + [1]).block_ids == [0, 1]
+    assert mgr.find_prefix(prompt + toks(50, 6) + [1]).block_ids == [0, 1]

@@ -195,6 +195,13 @@ def test_default_options_are_valid():
 @pytest.mark.parametrize(
     "field, value",
     [
+        ("max_tokens", 0),
+        ("n", 0),
+        ("temperature", -1.0),
+        ("top_p", float("nan")),
+        ("min_p", 2.0),
+        ("seed", 2**64),
+        ("seed", -1),
         ("temperature", -0.1),
         ("temperature", float("nan")),
         ("temperature", float("inf")),

@@ -17,7 +17,7 @@ from scheduler_svc.core import reservation
 from scheduler_svc.core.handover import Handover
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput, RequestStatus
 from scheduler_svc.kv.block_pool import BlockPool
-from scheduler_svc.kv.manager import KVCacheManager, KVCacheStats
+from scheduler_svc.kv.manager import KVCacheManager
 from scheduler_svc.kv.static import KV_ALLOCATIONS, STATIC_KV_ALLOCATIONS, StaticKVCacheManager
 
 _RUNNING, _FINISHED = RequestStatus.RUNNING, RequestStatus.FINISHED
@@ -97,8 +97,6 @@ class Scheduler(Handover):
         sp = req.sampling
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in flight")
-        if not req.prompt_token_ids:
-            raise ValueError("prompt_token_ids must not be empty")
         self.check_fits(req)
         req.status = RequestStatus.WAITING
         req.seq_id = self._new_seq_id()
@@ -111,16 +109,13 @@ class Scheduler(Handover):
         self.waiting.append(req)
 
     def check_fits(self, req: Request) -> None:
-        """Raises ValueError naming the field when this worker can never serve `req` (its sampling settings, or
-        its worst case alone needs more than the pool)."""
+        """Raises InvalidField naming the field when this worker can never serve `req`: capacity only (its prompt
+        does not fit max_model_len, or its worst case alone needs more than the pool). NOTE: the front end checked
+        the request's shape and ranges (FrontEnd._check) before it reached a scheduler."""
         cfg, sp = self.config, req.sampling
         if len(req.prompt_token_ids) > cfg.max_model_len - 1:
             raise InvalidField("prompt_token_ids", f"prompt_token_ids has {len(req.prompt_token_ids)} tokens; "
                                f"max_model_len {cfg.max_model_len} leaves room for at most {cfg.max_model_len - 1}")
-        sp.validate()
-        if sp.n > cfg.max_num_seqs:
-            raise InvalidField("n", f"n={sp.n} exceeds max_num_seqs={cfg.max_num_seqs}: its samples run side by "
-                                    "side")
         if self.static:
             reservation.check_fits(cfg, len(req.prompt_token_ids), sp)
             return
@@ -411,6 +406,3 @@ class Scheduler(Handover):
     @property
     def num_running(self) -> int:
         return len(self.running)
-
-    def kv_stats(self) -> KVCacheStats:
-        return self.kv.stats()

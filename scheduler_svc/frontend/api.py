@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import jinja2
 
+from pagedserve_common.sampling import InvalidField, SamplingParams
 from scheduler_svc.core.kv_snapshot import KVPoolSnapshot, snapshot
 from scheduler_svc.errors import DRAINING, EngineError, ErrorCode
 from scheduler_svc.frontend.inputs import INPUTS, GenerateInput
@@ -17,6 +18,10 @@ from scheduler_svc.frontend.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from scheduler_svc.engine import Engine
+
+def _wrapped(value: int) -> str:
+    return " (a negative number sent as uint32?)" if value >= 2**31 else ""
+
 
 def invalid(field_name: str, message: str) -> EngineError:
     return EngineError(ErrorCode.INVALID_ARGUMENT, message, field_name)
@@ -111,12 +116,33 @@ class FrontEnd:
         stop = tuple(s for s in inp.stop if s)
         metrics, tokenizer = self.engine.metrics, self.tokenizer
         try:
+            try:
+                self._check(ids, sampling)
+            except InvalidField as e:
+                raise invalid(e.field, str(e)) from None
             return self.engine.submit(inp.request_id, ids, sampling, inp.cache_salt,
                                       open_stream=lambda req: RequestStream(req, tokenizer, stop, metrics))
         except EngineError as e:
             if e.field == "prompt_token_ids" and kind != "prompt_token_ids":
                 e.field = kind  # the ids came from this field
             raise
+
+    def _check(self, ids: list[int], sp: SamplingParams) -> None:
+        """Raises InvalidField when a request can never be served by this model, whichever worker takes it (the
+        engine then checks what needs the fleet: Scheduler.check_fits, per worker, capacity only)."""
+        cfg = self.engine.config
+        for field, values in (("prompt_token_ids", ids), ("stop_token_ids", sp.stop_token_ids)):
+            bad = next((t for t in values if not 0 <= t < cfg.vocab_size), None)
+            if bad is not None:
+                raise InvalidField(field, f"{field}: {bad} is outside the vocabulary (size {cfg.vocab_size})")
+        sp.validate()
+        # NOTE: these bounds also catch a negative number a client sent into an unsigned field (it wraps to 2^32 - x)
+        if sp.max_tokens > cfg.max_model_len:
+            raise InvalidField("max_tokens", f"max_tokens must be in [1, {cfg.max_model_len}] (max_model_len), got "
+                                             f"{sp.max_tokens}{_wrapped(sp.max_tokens)}")
+        if sp.n > cfg.max_num_seqs:
+            raise InvalidField("n", f"n must be in [1, {cfg.max_num_seqs}] (max_num_seqs: the samples run side by "
+                                    f"side), got {sp.n}{_wrapped(sp.n)}")
 
     def kv_state(self, worker_id: str = "") -> KVPoolSnapshot:
         """One worker's KV pool between two steps (GetKVState): `worker_id` as GetModelInfo lists it, '' for the

@@ -32,21 +32,6 @@ NO_CHANGE = Allocation()
 
 
 @dataclass(slots=True)
-class KVCacheStats:
-    num_blocks: int
-    block_size: int
-    num_used_blocks: int  # ref count > 0
-    num_cached_free_blocks: int  # ref count 0, still in the prefix cache
-    num_free_blocks: int  # ref count 0, cached or not
-    usage: float  # num_used_blocks / num_blocks
-    num_slots_allocated: int  # token slots in used blocks
-    num_slots_filled: int  # of those, slots holding a token (the rest is internal fragmentation)
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    num_evictions: int
-
-
-@dataclass(slots=True)
 class _Seq:
     block_ids: list[int]
     num_tokens: int  # tokens the table covers: computed or scheduled this step
@@ -84,14 +69,6 @@ class BlockTables:
     def num_blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def lookup(self, token_ids: Sequence[int], extra_key: object = None) -> PrefixHit:
-        """Finds the cached prefix of a prompt and counts the query in the hit-rate counters.
-
-        NOTE: never covers the last token, whose logits are needed.
-        """
-        hit = self.find_prefix(token_ids, extra_key)
-        self.record_prefix_query(len(token_ids), hit.num_tokens)
-        return hit
 
     def record_prefix_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_query_tokens += num_query_tokens
@@ -157,15 +134,11 @@ class KVCacheManager(BlockTables):
         last = seq.block_ids[-1]
         return self.pool.ref_cnt[last] > 1 or self.pool.block_key[last] is not None
 
-    def can_allocate(self, request_id: Hashable, num_tokens: int, hit: PrefixHit | None = None) -> bool:
-        """Whether the table of `request_id` can grow to cover `num_tokens` tokens now."""
-        return self._blocks_needed(request_id, num_tokens, hit) <= self.pool.num_free_blocks
-
     def allocate(self, request_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None,
                  hit: PrefixHit | None = None, extra_key: object = None) -> Allocation | None:
         """Grows the table of `request_id` to cover `num_tokens` tokens; None (and no change) when it can't.
 
-        A new request starts from `hit` (from lookup()). `token_ids` are the request's known tokens; the full
+        A new request starts from `hit` (from find_prefix()). `token_ids` are the request's known tokens; the full
         blocks among the first `num_tokens` of them enter the prefix cache.
         """
         pool = self.pool
@@ -233,21 +206,3 @@ class KVCacheManager(BlockTables):
         """Drops the request's table. NOTE: tail first, so a chain's tail is evicted before its head."""
         seq = self._seqs.pop(request_id)
         self.pool.free(reversed(seq.block_ids))
-
-    # -- metrics ------------------------------------------------------------------------------------------
-    def stats(self) -> KVCacheStats:
-        pool, bs = self.pool, self.block_size
-        num_used = pool.num_used_blocks
-        unfilled: dict[int, int] = {}  # partial block -> empty slots (shared partial blocks counted once)
-        for seq in self._seqs.values():
-            if seq.block_ids:
-                last, empty = seq.block_ids[-1], -seq.num_tokens % bs
-                unfilled[last] = min(unfilled.get(last, empty), empty)
-        slots = num_used * bs
-        return KVCacheStats(
-            num_blocks=pool.num_blocks, block_size=bs, num_used_blocks=num_used,
-            num_cached_free_blocks=pool.num_cached_free_blocks, num_free_blocks=pool.num_free_blocks,
-            usage=num_used / pool.num_blocks, num_slots_allocated=slots,
-            num_slots_filled=slots - sum(unfilled.values()),
-            prefix_query_tokens=self.prefix_query_tokens, prefix_hit_tokens=self.prefix_hit_tokens,
-            num_evictions=pool.num_evictions)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from pagedserve_common.config import KV_ALLOCATIONS
 from pagedserve_common.defaults import DEFAULT_BLOCK_SIZE
-from scheduler_svc.kv.manager import NO_CHANGE, Allocation, BlockTables, KVCacheStats, PrefixHit
+from scheduler_svc.kv.manager import NO_CHANGE, Allocation, BlockTables, PrefixHit
 from scheduler_svc.kv.run_pool import RunPool
 
 # SchedulerConfig.kv_allocation (pagedserve_common.config.KV_ALLOCATIONS): the static modes use StaticKVCacheManager.
@@ -48,15 +48,6 @@ class StaticKVCacheManager(BlockTables):
     # -- allocation ---------------------------------------------------------------------------------------
     def _num_reserved_blocks(self, num_tokens: int) -> int:
         return max(1, self.num_blocks_for(num_tokens))
-
-    def can_allocate(self, request_id: Hashable, num_tokens: int, hit: PrefixHit | None = None) -> bool:
-        """Whether the table of `request_id` can cover `num_tokens` tokens now: a new sequence needs one free run
-        that long; a reserved one fits in its run, or in its run and the free blocks right after it."""
-        run = self._seqs.get(request_id)
-        if run is None:
-            return self.pool.can_allocate(self._num_reserved_blocks(num_tokens))
-        more = self.num_blocks_for(num_tokens) - len(run.block_ids)
-        return more <= 0 or self.pool.free_run_at(run.block_ids[-1] + 1) >= more
 
     def reserve(self, request_id: Hashable, num_tokens: int) -> bool:
         """Reserves a new sequence's run for `num_tokens` tokens: the lowest-starting hole that is long enough.
@@ -102,16 +93,3 @@ class StaticKVCacheManager(BlockTables):
     def free(self, request_id: Hashable) -> None:
         """Returns the sequence's run to the pool, merged with the holes next to it."""
         self.pool.free(self._seqs.pop(request_id).block_ids)
-
-    # -- metrics ------------------------------------------------------------------------------------------
-    def stats(self) -> KVCacheStats:
-        """num_slots_allocated counts the reserved slots, num_slots_filled the tokens held: the rest of every
-        reservation is internal fragmentation."""
-        pool, bs = self.pool, self.block_size
-        num_used = pool.num_used_blocks
-        return KVCacheStats(
-            num_blocks=pool.num_blocks, block_size=bs, num_used_blocks=num_used, num_cached_free_blocks=0,
-            num_free_blocks=pool.num_free_blocks, usage=num_used / pool.num_blocks,
-            num_slots_allocated=num_used * bs, num_slots_filled=sum(r.num_tokens for r in self._seqs.values()),
-            prefix_query_tokens=self.prefix_query_tokens, prefix_hit_tokens=self.prefix_hit_tokens,
-            num_evictions=0)

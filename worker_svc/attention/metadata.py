@@ -56,7 +56,9 @@ class AttentionMetadata:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> AttentionMetadata:
-        """Build all tensors with numpy on the host, then move them to `device` in one copy each."""
+        """Build all tensors with numpy on the host, then move them to `device` in one copy each. NOTE: it trusts
+        its arguments (1 <= q_len <= seq_len, tables long enough, ids in the pool): the worker's one check of a
+        plan is plan_check.check_plan, before anything is built."""
         q = np.asarray(query_lens, dtype=np.int64).reshape(-1)
         s = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
         n = q.shape[0]
@@ -64,23 +66,15 @@ class AttentionMetadata:
             raise ValueError(f"{n} query_lens, {s.shape[0]} seq_lens, {len(block_tables)} block tables")
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
-        if n and (q.min() < 1 or (q > s).any()):
-            raise ValueError("need 1 <= query_len <= seq_len for every sequence")
 
         # Padded block tables: one boolean-mask scatter instead of a row-by-row copy.
         nb = np.fromiter((len(t) for t in block_tables), dtype=np.int64, count=n)
-        needed = -(-s // block_size)
-        if (nb < needed).any():
-            bad = int(np.flatnonzero(nb < needed)[0])
-            raise ValueError(f"sequence {bad}: {nb[bad]} blocks cannot hold {s[bad]} tokens")
         width = int(nb.max()) if n else 0
         bt = np.zeros((n, width), dtype=np.int64)
         if width:
             bt[np.arange(width)[None, :] < nb[:, None]] = np.concatenate(
                 [np.asarray(t, dtype=np.int64) for t in block_tables if len(t)]
             )
-        if bt.size and (bt.min() < 0 or bt.max() > np.iinfo(np.int32).max):
-            raise ValueError("block ids must fit in int32 and be non-negative")
 
         qsl = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(q, out=qsl[1:])
