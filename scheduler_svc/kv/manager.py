@@ -90,12 +90,13 @@ class KVCacheManager(BlockTables):
 
     # -- queries ------------------------------------------------------------------------------------------
     def cached_prefix_len(self, token_ids: Sequence[int], extra_key: object = None) -> int:
-        """Tokens of the prompt's prefix this pool holds now, as lookup() would find them; no side effects (no
+        """Tokens of the prompt's prefix this pool holds now, as find_prefix() finds them; no side effects (no
         counters, no LRU change), so the router can ask every worker."""
         return self.find_prefix(token_ids, extra_key).num_tokens
 
     def find_prefix(self, token_ids: Sequence[int], extra_key: object = None) -> PrefixHit:
-        """lookup() without counting the query."""
+        """The prompt's longest cached prefix of full blocks. NOTE: never covers the last token, whose logits are
+        needed; no side effects: the scheduler counts the query (record_prefix_query) once it admits the prompt."""
         parent = _root(extra_key)
         if not self.enable_prefix_caching:
             return PrefixHit([], 0, parent)
