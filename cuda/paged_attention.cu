@@ -191,15 +191,33 @@ __device__ __forceinline__ void load_queries(AttnSmem<HD, MAXR>& sm, const T* __
     }
 }
 
+// What both attention passes read and write: the packed queries and outputs, the pool, the block tables.
+// NOTE: built by value in each entry point from its flat arguments (the launch ABI CuPy binds stays flat).
+template <class T>
+struct PagedArgs {
+    T* __restrict__ out;
+    i64 out_stride_t, out_stride_h;
+    const T* __restrict__ q;
+    i64 q_stride_t, q_stride_h;
+    const T* __restrict__ kv;
+    i64 stride_kv, stride_block, stride_slot, stride_head;
+    const int* __restrict__ block_tables;
+    i64 bt_stride;
+    const int* __restrict__ seq_lens;
+    const int* __restrict__ query_start_loc;
+    int num_heads, num_kv_heads, heads_per_cta, block_size;
+    float scale;
+};
+
 template <class T, int HD>
-__device__ __forceinline__ void paged_decode_impl(
-    T* __restrict__ out, const i64 out_stride_t, const i64 out_stride_h, const T* __restrict__ q,
-    const i64 q_stride_t, const i64 q_stride_h, const T* __restrict__ kv, const i64 stride_kv,
-    const i64 stride_block, const i64 stride_slot, const i64 stride_head, const int* __restrict__ block_tables,
-    const i64 bt_stride, const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
-    const i64* __restrict__ seq_index, float* __restrict__ part_out, float* __restrict__ part_ml,
-    const int num_heads, const int num_kv_heads, const int heads_per_cta, const int block_size,
-    const int partition_size, const float scale) {
+__device__ __forceinline__ void paged_decode_impl(const PagedArgs<T>& a, const i64* __restrict__ seq_index,
+                                                  float* __restrict__ part_out, float* __restrict__ part_ml,
+                                                  const int partition_size) {
+    T* __restrict__ out = a.out;
+    const i64 out_stride_t = a.out_stride_t, out_stride_h = a.out_stride_h;
+    const int* __restrict__ seq_lens = a.seq_lens;
+    const int* __restrict__ query_start_loc = a.query_start_loc;
+    const int num_heads = a.num_heads, num_kv_heads = a.num_kv_heads, heads_per_cta = a.heads_per_cta;
     constexpr int MAXR = 8;
     __shared__ AttnSmem<HD, MAXR> sm;
     const int h0 = blockIdx.x * heads_per_cta;
@@ -216,10 +234,10 @@ __device__ __forceinline__ void paged_decode_impl(
     const int tok = query_start_loc[seq];
 
     init_rows<MAXR>(sm.m, sm.l, sm.lim, R, ctx, 1 << 30);
-    load_queries<T, HD, MAXR>(sm, q, q_stride_t, q_stride_h, tok, h0, R, R, scale);
+    load_queries<T, HD, MAXR>(sm, a.q, a.q_stride_t, a.q_stride_h, tok, h0, R, R, a.scale);
     __syncthreads();
-    attend_rows<T, HD, MAXR>(sm, R, kv + (i64)kvh * stride_head, stride_kv, stride_block, stride_slot,
-                             block_tables + (i64)seq * bt_stride, block_size, k_begin, k_end);
+    attend_rows<T, HD, MAXR>(sm, R, a.kv + (i64)kvh * a.stride_head, a.stride_kv, a.stride_block, a.stride_slot,
+                             a.block_tables + (i64)seq * a.bt_stride, a.block_size, k_begin, k_end);
     // attend_rows ends with a barrier: sm.red/m/l are complete.
     for (int i = threadIdx.x; i < R * HD; i += blockDim.x) {
         const int r = i / HD, d = i % HD;
@@ -262,13 +280,9 @@ __device__ __forceinline__ void paged_decode_reduce_impl(
 }
 
 template <class T, int HD>
-__device__ __forceinline__ void paged_prefill_impl(
-    T* __restrict__ out, const i64 out_stride_t, const i64 out_stride_h, const T* __restrict__ q,
-    const i64 q_stride_t, const i64 q_stride_h, const T* __restrict__ kv, const i64 stride_kv,
-    const i64 stride_block, const i64 stride_slot, const i64 stride_head, const int* __restrict__ block_tables,
-    const i64 bt_stride, const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
-    const int num_heads, const int num_kv_heads, const int heads_per_cta, const int q_tile, const int block_size,
-    const int min_q_len, const float scale) {
+__device__ __forceinline__ void paged_prefill_impl(const PagedArgs<T>& a, const int q_tile, const int min_q_len) {
+    const int* __restrict__ query_start_loc = a.query_start_loc;
+    const int heads_per_cta = a.heads_per_cta;
     constexpr int MAXR = 16;
     __shared__ AttnSmem<HD, MAXR> sm;
     const int h0 = blockIdx.x * heads_per_cta;
@@ -278,21 +292,21 @@ __device__ __forceinline__ void paged_prefill_impl(
     const int j0 = blockIdx.z * q_tile;
     if (q_len < min_q_len || j0 >= q_len) return;  // uniform over the CTA
     const int nq = min(q_tile, q_len - j0);
-    const int ctx = seq_lens[seq];
+    const int ctx = a.seq_lens[seq];
     const int R = nq * heads_per_cta;
     const int first_pos = ctx - q_len + j0;  // position of this tile's first query token
-    const int kvh = h0 / (num_heads / num_kv_heads);
+    const int kvh = h0 / (a.num_heads / a.num_kv_heads);
 
     init_rows<MAXR>(sm.m, sm.l, sm.lim, R, first_pos + 1, heads_per_cta);
-    load_queries<T, HD, MAXR>(sm, q, q_stride_t, q_stride_h, start + j0, h0, heads_per_cta, R, scale);
+    load_queries<T, HD, MAXR>(sm, a.q, a.q_stride_t, a.q_stride_h, start + j0, h0, heads_per_cta, R, a.scale);
     __syncthreads();
-    attend_rows<T, HD, MAXR>(sm, R, kv + (i64)kvh * stride_head, stride_kv, stride_block, stride_slot,
-                             block_tables + (i64)seq * bt_stride, block_size, 0, first_pos + nq);
+    attend_rows<T, HD, MAXR>(sm, R, a.kv + (i64)kvh * a.stride_head, a.stride_kv, a.stride_block, a.stride_slot,
+                             a.block_tables + (i64)seq * a.bt_stride, a.block_size, 0, first_pos + nq);
     for (int i = threadIdx.x; i < R * HD; i += blockDim.x) {
         const int r = i / HD, d = i % HD;
         const i64 tok = start + j0 + r / heads_per_cta;
         const int h = h0 + r % heads_per_cta;
-        out[tok * out_stride_t + (i64)h * out_stride_h + d] = from_float<T>(sm.red[r][d] / sm.l[r]);
+        a.out[tok * a.out_stride_t + (i64)h * a.out_stride_h + d] = from_float<T>(sm.red[r][d] / sm.l[r]);
     }
 }
 
@@ -337,10 +351,10 @@ __device__ __forceinline__ void copy_blocks_impl(W* __restrict__ pool, const i64
         long long stride_head, const int* block_tables, long long bt_stride, const int* seq_lens,                  \
         const int* query_start_loc, const long long* seq_index, float* part_out, float* part_ml, int num_heads,    \
         int num_kv_heads, int heads_per_cta, int block_size, int partition_size, float scale) {                   \
-        paged::paged_decode_impl<T, HD>(out, out_stride_t, out_stride_h, q, q_stride_t, q_stride_h, kv, stride_kv, \
-                                        stride_block, stride_slot, stride_head, block_tables, bt_stride, seq_lens, \
-                                        query_start_loc, seq_index, part_out, part_ml, num_heads, num_kv_heads,    \
-                                        heads_per_cta, block_size, partition_size, scale);                         \
+        const paged::PagedArgs<T> a{out, out_stride_t, out_stride_h, q, q_stride_t, q_stride_h, kv, stride_kv,     \
+                                    stride_block, stride_slot, stride_head, block_tables, bt_stride, seq_lens,     \
+                                    query_start_loc, num_heads, num_kv_heads, heads_per_cta, block_size, scale};   \
+        paged::paged_decode_impl<T, HD>(a, seq_index, part_out, part_ml, partition_size);                          \
     }                                                                                                              \
     extern "C" __global__ void paged_decode_reduce_##TN##_d##HD(                                                   \
         T* out, long long out_stride_t, long long out_stride_h, const float* part_out, const float* part_ml,       \
@@ -355,10 +369,10 @@ __device__ __forceinline__ void copy_blocks_impl(W* __restrict__ pool, const i64
         long long stride_head, const int* block_tables, long long bt_stride, const int* seq_lens,                  \
         const int* query_start_loc, int num_heads, int num_kv_heads, int heads_per_cta, int q_tile,                \
         int block_size, int min_q_len, float scale) {                                                              \
-        paged::paged_prefill_impl<T, HD>(out, out_stride_t, out_stride_h, q, q_stride_t, q_stride_h, kv,           \
-                                         stride_kv, stride_block, stride_slot, stride_head, block_tables,          \
-                                         bt_stride, seq_lens, query_start_loc, num_heads, num_kv_heads,            \
-                                         heads_per_cta, q_tile, block_size, min_q_len, scale);                     \
+        const paged::PagedArgs<T> a{out, out_stride_t, out_stride_h, q, q_stride_t, q_stride_h, kv, stride_kv,     \
+                                    stride_block, stride_slot, stride_head, block_tables, bt_stride, seq_lens,     \
+                                    query_start_loc, num_heads, num_kv_heads, heads_per_cta, block_size, scale};   \
+        paged::paged_prefill_impl<T, HD>(a, q_tile, min_q_len);                                                    \
     }
 
 #define PAGED_WRITE_ENTRY(TN, T)                                                                                   \
