@@ -10,7 +10,11 @@ from pagedserve_common.registration import WorkerRegistration
 from pagedserve_common.result import PositionLogprobs, StepError, StepErrorKind, StepResult, TokenLogprob
 from pagedserve_common.sampling import SamplingParams
 
+# NOTE: requests mostly share a few sampling settings, and a plan of new sequences carries one per sequence:
+# both directions are cached (bounded) so that a step of 256 admissions converts them once, not 256 times.
+_MAX_CACHED = 4096
 _sampling_cache: dict[SamplingParams, generate_pb2.SamplingParams] = {}
+_sampling_decoded: dict[bytes, SamplingParams] = {}
 
 
 # -- sampling (also the client API's message) ----------------------------------------------------------------
@@ -24,7 +28,7 @@ def sampling_to_pb(sp: SamplingParams) -> generate_pb2.SamplingParams:
             pb.seed = sp.seed
         if sp.logprobs is not None:
             pb.logprobs = sp.logprobs
-        if len(_sampling_cache) < 4096:  # NOTE: requests mostly share a few settings; bound it anyway
+        if len(_sampling_cache) < _MAX_CACHED:
             _sampling_cache[sp] = pb
     return pb
 
@@ -35,6 +39,16 @@ def _opt(pb, name: str, default):
 
 def sampling_from_pb(pb: generate_pb2.SamplingParams) -> SamplingParams:
     """Unset fields take the defaults (SamplingParams', which generate.proto documents)."""
+    key = pb.SerializeToString(deterministic=True)
+    sp = _sampling_decoded.get(key)
+    if sp is None:
+        sp = _decode_sampling(pb)
+        if len(_sampling_decoded) < _MAX_CACHED:
+            _sampling_decoded[key] = sp
+    return sp
+
+
+def _decode_sampling(pb: generate_pb2.SamplingParams) -> SamplingParams:
     d = SamplingParams()
     return SamplingParams(max_tokens=_opt(pb, "max_tokens", d.max_tokens),
                           temperature=_opt(pb, "temperature", d.temperature), top_p=_opt(pb, "top_p", d.top_p),
@@ -100,10 +114,12 @@ def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
 
 
 def result_from_pb(pb: worker_pb2.StepResult) -> StepResult:
-    tokens = pb.tokens
-    return StepResult(step_id=pb.step_id, sampled={t.seq_id: t.token_id for t in tokens},
-                      logprobs={t.seq_id: logprobs_from_pb(t.logprobs) for t in tokens if t.HasField("logprobs")},
-                      step_seconds=pb.step_seconds, idle_seconds=pb.idle_seconds)
+    sampled, logprobs = {}, {}
+    for t in pb.tokens:
+        sampled[t.seq_id] = t.token_id
+        if t.HasField("logprobs"):
+            logprobs[t.seq_id] = logprobs_from_pb(t.logprobs)
+    return StepResult(pb.step_id, sampled, logprobs, pb.step_seconds, pb.idle_seconds)
 
 
 def step_error_to_pb(err: StepError) -> worker_pb2.StepError:
