@@ -20,8 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pagedserve.v1 import worker_pb2  # noqa: E402
 from pagedserve_common import wire  # noqa: E402
-from pagedserve_common.plan import NewSequence, SequenceDelta, StepPlan  # noqa: E402
-from pagedserve_common.result import StepResult  # noqa: E402
+from pagedserve_common.step import NewSequence, SequenceDelta, StepPlan, StepResult  # noqa: E402
 from pagedserve_common.sampling import SamplingParams  # noqa: E402
 
 SAMPLING = SamplingParams(max_tokens=128, temperature=0.8, seed=7)

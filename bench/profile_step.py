@@ -28,7 +28,7 @@ from worker_step import BLOCK_SIZE, GREEDY, prefill_template  # noqa: E402
 from worker_svc.kv_pool import KVPool  # noqa: E402
 from worker_svc.model_store import DEFAULT_MODEL, resolve_model  # noqa: E402
 from worker_svc.models import load_model  # noqa: E402
-from pagedserve_common.plan import NewSequence, SequenceDelta, StepPlan  # noqa: E402
+from pagedserve_common.step import NewSequence, SequenceDelta, StepPlan  # noqa: E402
 from worker_svc.runner import ModelRunner  # noqa: E402
 from worker_svc.worker import make_backend  # noqa: E402
 

@@ -15,7 +15,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere without installing
 
 from pagedserve_cli.bench.workloads import BenchRequest, build_workload  # noqa: E402
-from pagedserve_common.plan import StepPlan  # noqa: E402
+from pagedserve_common.step import StepPlan  # noqa: E402
 from scheduler_svc.core.request import Request  # noqa: E402
 from pagedserve_common.sampling import SamplingParams  # noqa: E402
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402

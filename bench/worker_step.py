@@ -34,7 +34,7 @@ from tests.driver import LocalDriver  # noqa: E402
 from worker_svc.kv_pool import KVPool  # noqa: E402
 from worker_svc.model_store import DEFAULT_MODEL, resolve_model  # noqa: E402
 from worker_svc.models import LoadedModel, load_model  # noqa: E402
-from pagedserve_common.plan import NewSequence, SequenceDelta, StepPlan  # noqa: E402
+from pagedserve_common.step import NewSequence, SequenceDelta, StepPlan  # noqa: E402
 from worker_svc.runner import ModelRunner  # noqa: E402
 from worker_svc.worker import make_backend  # noqa: E402
 from pagedserve_common.sampling import SamplingParams  # noqa: E402

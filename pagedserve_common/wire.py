@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pagedserve.v1 import generate_pb2, worker_pb2
 from pagedserve_common.kv_geometry import KVGeometry
-from pagedserve_common.plan import NewSequence, SequenceDelta, StepPlan
+from pagedserve_common.step import (NewSequence, PositionLogprobs, SequenceDelta, StepError, StepErrorKind, StepPlan,
+                                    StepResult, TokenLogprob)
 from pagedserve_common.registration import WorkerRegistration
-from pagedserve_common.result import PositionLogprobs, StepError, StepErrorKind, StepResult, TokenLogprob
 from pagedserve_common.sampling import SamplingParams
 
 # NOTE: requests mostly share a few sampling settings, and a plan of new sequences carries one per sequence:

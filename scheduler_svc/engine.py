@@ -12,18 +12,15 @@ from typing import TYPE_CHECKING
 
 import structlog
 
-from pagedserve_common.config import CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS, EngineOptions
-from pagedserve_common.plan import StepPlan
-from pagedserve_common.registration import WorkerRegistration
-from pagedserve_common.result import StepResult
+from pagedserve_common.config import EngineOptions
+from pagedserve_common.step import StepError, StepPlan, StepResult
 from pagedserve_common.sampling import SamplingParams
 from scheduler_svc import request_log
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.errors import DRAINING, EngineError, ErrorCode
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.routing import Router
-from scheduler_svc.worker_link import Lost, WorkerHandle, export
+from scheduler_svc.fleet import FIRST_STEP_TIMEOUT_FACTOR, Fleet, Lost, WorkerHandle, export
 
 if TYPE_CHECKING:  # NOTE: the front end makes the streams; the engine only feeds them
     from scheduler_svc.frontend.stream import RequestStream
@@ -44,11 +41,7 @@ class EngineConfig(EngineOptions):
     eos_token_ids: tuple[int, ...] = ()
 
 
-def default_batched_tokens(device: str) -> int:
-    return CPU_BATCHED_TOKENS if device.startswith("cpu") or not device else GPU_BATCHED_TOKENS
-
-
-class Engine:
+class Engine(Fleet):
     """Owns every request's stream and where it runs (`placement`: request id -> worker). Each worker has its
     own Scheduler (block tables of its pool); the Router picks a worker for a new request. A request that
     loses its worker is recomputed on another with all its streamed tokens, so its client sees no gap.
@@ -74,117 +67,6 @@ class Engine:
     def num_unfinished(self) -> int:
         return len(self.streams)
 
-    # -- workers ------------------------------------------------------------------------------------------
-    def attach_worker(self, reg: WorkerRegistration) -> WorkerHandle:
-        if reg.model_id != self.config.model_id:
-            raise EngineError(ErrorCode.FAILED_PRECONDITION,
-                              f"model_id {reg.model_id!r} differs from the scheduler's {self.config.model_id!r}")
-        if reg.num_blocks < 1:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT, "num_blocks must be >= 1")
-        cfg = self.config
-        try:
-            sched = Scheduler(SchedulerConfig(
-                num_blocks=reg.num_blocks, max_model_len=min(cfg.max_model_len, reg.max_model_len),
-                max_num_seqs=cfg.max_num_seqs,
-                max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(reg.device),
-                block_size=reg.block_size, enable_prefix_caching=not cfg.no_prefix_caching,
-                eos_token_ids=cfg.eos_token_ids, num_cpu_blocks=reg.num_cpu_blocks,
-                kv_allocation=cfg.kv_allocation), seq_ids=self._seq_ids)
-        except ValueError as e:  # e.g. swap space under a static kv_allocation
-            raise EngineError(ErrorCode.FAILED_PRECONDITION, str(e)) from None
-        w = WorkerHandle(f"worker-{next(self._worker_ids)}", reg, sched)
-        self.workers[w.worker_id] = w
-        self.metrics.kv_blocks_total.labels(w.worker_id).set(reg.num_blocks)
-        w.task = asyncio.get_running_loop().create_task(self._serve(w))
-        log.info("worker attached", worker=w.worker_id, name=reg.name, num_blocks=reg.num_blocks,
-                 block_size=reg.block_size, dtype=reg.dtype, device=reg.device)
-        self._workers_changed()
-        for request_id in list(self.unplaced):  # requests that waited for a worker
-            req, _ = self.unplaced.pop(request_id)
-            self._place_or_wait(req)
-        return w
-
-    def lose_worker(self, w: WorkerHandle, lost: Lost) -> None:
-        """The worker broke (or ran out of time leaving): recompute its requests on the others."""
-        if not w.attached:
-            return
-        reason = lost.reason
-        suspects = w.scheduler.in_flight_request_ids() if lost.charge else set()
-        self.detach(w)
-        moved, failed = 0, 0
-        limit = self.config.max_migrations
-        for req in w.scheduler.release_all():
-            rid = req.request_id
-            self.placement.pop(rid, None)
-            stream = self.streams.get(rid)
-            if stream is None:
-                continue
-            if rid in suspects:
-                req.num_migrations += 1
-            if req.num_migrations >= limit:
-                self._fail(rid, ErrorCode.INTERNAL, f"request {rid} was in a step of {req.num_migrations} workers "
-                           f"that failed (the last: {w.worker_id}: {reason}); it is not retried again", w.worker_id)
-                failed += 1
-                continue
-            self.metrics.migrations.inc()
-            self._place_or_wait(req)
-            moved += 1
-        self.metrics.workers_lost.labels(lost.kind).inc()
-        log.warning("worker lost; its requests are recomputed elsewhere", worker=w.worker_id, reason=reason,
-                    migrated=moved, failed=failed, workers_left=len(self.workers))
-
-    def worker_leaving(self, w: WorkerHandle, reason: str) -> None:
-        """The worker shuts down on purpose: no new requests; its queued ones move now, its running ones may
-        finish within the drain timeout (then they move too); then its stream ends and it exits."""
-        if not w.attached or w.leaving:
-            return
-        w.leaving, w.leave_deadline = True, time.monotonic() + self.config.drain_timeout
-        log.info("worker leaving", worker=w.worker_id, reason=reason, running=w.scheduler.num_running,
-                 waiting=w.scheduler.num_waiting)
-        self._move_queued(w)  # NOTE: safe with a step in flight: queued requests are not in it
-        w.wakeup.set()
-
-    def _leaving_tick(self, w: WorkerHandle) -> Lost | None:
-        """Between a leaving worker's steps: move what can move, close it once it holds nothing."""
-        if time.monotonic() > w.leave_deadline:
-            return Lost("leave_timeout", f"its requests did not finish within {self.config.drain_timeout:g} s of it "
-                        "announcing it leaves", charge=False)
-        self._move_queued(w)
-        if not w.scheduler.has_unfinished_requests():
-            self.detach(w)
-            log.info("worker left", worker=w.worker_id, workers_left=len(self.workers))
-        return None
-
-    def _move_queued(self, w: WorkerHandle) -> None:
-        """A leaving worker's queued requests (preempted ones too) go to the others, if there are any."""
-        if not self._routable():
-            return
-        for req in w.scheduler.take_queued():
-            self.placement.pop(req.request_id, None)
-            self.metrics.migrations.inc()
-            self._place_or_wait(req)
-
-    def detach(self, w: WorkerHandle) -> None:
-        """Ends the worker's step loop and its Attach stream (a worker still running registers again)."""
-        w.attached = False
-        self.workers.pop(w.worker_id, None)
-        if not self.workers:
-            self.last_worker_left = time.monotonic()
-        self.router.forget_worker(w.worker_id)
-        w.inbox.put_nowait(None)
-        w.outbox.put_nowait(None)
-        w.wakeup.set()
-        for name in self.metrics.PER_WORKER_GAUGES:
-            try:
-                getattr(self.metrics, name).remove(w.worker_id)
-            except KeyError:
-                pass
-        self._workers_changed()
-
-    def _workers_changed(self) -> None:
-        self.metrics.workers.set(len(self.workers))
-        self.on_workers_changed(len(self.workers))
-
     # -- a worker's steps ----------------------------------------------------------------------------------
     async def _serve(self, w: WorkerHandle) -> None:
         """A worker's step loop: schedule -> send -> receive -> update -> publish, one plan in flight, until the
@@ -195,8 +77,8 @@ class Engine:
                 if not isinstance(plan, StepPlan):
                     break
                 t0 = time.perf_counter()
-                w.send(plan)
-                result = await w.receive(plan, self.config.step_timeout)
+                w.outbox.put_nowait(plan)  # send: the Attach stream encodes it
+                result = await self._receive(w, plan)
                 if not isinstance(result, StepResult):
                     plan = result
                     break
@@ -210,6 +92,25 @@ class Engine:
             for req in w.scheduler.release_all():
                 self.placement.pop(req.request_id, None)
                 self._fail(req.request_id, ErrorCode.INTERNAL, f"internal error on {w.worker_id}: {e}", w.worker_id)
+
+    async def _receive(self, w: WorkerHandle, plan: StepPlan) -> StepResult | Lost:
+        """The worker's answer to `plan`, or why none will come: a missed deadline, a failed step, a broken
+        stream. NOTE: one plan in flight per worker, so the next answer is this plan's."""
+        timeout = self.config.step_timeout * (FIRST_STEP_TIMEOUT_FACTOR if w.num_steps == 0 else 1)
+        try:
+            answer = await asyncio.wait_for(w.inbox.get(), timeout)
+        except TimeoutError:
+            return Lost("deadline", f"no answer to step {plan.step_id} within {timeout:g} s")
+        if answer is None:  # detached while it waited: its requests were released or ended already
+            return Lost("stream", "its stream ended")
+        if isinstance(answer, Lost):
+            return answer
+        if isinstance(answer, StepError):
+            return Lost("failed_step", f"step {answer.step_id} failed ({answer.kind.name}): {answer.message}")
+        if answer.step_id != plan.step_id:
+            raise RuntimeError(f"the worker answered step {answer.step_id} to plan {plan.step_id}")
+        w.num_steps += 1
+        return answer
 
     async def _next_plan(self, w: WorkerHandle) -> StepPlan | Lost | None:
         """The worker's next plan; a Lost when its stream broke or its drain ran out; None once it is detached."""

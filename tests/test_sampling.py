@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pagedserve_common.sampling import SamplingParams
-from pagedserve_common.result import PositionLogprobs
+from pagedserve_common.step import PositionLogprobs
 from worker_svc.sampling import Sampler, SampleOutput
 
 S = SamplingParams

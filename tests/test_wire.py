@@ -9,9 +9,9 @@ import pytest
 from pagedserve.v1 import generate_pb2, worker_pb2
 from pagedserve_common import wire
 from pagedserve_common.kv_geometry import KVGeometry
-from pagedserve_common.plan import NewSequence, SequenceDelta, StepPlan
+from pagedserve_common.step import (NewSequence, PositionLogprobs, SequenceDelta, StepError, StepErrorKind, StepPlan,
+                                    StepResult, TokenLogprob)
 from pagedserve_common.registration import WorkerRegistration
-from pagedserve_common.result import PositionLogprobs, StepError, StepErrorKind, StepResult, TokenLogprob
 from pagedserve_common.sampling import SamplingParams
 
 

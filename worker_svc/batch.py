@@ -1,10 +1,12 @@
-"""The persistent batch: per-sequence state kept across steps, updated by each plan's deltas."""
+"""The persistent batch: per-sequence state kept across steps; a plan is checked against it once (check_plan: no
+write outside the pool, ever), then applied (its deltas)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 
-from pagedserve_common.plan import StepPlan
+from pagedserve_common.step import StepPlan
 from pagedserve_common.sampling import SamplingParams
 
 
@@ -23,9 +25,84 @@ class SeqState:
         return self.num_computed_tokens + self.num_scheduled_tokens == len(self.token_ids)
 
 
+class BadPlan(ValueError):
+    """A plan the worker refuses (reported as StepError BAD_PLAN); the worker's state is unchanged."""
+
+
+def _in_range(ids: Iterable[int], limit: int, what: str) -> None:
+    for b in ids:
+        if not 0 <= b < limit:
+            raise BadPlan(f"{what} {b} is outside the pool (0..{limit - 1})")
+
+
+def check_plan(plan: StepPlan, seqs: Mapping[int, SeqState], num_blocks: int, num_cpu_blocks: int,
+               block_size: int, vocab_size: int | None = None) -> None:
+    """Raises BadPlan naming the first thing wrong: an unknown or duplicate sequence id, a block id outside
+    the pool (or the swap space), a block twice in one sequence's table, a block table too short for the tokens
+    scheduled, more tokens scheduled than the sequence has, a token id outside the vocabulary (an embedding
+    lookup out of range fails the step on a CPU and may kill the context on a GPU). NOTE: it reads `seqs` only, so a refused plan leaves
+    the batch as it was."""
+    dropped = set(plan.finished_seq_ids) | set(plan.preempted_seq_ids)
+    if len(dropped) != len(plan.finished_seq_ids) + len(plan.preempted_seq_ids):
+        raise BadPlan("a finished/preempted seq is dropped twice")
+    for seq_id in dropped:
+        if seq_id not in seqs:
+            raise BadPlan(f"finished/preempted seq {seq_id} is not on this worker")
+    seen: set[int] = set()
+    for new in plan.new_seqs:
+        if (new.seq_id in seqs and new.seq_id not in dropped) or new.seq_id in seen:
+            raise BadPlan(f"new seq {new.seq_id} is already on this worker")
+        seen.add(new.seq_id)
+        _in_range(new.block_ids, num_blocks, f"seq {new.seq_id}: block")
+        _no_repeats(new.seq_id, (), new.block_ids)
+        ids = new.token_ids
+        if vocab_size is not None and ids and not (0 <= min(ids) and max(ids) < vocab_size):
+            raise BadPlan(f"seq {new.seq_id}: a token id is outside the vocabulary (0..{vocab_size - 1})")
+        _check_tokens(new.seq_id, new.num_computed_tokens, new.num_scheduled_tokens, len(new.token_ids),
+                      len(new.block_ids), block_size)
+    for delta in plan.running:
+        s = seqs.get(delta.seq_id)
+        if s is None or delta.seq_id in dropped or delta.seq_id in seen:
+            raise BadPlan(f"running seq {delta.seq_id} is not on this worker")
+        seen.add(delta.seq_id)
+        _in_range(delta.new_block_ids, num_blocks, f"seq {delta.seq_id}: block")
+        if delta.new_block_ids:  # NOTE: only then: the table is walked about once a block's worth of tokens
+            _no_repeats(delta.seq_id, s.block_ids, delta.new_block_ids)
+        _check_tokens(delta.seq_id, s.num_computed_tokens, delta.num_scheduled_tokens, len(s.token_ids),
+                      len(s.block_ids) + len(delta.new_block_ids), block_size)
+    for src, dst in plan.copies:
+        _in_range((src, dst), num_blocks, "copy: block")
+    for src, dst in plan.swap_out:
+        _in_range((src,), num_blocks, "swap_out: block")
+        _in_range((dst,), num_cpu_blocks, "swap_out: CPU block")
+    for src, dst in plan.swap_in:
+        _in_range((src,), num_cpu_blocks, "swap_in: CPU block")
+        _in_range((dst,), num_blocks, "swap_in: block")
+
+
+def _no_repeats(seq_id: int, table: Iterable[int], new: Iterable[int]) -> None:
+    """A block may stand once in a sequence's table: twice, two positions' K/V would share one slot."""
+    held = set(table)
+    for b in new:
+        if b in held:
+            raise BadPlan(f"seq {seq_id}: block {b} would stand twice in its block table")
+        held.add(b)
+
+
+def _check_tokens(seq_id: int, num_computed: int, num_scheduled: int, num_known: int, num_table_blocks: int,
+                  block_size: int) -> None:
+    end = num_computed + num_scheduled
+    if num_scheduled < 1 or end > num_known:
+        raise BadPlan(f"seq {seq_id}: {num_scheduled} tokens scheduled after {num_computed} computed, but only "
+                      f"{num_known} known")
+    if end > num_table_blocks * block_size:
+        raise BadPlan(f"seq {seq_id}: {end} tokens need {-(-end // block_size)} blocks, its table has "
+                      f"{num_table_blocks}")
+
+
 class PersistentBatch:
     """Sequences by id. Running sequences change only by their plan deltas; new ones arrive whole.
-    NOTE: apply() trusts its plan: plan_check.check_plan has refused any plan that does not fit this batch."""
+    NOTE: apply() trusts its plan: check_plan has refused any plan that does not fit this batch."""
 
     def __init__(self) -> None:
         self.seqs: dict[int, SeqState] = {}

@@ -19,9 +19,9 @@ import torch
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from pagedserve_common import wire
 from pagedserve_common.registration import WorkerRegistration
-from pagedserve_common.result import StepError, StepErrorKind
+from pagedserve_common.step import StepError, StepErrorKind
 from pagedserve_common.signals import exit_now
-from worker_svc.plan_check import BadPlan
+from worker_svc.batch import BadPlan
 from worker_svc.threads import ThreadGovernor
 from worker_svc.worker import WorkerConfig, available_cores, create_runner
 

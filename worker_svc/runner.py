@@ -8,14 +8,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pagedserve_common.plan import StepPlan
-from pagedserve_common.result import StepResult
+from pagedserve_common.step import StepPlan, StepResult
 from worker_svc.attention import AttentionBackend, AttentionMetadata
-from worker_svc.batch import PersistentBatch
+from worker_svc.batch import PersistentBatch, check_plan
 from worker_svc.kv_pool import KVPool
 from worker_svc.lean_model import build_lean
 from worker_svc.models import LoadedModel
-from worker_svc.plan_check import check_plan
 from worker_svc.sampling import Sampler
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve_common.result import PositionLogprobs, TokenLogprob
+from pagedserve_common.step import PositionLogprobs, TokenLogprob
 from pagedserve_common.sampling import SamplingParams
 from worker_svc.uniforms import seeded_uniforms
 

@@ -44,8 +44,10 @@ def token_ids(ids: Iterable[int] = ()) -> array:
 # identity, not field by field (which cost ~1.4 ms a step at 1,024 running sequences, bench/sched_scale.py).
 @dataclass(slots=True, eq=False)
 class Request:
-    """One sequence. A client request with n == 1 is one Request; with n > 1 it is a parent Request that
-    computes the prompt but its last token, then forks into n child Requests (index 0..n-1) that share the
+    """A client request as the scheduler holds it: its prompt, sampling, state and tokens, and the sequence it
+    runs as on its worker (seq_id, the name the worker protocol knows). With n == 1 that is the whole request.
+    With n > 1 the request first computes its prompt but the last token (the parent), then forks into n child
+    Requests, one per sample (index 0..n-1, the same request_id, each with a seq_id of its own), that share the
     parent's blocks, each computing the last prompt token itself (copy-on-write of the shared partial block).
     The parent never samples; it finishes when its last child does.
     """

@@ -8,7 +8,7 @@ from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from pagedserve_common.plan import NewSequence, SequenceDelta, StepPlan
+from pagedserve_common.step import NewSequence, SequenceDelta, StepPlan
 from pagedserve_common.config import EngineOptions
 from pagedserve_common.defaults import DEFAULT_BLOCK_SIZE
 from pagedserve_common.options import default_of

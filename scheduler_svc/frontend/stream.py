@@ -6,7 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
-from pagedserve_common.result import PositionLogprobs
+from pagedserve_common.step import PositionLogprobs
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.metrics import Metrics

@@ -14,7 +14,7 @@ from scheduler_svc.engine import Engine
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend.api import FrontEnd
 from scheduler_svc.grpc import convert
-from scheduler_svc.worker_link import Lost
+from scheduler_svc.fleet import Lost
 
 log = structlog.get_logger("pagedserve.scheduler")
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 
 from pagedserve_common.wire import plan_to_pb, result_from_pb
-from pagedserve_common.plan import NewSequence, SequenceDelta, StepPlan
+from pagedserve_common.step import NewSequence, SequenceDelta, StepPlan
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pagedserve_common.sampling import InvalidField
-from pagedserve_common.plan import SequenceDelta
+from pagedserve_common.step import SequenceDelta
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.kv.manager import NO_CHANGE
@@ -236,7 +236,7 @@ def test_export_adds_the_prefill_tokens_since_the_last_export_to_the_prometheus_
     from pagedserve_common.kv_geometry import KVGeometry
     from pagedserve_common.registration import WorkerRegistration
     from scheduler_svc.metrics import Metrics
-    from scheduler_svc.worker_link import WorkerHandle, export
+    from scheduler_svc.fleet import WorkerHandle, export
 
     s, w, m = static(16), FakeWorker(), Metrics()
     handle = WorkerHandle("worker-0", WorkerRegistration("m", 256, "cpu", KVGeometry(1, 1, 8, "float32", BS), 16), s)

@@ -13,9 +13,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from worker_svc.batch import PersistentBatch
-from pagedserve_common.plan import NewSequence, SequenceDelta, StepPlan
-from worker_svc.plan_check import BadPlan, check_plan
+from pagedserve_common.step import NewSequence, SequenceDelta, StepPlan
+from worker_svc.batch import BadPlan, PersistentBatch, check_plan
 
 NUM_BLOCKS, NUM_CPU_BLOCKS, BS, VOCAB = 24, 6, 4, 50
 

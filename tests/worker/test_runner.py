@@ -15,8 +15,8 @@ from tests.driver import LocalDriver
 from pagedserve_common.kv_geometry import KVGeometry
 from worker_svc.kv_pool import KVPool
 from worker_svc.models import load_model
-from pagedserve_common.plan import NewSequence, SequenceDelta, StepPlan
-from worker_svc.plan_check import BadPlan
+from pagedserve_common.step import NewSequence, SequenceDelta, StepPlan
+from worker_svc.batch import BadPlan
 
 
 def test_unsupported_architecture_names_its_model_type_and_the_supported_list(tmp_path):

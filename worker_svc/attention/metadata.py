@@ -58,7 +58,7 @@ class AttentionMetadata:
     ) -> AttentionMetadata:
         """Build all tensors with numpy on the host, then move them to `device` in one copy each. NOTE: it trusts
         its arguments (1 <= q_len <= seq_len, tables long enough, ids in the pool): the worker's one check of a
-        plan is plan_check.check_plan, before anything is built."""
+        plan is worker_svc.batch.check_plan, before anything is built."""
         q = np.asarray(query_lens, dtype=np.int64).reshape(-1)
         s = np.asarray(seq_lens, dtype=np.int64).reshape(-1)
         n = q.shape[0]

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from worker_svc.batch import PersistentBatch
-from pagedserve_common.plan import NewSequence, SequenceDelta, StepPlan
-from worker_svc.plan_check import BadPlan, check_plan
+from pagedserve_common.step import NewSequence, SequenceDelta, StepPlan
+from worker_svc.batch import BadPlan, PersistentBatch, check_plan
 
 NUM_BLOCKS, NUM_CPU_BLOCKS, BS, VOCAB = 8, 2, 4, 10
 

@@ -1,0 +1,193 @@
+"""The attached workers: each one's handle (its Scheduler and its Attach stream's queues), and how the engine
+takes a worker in, loses one (its requests are recomputed elsewhere) and lets one leave (drained, then closed)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+import structlog
+
+from pagedserve_common.config import CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS
+from pagedserve_common.registration import WorkerRegistration
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.errors import EngineError, ErrorCode
+from scheduler_svc.metrics import Metrics
+
+log = structlog.get_logger("pagedserve.scheduler")
+
+FIRST_STEP_TIMEOUT_FACTOR = 4  # a worker's first step may compile kernels (NVRTC, the CPU kernel's cache)
+
+
+@dataclass(slots=True, frozen=True)
+class Lost:
+    """Why a worker can serve no more: the engine recomputes its requests elsewhere. `kind` labels
+    pagedserve_workers_lost_total (stream, deadline, failed_step, leave_timeout); with `charge`, the requests in
+    its step in flight count a migration against --max-migrations."""
+
+    kind: str
+    reason: str
+    charge: bool = True
+
+
+@dataclass(slots=True)
+class WorkerHandle:
+    worker_id: str
+    registration: WorkerRegistration
+    scheduler: Scheduler  # NOTE: this worker's block tables: its pool, its prefix cache, its requests
+    outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # StepPlan to send; None closes the stream
+    inbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # StepResult | StepError | Lost | None
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)  # new work, a leave or a loss: plan again
+    task: asyncio.Task | None = None
+    attached: bool = True  # False once detached (lost, or left); its step loop then ends
+    lost: Lost | None = None  # set by the Attach stream when it breaks; the step loop ends on it
+    leaving: bool = False  # announced a deliberate shutdown: gets no new requests
+    leave_deadline: float = 0.0  # monotonic time by which its running requests move elsewhere
+    num_steps: int = 0
+    back_to_back: bool = False  # NOTE: the worker's idle time counts only between steps that had work waiting
+    num_prefix_queries: int = 0  # KV manager counters already exported
+    num_prefix_hits: int = 0
+    num_preemptions: int = 0
+    num_prefill_tokens: int = 0
+
+    def fail(self, lost: Lost) -> None:
+        """The stream broke (or was refused): the step loop ends on `lost`, now or when its step returns."""
+        if self.lost is None:
+            self.lost = lost
+        self.inbox.put_nowait(lost)
+        self.wakeup.set()
+
+
+def export(w: WorkerHandle, m: Metrics) -> None:
+    """The worker's pool gauges and counters, after a step."""
+    kv, wid = w.scheduler.kv, w.worker_id
+    # NOTE: pool counters, not a walk over every sequence: this runs every step.
+    m.kv_blocks_used.labels(wid).set(kv.pool.num_used_blocks)
+    m.kv_blocks_cached.labels(wid).set(kv.pool.num_cached_free_blocks)
+    m.prefix_queries.labels(wid).inc(kv.prefix_query_tokens - w.num_prefix_queries)
+    m.prefix_hits.labels(wid).inc(kv.prefix_hit_tokens - w.num_prefix_hits)
+    m.preemptions.labels(wid).inc(w.scheduler.num_preemptions - w.num_preemptions)
+    m.prefill_tokens.labels(wid).inc(w.scheduler.num_prefill_tokens - w.num_prefill_tokens)
+    w.num_prefix_queries, w.num_prefix_hits = kv.prefix_query_tokens, kv.prefix_hit_tokens
+    w.num_preemptions, w.num_prefill_tokens = w.scheduler.num_preemptions, w.scheduler.num_prefill_tokens
+
+
+def default_batched_tokens(device: str) -> int:
+    return CPU_BATCHED_TOKENS if device.startswith("cpu") or not device else GPU_BATCHED_TOKENS
+
+
+class Fleet:
+    """Part of Engine (a mixin over its state, as Handover is of Scheduler): workers coming and going. NOTE: a
+    loss is handled where a worker's step loop ends (Engine._serve); these are what it and the Attach stream
+    call."""
+
+    def attach_worker(self, reg: WorkerRegistration) -> WorkerHandle:
+        if reg.model_id != self.config.model_id:
+            raise EngineError(ErrorCode.FAILED_PRECONDITION,
+                              f"model_id {reg.model_id!r} differs from the scheduler's {self.config.model_id!r}")
+        if reg.num_blocks < 1:
+            raise EngineError(ErrorCode.INVALID_ARGUMENT, "num_blocks must be >= 1")
+        cfg = self.config
+        try:
+            sched = Scheduler(SchedulerConfig(
+                num_blocks=reg.num_blocks, max_model_len=min(cfg.max_model_len, reg.max_model_len),
+                max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(reg.device),
+                block_size=reg.block_size, enable_prefix_caching=not cfg.no_prefix_caching,
+                eos_token_ids=cfg.eos_token_ids, num_cpu_blocks=reg.num_cpu_blocks,
+                kv_allocation=cfg.kv_allocation), seq_ids=self._seq_ids)
+        except ValueError as e:  # e.g. swap space under a static kv_allocation
+            raise EngineError(ErrorCode.FAILED_PRECONDITION, str(e)) from None
+        w = WorkerHandle(f"worker-{next(self._worker_ids)}", reg, sched)
+        self.workers[w.worker_id] = w
+        self.metrics.kv_blocks_total.labels(w.worker_id).set(reg.num_blocks)
+        w.task = asyncio.get_running_loop().create_task(self._serve(w))
+        log.info("worker attached", worker=w.worker_id, name=reg.name, num_blocks=reg.num_blocks,
+                 block_size=reg.block_size, dtype=reg.dtype, device=reg.device)
+        self._workers_changed()
+        for request_id in list(self.unplaced):  # requests that waited for a worker
+            req, _ = self.unplaced.pop(request_id)
+            self._place_or_wait(req)
+        return w
+
+    def lose_worker(self, w: WorkerHandle, lost: Lost) -> None:
+        """The worker broke (or ran out of time leaving): recompute its requests on the others."""
+        if not w.attached:
+            return
+        reason = lost.reason
+        suspects = w.scheduler.in_flight_request_ids() if lost.charge else set()
+        self.detach(w)
+        moved, failed = 0, 0
+        limit = self.config.max_migrations
+        for req in w.scheduler.release_all():
+            rid = req.request_id
+            self.placement.pop(rid, None)
+            stream = self.streams.get(rid)
+            if stream is None:
+                continue
+            if rid in suspects:
+                req.num_migrations += 1
+            if req.num_migrations >= limit:
+                self._fail(rid, ErrorCode.INTERNAL, f"request {rid} was in a step of {req.num_migrations} workers "
+                           f"that failed (the last: {w.worker_id}: {reason}); it is not retried again", w.worker_id)
+                failed += 1
+                continue
+            self.metrics.migrations.inc()
+            self._place_or_wait(req)
+            moved += 1
+        self.metrics.workers_lost.labels(lost.kind).inc()
+        log.warning("worker lost; its requests are recomputed elsewhere", worker=w.worker_id, reason=reason,
+                    migrated=moved, failed=failed, workers_left=len(self.workers))
+
+    def worker_leaving(self, w: WorkerHandle, reason: str) -> None:
+        """The worker shuts down on purpose: no new requests; its queued ones move now, its running ones may
+        finish within the drain timeout (then they move too); then its stream ends and it exits."""
+        if not w.attached or w.leaving:
+            return
+        w.leaving, w.leave_deadline = True, time.monotonic() + self.config.drain_timeout
+        log.info("worker leaving", worker=w.worker_id, reason=reason, running=w.scheduler.num_running,
+                 waiting=w.scheduler.num_waiting)
+        self._move_queued(w)  # NOTE: safe with a step in flight: queued requests are not in it
+        w.wakeup.set()
+
+    def _leaving_tick(self, w: WorkerHandle) -> Lost | None:
+        """Between a leaving worker's steps: move what can move, close it once it holds nothing."""
+        if time.monotonic() > w.leave_deadline:
+            return Lost("leave_timeout", f"its requests did not finish within {self.config.drain_timeout:g} s of it "
+                        "announcing it leaves", charge=False)
+        self._move_queued(w)
+        if not w.scheduler.has_unfinished_requests():
+            self.detach(w)
+            log.info("worker left", worker=w.worker_id, workers_left=len(self.workers))
+        return None
+
+    def _move_queued(self, w: WorkerHandle) -> None:
+        """A leaving worker's queued requests (preempted ones too) go to the others, if there are any."""
+        if not self._routable():
+            return
+        for req in w.scheduler.take_queued():
+            self.placement.pop(req.request_id, None)
+            self.metrics.migrations.inc()
+            self._place_or_wait(req)
+
+    def detach(self, w: WorkerHandle) -> None:
+        """Ends the worker's step loop and its Attach stream (a worker still running registers again)."""
+        w.attached = False
+        self.workers.pop(w.worker_id, None)
+        if not self.workers:
+            self.last_worker_left = time.monotonic()
+        self.router.forget_worker(w.worker_id)
+        w.inbox.put_nowait(None)
+        w.outbox.put_nowait(None)
+        w.wakeup.set()
+        for name in self.metrics.PER_WORKER_GAUGES:
+            try:
+                getattr(self.metrics, name).remove(w.worker_id)
+            except KeyError:
+                pass
+        self._workers_changed()
+
+    def _workers_changed(self) -> None:
+        self.metrics.workers.set(len(self.workers))
+        self.on_workers_changed(len(self.workers))
