@@ -124,3 +124,32 @@ def test_no_module_imports_itself_through_others():
 def test_the_circle_finder_finds_a_circle():
     assert _find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_protobuf_stays_at_the_edges():
+    """Only the codecs and the gRPC servers and clients touch generated messages: the engine, the scheduler core,
+    the front end, the HTTP app and the worker's runner work on the shared dataclasses."""
+    edges = {"pagedserve_common.wire", "scheduler_svc.server", "worker_svc.client"}
+    for package in ("scheduler_svc", "worker_svc", "pagedserve_common"):
+        for module, names in _imported_modules(package).items():
+            if module in edges or module.startswith("scheduler_svc.grpc."):
+                continue
+            assert not {n for n in names if n.startswith(("pagedserve.v1", "google.protobuf"))}, module
+    assert any(n.startswith("pagedserve.v1") for n in _imported_modules("pagedserve_common")["pagedserve_common.wire"])
+
+
+def _imported_modules(package: str) -> dict[str, set[str]]:
+    """Every module of `package` (dotted) -> the full names of the modules it imports, at any depth."""
+    import ast
+
+    out = {}
+    for path in (ROOT / package).rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {a.name for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                names.add(node.module)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = names
+    return out
