@@ -34,7 +34,8 @@ RUN --mount=type=bind,source=docker/wheels,target=/wheels \
     && ./pip-install.sh $(python3 requirements.py /src/pyproject.toml --extra gpu)
 
 FROM build-env AS source
-# What the package is made of (pyproject.toml's package-dir and packages); tests/test_container.py checks the list.
+# What the package is made of (pyproject.toml's package-dir and packages): tests/deploy/test_container.py
+# checks the list.
 COPY README.md ./
 COPY protos ./protos
 COPY pagedserve_cli ./pagedserve_cli

@@ -23,7 +23,6 @@ import collections
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,8 +35,8 @@ import grpc
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere without installing
 from pagedserve.v1 import generate_pb2 as pb  # noqa: E402
 from pagedserve.v1 import generate_pb2_grpc  # noqa: E402
+from pagedserve_cli.bench.local_server import LocalServer, wait_idle  # noqa: E402
 from pagedserve_cli.bench.report import percentiles  # noqa: E402
-from pagedserve_common.ports import free_port  # noqa: E402
 
 WORDS = ("the", "sea", "a", "ship", "sails", "north", "under", "grey", "skies", "and", "wind", "calls", "home")
 DELIBERATE = "CANCELLED_DELIBERATELY"  # the status key of a request its client cancelled on purpose
@@ -70,61 +69,6 @@ def metric(metrics: str, name: str) -> float:
     text = urllib.request.urlopen(f"http://{metrics}/metrics", timeout=30).read().decode()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(name) and line[len(name)] in " {")
-
-
-@dataclass
-class LocalServer:
-    """`pagedserve scheduler` and one CPU worker on loopback, each logging to a file in `log_dir`."""
-
-    address: str
-    metrics: str
-    log_dir: Path
-    procs: list = field(default_factory=list)  # [worker, scheduler]
-
-    @property
-    def scheduler_pid(self) -> int:
-        return self.procs[-1].pid
-
-    @property
-    def scheduler_log(self) -> Path:
-        return self.log_dir / "scheduler.log"
-
-    @classmethod
-    def start(cls, model_dir: str, log_dir: Path, scheduler_args=(), worker_args=(), timeout: float = 180):
-        from pagedserve_cli.up_cmd import wait_healthy
-
-        listen, worker_listen, metrics = (f"127.0.0.1:{free_port()}" for _ in range(3))
-        exe = [sys.executable, "-m", "pagedserve_cli.main"]
-        log_dir.mkdir(parents=True, exist_ok=True)
-        server = cls(listen, metrics, log_dir)
-        with open(log_dir / "scheduler.log", "wb") as slog, open(log_dir / "worker.log", "wb") as wlog:
-            server.procs.append(subprocess.Popen(
-                [*exe, "worker", "--scheduler", worker_listen, "--model", model_dir, "--threads", "1",
-                 *worker_args], stderr=wlog))
-            server.procs.append(subprocess.Popen(
-                [*exe, "scheduler", "--model", model_dir, "--listen", listen, "--worker-listen", worker_listen,
-                 "--metrics", metrics, "--http", "", *scheduler_args], stderr=slog))
-        try:
-            wait_healthy(listen, timeout, server.procs)
-        except BaseException:
-            server.stop()
-            raise
-        return server
-
-    def stop(self) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
-    def error_lines(self) -> list[str]:
-        """The scheduler's log lines at level error, and any traceback."""
-        return [line for line in self.scheduler_log.read_text(errors="replace").splitlines()
-                if '"level": "error"' in line or "Traceback" in line]
 
 
 @dataclass
@@ -202,20 +146,6 @@ async def drive(address: str, pid: int | None, args) -> tuple[Stats, float, int,
     for c in channels:
         await c.close()
     return stats, wall, rss_start, peak[0]
-
-
-IDLE_SERIES = ("pagedserve_requests_running", "pagedserve_requests_waiting", "pagedserve_kv_blocks_used")
-
-
-def wait_idle(read, timeout: float = 120) -> dict:
-    """Polls `read(series name)` until no request runs or waits and no KV block is held (free or cached-free
-    blocks only); returns the last reading, idle or not once `timeout` is over."""
-    deadline = time.monotonic() + timeout
-    while True:
-        reading = {name: read(name) for name in IDLE_SERIES}
-        if not any(reading.values()) or time.monotonic() > deadline:
-            return reading
-        time.sleep(0.5)
 
 
 def report(args, stats: Stats, wall: float, rss_start_kb: int, rss_peak_kb: int, hwm_kb: int | None) -> str:

@@ -1,4 +1,5 @@
-"""Packaging and layering: every package is installed, and the scheduler stays free of torch and cupy."""
+"""Packaging and layering: every package is installed, the scheduler stays free of torch and cupy, and the tests
+mirror the packages without importing one another."""
 
 import subprocess
 import sys
@@ -153,3 +154,56 @@ def _imported_modules(package: str) -> dict[str, set[str]]:
                 names.add(node.module)
         out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = names
     return out
+
+
+# NOTE: the repository-wide checks stay at tests/: this file (every package, the layering, the tests' own layout)
+# and test_protos.py (protos/ against its generated stubs). Every other test sits in the folder of what it tests.
+ROOT_TESTS = {"test_packaging.py", "test_protos.py"}
+
+
+def _names_imported(source: str, module: str) -> set[str]:
+    """The full names that the code of `module` (dotted) imports: `from a.b import c` gives a.b and a.b.c, and a
+    relative import is read from `module`'s package."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = module.split(".")[:-node.level] if node.level else []
+            base = ".".join([*base, *([node.module] if node.module else [])])
+            names |= {base} | {f"{base}.{a.name}" for a in node.names}
+    return names
+
+
+def _test_layout_offences(module: str, names: set[str]) -> set[str]:
+    """What `module` (dotted, under tests) imports that a test folder must not: a test module (its helpers belong in
+    tests/support or a conftest), or bench/ outside tests/bench (which tests the benchmarks)."""
+    bad = {n for n in names if n.startswith("tests.") and any(p.startswith("test_") for p in n.split(".")[1:])}
+    if not module.startswith("tests.bench."):
+        bad |= {n for n in names if n == "bench" or n.startswith("bench.")}
+    return bad
+
+
+def test_no_test_module_imports_another_or_the_benchmarks():
+    offences = {}
+    for path in sorted((ROOT / "tests").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        if bad := _test_layout_offences(module, _names_imported(path.read_text(), module)):
+            offences[module] = sorted(bad)
+    assert offences == {}
+
+
+def test_the_layout_check_finds_a_test_module_imported():
+    code = ("from tests.scheduler.test_scheduler import FakeWorker\nfrom . import test_wire\n"
+            "import tests.service.test_storms\nfrom bench.load import LocalServer\nfrom tests.support import worker\n")
+    names = _names_imported(code, "tests.common.test_x")
+    assert _test_layout_offences("tests.common.test_x", names) == {
+        "tests.scheduler.test_scheduler", "tests.scheduler.test_scheduler.FakeWorker", "tests.common.test_wire",
+        "tests.service.test_storms", "bench.load", "bench.load.LocalServer"}
+    assert _test_layout_offences("tests.bench.test_x", _names_imported("import bench.load", "tests.bench.test_x")) == set()
+
+
+def test_tests_sit_beside_what_they_test_not_at_the_root():
+    assert {p.name for p in (ROOT / "tests").glob("test_*.py")} == ROOT_TESTS

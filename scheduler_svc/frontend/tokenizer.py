@@ -16,7 +16,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 # NOTE: never import transformers here: it may import torch, and the scheduler must stay free of it
-# (tests/test_text.py checks this in a subprocess).
+# (tests/frontend/test_text.py checks this in a subprocess).
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
 

@@ -7,7 +7,7 @@ import random
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests.worker.helpers import TINY, assert_same_greedy
+from tests.support.worker import TINY, assert_same_greedy
 
 # head_dim 64 (256 / 4), the kernels' smallest instantiation: the TINY models' head_dim 16 would send every
 # attention call to the torch fallback and prove nothing about the kernels. GQA ratio 2.
@@ -25,7 +25,7 @@ def check_greedy_tokens(model_dir: str, backend, device: str, chunk: int) -> Non
     """Staggered arrivals (mixed prefill + decode steps), chunked prefill when `chunk` is small, a shared
     prefix (prefix-cache hit) and an n=2 fork (copy-on-write of the shared partial block): every sample must
     be token-identical to transformers."""
-    from tests.driver import LocalDriver
+    from tests.support.driver import LocalDriver
     from worker_svc.kv_pool import KVPool
     from worker_svc.models import load_model
     from worker_svc.runner import ModelRunner

@@ -5,7 +5,8 @@ from __future__ import annotations
 import itertools
 
 from scheduler_svc.core.request import FinishReason, RequestStatus
-from tests.scheduler.test_scheduler import BS, FakeWorker, Scheduler, SchedulerConfig, drive, req, step, toks
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from tests.support.scheduler import BS, FakeWorker, drive, req, step, toks
 
 
 def by_position(seq_id: int, position: int) -> int:

@@ -6,102 +6,12 @@ import sys
 import pytest
 
 from pagedserve_common.wire import plan_to_pb, result_from_pb
-from pagedserve_common.step import NewSequence, SequenceDelta, StepPlan
+from pagedserve_common.step import NewSequence, SequenceDelta
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.v1 import worker_pb2
-
-BS = 8
-
-
-def make(num_blocks: int = 64, max_model_len: int = 256, **kw) -> Scheduler:
-    return Scheduler(SchedulerConfig(num_blocks=num_blocks, max_model_len=max_model_len, block_size=BS, **kw))
-
-
-def req(rid: str, prompt: list[int], max_tokens: int = 4, **kw) -> Request:
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **kw))
-
-
-def toks(start: int, n: int) -> list[int]:
-    return list(range(start, start + n))
-
-
-def position_token(seq_id: int, position: int) -> int:
-    return 10_000 + 1000 * seq_id + position
-
-
-class FakeWorker:
-    """Holds what a real worker would (tokens, computed count, block table) and checks the delta protocol.
-
-    It also models KV memory: each slot holds the token prefix its K/V depends on, moved by swaps and copies
-    like the real pool, so a wrong prefix hit, copy or swap shows up as a sequence that cannot read itself back.
-    """
-
-    def __init__(self, next_token=position_token, block_size: int = BS) -> None:
-        self.next_token, self.block_size = next_token, block_size
-        self.seqs: dict[int, dict] = {}
-        self.kv: dict[tuple[int, int], tuple[int, ...]] = {}  # (device block, slot) -> prefix
-        self.cpu: dict[tuple[int, int], tuple[int, ...]] = {}  # (cpu block, slot) -> prefix
-
-    def _move(self, src_mem: dict, dst_mem: dict, pairs) -> None:
-        for src, dst in pairs:
-            for slot in range(self.block_size):
-                if (src, slot) in src_mem:
-                    dst_mem[(dst, slot)] = src_mem[(src, slot)]
-                else:
-                    dst_mem.pop((dst, slot), None)
-
-    def step(self, plan: StepPlan) -> dict[int, int]:
-        for seq_id in [*plan.finished_seq_ids, *plan.preempted_seq_ids]:
-            del self.seqs[seq_id]  # NOTE: KeyError = told to drop a sequence it never had
-        # NOTE: the real worker's order: swap out, swap in, copy-on-write copies, then the forward.
-        self._move(self.kv, self.cpu, plan.swap_out)
-        self._move(self.cpu, self.kv, plan.swap_in)
-        self._move(dict(self.kv), self.kv, plan.copies)
-        sampled, bs = {}, self.block_size
-        for p in plan.new_seqs:
-            assert p.seq_id not in self.seqs, f"seq {p.seq_id} sent whole while the worker holds it"
-            assert len(p.block_ids) * bs >= p.num_computed_tokens + p.num_scheduled_tokens
-            self.seqs[p.seq_id] = dict(tokens=list(p.token_ids), blocks=list(p.block_ids),
-                                       computed=p.num_computed_tokens, scheduled=p.num_scheduled_tokens)
-        for r in plan.running:
-            s = self.seqs[r.seq_id]  # NOTE: KeyError = a delta for a sequence the worker does not hold
-            s["blocks"] += r.new_block_ids
-            s["scheduled"] = r.num_scheduled_tokens
-        for p in [*plan.new_seqs, *plan.running]:
-            s = self.seqs[p.seq_id]
-            start, end, tokens, blocks = s["computed"], s["computed"] + s["scheduled"], s["tokens"], s["blocks"]
-            assert len(blocks) * bs >= end
-            for pos in range(start, end):  # the forward writes this step's K/V
-                self.kv[(blocks[pos // bs], pos % bs)] = tuple(tokens[:pos + 1])
-            s["computed"] = end
-        for p in [*plan.new_seqs, *plan.running]:  # every context read back whole: hits, copies and swaps were right
-            s = self.seqs[p.seq_id]
-            tokens, blocks = s["tokens"], s["blocks"]
-            for pos in range(s["computed"]):
-                assert self.kv.get((blocks[pos // bs], pos % bs)) == tuple(tokens[:pos + 1]), (p.seq_id, pos)
-            if s["computed"] == len(tokens):
-                tok = self.next_token(p.seq_id, len(tokens))
-                tokens.append(tok)
-                sampled[p.seq_id] = tok
-        return sampled
-
-
-def drive(s: Scheduler, worker: FakeWorker | None = None, max_steps: int = 1000) -> list[StepPlan]:
-    worker = worker or FakeWorker()
-    plans = []
-    while s.has_unfinished_requests() and len(plans) < max_steps:
-        plan = s.schedule()
-        plans.append(plan)
-        s.update(plan, worker.step(plan))
-    assert not s.has_unfinished_requests()
-    return plans
-
-
-def step(s: Scheduler, worker: FakeWorker) -> tuple[StepPlan, list]:
-    plan = s.schedule()
-    return plan, s.update(plan, worker.step(plan))
+from tests.support.scheduler import FakeWorker, drive, make, position_token, random_steps, req, step, toks
 
 
 def test_running_decodes_go_first_then_admission_within_the_token_budget():
@@ -345,31 +255,6 @@ def test_scheduler_core_imports_neither_torch_nor_grpc():
             "print(sorted(m for m in ('torch', 'cupy', 'grpc', 'google.protobuf', 'worker_svc') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "[]"
-
-
-def random_steps(s: Scheduler, rng, new_request, num_iterations: int, check) -> tuple[FakeWorker, list[Request]]:
-    """Drives `s` with random arrivals (up to 20, from new_request(i); those that never fit are skipped) and
-    aborts, a step at a time, calling check(worker) after each; returns the worker and the requests added."""
-    w, reqs = FakeWorker(lambda seq_id, position: rng.randrange(3, 40)), []
-    for _ in range(num_iterations):
-        if len(reqs) < 20 and rng.random() < 0.3:
-            r = new_request(len(reqs))
-            try:
-                s.add_request(r)
-                reqs.append(r)
-            except ValueError:
-                pass  # too big for this pool
-        if reqs and rng.random() < 0.03:
-            s.abort(rng.choice(reqs).request_id)
-        plan = s.schedule()
-        if plan is None:
-            if len(reqs) >= 20:
-                break
-            continue
-        plan_to_pb(plan)
-        s.update(plan, w.step(plan))
-        check(w)
-    return w, reqs
 
 
 @pytest.mark.parametrize("seed", range(40))

@@ -14,7 +14,7 @@ from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.kv.manager import NO_CHANGE
 from scheduler_svc.kv.run_pool import RunPool
 from scheduler_svc.kv.static import KV_ALLOCATIONS, StaticKVCacheManager
-from tests.scheduler.test_scheduler import BS, FakeWorker, drive, make, position_token, random_steps, req, step, toks
+from tests.support.scheduler import BS, FakeWorker, drive, make, position_token, random_steps, req, step, toks
 
 
 def static(num_blocks: int, mode: str = "static-request", max_model_len: int = 256, **kw):

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests.worker.helpers import TINY
+from tests.support.worker import TINY
 from pagedserve_common.defaults import DEFAULT_MODEL
 from worker_svc.model_store import resolve_model
 from pagedserve_common.ports import free_port  # noqa: F401 - the tests import it from here

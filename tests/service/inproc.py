@@ -1,4 +1,5 @@
-"""An in-process scheduler server on loopback, with scripted workers that attach over the real Attach stream."""
+"""An in-process scheduler server on loopback, with scripted workers that attach over the real Attach stream, and
+its HTTP front (Front)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import asyncio
 import functools
 
 import grpc
+import httpx
 import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
@@ -13,6 +15,8 @@ from pagedserve.v1 import generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.grpc.servicers import GenerationServicer, WorkerControlServicer
 from scheduler_svc.frontend import FrontEnd, Tokenizer
+from scheduler_svc.http.app import create_app
+from scheduler_svc.http.server import HttpServer
 from tests.service.conftest import free_port
 from pagedserve_common.defaults import DEFAULT_MODEL
 from worker_svc.model_store import resolve_model
@@ -128,3 +132,19 @@ async def tokens_of(call) -> list[list[int]]:
     async for msg in call:
         out.setdefault(msg.index, []).extend(msg.token_ids)
     return [out[i] for i in sorted(out)]
+
+
+class Front:
+    """The HTTP front of `engine` on a free loopback port, as the scheduler runs it (same event loop)."""
+
+    def __init__(self, engine) -> None:
+        self.http = HttpServer(create_app(FrontEnd(engine, tokenizer())), f"127.0.0.1:{free_port()}")
+        self.client = httpx.AsyncClient(base_url=f"http://{self.http.address}", timeout=30)
+
+    async def __aenter__(self) -> httpx.AsyncClient:
+        await self.http.start()
+        return self.client
+
+    async def __aexit__(self, *exc) -> None:
+        await self.client.aclose()
+        await self.http.stop()

@@ -25,7 +25,7 @@ from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from pagedserve_cli.certs_cmd import dev_certificates, issue
 from tests.service.conftest import KV_MEMORY, MAX_BATCHED, Service, free_port, stop_processes
-from tests.worker.helpers import assert_same_greedy, reference_greedy, reference_model
+from tests.support.worker import assert_same_greedy, reference_greedy, reference_model
 
 EXE = [sys.executable, "-m", "pagedserve_cli.main"]
 KEY = "test-key-" + "".join(random.Random(7).choices("abcdefghijklmnopqrstuvwxyz0123456789", k=32))
@@ -270,7 +270,7 @@ def test_a_bad_access_flag_fails_the_start_naming_it(tiny_served_model, certs, a
 
 
 def test_up_with_tls_and_a_key_file_starts_its_workers_and_waits_for_them(tiny_served_model, certs, tmp_path):
-    from tests.service.test_lifecycle import stop_all, up
+    from tests.support.processes import stop_all, up
 
     # NOTE: a certificate for another name than the one `up` dials (127.0.0.1): it checks the certificate's name.
     ca = issue("up CA")

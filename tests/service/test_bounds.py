@@ -11,7 +11,8 @@ import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.test_openai import idle, wait_until
+from tests.service.conftest import wait_until
+from tests.support.service import idle
 
 # The `service` fixture: max_model_len 512 (the tiny model's), --max-num-seqs 64, the default bounds.
 MAX_PROMPT_CHARS = 512 * 32

@@ -16,7 +16,7 @@ import pytest
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from tests.service.conftest import free_port, metric_value, scrape
-from tests.worker.helpers import assert_same_greedy, reference_greedy, reference_model
+from tests.support.worker import assert_same_greedy, reference_greedy, reference_model
 
 EXE = [sys.executable, "-m", "pagedserve_cli.main"]
 NEW = 160  # long enough that every stream is mid-generation when a worker goes

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.test_storms import assert_idle_and_serving
+from tests.support.service import assert_idle_and_serving
 
 U32, U64 = 2**32, 2**64
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}

@@ -15,6 +15,7 @@ from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from pagedserve_cli.up_cmd import core_shares
 from tests.service.conftest import free_port, wait_until
+from tests.support.processes import alive, children, stop_all, up
 
 
 def health(address: str, service: str = ""):
@@ -54,41 +55,6 @@ def test_not_serving_until_a_worker_attaches_then_drains_on_sigterm(tiny_served_
         for p in (worker, sched):
             if p is not None and p.poll() is None:
                 p.kill()
-
-
-def children(pid: int) -> list[int]:
-    with open(f"/proc/{pid}/task/{pid}/children") as f:
-        return [int(c) for c in f.read().split()]
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
-def stop_all(proc: subprocess.Popen) -> None:
-    """Cleanup after a failed assertion: no process outlives the test."""
-    if proc.poll() is None:
-        kids = children(proc.pid)
-        proc.terminate()
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        for k in kids:
-            if alive(k):
-                os.kill(k, signal.SIGKILL)
-
-
-def up(model: str, listen: str, *extra: str, stderr=None) -> subprocess.Popen:
-    # Its own session, like a shell job: Ctrl-C is SIGINT to the whole process group.
-    return subprocess.Popen([sys.executable, "-m", "pagedserve_cli.main", "up", "--model", model, "--listen", listen,
-                             "--worker-listen", f"127.0.0.1:{free_port()}", "--metrics", "",
-                             "--http", f"127.0.0.1:{free_port()}", "--kv-memory", "4MiB", "--threads", "1", *extra],
-                            stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
 
 
 @pytest.mark.parametrize("how", ["SIGTERM to up", "Ctrl-C to the process group"])

@@ -17,7 +17,7 @@ import pytest
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from tests.service.conftest import free_port, wait_until
-from tests.service.test_lifecycle import stop_all, up
+from tests.support.processes import stop_all, up
 
 END_EVENTS = ("request finished", "request aborted", "request failed")
 NOISE = ("Traceback", "Exception ignored", "Task was destroyed", "it/s]", "%|")  # the last two: progress bars

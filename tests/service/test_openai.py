@@ -14,6 +14,7 @@ import pytest
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from tests.service.conftest import wait_until
+from tests.support.service import idle
 
 PROMPT = "The capital of France is"
 
@@ -38,11 +39,6 @@ def grpc_samples(service, **fields) -> list[dict]:
 def client(service):
     with openai.OpenAI(base_url=f"http://{service.http}/v1", api_key="unused", max_retries=0, timeout=120) as c:
         yield c
-
-
-def idle(service) -> bool:
-    return (service.metric("pagedserve_requests_running") == 0 and service.metric("pagedserve_requests_waiting") == 0
-            and service.metric("pagedserve_kv_blocks_used") == 0)
 
 
 def test_models_and_health(service, client):

@@ -6,26 +6,7 @@ import httpx
 
 from pagedserve.v1 import worker_pb2
 from scheduler_svc.errors import ErrorCode
-from scheduler_svc.frontend import FrontEnd
-from scheduler_svc.http.app import create_app
-from scheduler_svc.http.server import HttpServer
-from tests.service.conftest import free_port
-from tests.service.inproc import ScriptedWorker, generate, tokenizer, wait_for, with_server
-
-class Front:
-    """The HTTP front of `engine` on a free loopback port, as the scheduler runs it (same event loop)."""
-
-    def __init__(self, engine) -> None:
-        self.http = HttpServer(create_app(FrontEnd(engine, tokenizer())), f"127.0.0.1:{free_port()}")
-        self.client = httpx.AsyncClient(base_url=f"http://{self.http.address}", timeout=30)
-
-    async def __aenter__(self) -> httpx.AsyncClient:
-        await self.http.start()
-        return self.client
-
-    async def __aexit__(self, *exc) -> None:
-        await self.client.aclose()
-        await self.http.stop()
+from tests.service.inproc import Front, ScriptedWorker, generate, wait_for, with_server
 
 
 async def complete(client: httpx.AsyncClient, **body) -> httpx.Response:

@@ -9,26 +9,15 @@ import random
 import grpc
 import pytest
 
-from bench.load import LocalServer, wait_idle  # NOTE: bench/ has no __init__: a namespace package
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
+from pagedserve_cli.bench.local_server import LocalServer
 from tests.service.conftest import Service
+from tests.support.service import RPC_TIMEOUT, assert_idle_and_serving
 
 BLOCK_BYTES = 16 * 512  # one tiny-model KV block (tests/service/conftest.py: KV_MEMORY)
 MAX_QUEUED = 500
-RPC_TIMEOUT = 300  # NOTE: generous; a request that hangs ends DEADLINE_EXCEEDED and fails the test
 PREFIX = "You are a terse assistant. Answer in one short line, and never repeat the question back. "
-
-
-def assert_idle_and_serving(service: Service) -> None:
-    """Nothing runs or waits and every KV block is free or cached-free (polled), then a normal request works."""
-    reading = wait_idle(service.metric, timeout=120)
-    assert not any(reading.values()), f"still busy or holding blocks: {reading}"
-    with service.channel() as ch:
-        out = list(generate_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
-            prompt="The capital of France is", sampling=pb.SamplingParams(max_tokens=4, temperature=0)),
-            timeout=RPC_TIMEOUT))
-    assert sum(len(m.token_ids) for m in out) == 4 and out[-1].finish_reason == pb.FINISH_REASON_LENGTH
 
 
 @pytest.fixture(scope="module")

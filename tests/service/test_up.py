@@ -16,7 +16,7 @@ from pagedserve_cli.main import build_parser
 from pagedserve_cli.serve_cmd import parse_device, scheduler_policy_argv
 from pagedserve_cli.up_cmd import describe_exit, restart_delay, worker_devices
 from tests.service.conftest import free_port, wait_until
-from tests.service.test_lifecycle import alive, children, stop_all, up
+from tests.support.processes import alive, children, stop_all, up
 
 
 def cmdline(pid: int) -> list[str]:

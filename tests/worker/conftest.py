@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from tests.worker.helpers import TINY
+from tests.support.worker import TINY
 
 
 def _save(tmp_path_factory, name: str, config) -> str:

@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-from tests.worker.helpers import make_runner
+from tests.support.worker import make_runner
 from pagedserve_common.sampling import SamplingParams
 from worker_svc.attention.torch_backend import TorchAttentionBackend
-from tests.driver import LocalDriver
+from tests.support.driver import LocalDriver
 from pagedserve_common.kv_geometry import KVGeometry
 from worker_svc.kv_pool import KVPool
 from worker_svc.models import load_model

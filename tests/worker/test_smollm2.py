@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.worker.helpers import PATHS, assert_same_greedy, reference_greedy
+from tests.support.worker import PATHS, assert_same_greedy, reference_greedy
 from worker_svc.attention import AttentionMetadata
-from tests.driver import LocalDriver
+from tests.support.driver import LocalDriver
 from worker_svc.kv_pool import KVPool
 from worker_svc.model_store import resolve_model
 from worker_svc.models import load_model

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from tests.worker.helpers import PATHS, assert_same_greedy, make_runner, reference_greedy, reference_model
-from tests.driver import LocalDriver
+from tests.support.worker import PATHS, assert_same_greedy, make_runner, reference_greedy, reference_model
+from tests.support.driver import LocalDriver
 
 PROMPTS = [[random.Random(i).randrange(512) for _ in range(n)] for i, n in enumerate([5, 17, 33, 48, 64, 3])]
 NEW = 24

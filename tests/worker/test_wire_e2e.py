@@ -9,7 +9,7 @@ from pagedserve_common.wire import plan_to_pb, result_from_pb
 from scheduler_svc.core.request import Request
 from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from tests.worker.helpers import assert_same_greedy, make_runner, reference_greedy, reference_model
+from tests.support.worker import assert_same_greedy, make_runner, reference_greedy, reference_model
 from pagedserve_common.wire import plan_from_pb, result_to_pb
 
 PROMPTS = [[random.Random(10 + i).randrange(512) for _ in range(n)] for i, n in enumerate([9, 23, 40, 57])]

@@ -3,11 +3,9 @@
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from tests.test_attention_torch import GQA, MIXED, make_batch
-from tests.test_attention_torch import check as shared_check
+from tests.support.attention import GQA, MIXED, make_batch, random_batches
+from tests.support.attention import check as shared_check
 from worker_svc.attention import AttentionMetadata
 from worker_svc.attention import cpu_backend
 from worker_svc.attention.cpu_backend import CpuAttentionBackend
@@ -87,15 +85,7 @@ def test_nan_past_seq_len_never_reaches_output(backend):
         check(backend, query, pool, meta, torch.float32)
 
 
-@settings(max_examples=25, deadline=None)
-@given(
-    seed=st.integers(0, 2**32 - 1),
-    kinds=st.lists(st.sampled_from(["decode", "chunk", "prefill"]), min_size=1, max_size=6),
-    block_size=st.sampled_from([8, 16, 32]),
-    heads=st.sampled_from(GQA_ALL),
-    head_dim=st.sampled_from([8, 16, 64]),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16]),
-)
+@random_batches(GQA_ALL, [torch.float32, torch.bfloat16])
 def test_random_batches_match_reference(backend, seed, kinds, block_size, heads, head_dim, dtype):
     rng = np.random.default_rng(seed)
     check(backend, *make_batch(rng, kinds, block_size, *heads, head_dim, dtype), dtype)

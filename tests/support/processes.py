@@ -1,0 +1,45 @@
+"""Helpers for tests that start `pagedserve up` as a process: its children, whether one is alive, stopping them all."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+from pagedserve_common.ports import free_port
+
+
+def children(pid: int) -> list[int]:
+    with open(f"/proc/{pid}/task/{pid}/children") as f:
+        return [int(c) for c in f.read().split()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def stop_all(proc: subprocess.Popen) -> None:
+    """Cleanup after a failed assertion: no process outlives the test."""
+    if proc.poll() is None:
+        kids = children(proc.pid)
+        proc.terminate()
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        for k in kids:
+            if alive(k):
+                os.kill(k, signal.SIGKILL)
+
+
+def up(model: str, listen: str, *extra: str, stderr=None) -> subprocess.Popen:
+    # Its own session, like a shell job: Ctrl-C is SIGINT to the whole process group.
+    return subprocess.Popen([sys.executable, "-m", "pagedserve_cli.main", "up", "--model", model, "--listen", listen,
+                             "--worker-listen", f"127.0.0.1:{free_port()}", "--metrics", "",
+                             "--http", f"127.0.0.1:{free_port()}", "--kv-memory", "4MiB", "--threads", "1", *extra],
+                            stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
