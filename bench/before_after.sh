@@ -12,6 +12,8 @@ shift
 figures=${*:-sched_scale sched_vs_vllm vs_vllm plan_codec suite}
 new=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-python}
+# NOTE: the peers' scripts find ../shared/peers from their own tree; BASE's tree is a temporary worktree elsewhere
+export PEERS=${PEERS:-$new/../shared/peers}
 out=${OUT:-$new/bench/out/before_after-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$out"
 base=$(mktemp -d)/base
@@ -63,7 +65,8 @@ for figure in $figures; do
     model=${MODEL_DIR:-$(cd "$new" && "$py" -m pagedserve_cli.main model pull | tail -1)}
     for side in before after; do
       tree=$([ $side = before ] && echo "$base" || echo "$new")
-      PYTHONPATH="$tree:$tree/protos" OUT="$out/vs_vllm_$side" bash "$tree/bench/vs_vllm.sh" "$model" \
+      # NOTE: from inside TREE: `python -m` puts the working directory ahead of PYTHONPATH
+      in_tree "$tree" env OUT="$out/vs_vllm_$side" bash bench/vs_vllm.sh "$model" \
         "${VLLM_VENV:-/work/vllm_venv}" > "$out/vs_vllm_$side.txt" 2> "$out/vs_vllm_$side.err"
     done
     echo "before_after ratio_vs_vllm before=$(field "$out/vs_vllm_before.txt" ratio_vs_vllm)" \
