@@ -10,6 +10,7 @@ from typing import Protocol
 
 from pagedserve_common.config import ROUTING as POLICIES
 from scheduler_svc.core.scheduler import Scheduler
+from scheduler_svc.kv.manager import block_tokens
 
 
 class Routable(Protocol):
@@ -132,6 +133,6 @@ def chain_hashes(token_ids: Sequence[int], block_size: int, cache_salt: str | No
     h = hash(("salt", cache_salt))
     out = []
     for start in range(0, (len(token_ids) - 1) // block_size * block_size, block_size):
-        h = hash((h, tuple(token_ids[start:start + block_size])))
+        h = hash((h, block_tokens(token_ids, start, start + block_size)))
         out.append(h)
     return out

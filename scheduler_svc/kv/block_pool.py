@@ -5,10 +5,11 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 
-# A block's prefix-cache key: (parent, token ids). `parent` is the chain id of the previous block of the same
-# prompt, or the root of the chain (None, or ("extra", key) for a cache salt / adapter id). Keys compare by
-# value, so the dict lookup itself verifies the tokens: two different contents can never share an entry.
-BlockKey = tuple[object, tuple[int, ...]]
+# A block's prefix-cache key: (parent, token ids as int32 bytes: manager.block_tokens). `parent` is the chain id
+# of the previous block of the same prompt, or the root of the chain (None, or ("extra", key) for a cache salt /
+# adapter id). Keys compare by value, so the dict lookup itself verifies the tokens: two different contents can
+# never share an entry.
+BlockKey = tuple[object, bytes]
 
 
 class BlockPool:
