@@ -17,6 +17,7 @@ from scheduler_svc import request_log
 PROTECTED_GRPC = ("/pagedserve.v1.Generation/",)  # NOTE: health and reflection stay open
 PROTECTED_HTTP = "/v1/"  # NOTE: /health stays open
 MISSING = "no API key: send the header `authorization: Bearer KEY`"
+DUPLICATE = "more than one authorization header: send exactly one, `authorization: Bearer KEY`"
 INVALID = "invalid API key"  # NOTE: never echo what was sent
 
 
@@ -106,6 +107,14 @@ class ApiKeys:
             found |= hmac.compare_digest(digest, presented)
         return found
 
+    def refusal_of(self, headers, name: str | bytes) -> str | None:
+        """refusal() of the `name` header among `headers` ((name, value) pairs: gRPC metadata, ASGI headers).
+        NOTE: two are refused rather than one picked: a proxy and the server could each read a different one."""
+        values = [v for k, v in headers if k == name]
+        if len(values) > 1:
+            return DUPLICATE
+        return self.refusal(values[0] if values else None)
+
     def refusal(self, authorization: str | bytes | None) -> str | None:
         """None when the `authorization` value is `Bearer KEY` with a valid KEY, else why it is refused."""
         if isinstance(authorization, bytes):
@@ -128,8 +137,7 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(details)
         if not details.method.startswith(self.protected):
             return handler
-        metadata = dict(details.invocation_metadata or ())
-        why = self.keys.refusal(metadata.get("authorization"))
+        why = self.keys.refusal_of(details.invocation_metadata or (), "authorization")
         if why is None:
             return handler
         request_log.refused("grpc", "UNAUTHENTICATED", why)
@@ -162,8 +170,7 @@ class ApiKeyMiddleware:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"].startswith(self.prefix):
-            headers = dict(scope["headers"])  # NOTE: ASGI header names are lower-case bytes
-            why = self.keys.refusal(headers.get(b"authorization"))
+            why = self.keys.refusal_of(scope["headers"], b"authorization")  # NOTE: ASGI: lower-case bytes
             if why is not None:
                 request_log.refused("http", "UNAUTHENTICATED", why)
                 body = json.dumps(self.error_body(why)).encode()

@@ -180,11 +180,8 @@ class Engine(Fleet):
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.streams:
             raise EngineError(ErrorCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running")
+        self.check_queue()
         req = Request(request_id, list(prompt_token_ids), sampling, cache_salt or None)
-        num_queued = len(self.unplaced) + sum(w.scheduler.num_waiting for w in self.workers.values())
-        if num_queued >= cfg.max_queued_requests:
-            raise EngineError(ErrorCode.RESOURCE_EXHAUSTED,
-                              f"{cfg.max_queued_requests} requests are already queued; retry later")
         try:
             if self._routable():
                 self._place(req)
@@ -199,6 +196,24 @@ class Engine(Fleet):
                   "worker_id", None), prompt_tokens=len(prompt_token_ids), max_tokens=sampling.max_tokens,
                   n=sampling.n)
         return stream
+
+    @property
+    def num_queued(self) -> int:
+        """Requests waiting: for a worker, or on a worker for their first step (what --max-queued-requests bounds)."""
+        return len(self.unplaced) + sum(w.scheduler.num_waiting for w in self.workers.values())
+
+    def check_queue(self, num_new: int = 1) -> None:
+        """Raises EngineError(RESOURCE_EXHAUSTED) unless `num_new` more requests fit in the queue now (a completions
+        batch is one request per prompt)."""
+        bound, num_queued = self.config.max_queued_requests, self.num_queued
+        if num_queued + num_new <= bound:
+            return
+        if num_queued >= bound:
+            raise EngineError(ErrorCode.RESOURCE_EXHAUSTED, f"the request queue is full: {num_queued} requests are "
+                                                            f"waiting (--max-queued-requests {bound}); retry later")
+        raise EngineError(ErrorCode.RESOURCE_EXHAUSTED,
+                          f"the request queue has room for {bound - num_queued} more requests, and this one has "
+                          f"{num_new} prompts, one request each (--max-queued-requests {bound}); retry later")
 
     def max_output_tokens(self, num_prompt_tokens: int, n: int = 1) -> int:
         """How many tokens a request may ask for to fill its context: up to max_model_len, and no more than the

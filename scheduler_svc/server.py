@@ -15,14 +15,14 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
-from pagedserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pagedserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from pagedserve_common.config import SchedulerOptions
 from pagedserve_common.options import values
 from scheduler_svc import gc_policy
 from scheduler_svc.auth import Access, add_port
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.errors import ErrorCode
-from scheduler_svc.grpc.servicers import GenerationServicer, WorkerControlServicer
+from scheduler_svc.grpc.servicers import GenerationServicer, WorkerControlServicer, add_generation_servicer
 from scheduler_svc.frontend import FrontEnd, Tokenizer
 from scheduler_svc.frontend.limits import Limits
 
@@ -101,7 +101,7 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
     clients = grpc.aio.server(options=(("grpc.max_receive_message_length", limits.max_message_size),
                                        *pending_call_options(cfg.engine.max_queued_requests)),
                               interceptors=access.interceptors())
-    generate_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend), clients)
+    add_generation_servicer(GenerationServicer(frontend), clients)
     health_pb2_grpc.add_HealthServicer_to_server(health, clients)
     reflection.enable_server_reflection(
         (generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,

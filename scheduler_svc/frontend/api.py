@@ -70,6 +70,7 @@ class FrontEnd:
             raise invalid(given[1] if given else "prompt", "set exactly one of prompt, prompt_token_ids and "
                           f"messages (got {' and '.join(given) if given else 'none'})")
         self.limits.check(inp)
+        self.check_seqs(1, inp.sampling.n)
         kind, limit = given[0], self.max_model_len - 1
         if kind == "prompt_token_ids":
             if len(inp.prompt_token_ids) > limit:  # NOTE: before copying a list of up to a million ids
@@ -86,6 +87,26 @@ class FrontEnd:
         if not ids:
             raise invalid(kind, f"{kind} is empty")
         return kind, ids
+
+    def check_seqs(self, num_prompts: int, n: int) -> None:
+        """Before any prompt is tokenized: n within --max-num-seqs (the samples run side by side), the request's
+        sequences (`num_prompts` x n) within --max-seqs-per-request, and its prompts (one engine request each)
+        within what the queue can ever hold. Raises EngineError(INVALID_ARGUMENT) naming n or prompt."""
+        cfg = self.engine.config
+        if n > cfg.max_num_seqs:
+            raise invalid("n", f"n must be in [1, {cfg.max_num_seqs}] (max_num_seqs: the samples run side by side), "
+                               f"got {n}{_wrapped(n)}")
+        self.limits.check_seqs(num_prompts, n)
+        if num_prompts > cfg.max_queued_requests:  # NOTE: only if --max-seqs-per-request is set above the queue
+            raise invalid("prompt", f"prompt has {num_prompts} prompts, one request each; the request queue holds "
+                                    f"at most {cfg.max_queued_requests} (--max-queued-requests)")
+
+    def check_batch(self, num_prompts: int, n: int) -> None:
+        """check_seqs for a /v1/completions batch, then whether the queue has room for all its prompts now
+        (RESOURCE_EXHAUSTED), so that a batch is not half admitted, then refused by its own prompts."""
+        self.check_seqs(num_prompts, n)
+        if num_prompts > 1:
+            self.engine.check_queue(num_prompts)
 
     async def _chat_ids(self, inp: GenerateInput, limit: int) -> list[int] | int:
         if not inp.messages:
@@ -129,7 +150,8 @@ class FrontEnd:
 
     def _check(self, ids: list[int], sp: SamplingParams) -> None:
         """Raises InvalidField when a request can never be served by this model, whichever worker takes it (the
-        engine then checks what needs the fleet: Scheduler.check_fits, per worker, capacity only)."""
+        engine then checks what needs the fleet: Scheduler.check_fits, per worker, capacity only). n was checked
+        before tokenizing (check_seqs)."""
         cfg = self.engine.config
         for field, values in (("prompt_token_ids", ids), ("stop_token_ids", sp.stop_token_ids)):
             bad = next((t for t in values if not 0 <= t < cfg.vocab_size), None)
@@ -140,9 +162,6 @@ class FrontEnd:
         if sp.max_tokens > cfg.max_model_len:
             raise InvalidField("max_tokens", f"max_tokens must be in [1, {cfg.max_model_len}] (max_model_len), got "
                                              f"{sp.max_tokens}{_wrapped(sp.max_tokens)}")
-        if sp.n > cfg.max_num_seqs:
-            raise InvalidField("n", f"n must be in [1, {cfg.max_num_seqs}] (max_num_seqs: the samples run side by "
-                                    f"side), got {sp.n}{_wrapped(sp.n)}")
 
     def kv_state(self, worker_id: str = "") -> KVPoolSnapshot:
         """One worker's KV pool between two steps (GetKVState): `worker_id` as GetModelInfo lists it, '' for the

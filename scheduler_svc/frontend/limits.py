@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedserve_common.config import MAX_MESSAGE_SIZE, MAX_STOP_STRINGS, PROMPT_CHARS_PER_TOKEN
+from pagedserve_common.config import MAX_MESSAGE_SIZE, MAX_SEQS_PER_REQUEST, MAX_STOP_STRINGS, PROMPT_CHARS_PER_TOKEN
 from scheduler_svc.errors import EngineError, ErrorCode
 
 if TYPE_CHECKING:
@@ -21,6 +21,7 @@ class Limits:
     max_prompt_chars: int  # --max-prompt-chars: a text prompt, or the characters of all chat messages together
     max_message_size: int = MAX_MESSAGE_SIZE  # --max-message-size: one gRPC request message or one HTTP body
     max_stop_strings: int = MAX_STOP_STRINGS  # --max-stop-strings
+    max_seqs_per_request: int = MAX_SEQS_PER_REQUEST  # --max-seqs-per-request: prompts x n
     max_stop_chars: int = 1024  # each stop string
     max_stop_token_ids: int = 1024
     max_request_id_chars: int = 256
@@ -36,6 +37,18 @@ class Limits:
         _at_most("stop", num_stop, self.max_stop_strings, "strings", "--max-stop-strings")
         _at_most("stop_token_ids", num_stop_token_ids, self.max_stop_token_ids, "token ids")
         _at_most("messages", num_messages, self.max_messages, "messages")
+
+    def check_seqs(self, num_prompts: int, n: int) -> None:
+        """A request's sequences, before its prompts are tokenized: n samples of each of its prompts (several only
+        in a /v1/completions batch). Names n when n alone is over, else prompt."""
+        bound, flag = self.max_seqs_per_request, "--max-seqs-per-request"
+        if n > bound:
+            raise EngineError(ErrorCode.INVALID_ARGUMENT, f"n is {n}; the limit is {bound} sequences per request "
+                                                          f"({flag})", "n")
+        if num_prompts * n > bound:
+            raise EngineError(ErrorCode.INVALID_ARGUMENT, f"prompt has {num_prompts} prompts and n is {n}: "
+                                                          f"{num_prompts * n} sequences; the limit is {bound} per "
+                                                          f"request ({flag})", "prompt")
 
     def check(self, inp: GenerateInput) -> None:
         """Raises EngineError(INVALID_ARGUMENT) naming the first field beyond its bound. O(size of the input)."""

@@ -3,6 +3,11 @@ The worker protocol has its own (pagedserve_common.wire)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError
+
 from pagedserve.v1 import generate_pb2
 
 from pagedserve_common.wire import logprobs_to_pb, sampling_from_pb
@@ -10,6 +15,78 @@ from scheduler_svc.core.kv_snapshot import KVPoolSnapshot
 from scheduler_svc.frontend.inputs import GenerateInput
 from scheduler_svc.frontend.limits import Limits
 from scheduler_svc.frontend.stream import StreamItem
+
+
+@dataclass(slots=True)
+class Undecodable:
+    """A request message that did not parse: why, naming the string field when one holds bad UTF-8."""
+
+    message: str
+    field: str | None = None
+
+
+def lenient(message_type):
+    """A request deserializer that never raises: the parsed message, or an Undecodable the servicer refuses with
+    INVALID_ARGUMENT. NOTE: the generated one raises DecodeError inside grpc, which answers UNKNOWN and logs a
+    traceback; proto3 refuses a string field that is not UTF-8."""
+    def parse(data: bytes):
+        try:
+            return message_type.FromString(data)
+        except DecodeError as e:
+            field = bad_utf8_field(data, message_type.DESCRIPTOR)
+            if field is not None:
+                return Undecodable(f"{field} is not valid UTF-8 (a protobuf string must be)", field)
+            return Undecodable(f"the request is not a valid {message_type.DESCRIPTOR.full_name} message: {e}")
+    return parse
+
+
+def bad_utf8_field(data: bytes, descriptor: Descriptor, prefix: str = "") -> str | None:
+    """The path (`messages[1].content`, `sampling.stop[0]`) of the first string field in the wire bytes `data` of
+    a `descriptor` message that is not UTF-8, or None. A walk of the wire format: only length-delimited fields are
+    looked into; a message too broken to walk gives None."""
+    pos, counts = 0, {}
+    try:
+        while pos < len(data):
+            key, pos = _varint(data, pos)
+            number, wire_type = key >> 3, key & 7
+            if wire_type == 0:
+                _, pos = _varint(data, pos)
+            elif wire_type in (1, 5):
+                pos += 8 if wire_type == 1 else 4
+            elif wire_type == 2:
+                length, pos = _varint(data, pos)
+                chunk, pos = data[pos:pos + length], pos + length
+                field = descriptor.fields_by_number.get(number)
+                if field is None:
+                    continue
+                name = prefix + field.name
+                if field.is_repeated:
+                    counts[number] = counts.get(number, -1) + 1
+                    name += f"[{counts[number]}]"
+                if field.type == FieldDescriptor.TYPE_STRING:
+                    try:
+                        chunk.decode("utf-8")
+                    except UnicodeDecodeError:
+                        return name
+                elif field.type == FieldDescriptor.TYPE_MESSAGE:
+                    if (found := bad_utf8_field(chunk, field.message_type, name + ".")) is not None:
+                        return found
+            else:  # groups: not in these protos
+                return None
+    except IndexError:
+        return None
+    return None
+
+
+def _varint(data: bytes, pos: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        byte = data[pos]
+        pos += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return value, pos
+        shift += 7
 
 
 def input_from_pb(pb: generate_pb2.GenerateRequest, limits: Limits) -> GenerateInput:

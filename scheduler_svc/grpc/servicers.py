@@ -7,7 +7,7 @@ import asyncio
 import grpc
 import structlog
 
-from pagedserve.v1 import generate_pb2_grpc, worker_pb2_grpc
+from pagedserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2_grpc
 from pagedserve_common import wire
 from scheduler_svc import request_log
 from scheduler_svc.engine import Engine
@@ -23,11 +23,42 @@ async def _abort(context, e: EngineError) -> None:
     await context.abort(getattr(grpc.StatusCode, e.code.value), str(e))
 
 
+async def _refuse_undecodable(request, context) -> None:
+    if isinstance(request, convert.Undecodable):
+        e = EngineError(ErrorCode.INVALID_ARGUMENT, request.message, request.field)
+        request_log.rejected("grpc", e)
+        await _abort(context, e)
+
+
+# (method, request type, response type, handler kind) of pagedserve.v1.Generation
+GENERATION_METHODS = (
+    ("Generate", generate_pb2.GenerateRequest, generate_pb2.GenerateResponse, grpc.unary_stream_rpc_method_handler),
+    ("GetModelInfo", generate_pb2.GetModelInfoRequest, generate_pb2.GetModelInfoResponse,
+     grpc.unary_unary_rpc_method_handler),
+    ("GetKVState", generate_pb2.GetKVStateRequest, generate_pb2.KVState, grpc.unary_unary_rpc_method_handler),
+)
+
+
+def add_generation_servicer(servicer: GenerationServicer, server) -> None:
+    """generate_pb2_grpc.add_GenerationServicer_to_server, with requests parsed by convert.lenient: a message that
+    does not parse (a string that is not UTF-8) reaches the servicer as an Undecodable, refused INVALID_ARGUMENT
+    naming the field, instead of failing in grpc's deserializer (UNKNOWN, and a traceback in the log)."""
+    handlers = {name: make(getattr(servicer, name), request_deserializer=convert.lenient(request_type),
+                           response_serializer=response_type.SerializeToString)
+                for name, request_type, response_type, make in GENERATION_METHODS}
+    service = generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, handlers),))
+    server.add_registered_method_handlers(service, handlers)
+
+
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
+    """Served with add_generation_servicer: a request may be a convert.Undecodable."""
+
     def __init__(self, frontend: FrontEnd) -> None:
         self.frontend = frontend
 
     async def Generate(self, request, context):
+        await _refuse_undecodable(request, context)
         try:
             stream = await self.frontend.generate(convert.input_from_pb(request, self.frontend.limits))
         except EngineError as e:
@@ -46,10 +77,12 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
                 self.frontend.abort(rid)
 
     async def GetModelInfo(self, request, context):
+        await _refuse_undecodable(request, context)
         f = self.frontend
         return convert.model_info_to_pb(f.model_id, f.max_model_len, f.vocab_size, f.max_n, f.engine.workers)
 
     async def GetKVState(self, request, context):
+        await _refuse_undecodable(request, context)
         try:
             return convert.kv_state_to_pb(self.frontend.kv_state(request.worker_id))
         except EngineError as e:

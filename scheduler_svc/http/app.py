@@ -13,6 +13,7 @@ from functools import partial
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler_svc.auth import ApiKeyMiddleware, ApiKeys
 from scheduler_svc import request_log
@@ -99,7 +100,10 @@ async def _gather(job: Job, streams: list[RequestStream], logprobs_of: Callable)
 
 
 def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None) -> FastAPI:
-    app = FastAPI(title="pagedserve", summary="OpenAI-compatible API of a pagedserve scheduler")
+    # NOTE: no /docs, /redoc or /openapi.json: they would be served without the API key, and they describe the
+    # pydantic models, not the API (the README does)
+    app = FastAPI(title="pagedserve", summary="OpenAI-compatible API of a pagedserve scheduler", docs_url=None,
+                  redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=frontend.limits.max_message_size)
     if api_keys is not None:  # NOTE: added last, so it runs first; /health stays open
         app.add_middleware(ApiKeyMiddleware, keys=api_keys,
@@ -119,6 +123,24 @@ def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None) -> FastAPI:
         param = str(loc[0]) if loc else None
         where = ".".join(str(x) for x in loc) or "body"
         return invalid_body(f"{where}: {first.get('msg', 'invalid value')}", param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        """FastAPI's and Starlette's own errors (404 unknown path, 405 wrong method, a body it could not parse) in
+        OpenAI's shape rather than {"detail": ...}."""
+        message = _parse_failure(exc.__cause__) if exc.status_code == 400 else None
+        if message is not None:
+            return invalid_body(message)
+        message = str(exc.detail)
+        if exc.status_code in (404, 405):  # as OpenAI says it: which route was asked for
+            message += f" ({request.method} {request.url.path[:200]})"
+        return JSONResponse(convert.error_body(exc.status_code, message), status_code=exc.status_code,
+                            headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def bug(request: Request, exc: Exception) -> JSONResponse:
+        # NOTE: a bug: Starlette logs its traceback; the client gets OpenAI's shape, not a plain-text 500
+        return error(500, "internal error")
 
     def invalid_body(message: str, param: str | None = None) -> JSONResponse:
         request_log.rejected("http", EngineError(ErrorCode.INVALID_ARGUMENT, message, param))
@@ -152,8 +174,9 @@ def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None) -> FastAPI:
     async def serve(request: Request, body, make_job: Callable, events: Callable, collect: Callable) -> Response:
         rid = uuid.uuid4().hex
         try:
+            convert.check_text(body)  # NOTE: first: an error message may quote a field (the model's name)
             convert.check_model(frontend, body.model)
-            job = make_job(body, rid)
+            job = make_job(body, rid, frontend)
         except EngineError as e:
             return _error_response(e, {}, rid)
         try:
@@ -262,6 +285,15 @@ def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None) -> FastAPI:
         return await serve(request, body, convert.chat_job, chat_events, chat_collect)
 
     return app
+
+
+def _parse_failure(cause: BaseException | None) -> str | None:
+    """Why FastAPI could not parse a body (it says only "There was an error parsing the body")."""
+    if isinstance(cause, UnicodeDecodeError):
+        return f"the request body is not valid UTF-8 (byte {cause.start}): JSON text must be"
+    if isinstance(cause, RecursionError):
+        return "the request body is nested too deeply to parse"
+    return None  # NOTE: e.g. BodyLimit's refusal while FastAPI reads the body: its 413 is the answer
 
 
 def _error_response(e: EngineError, params: dict[str, str], request_id: str) -> JSONResponse:

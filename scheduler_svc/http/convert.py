@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+
+from pydantic import BaseModel
 
 from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.core.request import FinishReason
@@ -21,7 +24,9 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 409: 
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    """OpenAI's error shape."""
+    """OpenAI's error shape. NOTE: a lone surrogate a message quotes (a dict key pydantic names) is escaped: UTF-8
+    cannot hold it, and the response would fail to encode."""
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
                       "param": param, "code": code}}
 
@@ -75,7 +80,7 @@ def _stop(body) -> tuple[str, ...]:
     return (body.stop,) if isinstance(body.stop, str) else tuple(body.stop or ())
 
 
-def completion_job(body: CompletionRequest, request_id: str) -> Job:
+def completion_job(body: CompletionRequest, request_id: str, frontend: FrontEnd) -> Job:
     _refuse_unsupported(body)
     if body.echo:
         raise invalid("echo", "echo is not supported")
@@ -92,6 +97,7 @@ def completion_job(body: CompletionRequest, request_id: str) -> Job:
         prompts = list(p)
     if not prompts:
         raise invalid("prompt", "prompt is empty")
+    frontend.check_batch(len(prompts), body.n)  # NOTE: before an input is made for each of up to a million prompts
     sampling = _sampling(body, body.max_tokens, body.logprobs)
     inputs = []
     for i, one in enumerate(prompts):
@@ -114,7 +120,8 @@ def _message_dict(i: int, m) -> dict:
     return out
 
 
-def chat_job(body: ChatCompletionRequest, request_id: str) -> Job:
+def chat_job(body: ChatCompletionRequest, request_id: str, _frontend: FrontEnd) -> Job:
+    """(completion_job's signature: one prompt, whose n the front end checks before tokenizing)"""
     _refuse_unsupported(body)
     if body.tools:
         raise invalid("tools", "tools are not supported (no tool-call parsing)")
@@ -131,6 +138,50 @@ def chat_job(body: ChatCompletionRequest, request_id: str) -> Job:
                         stop=_stop(body), request_id=request_id, chat_template_kwargs=body.chat_template_kwargs or {},
                         fill_context=max_tokens is None)
     return Job([inp], body.n, {"max_tokens": name, "logprobs": "top_logprobs"})
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SCALARS = (int, float, bool, type(None))
+
+
+def check_text(body: BaseModel) -> None:
+    """Raises EngineError(INVALID_ARGUMENT) naming the first string of `body` (values, keys, extra fields of every
+    nested model) that holds a lone surrogate: JSON's "\\ud800" parses into one, and no UTF-8 holds it (the
+    tokenizer, an error message or a log line would fail on it). O(size of the body)."""
+    for name, value in _fields(body):
+        if (where := _surrogate_at(value, name)) is not None:
+            raise invalid(name, f"{where} holds a lone surrogate (a JSON \\u escape of half a UTF-16 pair): text "
+                                f"must be valid Unicode")
+
+
+def _fields(model: BaseModel):
+    yield from ((name, getattr(model, name)) for name in type(model).model_fields)
+    yield from (model.__pydantic_extra__ or {}).items()
+
+
+def _surrogate_at(value, path: str) -> str | None:
+    """The path of the first string in `value` with a lone surrogate (`path` itself when `value` is one), or None.
+    NOTE: a loop, not recursion (chat_template_kwargs may nest as deep as the JSON parser lets it); numbers are
+    skipped without a path made for each (a prompt of a million token ids)."""
+    todo = [(path, value)]
+    while todo:
+        path, value = todo.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return path
+            continue
+        if isinstance(value, BaseModel):
+            items = [(f"{path}.{k}", v) for k, v in _fields(value) if not isinstance(v, _SCALARS)]
+        elif isinstance(value, dict):
+            if any(isinstance(k, str) and _SURROGATE.search(k) for k in value):
+                return f"{path} (a key)"
+            items = [(f"{path}.{k}", v) for k, v in value.items() if not isinstance(v, _SCALARS)]
+        elif isinstance(value, list | tuple):
+            items = [(f"{path}[{i}]", v) for i, v in enumerate(value) if not isinstance(v, _SCALARS)]
+        else:
+            continue
+        todo.extend(reversed(items))
+    return None
 
 
 def check_model(frontend: FrontEnd, model: str | None) -> None:

@@ -10,7 +10,7 @@ import pytest
 from pagedserve_cli.certs_cmd import dev_certificates
 from pagedserve_cli.main import main
 from pagedserve_common.tls import TlsConfigError, TlsFiles, certificate_names
-from scheduler_svc.auth import INVALID, MISSING, ApiKeyFileError, ApiKeys, load_keys, read_keys
+from scheduler_svc.auth import DUPLICATE, INVALID, MISSING, ApiKeyFileError, ApiKeys, load_keys, read_keys
 
 
 def write(tmp_path, text: str, name: str = "keys"):
@@ -74,6 +74,17 @@ def test_the_check_compares_against_every_key_in_constant_time(monkeypatch):
 ])
 def test_the_authorization_value(header, why):
     assert ApiKeys.of(["k1"]).refusal(header) == why
+
+
+@pytest.mark.parametrize("headers, why", [
+    ([], MISSING), ([("authorization", "Bearer k1")], None), ([("x", "y"), ("authorization", "Bearer k2")], INVALID),
+    ([("authorization", "Bearer k1"), ("authorization", "Bearer k1")], DUPLICATE),
+    ([("authorization", "Bearer k2"), ("authorization", "Bearer k1")], DUPLICATE),
+    ([(b"authorization", b"Bearer k1"), (b"authorization", b"Bearer k2")], DUPLICATE),
+])
+def test_one_authorization_header_or_none(headers, why):
+    name = headers[0][0] if headers and isinstance(headers[0][0], bytes) else "authorization"
+    assert ApiKeys.of(["k1"]).refusal_of(headers, name) == why
 
 
 def test_tls_files_name_the_missing_flag(tmp_path):

@@ -10,7 +10,8 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import grpc
 import pytest
@@ -33,6 +34,14 @@ class Service:
     metrics: str
     procs: list
     http: str = ""  # the OpenAI-compatible front, HOST:PORT
+    # NOTE: keyword-only, so that subclasses (test_access.Secure) keep their positional fields
+    log: Path | None = field(default=None, kw_only=True)  # the scheduler's stderr, when the fixture keeps it
+
+    def log_since(self, offset: int) -> str:
+        """The scheduler's log from byte `offset` (a size read earlier: len of log_since(0))."""
+        with open(self.log, "rb") as f:
+            f.seek(offset)
+            return f.read().decode(errors="replace")
 
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.address)
@@ -125,19 +134,21 @@ def save_tiny_served_model(path) -> str:
 
 
 @pytest.fixture(scope="module")
-def service(tiny_served_model):
+def service(tiny_served_model, tmp_path_factory):
     listen, worker_listen, metrics, http = (f"127.0.0.1:{free_port()}" for _ in range(4))
     exe = [sys.executable, "-m", "pagedserve_cli.main"]
-    sched = subprocess.Popen([*exe, "scheduler", "--model", tiny_served_model, "--listen", listen,
-                              "--worker-listen", worker_listen, "--metrics", metrics, "--http", http,
-                              "--max-num-batched-tokens", str(MAX_BATCHED), "--max-num-seqs", "64"])
+    log = tmp_path_factory.mktemp("service") / "scheduler.log"
+    with open(log, "wb") as err:
+        sched = subprocess.Popen([*exe, "scheduler", "--model", tiny_served_model, "--listen", listen,
+                                  "--worker-listen", worker_listen, "--metrics", metrics, "--http", http,
+                                  "--max-num-batched-tokens", str(MAX_BATCHED), "--max-num-seqs", "64"], stderr=err)
     worker = subprocess.Popen([*exe, "worker", "--scheduler", worker_listen, "--model", tiny_served_model,
                                "--kv-memory", str(KV_MEMORY), "--threads", "1"])
     procs = [worker, sched]
     try:
         from pagedserve_cli.up_cmd import wait_healthy
         wait_healthy(listen, 120, procs)
-        yield Service(tiny_served_model, listen, metrics, procs, http)
+        yield Service(tiny_served_model, listen, metrics, procs, http, log=log)
     finally:
         stop_processes(procs)
 

@@ -13,7 +13,7 @@ import pytest
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc, worker_pb2, worker_pb2_grpc
 from scheduler_svc.engine import Engine, EngineConfig
-from scheduler_svc.grpc.servicers import GenerationServicer, WorkerControlServicer
+from scheduler_svc.grpc.servicers import GenerationServicer, WorkerControlServicer, add_generation_servicer
 from scheduler_svc.frontend import FrontEnd, Tokenizer
 from scheduler_svc.http.app import create_app
 from scheduler_svc.http.server import HttpServer
@@ -40,7 +40,7 @@ def with_server(**engine_kwargs):
                 engine = Engine(EngineConfig(**config))
                 server, address = grpc.aio.server(), f"127.0.0.1:{free_port()}"
                 servicer = GenerationServicer(FrontEnd(engine, tokenizer()))
-                generate_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+                add_generation_servicer(servicer, server)
                 worker_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(engine), server)
                 server.add_insecure_port(address)
                 await server.start()

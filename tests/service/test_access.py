@@ -246,6 +246,37 @@ def test_the_openai_client_with_a_key_gets_the_grpc_apis_tokens(secure):
         assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
 
 
+@pytest.mark.parametrize("keys", [(KEY, KEY), (WRONG_KEY, KEY), (KEY, WRONG_KEY)],
+                         ids=["the same key twice", "a wrong key then a good one", "a good key then a wrong one"])
+def test_two_authorization_headers_are_refused_on_both_apis(secure, keys):
+    # NOTE: neither is picked: a proxy in front could check one and the server the other
+    tokens, text = generate(secure, auth(KEY))
+    two = tuple(("authorization", f"Bearer {k}") for k in keys)
+    with pytest.raises(grpc.RpcError) as e:
+        generate(secure, two)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED and "more than one authorization" in e.value.details()
+    with https(secure) as http:
+        r = http.post(f"https://{secure.http}/v1/completions", headers=list(two),
+                      json={"prompt": PROMPT_IDS, "max_tokens": NEW, "temperature": 0})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        assert "more than one authorization" in r.json()["error"]["message"]
+        r = http.post(f"https://{secure.http}/v1/completions", headers={"authorization": f"Bearer {KEY}"},
+                      json={"prompt": PROMPT_IDS, "max_tokens": NEW, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == text
+    assert generate(secure, auth(KEY))[0] == tokens
+
+
+def test_the_api_docs_are_not_served(secure):
+    # NOTE: FastAPI would serve them at these paths without a key; they are off
+    with https(secure) as http:
+        for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"):
+            for headers in ({}, {"authorization": f"Bearer {KEY}"}):
+                r = http.get(f"https://{secure.http}{path}", headers=headers)
+                assert r.status_code == 404, (path, r.status_code)
+                assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
 def test_no_key_reaches_the_schedulers_log(secure):
     log = (secure.logs / "scheduler.log").read_text()
     listening = next(line for line in log.splitlines() if "scheduler listening" in line)

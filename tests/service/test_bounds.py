@@ -12,7 +12,7 @@ import pytest
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from tests.service.conftest import wait_until
-from tests.support.service import idle
+from tests.support.service import idle, no_error_logged
 
 # The `service` fixture: max_model_len 512 (the tiny model's), --max-num-seqs 64, the default bounds.
 MAX_PROMPT_CHARS = 512 * 32
@@ -161,12 +161,156 @@ def test_http_chunked_body_over_max_message_size_is_413(service):
     ({"prompt": "y" * (MAX_PROMPT_CHARS + 1)}, "prompt", [str(MAX_PROMPT_CHARS)]),
     ({"prompt": "hi", "logprobs": 21}, "logprobs", ["20"]),
     ({"prompt": "hi", "n": 65}, "n", ["64"]),
+    # prompts x n within --max-seqs-per-request (256), refused before any prompt is tokenized or queued
+    ({"prompt": ["hi"] * 5, "n": 60}, "prompt", ["5 prompts and n is 60: 300 sequences", "256",
+                                                 "--max-seqs-per-request"]),
+    ({"prompt": ["hi"] * 1000, "n": 64}, "prompt", ["1000 prompts", "64000 sequences", "256"]),  # the issue's
+    ({"prompt": ["hi"] * 1500}, "prompt", ["1500 prompts", "256", "--max-seqs-per-request"]),  # once a 429
+    ({"prompt": [[5, 6, 7]] * 257}, "prompt", ["257 prompts", "257 sequences", "256"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "n": 65}, "n", ["64"]),
 ])
 def test_http_bounds_name_the_param(service, body, param, words):
-    r = httpx.post(f"http://{service.http}/v1/completions", json={"max_tokens": 2, **body}, timeout=120)
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    r = httpx.post(f"http://{service.http}{path}", json={"max_tokens": 2, **body}, timeout=120)
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param
     for w in words:
         assert w in err["message"]
     wait_until(lambda: idle(service))
+
+
+# -- text that is not Unicode, bodies that are not JSON: 400s naming the field, in OpenAI's shape ---------------
+HONEST = pb.GenerateRequest(prompt="The capital of France is", sampling=pb.SamplingParams(max_tokens=6,
+                                                                                          temperature=0))
+
+
+@pytest.fixture(scope="module")
+def greedy(stub) -> tuple[list[int], str]:
+    """An honest greedy request's (tokens, text), before the attacks: after each, the same request gives the same."""
+    msgs = list(stub.Generate(HONEST, timeout=120))
+    return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs)
+
+
+def assert_still_serving(service, stub, greedy) -> None:
+    """The honest request's exact greedy tokens over gRPC, its text over HTTP, then no block left in use."""
+    msgs = list(stub.Generate(HONEST, timeout=120))
+    assert [t for m in msgs for t in m.token_ids] == greedy[0]
+    r = httpx.post(f"http://{service.http}/v1/completions", timeout=120,
+                   json={"prompt": HONEST.prompt, "max_tokens": 6, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == greedy[1]
+    wait_until(lambda: idle(service))
+
+
+def assert_openai_error(r: httpx.Response, status: int) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/json"
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+# (route, body as sent: JSON with a \u escape of a lone surrogate, the param, the path the message names)
+SURROGATES = [
+    ("/v1/completions", r'{"prompt": "\ud800", "max_tokens": 2}', "prompt", "prompt"),
+    ("/v1/completions", r'{"prompt": "hi \udfff there", "max_tokens": 2}', "prompt", "prompt"),
+    ("/v1/completions", r'{"prompt": ["hi", "\udc00"], "max_tokens": 2}', "prompt", "prompt[1]"),
+    ("/v1/completions", r'{"prompt": "hi", "model": "\ud800"}', "model", "model"),
+    ("/v1/completions", r'{"prompt": "hi", "user": "x\ud800"}', "user", "user"),
+    ("/v1/completions", r'{"prompt": "hi", "stop": ["a", "\ud800"]}', "stop", "stop[1]"),
+    ("/v1/completions", r'{"prompt": "hi", "stop": "\ud800"}', "stop", "stop"),
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "\ud800"}]}', "messages",
+     "messages[0].content"),
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "hi"}, {"role": "\ud800"}]}',
+     "messages", "messages[1].role"),
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\ud800"}]}]}',
+     "messages", "messages[0].content[0].text"),
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "hi", "name": "\ud800"}]}', "messages",
+     "messages[0].name"),
+    ("/v1/chat/completions", r'{"messages": [{"role": "user", "content": "hi"}], '
+                             r'"chat_template_kwargs": {"x": ["\ud800"]}}', "chat_template_kwargs",
+     "chat_template_kwargs.x[0]"),
+]
+
+
+@pytest.mark.parametrize("route, body, param, where", SURROGATES, ids=[c[3] + " " + c[1][:30] for c in SURROGATES])
+def test_http_a_lone_surrogate_is_400_naming_the_field(service, stub, greedy, route, body, param, where):
+    with no_error_logged(service):
+        for _ in range(3):  # NOTE: it once was a 500, or a reset, at random
+            r = httpx.post(f"http://{service.http}{route}", content=body.encode(), timeout=120,
+                           headers={"content-type": "application/json"})
+            error = assert_openai_error(r, 400)
+            assert error["param"] == param and error["type"] == "invalid_request_error"
+            assert error["message"].startswith(f"{where} holds a lone surrogate"), error["message"]
+        assert_still_serving(service, stub, greedy)
+
+
+# (method, path, raw body, status, words the message holds)
+NOT_JSON = [
+    ("POST", "/v1/completions", b'{"prompt": ', 400, ["not valid JSON"]),
+    ("POST", "/v1/completions", b"[" * 100_000 + b"]" * 100_000, 400, ["nested too deeply"]),
+    ("POST", "/v1/chat/completions", b'{"messages": ' + b"[" * 5000 + b"]" * 5000 + b"}", 400, ["nested too deeply"]),
+    ("POST", "/v1/completions", b'{"prompt": "caf\xe9"}', 400, ["not valid UTF-8"]),  # Latin-1, not UTF-8
+    ("POST", "/v1/completions", b'{"prompt": 5}', 400, ["prompt"]),  # FastAPI's 422
+    ("POST", "/v1/completions", b'{"max_tokens": 2}', 400, ["prompt", "Field required"]),
+    ("GET", "/v1/nowhere", None, 404, ["GET /v1/nowhere"]),
+    ("GET", "/v1/completions", None, 405, ["GET /v1/completions"]),
+    ("GET", "/docs", None, 404, []),
+    ("GET", "/redoc", None, 404, []),
+    ("GET", "/openapi.json", None, 404, []),
+]
+
+
+@pytest.mark.parametrize("method, path, body, status, words", NOT_JSON,
+                         ids=[f"{c[0]} {c[1]} {(c[2] or b'')[:16]!r}" for c in NOT_JSON])
+def test_http_every_error_is_in_openais_shape(service, stub, greedy, method, path, body, status, words):
+    with no_error_logged(service):
+        r = httpx.request(method, f"http://{service.http}{path}", content=body, timeout=120,
+                          headers={"content-type": "application/json"})
+        error = assert_openai_error(r, status)
+        for w in words:
+            assert w in error["message"], error["message"]
+        assert_still_serving(service, stub, greedy)
+
+
+def _bad_utf8(request, marker: bytes = b"QZQZ") -> bytes:
+    """`request`'s wire bytes with its one string holding `marker` made invalid UTF-8 (the same length)."""
+    data = request.SerializeToString()
+    assert data.count(marker) == 1
+    return data.replace(marker, b"\xff\xfe" + marker[2:])
+
+
+BAD_UTF8 = [
+    ("prompt", req("QZQZ")),
+    ("request_id", req(request_id="QZQZ")),
+    ("cache_salt", req(cache_salt="QZQZ")),
+    ("messages[0].role", req(None, messages=[pb.ChatMessage(role="QZQZ", content="hi")])),
+    ("messages[1].content", req(None, messages=[*msgs(1), pb.ChatMessage(role="assistant", content="QZQZ")])),
+    ("sampling.stop[1]", req(sampling={"stop": ["a", "QZQZ"]})),
+]
+
+
+@pytest.mark.parametrize("field, request_", BAD_UTF8, ids=[c[0] for c in BAD_UTF8])
+def test_grpc_invalid_utf8_in_a_string_is_invalid_argument_naming_it(service, stub, greedy, field, request_):
+    # NOTE: a raw channel with no serializer sends the bytes as they are: no protobuf library sends invalid UTF-8
+    with no_error_logged(service), service.channel() as ch:
+        call = ch.unary_stream("/pagedserve.v1.Generation/Generate",
+                               response_deserializer=pb.GenerateResponse.FromString)
+        with pytest.raises(grpc.RpcError) as err:
+            list(call(_bad_utf8(request_), timeout=120))
+        assert err.value.code() == INVALID, err.value.details()
+        assert err.value.details() == f"{field} is not valid UTF-8 (a protobuf string must be)"
+        assert_still_serving(service, stub, greedy)
+
+
+def test_grpc_a_message_that_does_not_parse_is_invalid_argument(service, stub, greedy):
+    with no_error_logged(service), service.channel() as ch:
+        with pytest.raises(grpc.RpcError) as err:  # field 1 (request_id) announces 255 bytes and holds one
+            list(ch.unary_stream("/pagedserve.v1.Generation/Generate")(b"\x0a\xff\x01x", timeout=120))
+        assert err.value.code() == INVALID
+        assert err.value.details().startswith("the request is not a valid pagedserve.v1.GenerateRequest message")
+        with pytest.raises(grpc.RpcError) as err:
+            ch.unary_unary("/pagedserve.v1.Generation/GetKVState")(b"\x0a\x02\xff\xfe", timeout=120)
+        assert err.value.code() == INVALID
+        assert err.value.details() == "worker_id is not valid UTF-8 (a protobuf string must be)"
+        assert_still_serving(service, stub, greedy)

@@ -40,8 +40,9 @@ async def test_full_queue_duplicate_ids_and_draining(engine, channel):
     calls = [generate(channel, f"r{i}") for i in range(3)]  # 1 runs (max_num_seqs=1), 2 wait
     await wait_for(lambda: len(worker.plans) == 1 and sum(w.scheduler.num_waiting
                                                             for w in engine.workers.values()) == 2)
-    code, details = await status_of(generate(channel, "r9"))
-    assert code == grpc.StatusCode.RESOURCE_EXHAUSTED and "queued" in details
+    assert await status_of(generate(channel, "r9")) == (
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        "the request queue is full: 2 requests are waiting (--max-queued-requests 2); retry later")
     code, details = await status_of(generate(channel, "r0"))
     assert code == grpc.StatusCode.ALREADY_EXISTS and "r0" in details
     engine.draining = True
@@ -134,3 +135,12 @@ async def test_top_k_minus_1_is_vllms_spelling_of_off(engine, channel):
 async def test_model_info_reports_the_bounds_clients_must_respect(engine, channel):
     info = await generate_pb2_grpc.GenerationStub(channel).GetModelInfo(pb.GetModelInfoRequest())
     assert (info.max_model_len, info.vocab_size, info.max_n) == (128, 49152, 1)
+
+
+@with_server(no_worker_timeout=30, max_num_seqs=512)
+async def test_n_over_max_seqs_per_request_is_refused_before_tokenizing(engine, channel):
+    """--max-seqs-per-request (256 by default) bounds n even where --max-num-seqs would let more run side by side."""
+    long_prompt = "hi" * 200  # NOTE: never tokenized: its 200 tokens would be refused for max_model_len 128
+    assert await status_of(request(channel, {"n": 257}, prompt=long_prompt)) == (
+        grpc.StatusCode.INVALID_ARGUMENT, "n is 257; the limit is 256 sequences per request (--max-seqs-per-request)")
+    assert not engine.streams and not engine.unplaced

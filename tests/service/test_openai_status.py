@@ -35,7 +35,9 @@ async def test_a_full_queue_is_429_and_draining_is_503(engine, channel):
         assert (await client.get("/health")).status_code == 200
         r = await complete(client)
         assert r.status_code == 429, r.text
-        assert r.json()["error"]["type"] == "rate_limit_error" and "queued" in r.json()["error"]["message"]
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        assert r.json()["error"]["message"] == ("the request queue is full: 2 requests are waiting "
+                                                "(--max-queued-requests 2); retry later")
         engine.draining = True
         r = await complete(client)
         assert r.status_code == 503 and "draining" in r.json()["error"]["message"]
@@ -68,3 +70,44 @@ async def test_a_stream_that_fails_midway_ends_with_an_error_event_then_done(eng
     assert '"type": "service_unavailable_error"' in rest[-2] and "the server shut down" in rest[-2]
     worker.close()
 
+
+
+@with_server()
+async def test_a_batch_is_admitted_whole_or_refused_saying_why(engine, channel):
+    """--max-queued-requests 2, one request running and one waiting: a batch of 2 prompts (2 requests in the queue)
+    is refused whole with 429, one of 3 can never fit (400); neither leaves a prompt queued."""
+    worker = ScriptedWorker(channel)  # silent: the first request runs forever
+    await wait_for(lambda: engine.workers)
+    calls = [generate(channel, f"r{i}") for i in range(2)]
+    await wait_for(lambda: len(worker.plans) == 1 and engine.num_queued == 1)
+    async with Front(engine) as client:
+        r = await complete(client, prompt=[[5, 6], [7, 8]])
+        assert r.status_code == 429, r.text
+        assert r.json()["error"]["message"] == ("the request queue has room for 1 more requests, and this one has 2 "
+                                                "prompts, one request each (--max-queued-requests 2); retry later")
+        assert engine.num_queued == 1 and len(engine.streams) == 2
+        r = await complete(client, prompt=["a", "b", "c"])
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert r.json()["error"]["message"] == ("prompt has 3 prompts, one request each; the request queue holds at "
+                                                "most 2 (--max-queued-requests)")
+        assert engine.num_queued == 1 and len(engine.streams) == 2
+    for call in calls:
+        call.cancel()
+
+
+@with_server(no_worker_timeout=30, max_num_seqs=512, max_queued_requests=1024)
+async def test_sequences_per_request_are_bounded_before_tokenizing(engine, channel):
+    """--max-seqs-per-request (256): n alone names n; prompts x n names prompt. Nothing is queued."""
+    async with Front(engine) as client:
+        r = await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                            "n": 300})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        assert r.json()["error"]["message"] == "n is 300; the limit is 256 sequences per request " \
+                                               "(--max-seqs-per-request)"
+        r = await complete(client, prompt=["x"] * 3, n=300)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+        r = await complete(client, prompt=["x"] * 3, n=86)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert r.json()["error"]["message"] == "prompt has 3 prompts and n is 86: 258 sequences; the limit is 256 " \
+                                               "per request (--max-seqs-per-request)"
+    assert not engine.streams and not engine.unplaced

@@ -3,6 +3,9 @@ and that it ends idle and still serves."""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from pagedserve.v1 import generate_pb2 as pb
@@ -29,3 +32,13 @@ def assert_idle_and_serving(service: Service) -> None:
             prompt="The capital of France is", sampling=pb.SamplingParams(max_tokens=4, temperature=0)),
             timeout=RPC_TIMEOUT))
     assert sum(len(m.token_ids) for m in out) == 4 and out[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
+@contextmanager
+def no_error_logged(service: Service) -> Iterator[None]:
+    """Asserts that the scheduler logs no traceback and no error while the block runs (run a request that completes
+    inside it, after the bad ones: a line logged after an answer went out is then in the log too)."""
+    start = os.path.getsize(service.log)
+    yield
+    text = service.log_since(start)
+    assert "Traceback" not in text and '"level": "error"' not in text, text[-3000:]
