@@ -58,21 +58,23 @@ FROM ${BASE_IMAGE} AS runtime
 RUN ldconfig -p | grep -q 'libgomp\.so\.1' || { apt-get update \
         && apt-get install -y --no-install-recommends libgomp1 && rm -rf /var/lib/apt/lists/*; } \
     && useradd --create-home --uid 1000 --shell /usr/sbin/nologin pagedserve \
-    && mkdir -p /cache && chown pagedserve:pagedserve /cache
-# NOTE: inside a container the services listen on every interface of its own network namespace; what reaches
-# the host is what compose.yaml publishes (127.0.0.1 only). The model cache is /cache (a volume in compose).
+    && mkdir -p /cache /credentials && chown pagedserve:pagedserve /cache /credentials \
+    && chmod 700 /credentials
+# NOTE: inside a container the client API, metrics and HTTP front listen on every interface of its own network
+# namespace; what reaches the host is what is published (compose.yaml: 127.0.0.1 only). The worker port stays on
+# loopback (the default): `docker run` runs `up`, whose workers are in the same container. compose.yaml opens it
+# to its network, with a worker token from the /credentials volume. The model cache is /cache (a volume in compose).
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_CACHE_DIR=1 \
     PAGEDSERVE_CACHE=/cache \
     PAGEDSERVE_CUDA_DIR=/opt/venv/share/pagedserve/cuda \
     PAGEDSERVE_LISTEN=0.0.0.0:50051 \
-    PAGEDSERVE_WORKER_LISTEN=0.0.0.0:50052 \
     PAGEDSERVE_METRICS=0.0.0.0:9464 \
     PAGEDSERVE_HTTP=0.0.0.0:8000
 USER pagedserve
 WORKDIR /home/pagedserve
-EXPOSE 50051 50052 9464 8000
+EXPOSE 50051 9464 8000
 ENTRYPOINT ["pagedserve"]
 CMD ["up"]
 

@@ -70,6 +70,14 @@ def first_key(path: str | None) -> str | None:
     return read_keys(path)[0] if path else None
 
 
+def worker_token_metadata(path: str | None) -> tuple[tuple[str, str], ...]:
+    """The Attach call's metadata of a worker's --worker-token-file: its first token (none without a file)."""
+    from scheduler_svc.auth import read_keys
+    from scheduler_svc.worker_auth import TOKEN_FLAG
+
+    return api_key_metadata(read_keys(path, TOKEN_FLAG, "token")[0] if path else None)
+
+
 def up_server_name(cert: str, address: str) -> str | None:
     """The name `up` checks in its scheduler's certificate when it dials `address` (its own scheduler, whatever
     names the certificate was issued for): None when the certificate names the host dialled, else its first name."""
@@ -93,9 +101,13 @@ class UpTls:
 
 
 def up_tls(args: argparse.Namespace) -> UpTls:
+    """Also checks `up`'s worker port as its scheduler will (scheduler_svc.worker_auth), before anything starts."""
     from pagedserve_common.tls import TlsFiles
+    from scheduler_svc.worker_auth import WorkerGate
 
     metadata = api_key_metadata(first_key(args.api_key_file))
+    WorkerGate.load(args.worker_listen, args.worker_token_file, bool(args.tls_cert and args.tls_ca),
+                    args.insecure_workers)
     files = TlsFiles(args.tls_cert, args.tls_key, args.tls_ca)
     if not files.serves_tls():
         return UpTls([], metadata=metadata)

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from pagedserve_cli import (bench_cmd, certs_cmd, generate_cmd, health_cmd, kv_map_cmd, kv_plan, model_cmd,
-                            serve_cmd, up_cmd)
+                            serve_cmd, up_cmd, worker_token_cmd)
 from pagedserve_cli.env import EnvArgumentParser, apply_env
 
 
@@ -22,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     model_cmd.add_parser(sub)
     health_cmd.add_parser(sub)
     certs_cmd.add_parser(sub)
+    worker_token_cmd.add_parser(sub)
     apply_env(p)
     return p
 

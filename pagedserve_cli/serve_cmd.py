@@ -75,6 +75,7 @@ def run_worker(args: argparse.Namespace) -> int:
     from worker_svc.worker import WorkerConfig
 
     credentials = access_args.worker_credentials(args)  # before the model loads: a bad file fails at once
+    metadata = access_args.worker_token_metadata(args.worker_token_file)
     opts = build(WorkerOptions, args)
     device = "cuda:0" if opts.runner.device == "cuda" else opts.runner.device
     if device == "cuda:auto":
@@ -83,4 +84,4 @@ def run_worker(args: argparse.Namespace) -> int:
         from worker_svc.gpu_claim import claim_gpu, default_lock_dir
         device = f"cuda:{claim_gpu(torch.cuda.device_count(), default_lock_dir())}"
     return run(opts.scheduler, WorkerConfig(**{**values(opts.runner), "device": device}), credentials=credentials,
-               channel_options=access_args.name_override(opts.access.tls_server_name))
+               channel_options=access_args.name_override(opts.access.tls_server_name), metadata=metadata)

@@ -46,8 +46,10 @@ def scheduler_argv(args: argparse.Namespace) -> list[str]:
 
 
 def worker_argv(args: argparse.Namespace, device: str) -> list[str]:
-    """A worker's command-line arguments under `up` (its TLS flags come from access_args.up_tls)."""
-    return ["--scheduler", args.worker_listen, "--device", device, *forward_argv(args, RunnerOptions)]
+    """A worker's command-line arguments under `up` (its TLS flags come from access_args.up_tls); the scheduler's
+    --worker-token-file is the workers' too."""
+    token = ["--worker-token-file", args.worker_token_file] if args.worker_token_file else []
+    return ["--scheduler", args.worker_listen, "--device", device, *forward_argv(args, RunnerOptions), *token]
 
 
 def wait_healthy(address: str, timeout: float, procs: list[subprocess.Popen], stopping=lambda: False,

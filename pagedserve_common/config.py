@@ -35,6 +35,7 @@ MAX_SEQS_PER_REQUEST = 256
 PROMPT_CHARS_PER_TOKEN = 32
 
 TLS_SERVER_NAME_HELP = "check the server's certificate for NAME instead of the host dialled"
+WORKER_TOKEN_HELP = "worker tokens, one a line (# comments)"
 _SECONDS, _POSITIVE = "seconds >= 0", "an integer >= 1"
 
 
@@ -117,6 +118,13 @@ class SchedulerAccess:
     api_key_file: str | None = option(None, "API keys, one a line (# comments): the client API then requires "
                                             "`authorization: Bearer KEY` (gRPC metadata or HTTP header); health "
                                             "stays open", metavar="PATH", default_text="no keys", up=GIVEN)
+    worker_token_file: str | None = option(None, WORKER_TOKEN_HELP + ": the worker port then requires "
+                                                 "`authorization: Bearer TOKEN` with one of them (compared in "
+                                                 "constant time); `pagedserve worker-token PATH` makes one",
+                                           metavar="PATH", default_text="no token", up=GIVEN)
+    insecure_workers: bool = option(False, "start even though --worker-listen is not loopback-only and neither "
+                                           "mutual TLS (--tls-ca) nor --worker-token-file authenticates the "
+                                           "workers (refused otherwise)", up=GIVEN)
 
 
 @dataclass(slots=True)
@@ -130,7 +138,7 @@ class SchedulerOptions:
     network: SchedulerNetwork = group(SchedulerNetwork, "network")
     engine: EngineOptions = group(EngineOptions, "batching, KV cache, routing and failures")
     limits: LimitOptions = group(LimitOptions, "input bounds")
-    access: SchedulerAccess = group(SchedulerAccess, "access (TLS, API keys)")
+    access: SchedulerAccess = group(SchedulerAccess, "access (TLS, API keys, worker tokens)")
 
 
 # -- the worker ---------------------------------------------------------------------------------------------------
@@ -167,6 +175,9 @@ class WorkerAccess:
                                         "--tls-ca (needs --tls-key)", metavar="PEM", default_text="none")
     tls_key: str | None = option(None, "the private key of --tls-cert", metavar="PEM", default_text="none")
     tls_server_name: str | None = option(None, TLS_SERVER_NAME_HELP, metavar="NAME", default_text="the host dialled")
+    worker_token_file: str | None = option(None, WORKER_TOKEN_HELP + ": this worker sends the first as "
+                                                 "`authorization: Bearer TOKEN` when it attaches",
+                                           metavar="PATH", default_text="no token")
 
 
 @dataclass(slots=True)
@@ -176,7 +187,7 @@ class WorkerOptions:
     scheduler: str = option(DEFAULT_WORKER_LISTEN, "the scheduler's worker port (its --worker-listen)",
                             metavar="HOST:PORT")
     runner: RunnerOptions = group(RunnerOptions, "model and device")
-    access: WorkerAccess = group(WorkerAccess, "access (TLS)")
+    access: WorkerAccess = group(WorkerAccess, "access (TLS, worker token)")
 
 
 # -- up -----------------------------------------------------------------------------------------------------------

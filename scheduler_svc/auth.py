@@ -61,22 +61,23 @@ def load_keys(path: str) -> ApiKeys:
     return ApiKeys.of(read_keys(path))
 
 
-def read_keys(path: str) -> list[str]:
-    """The keys in `path`: one a line; blank lines and lines starting with # are ignored."""
+def read_keys(path: str, flag: str = "--api-key-file", what: str = "key") -> list[str]:
+    """The keys in `path`: one a line; blank lines and lines starting with # are ignored. `flag` and `what` name
+    the file's flag and its secrets in errors (the worker tokens of --worker-token-file share the format)."""
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as e:
-        raise ApiKeyFileError(f"--api-key-file {path}: cannot read it: {getattr(e, 'strerror', None) or e}") from None
+        raise ApiKeyFileError(f"{flag} {path}: cannot read it: {getattr(e, 'strerror', None) or e}") from None
     keys = []
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         if any(c.isspace() for c in line) or not line.isprintable() or not line.isascii():
-            raise ApiKeyFileError(f"--api-key-file {path}: line {number}: a key is printable ASCII without spaces")
+            raise ApiKeyFileError(f"{flag} {path}: line {number}: a {what} is printable ASCII without spaces")
         keys.append(line)
     if not keys:
-        raise ApiKeyFileError(f"--api-key-file {path}: no key in it (one key a line; blank lines and # comments "
+        raise ApiKeyFileError(f"{flag} {path}: no {what} in it (one {what} a line; blank lines and # comments "
                               f"are ignored)")
     return keys
 
@@ -117,12 +118,18 @@ class ApiKeys:
 
     def refusal(self, authorization: str | bytes | None) -> str | None:
         """None when the `authorization` value is `Bearer KEY` with a valid KEY, else why it is refused."""
-        if isinstance(authorization, bytes):
-            authorization = authorization.decode("latin-1")
-        scheme, _, key = (authorization or "").strip().partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
+        key = bearer(authorization)
+        if key is None:
             return MISSING
-        return None if self.check(key.strip()) else INVALID
+        return None if self.check(key) else INVALID
+
+
+def bearer(authorization: str | bytes | None) -> str | None:
+    """KEY of an `authorization` value `Bearer KEY` (None when it is not one)."""
+    if isinstance(authorization, bytes):
+        authorization = authorization.decode("latin-1")
+    scheme, _, key = (authorization or "").strip().partition(" ")
+    return key.strip() if scheme.lower() == "bearer" and key.strip() else None
 
 
 class ApiKeyInterceptor(grpc.aio.ServerInterceptor):

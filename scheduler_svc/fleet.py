@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import structlog
@@ -82,7 +83,8 @@ class Fleet:
     loss is handled where a worker's step loop ends (Engine._serve); these are what it and the Attach stream
     call."""
 
-    def attach_worker(self, reg: WorkerRegistration) -> WorkerHandle:
+    def attach_worker(self, reg: WorkerRegistration, origin: Mapping[str, str] | None = None) -> WorkerHandle:
+        """Takes the worker in; `origin` (who dialled in: peer, certificate subject or token id) goes to the log."""
         if reg.model_id != self.config.model_id:
             raise EngineError(ErrorCode.FAILED_PRECONDITION,
                               f"model_id {reg.model_id!r} differs from the scheduler's {self.config.model_id!r}")
@@ -104,7 +106,7 @@ class Fleet:
         self.metrics.kv_blocks_total.labels(w.worker_id).set(reg.num_blocks)
         w.task = asyncio.get_running_loop().create_task(self._serve(w))
         log.info("worker attached", worker=w.worker_id, name=reg.name, num_blocks=reg.num_blocks,
-                 block_size=reg.block_size, dtype=reg.dtype, device=reg.device)
+                 block_size=reg.block_size, dtype=reg.dtype, device=reg.device, **(origin or {}))
         self._workers_changed()
         for request_id in list(self.unplaced):  # requests that waited for a worker
             req, _ = self.unplaced.pop(request_id)

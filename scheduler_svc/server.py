@@ -25,6 +25,7 @@ from scheduler_svc.errors import ErrorCode
 from scheduler_svc.grpc.servicers import GenerationServicer, WorkerControlServicer, add_generation_servicer
 from scheduler_svc.frontend import FrontEnd, Tokenizer
 from scheduler_svc.frontend.limits import Limits
+from scheduler_svc.worker_auth import WorkerGate
 
 log = structlog.get_logger("pagedserve.scheduler")
 SERVICES = ("", "pagedserve.v1.Generation")
@@ -81,9 +82,11 @@ def input_limits(cfg: ServerConfig, max_model_len: int) -> Limits:
 
 
 async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
-    access = Access.load(**values(cfg.access))  # first: a bad file fails fast
+    a, net = cfg.access, cfg.network
+    access = Access.load(a.tls_cert, a.tls_key, a.tls_ca, a.api_key_file)  # first: a bad file fails fast
+    gate = WorkerGate.load(net.worker_listen, a.worker_token_file, access.mutual, a.insecure_workers)
     tokenizer = Tokenizer.from_model_dir(cfg.model_dir)
-    engine, net = Engine(engine_config(cfg, tokenizer)), cfg.network
+    engine = Engine(engine_config(cfg, tokenizer))
     limits = input_limits(cfg, engine.config.max_model_len)
     frontend = FrontEnd(engine, tokenizer, limits)
     health = HealthServicer()
@@ -108,7 +111,7 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
          health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), clients)
     add_port(clients, net.listen, access.clients)
     workers = grpc.aio.server(options=WORKER_SERVER_OPTIONS)
-    worker_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(engine), workers)
+    worker_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(engine, gate.tokens), workers)
     reflection.enable_server_reflection(
         (worker_pb2.DESCRIPTOR.services_by_name["WorkerControl"].full_name, reflection.SERVICE_NAME), workers)
     add_port(workers, net.worker_listen, access.workers)
@@ -128,8 +131,12 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
     gc_policy.settle()  # NOTE: start-up is done: what it left alive is frozen, never walked by a collection again
     log.info("scheduler listening", listen=net.listen, worker_listen=net.worker_listen, http=net.http,
              metrics=net.metrics, model=cfg.model, tls=access.clients is not None, mutual_tls=access.mutual,
-             api_keys=len(access.api_keys or ()))
-    if access.workers is not None and not access.mutual:
+             api_keys=len(access.api_keys or ()), worker_auth=gate.auth, worker_tokens=len(gate.tokens or ()))
+    if gate.insecure:
+        log.warning("the worker port is reachable from other hosts and authenticates no worker "
+                    "(--insecure-workers): whoever reaches it can attach as a worker and receive prompts",
+                    worker_listen=net.worker_listen)
+    elif access.workers is not None and not access.mutual and gate.tokens is None:
         log.warning("the worker port asks no client certificate (no --tls-ca): whoever reaches it can attach "
                     "as a worker and receive prompts", worker_listen=net.worker_listen)
     stop = asyncio.Event()

@@ -40,6 +40,8 @@ CHANNEL_OPTIONS = (
 # Configuration errors: dialling in again cannot help.
 FATAL_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
 OUTBOX_POLL_SECONDS = 0.2
+UNAUTHENTICATED_HINT = ("the scheduler requires a worker token: give this worker --worker-token-file with a token "
+                        "of the scheduler's --worker-token-file")
 
 
 class Shutdown:
@@ -90,9 +92,10 @@ def make_governor(cfg: WorkerConfig) -> ThreadGovernor | None:
 
 
 def run_worker(scheduler: str, cfg: WorkerConfig, shutdown: Shutdown | None = None,
-               credentials: grpc.ChannelCredentials | None = None, channel_options=()) -> int:
-    """Serves until asked to leave; returns the exit status (1 when the scheduler refuses this worker).
-    With `credentials` it dials in over TLS (`channel_options` may name the certificate's expected host)."""
+               credentials: grpc.ChannelCredentials | None = None, channel_options=(), metadata=()) -> int:
+    """Serves until asked to leave; returns the exit status (1 when the scheduler refuses this worker's
+    configuration). With `credentials` it dials in over TLS (`channel_options` may name the certificate's expected
+    host); `metadata` goes with its Attach call (its worker token)."""
     runner, reg = create_runner(cfg)
     if shutdown is None:
         shutdown = Shutdown()
@@ -102,7 +105,7 @@ def run_worker(scheduler: str, cfg: WorkerConfig, shutdown: Shutdown | None = No
              dtype=reg.dtype, device=reg.device, kv_bytes=runner.pool.nbytes, threads=torch.get_num_threads(),
              cores=available_cores(), adaptive_threads=bool(governor and governor.enabled),
              attention=runner.backend.name, forward=runner.forward_path)
-    backoff, last_warning = Backoff(), 0.0
+    backoff, last_warning = Backoff(), float("-inf")
     while not shutdown.requested:
         with dial(scheduler, credentials, [*CHANNEL_OPTIONS, *channel_options]) as channel:
             try:
@@ -117,13 +120,21 @@ def run_worker(scheduler: str, cfg: WorkerConfig, shutdown: Shutdown | None = No
                 continue
             started = time.monotonic()
             try:
-                serve_plans(channel, runner, reg, governor, shutdown)
+                serve_plans(channel, runner, reg, governor, shutdown, metadata)
             except grpc.RpcError as e:
-                if e.code() in FATAL_CODES:
+                if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    # NOTE: like a refused certificate: retried with the backoff (the scheduler may come back with
+                    # a token file that holds this worker's token), said at most every 30 s.
+                    if time.monotonic() - last_warning > 30:
+                        log.warning("waiting for the scheduler", scheduler=scheduler, error=e.details(),
+                                    hint=UNAUTHENTICATED_HINT)
+                        last_warning = time.monotonic()
+                elif e.code() in FATAL_CODES:
                     log.error("the scheduler refused this worker", code=e.code().name, details=e.details())
                     return 1
-                log.warning("the stream to the scheduler broke; dialling in again with an empty pool",
-                            code=e.code().name, details=e.details())
+                else:
+                    log.warning("the stream to the scheduler broke; dialling in again with an empty pool",
+                                code=e.code().name, details=e.details())
             runner.reset()
         if shutdown.requested:
             break
@@ -182,9 +193,9 @@ def _sleep(seconds: float, shutdown: Shutdown) -> None:
 
 
 def serve_plans(channel: grpc.Channel, runner, reg: WorkerRegistration, governor: ThreadGovernor | None = None,
-                shutdown: Shutdown | None = None) -> None:
-    """Attach: registration first, then one StepResult (or StepError) per StepPlan, until the scheduler ends
-    the stream. Raises grpc.RpcError when the stream breaks."""
+                shutdown: Shutdown | None = None, metadata=()) -> None:
+    """Attach (with call `metadata`): registration first, then one StepResult (or StepError) per StepPlan, until
+    the scheduler ends the stream. Raises grpc.RpcError when the stream breaks (or is refused)."""
     shutdown = shutdown or Shutdown()
     outbox: queue.Queue = queue.Queue()
     reg = dataclasses.replace(reg, name=reg.name or f"{socket.gethostname()}:{os.getpid()}")
@@ -206,7 +217,7 @@ def serve_plans(channel: grpc.Channel, runner, reg: WorkerRegistration, governor
 
     try:
         sent_at = None
-        for plan_pb in worker_pb2_grpc.WorkerControlStub(channel).Attach(messages()):
+        for plan_pb in worker_pb2_grpc.WorkerControlStub(channel).Attach(messages(), metadata=metadata):
             t0 = time.perf_counter()
             outbox.put(worker_pb2.WorkerMessage(**_answer(runner, plan_pb, t0, sent_at)))
             sent_at = time.perf_counter()

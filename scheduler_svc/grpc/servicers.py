@@ -15,8 +15,18 @@ from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend.api import FrontEnd
 from scheduler_svc.grpc import convert
 from scheduler_svc.fleet import Lost
+from scheduler_svc.worker_auth import WorkerTokens
 
 log = structlog.get_logger("pagedserve.scheduler")
+
+
+def peer_of(context) -> dict[str, str]:
+    """{'peer': the caller's address, 'subject': its client certificate's subject (mutual TLS only)}."""
+    origin = {"peer": context.peer()}
+    auth = context.auth_context() or {}
+    if subject := (auth.get("x509_subject") or auth.get("x509_common_name") or [b""])[0]:
+        origin["subject"] = subject.decode(errors="replace") if isinstance(subject, bytes) else str(subject)
+    return origin
 
 
 async def _abort(context, e: EngineError) -> None:
@@ -90,10 +100,26 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
 
 class WorkerControlServicer(worker_pb2_grpc.WorkerControlServicer):
-    def __init__(self, engine: Engine) -> None:
+    """With `tokens`, a worker attaches only with a valid `authorization: Bearer TOKEN` (worker_auth)."""
+
+    def __init__(self, engine: Engine, tokens: WorkerTokens | None = None) -> None:
         self.engine = engine
+        self.tokens = tokens
+
+    async def _authenticate(self, context) -> dict[str, str]:
+        """Who is attaching, for the log (peer, the certificate's subject, the token's id); aborts with
+        UNAUTHENTICATED, before anything the peer sent is read, when a token is required and not valid."""
+        origin = peer_of(context)
+        if self.tokens is None:
+            return origin
+        token, why = self.tokens.check([v for k, v in context.invocation_metadata() or () if k == "authorization"])
+        if why is not None:
+            log.warning("worker refused", status="UNAUTHENTICATED", message=why, **origin)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+        return {**origin, "token_id": token}
 
     async def Attach(self, request_iterator, context):
+        origin = await self._authenticate(context)
         first = await anext(aiter(request_iterator), None)
         if first is None or first.WhichOneof("kind") != "registration":
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a registration")
@@ -102,9 +128,10 @@ class WorkerControlServicer(worker_pb2_grpc.WorkerControlServicer):
                 reg = wire.registration_from_pb(first.registration)
             except ValueError as e:
                 raise EngineError(ErrorCode.INVALID_ARGUMENT, f"registration: {e}") from None
-            handle = self.engine.attach_worker(reg)
+            handle = self.engine.attach_worker(reg, origin)
         except EngineError as e:
-            log.warning("worker refused", name=first.registration.name, status=e.code.value, message=str(e))
+            log.warning("worker refused", name=first.registration.name, status=e.code.value, message=str(e),
+                        **origin)
             await _abort(context, e)
 
         async def read_messages() -> None:

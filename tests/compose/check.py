@@ -148,6 +148,62 @@ def step_scale(args) -> None:
         fail(f"requests did not reach every worker: {steps}")
 
 
+ROGUES = {"pagedserve-rogue-no-token": [], "pagedserve-rogue-wrong-token": [
+    "-e", "PAGEDSERVE_WORKER_TOKEN_FILE=/wrong/worker-token"]}
+
+
+def step_rogue(args) -> None:
+    """Worker containers of the same image on the project's network but without its credentials (no token, a
+    wrong one) are refused: they never attach, and keep dialling, while the project's own worker serves."""
+    before = workers(args.server)
+    wrong = os.path.join(args.work, "wrong")
+    os.makedirs(wrong, exist_ok=True)
+    with open(os.path.join(wrong, "worker-token"), "w") as f:
+        f.write("not-the-projects-token-0123456789abcdef\n")
+    os.chmod(wrong, 0o755)
+    os.chmod(os.path.join(wrong, "worker-token"), 0o644)  # NOTE: the container's user (uid 1000) reads it
+    try:
+        for name, extra in ROGUES.items():
+            subprocess.run([args.docker, "run", "--detach", "--name", name, "--network", f"{args.project}_default",
+                            "-v", f"{args.project}_cache:/cache", "-v", f"{wrong}:/wrong:ro",
+                            "-e", "PAGEDSERVE_SCHEDULER=scheduler:50052", "-e", "PAGEDSERVE_KV_MEMORY=64MiB",
+                            *extra, args.image, "worker"], check=True, stdout=subprocess.DEVNULL)
+        for name, why in zip(ROGUES, ("no worker token", "invalid worker token")):
+            deadline = time.monotonic() + 300
+            while why not in (out := docker_logs(args.docker, name)):
+                if time.monotonic() > deadline:
+                    fail(f"{name} was not refused with {why!r} in 300 s: {out[-2000:]}")
+                time.sleep(1)
+            log(f"{name}: refused ({why}), and it keeps dialling")
+        running = subprocess.run([args.docker, "inspect", "-f", "{{.State.Running}}", *ROGUES], capture_output=True,
+                                 text=True, check=True).stdout.split()
+        if running != ["true"] * len(ROGUES):
+            fail(f"a refused worker exited instead of dialling again: {running}")
+        after = workers(args.server)
+        if [w.name for w in after] != [w.name for w in before]:
+            fail(f"the attached workers changed: {[w.name for w in before]} -> {[w.name for w in after]}")
+        sched = subprocess.run([*shlex.split(args.compose), "logs", "--no-color", "scheduler"], capture_output=True,
+                               text=True, check=True).stdout
+        refused = [line for line in sched.splitlines() if "worker refused" in line and "UNAUTHENTICATED" in line]
+        if not refused or not all('"peer": "ipv4:' in line for line in refused):
+            fail(f"the scheduler's refusals do not name the peer: {refused[-3:]}")
+        if "not-the-projects-token" in sched:
+            fail("the scheduler logged the token it was sent")
+        log(f"the scheduler logged {len(refused)} refusal(s), each naming the peer; "
+            f"workers attached: {[w.name for w in after]}")
+    finally:
+        subprocess.run([args.docker, "rm", "--force", *ROGUES], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    reference = json.load(open(args.reference))
+    if greedy(args.server) != reference:
+        fail("after the refusals the greedy output differs from the reference")
+    log("the project's own worker still serves the reference's greedy output")
+
+
+def docker_logs(docker: str, name: str) -> str:
+    out = subprocess.run([docker, "logs", name], capture_output=True, text=True)
+    return out.stdout + out.stderr
+
+
 def step_kill(args) -> None:
     """Kills the worker container holding the most KV blocks mid-stream; every stream must still complete."""
     attached = {w.worker_id: w for w in workers(args.server)}
@@ -183,7 +239,7 @@ def step_down(args) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("step", choices=["reference", "single", "scale", "kill", "down"])
+    p.add_argument("step", choices=["reference", "single", "rogue", "scale", "kill", "down"])
     p.add_argument("--server", default=DEFAULT_LISTEN)
     p.add_argument("--metrics", default=f"http://{DEFAULT_METRICS}")
     p.add_argument("--http", default=f"http://{DEFAULT_HTTP}")
@@ -192,6 +248,9 @@ def main() -> None:
     p.add_argument("--workers", type=int)
     p.add_argument("--docker", default=os.environ.get("DOCKER", "docker"))
     p.add_argument("--compose", help="the compose command line (binary and -f files), one string")
+    p.add_argument("--image", default=os.environ.get("PAGEDSERVE_IMAGE", "pagedserve:latest"))
+    p.add_argument("--project", default="pagedserve", help="the compose project's name (its network and volumes)")
+    p.add_argument("--work", help="a folder for files the step makes")
     args = p.parse_args()
     globals()[f"step_{args.step}"](args)
 

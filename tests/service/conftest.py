@@ -153,6 +153,14 @@ def service(tiny_served_model, tmp_path_factory):
         stop_processes(procs)
 
 
+def start_worker(log, worker_listen: str, model_dir: str, *extra: str) -> subprocess.Popen:
+    """A `pagedserve worker` process with the tests' small pool and one thread, its stderr in the file `log`."""
+    with open(log, "wb") as err:
+        return subprocess.Popen([sys.executable, "-m", "pagedserve_cli.main", "worker", "--scheduler", worker_listen,
+                                 "--model", model_dir, "--kv-memory", str(KV_MEMORY), "--threads", "1", *extra],
+                                stderr=err)
+
+
 def stop_processes(procs: list[subprocess.Popen]) -> None:
     """SIGTERM to each, then SIGKILL to any that has not exited 30 s later."""
     for p in procs:

@@ -11,7 +11,6 @@ import socket
 import ssl
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,7 +23,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from pagedserve_cli.certs_cmd import dev_certificates, issue
-from tests.service.conftest import KV_MEMORY, MAX_BATCHED, Service, free_port, stop_processes
+from tests.service.conftest import MAX_BATCHED, Service, free_port, start_worker, stop_processes
+from tests.support.processes import wait_for_line
 from tests.support.worker import assert_same_greedy, reference_greedy, reference_model
 
 EXE = [sys.executable, "-m", "pagedserve_cli.main"]
@@ -62,10 +62,7 @@ class Secure(Service):
 
     def start_worker(self, name: str, *tls: str) -> tuple[subprocess.Popen, Path]:
         log = self.logs / f"{name}.log"
-        with open(log, "wb") as err:
-            proc = subprocess.Popen([*EXE, "worker", "--scheduler", self.worker_listen, "--model", self.model_dir,
-                                     "--kv-memory", str(KV_MEMORY), "--threads", "1", *tls], stderr=err)
-        return proc, log
+        return start_worker(log, self.worker_listen, self.model_dir, *tls), log
 
     def cert_args(self, cert: str = "worker") -> list[str]:
         return ["--tls-ca", str(self.certs / "ca.pem"), "--tls-cert", str(self.certs / f"{cert}.pem"),
@@ -105,17 +102,6 @@ def generate(secure: Secure, metadata=()) -> tuple[list[int], str]:
             pb.GenerateRequest(prompt_token_ids=PROMPT_IDS, sampling=pb.SamplingParams(max_tokens=NEW, temperature=0)),
             metadata=metadata, timeout=120))
     return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs)
-
-
-def wait_for_line(log: Path, text: str, proc: subprocess.Popen, timeout: float = 180.0) -> str:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for line in log.read_text(errors="replace").splitlines():
-            if text in line:
-                return line
-        assert proc.poll() is None, f"exited {proc.returncode}: {log.read_text()[-2000:]}"
-        time.sleep(0.2)
-    raise AssertionError(f"no {text!r} in {log} after {timeout:.0f} s: {log.read_text()[-2000:]}")
 
 
 def attached(secure: Secure) -> list[str]:
@@ -175,6 +161,12 @@ def test_only_a_worker_with_a_certificate_signed_by_the_ca_attaches(secure):
         assert len(attached(secure)) == 1 and secure.metric("pagedserve_workers") == 1
     finally:
         stop_processes([p for p, _ in rogues])
+
+
+def test_the_attach_log_names_the_peer_and_the_certificate_subject(secure):
+    line = wait_for_line(secure.logs / "scheduler.log", "worker attached", secure.procs[-1])
+    assert '"peer": "ipv4:127.0.0.1:' in line and '"subject": "CN=pagedserve worker"' in line, line
+    assert "token_id" not in line  # no token on this worker port
 
 
 def test_the_cli_with_the_ca_and_a_key(secure):

@@ -1,4 +1,5 @@
-"""Helpers for tests that start `pagedserve up` as a process: its children, whether one is alive, stopping them all."""
+"""Helpers for tests that start `pagedserve` processes: `up`'s children, whether one is alive, stopping them all,
+waiting for a log line."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import os
 import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 from pagedserve_common.ports import free_port
 
@@ -43,3 +46,16 @@ def up(model: str, listen: str, *extra: str, stderr=None) -> subprocess.Popen:
                              "--worker-listen", f"127.0.0.1:{free_port()}", "--metrics", "",
                              "--http", f"127.0.0.1:{free_port()}", "--kv-memory", "4MiB", "--threads", "1", *extra],
                             stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
+
+
+def wait_for_line(log: Path, text: str, proc: subprocess.Popen, timeout: float = 180.0) -> str:
+    """The first line of the file `log` holding `text`, polled for (a hang guard of `timeout` seconds); fails
+    early when `proc`, which writes the log, exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for line in log.read_text(errors="replace").splitlines():
+            if text in line:
+                return line
+        assert proc.poll() is None, f"exited {proc.returncode}: {log.read_text()[-2000:]}"
+        time.sleep(0.2)
+    raise AssertionError(f"no {text!r} in {log} after {timeout:.0f} s: {log.read_text()[-2000:]}")
