@@ -26,6 +26,10 @@ GPU_BATCHED_TOKENS = 2048
 CPU_KV_MEMORY = 1 << 30  # a CPU worker's KV pool without --kv-memory
 MAX_MESSAGE_SIZE = 4 << 20  # scheduler_svc.frontend.limits.Limits
 MAX_STOP_STRINGS = 16
+MAX_WORKERS = 64
+# NOTE: 4 Mi blocks of 16 tokens are 67M tokens of KV: more than any one device holds for a real model (an H200's
+# 141 GB holds ~380k blocks of the default model, ~70k of an 8B one).
+MAX_WORKER_BLOCKS = 1 << 22
 # NOTE: --max-prompt-chars' default per token of max_model_len: a token of real text averages ~4 characters; 32
 # leaves room for whitespace runs and long words while refusing a multi-megabyte prompt before it costs seconds of
 # tokenizing.
@@ -80,6 +84,14 @@ class EngineOptions:
     drain_timeout: float = option(30.0, "on SIGTERM the scheduler stops admitting (UNAVAILABLE) and lets in-flight "
                                         "streams finish this long", type=at_least(float, 0, _SECONDS),
                                   metavar="SECONDS", up=GIVEN)
+    # NOTE: a registration costs the scheduler memory in proportion to the blocks its requests use (the pool's
+    # bookkeeping grows lazily), but a bound keeps one worker from claiming a pool no real device holds.
+    max_workers: int = option(MAX_WORKERS, "attached workers beyond which a registration is refused "
+                                           "(RESOURCE_EXHAUSTED)", type=at_least(int, 1, _POSITIVE), metavar="N",
+                              up=GIVEN)
+    max_worker_blocks: int = option(MAX_WORKER_BLOCKS, "KV blocks a worker may register, in its pool and in its swap "
+                                                       "space each (beyond: INVALID_ARGUMENT)",
+                                    type=at_least(int, 1, _POSITIVE), metavar="N", up=GIVEN)
 
 
 @dataclass(slots=True)
