@@ -29,6 +29,10 @@ MAX_STOP_STRINGS = 16
 # NOTE: well under --max-queued-requests' default (1024): one request alone cannot hold the whole queue's worth of
 # sequences (a completions batch of 1,000 prompts x n=64 was 64,000 sequences)
 MAX_SEQS_PER_REQUEST = 256
+MAX_WORKERS = 64
+# NOTE: 4 Mi blocks of 16 tokens are 67M tokens of KV: more than any one device holds for a real model (an H200's
+# 141 GB holds ~380k blocks of the default model, ~70k of an 8B one).
+MAX_WORKER_BLOCKS = 1 << 22
 # NOTE: --max-prompt-chars' default per token of max_model_len: a token of real text averages ~4 characters; 32
 # leaves room for whitespace runs and long words while refusing a multi-megabyte prompt before it costs seconds of
 # tokenizing.
@@ -84,6 +88,14 @@ class EngineOptions:
     drain_timeout: float = option(30.0, "on SIGTERM the scheduler stops admitting (UNAVAILABLE) and lets in-flight "
                                         "streams finish this long", type=at_least(float, 0, _SECONDS),
                                   metavar="SECONDS", up=GIVEN)
+    # NOTE: a registration costs the scheduler memory in proportion to the blocks its requests use (the pool's
+    # bookkeeping grows lazily), but a bound keeps one worker from claiming a pool no real device holds.
+    max_workers: int = option(MAX_WORKERS, "attached workers beyond which a registration is refused "
+                                           "(RESOURCE_EXHAUSTED)", type=at_least(int, 1, _POSITIVE), metavar="N",
+                              up=GIVEN)
+    max_worker_blocks: int = option(MAX_WORKER_BLOCKS, "KV blocks a worker may register, in its pool and in its swap "
+                                                       "space each (beyond: INVALID_ARGUMENT)",
+                                    type=at_least(int, 1, _POSITIVE), metavar="N", up=GIVEN)
 
 
 @dataclass(slots=True)

@@ -114,11 +114,16 @@ def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
 
 
 def result_from_pb(pb: worker_pb2.StepResult) -> StepResult:
+    """Raises ValueError when a seq_id appears twice (a dict would keep the last silently)."""
     sampled, logprobs = {}, {}
     for t in pb.tokens:
         sampled[t.seq_id] = t.token_id
         if t.HasField("logprobs"):
             logprobs[t.seq_id] = logprobs_from_pb(t.logprobs)
+    if len(sampled) != len(pb.tokens):
+        seen: set[int] = set()
+        twice = next(t.seq_id for t in pb.tokens if t.seq_id in seen or seen.add(t.seq_id))
+        raise ValueError(f"tokens: seq {twice} has more than one token")
     return StepResult(pb.step_id, sampled, logprobs, pb.step_seconds, pb.idle_seconds)
 
 

@@ -17,10 +17,11 @@ from pagedserve_common.step import StepError, StepPlan, StepResult
 from pagedserve_common.sampling import SamplingParams
 from scheduler_svc import request_log
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput
+from scheduler_svc.core.result_check import check_result
 from scheduler_svc.errors import DRAINING, EngineError, ErrorCode
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.routing import Router
-from scheduler_svc.fleet import FIRST_STEP_TIMEOUT_FACTOR, Fleet, Lost, WorkerHandle, export
+from scheduler_svc.fleet import FIRST_STEP_TIMEOUT_FACTOR, Fleet, Lost, WorkerHandle, bad_result, export
 
 if TYPE_CHECKING:  # NOTE: the front end makes the streams; the engine only feeds them
     from scheduler_svc.frontend.stream import RequestStream
@@ -94,8 +95,8 @@ class Engine(Fleet):
                 self._fail(req.request_id, ErrorCode.INTERNAL, f"internal error on {w.worker_id}: {e}", w.worker_id)
 
     async def _receive(self, w: WorkerHandle, plan: StepPlan) -> StepResult | Lost:
-        """The worker's answer to `plan`, or why none will come: a missed deadline, a failed step, a broken
-        stream. NOTE: one plan in flight per worker, so the next answer is this plan's."""
+        """The worker's answer to `plan`, checked, or why none will come: a missed deadline, a failed step, a
+        broken stream, a wrong answer. NOTE: one plan in flight per worker, so the next answer is this plan's."""
         timeout = self.config.step_timeout * (FIRST_STEP_TIMEOUT_FACTOR if w.num_steps == 0 else 1)
         try:
             answer = await asyncio.wait_for(w.inbox.get(), timeout)
@@ -107,8 +108,12 @@ class Engine(Fleet):
             return answer
         if isinstance(answer, StepError):
             return Lost("failed_step", f"step {answer.step_id} failed ({answer.kind.name}): {answer.message}")
-        if answer.step_id != plan.step_id:
-            raise RuntimeError(f"the worker answered step {answer.step_id} to plan {plan.step_id}")
+        # NOTE: a worker that answers wrongly is lost, not its requests: they are recomputed elsewhere uncharged,
+        # but for the one whose own entry was wrong (Lost.charged_request_ids).
+        wrong = check_result(plan.step_id, answer, w.scheduler.due_samples(), self.config.vocab_size)
+        if wrong is not None:
+            blamed = w.scheduler.request_id_of(wrong.seq_id) if wrong.seq_id is not None else None
+            return bad_result(plan.step_id, wrong.message, frozenset(() if blamed is None else (blamed,)))
         w.num_steps += 1
         return answer
 

@@ -12,7 +12,8 @@ class ErrorCode(enum.Enum):
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     UNAVAILABLE = "UNAVAILABLE"
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
-    INTERNAL = "INTERNAL"  # only for bugs: a worker that breaks the protocol, an exception in the step loop
+    # NOTE: only for bugs (an exception in the step loop), and for a request that took down --max-migrations workers
+    INTERNAL = "INTERNAL"
 
 
 DRAINING = "the server is draining: no new requests"  # UNAVAILABLE, from the front end and the engine alike

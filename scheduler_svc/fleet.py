@@ -14,6 +14,7 @@ from pagedserve_common.config import CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS
 from pagedserve_common.registration import WorkerRegistration
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.errors import EngineError, ErrorCode
+from scheduler_svc.kv.manager import VALID_BLOCK_SIZES
 from scheduler_svc.metrics import Metrics
 
 log = structlog.get_logger("pagedserve.scheduler")
@@ -24,12 +25,21 @@ FIRST_STEP_TIMEOUT_FACTOR = 4  # a worker's first step may compile kernels (NVRT
 @dataclass(slots=True, frozen=True)
 class Lost:
     """Why a worker can serve no more: the engine recomputes its requests elsewhere. `kind` labels
-    pagedserve_workers_lost_total (stream, deadline, failed_step, leave_timeout); with `charge`, the requests in
-    its step in flight count a migration against --max-migrations."""
+    pagedserve_workers_lost_total (stream, deadline, failed_step, bad_result, leave_timeout); with `charge`, the
+    requests in its step in flight count a migration against --max-migrations, else only `charged_request_ids`.
+    NOTE: a bad_result (an answer that contradicts its plan or the vocabulary) is the worker's fault: never charged
+    to the requests batched with it, only to the one whose own entry was wrong (honest workers that all answer one
+    request wrongly, NaN logprobs say, then end it with INTERNAL after --max-migrations instead of cycling)."""
 
     kind: str
     reason: str
     charge: bool = True
+    charged_request_ids: frozenset[str] = frozenset()
+
+
+def bad_result(step_id: int, wrong: str, charged_request_ids: frozenset[str] = frozenset()) -> Lost:
+    """A worker whose answer to step `step_id` is wrong (`wrong` names the field and the sequence)."""
+    return Lost("bad_result", f"its answer to step {step_id} is wrong: {wrong}", False, charged_request_ids)
 
 
 @dataclass(slots=True)
@@ -74,6 +84,22 @@ def export(w: WorkerHandle, m: Metrics) -> None:
     w.num_preemptions, w.num_prefill_tokens = w.scheduler.num_preemptions, w.scheduler.num_prefill_tokens
 
 
+def check_registration(reg: WorkerRegistration, max_blocks: int) -> None:
+    """Raises INVALID_ARGUMENT naming the field and its bound when a registration is out of bounds. NOTE: a
+    max_model_len above the scheduler's is fine: the scheduler's applies (the smaller one always does)."""
+    bounds = (("num_blocks", reg.num_blocks, 1, max_blocks, " (--max-worker-blocks)"),
+              ("num_cpu_blocks", reg.num_cpu_blocks, 0, max_blocks, " (--max-worker-blocks)"),
+              ("max_model_len", reg.max_model_len, 1, None, ""))
+    for name, value, low, high, flag in bounds:
+        if value < low or (high is not None and value > high):
+            bound = f"in {low:,} .. {high:,}{flag}" if high is not None else f">= {low}"
+            raise EngineError(ErrorCode.INVALID_ARGUMENT, f"registration: {name} {value:,} is out of bounds: it must "
+                              f"be {bound}", name)
+    if reg.block_size not in VALID_BLOCK_SIZES:
+        raise EngineError(ErrorCode.INVALID_ARGUMENT, f"registration: kv_geometry.block_size {reg.block_size:,} "
+                          "is not a power of two from 8 to 256", "kv_geometry.block_size")
+
+
 def default_batched_tokens(device: str) -> int:
     return CPU_BATCHED_TOKENS if device.startswith("cpu") or not device else GPU_BATCHED_TOKENS
 
@@ -88,9 +114,11 @@ class Fleet:
         if reg.model_id != self.config.model_id:
             raise EngineError(ErrorCode.FAILED_PRECONDITION,
                               f"model_id {reg.model_id!r} differs from the scheduler's {self.config.model_id!r}")
-        if reg.num_blocks < 1:
-            raise EngineError(ErrorCode.INVALID_ARGUMENT, "num_blocks must be >= 1")
         cfg = self.config
+        check_registration(reg, cfg.max_worker_blocks)
+        if len(self.workers) >= cfg.max_workers:
+            raise EngineError(ErrorCode.RESOURCE_EXHAUSTED, f"{len(self.workers)} workers are attached, the most "
+                              f"--max-workers allows ({cfg.max_workers}); retry later")
         try:
             sched = Scheduler(SchedulerConfig(
                 num_blocks=reg.num_blocks, max_model_len=min(cfg.max_model_len, reg.max_model_len),
@@ -118,7 +146,7 @@ class Fleet:
         if not w.attached:
             return
         reason = lost.reason
-        suspects = w.scheduler.in_flight_request_ids() if lost.charge else set()
+        suspects = w.scheduler.in_flight_request_ids() if lost.charge else lost.charged_request_ids
         self.detach(w)
         moved, failed = 0, 0
         limit = self.config.max_migrations

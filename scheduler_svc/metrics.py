@@ -33,7 +33,7 @@ class Metrics:
                                    registry=r)
         self.workers = Gauge("pagedserve_workers", "Workers attached (leaving ones included)", registry=r)
         self.workers_lost = Counter("pagedserve_workers_lost", "Workers lost: their stream broke, they missed a step "
-                                    "deadline, or a step failed", ["reason"], registry=r)
+                                    "deadline, a step failed, or they answered one wrongly", ["reason"], registry=r)
         self.migrations = Counter("pagedserve_migrations", "Requests moved to another worker and recomputed there "
                                   "(their worker was lost, or left with them queued)", registry=r)
         self.ttft = Histogram("pagedserve_ttft_seconds", "Time to first token", buckets=_LATENCY, registry=r)

@@ -82,6 +82,10 @@ class Handover:
         """Client requests with a sequence in the plan in flight (the suspects when the worker dies on it)."""
         return {seq.request_id for seq, _ in self._scheduled}
 
+    def request_id_of(self, seq_id: int) -> str | None:
+        """The client request of a sequence in the plan in flight (None when it is not in it)."""
+        return next((seq.request_id for seq, _ in self._scheduled if seq.seq_id == seq_id), None)
+
     @property
     def num_pending_tokens(self) -> int:
         """Tokens still to run here: every unfinished sequence's uncomputed tokens plus its remaining output

@@ -363,6 +363,14 @@ class Scheduler(Handover):
             self._finished_seq_ids.append(parent.seq_id)
             parent.on_worker = False
 
+    def due_samples(self) -> dict[int, int | None]:
+        """The sequences of the plan in flight that sample a token this step (those reaching the end of their known
+        tokens: one mid chunked prefill samples nothing, nor a fork parent), each -> the number of top logprobs it
+        asked for (None: none); what the worker's answer must hold (scheduler_svc.core.result_check). NOTE: also
+        those aborted or finished while the step runs: the worker samples them all the same."""
+        return {req.seq_id: req.sampling.logprobs for req, num in self._scheduled
+                if req.num_computed_tokens + num >= len(req.all_token_ids)}
+
     def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[RequestOutput]:
         """Applies the worker's result for `plan` (seq_id -> sampled token); returns per-sample outputs."""
         if plan.step_id != self._in_flight:

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 import jinja2
 
 from pagedserve_common.sampling import InvalidField, SamplingParams
-from scheduler_svc.core.kv_snapshot import KVPoolSnapshot, snapshot
+from scheduler_svc.core.kv_snapshot import MAX_SNAPSHOT_BLOCKS, KVPoolSnapshot, snapshot
 from scheduler_svc.errors import DRAINING, EngineError, ErrorCode
 from scheduler_svc.frontend.inputs import INPUTS, GenerateInput
 from scheduler_svc.frontend.limits import Limits
@@ -173,6 +173,11 @@ class FrontEnd:
         if w is None:
             raise EngineError(ErrorCode.NOT_FOUND, f"worker_id {worker_id!r} is not attached (attached: "
                                                    f"{', '.join(workers)})", "worker_id")
+        num_blocks = w.scheduler.config.num_blocks
+        if num_blocks > MAX_SNAPSHOT_BLOCKS:
+            raise EngineError(ErrorCode.FAILED_PRECONDITION, f"{w.worker_id} has {num_blocks:,} KV blocks; GetKVState "
+                              f"describes pools of up to {MAX_SNAPSHOT_BLOCKS:,} (two bytes each, every call, on the "
+                              "scheduler's event loop)")
         return snapshot(w.worker_id, w.scheduler)
 
     def abort(self, request_id: str) -> None:

@@ -14,7 +14,7 @@ from scheduler_svc.engine import Engine
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend.api import FrontEnd
 from scheduler_svc.grpc import convert
-from scheduler_svc.fleet import Lost
+from scheduler_svc.fleet import Lost, bad_result
 from scheduler_svc.worker_auth import WorkerTokens
 
 log = structlog.get_logger("pagedserve.scheduler")
@@ -140,7 +140,10 @@ class WorkerControlServicer(worker_pb2_grpc.WorkerControlServicer):
                 async for msg in request_iterator:
                     kind = msg.WhichOneof("kind")
                     if kind == "result":
-                        handle.inbox.put_nowait(wire.result_from_pb(msg.result))
+                        try:
+                            handle.inbox.put_nowait(wire.result_from_pb(msg.result))
+                        except ValueError as e:  # NOTE: as any wrong answer (Engine._receive): lost, uncharged
+                            handle.inbox.put_nowait(bad_result(msg.result.step_id, str(e)))
                     elif kind == "error":
                         handle.inbox.put_nowait(wire.step_error_from_pb(msg.error))
                     elif kind == "leaving":

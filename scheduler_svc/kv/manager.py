@@ -113,8 +113,8 @@ class KVCacheManager(BlockTables):
         if not self.enable_prefix_caching:
             return PrefixHit([], 0, parent)
         bs = self.block_size
-        # NOTE: reads the pool's key map directly: this loop runs once per block of every prompt.
-        cached, chain_id = self.pool._cached, self.pool.chain_id
+        # NOTE: reads the pool's key map and chain ids directly: this loop runs once per block of every prompt.
+        cached, chain_id = self.pool._cached, self.pool._chains
         block_ids: list[int] = []
         for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
             bid = cached.get((parent, block_tokens(token_ids, start, start + bs)))
@@ -129,7 +129,7 @@ class KVCacheManager(BlockTables):
         seq = self._seqs.get(request_id)
         if seq is None:
             hit_ids = hit.block_ids if hit is not None else ()
-            ref_cnt = self.pool.ref_cnt
+            ref_cnt = self.pool._refs  # NOTE: hit blocks were handed out once: they have stored state
             # Cached free blocks that a hit revives leave the free pool too.
             revived = sum(1 for b in hit_ids if ref_cnt[b] == 0)
             return self.num_blocks_for(num_tokens) - len(hit_ids) + revived
@@ -145,7 +145,7 @@ class KVCacheManager(BlockTables):
         if not seq.cow_pending or num_tokens <= seq.num_tokens:
             return False
         last = seq.block_ids[-1]
-        return self.pool.ref_cnt[last] > 1 or self.pool.block_key[last] is not None
+        return self.pool._refs[last] > 1 or self.pool._keys[last] is not None
 
     def allocate(self, request_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None,
                  hit: PrefixHit | None = None, extra_key: object = None) -> Allocation | None:

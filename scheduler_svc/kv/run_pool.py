@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import bisect
+import itertools
 from collections.abc import Iterable
 
 from scheduler_svc.kv.block_pool import BlockPool
@@ -14,14 +15,15 @@ class RunPool(BlockPool):
 
     NOTE: the holes are sorted, disjoint and never adjacent (a freed run merges with its neighbours), so a run
     that fits nowhere fits nowhere even though the holes may add up to enough blocks: external fragmentation.
-    The base class's counters, ref_cnt and block_key stay meaningful; its free queue stays empty.
+    The base class's counters, ref_cnt and block_key stay meaningful; its free queue stays empty. Per-block
+    state is stored up to the highest id ever handed out (BlockPool._grow).
     """
 
     __slots__ = ("_holes", "_num_free")
 
     def __init__(self, num_blocks: int) -> None:
         super().__init__(num_blocks)
-        self._free.clear()  # NOTE: the holes replace the free queue
+        self._next_fresh = num_blocks  # NOTE: the holes replace the free queue (and its counter of fresh ids)
         self._holes: list[tuple[int, int]] = [(0, num_blocks)]  # (start, end): free blocks start..end-1
         self._num_free = num_blocks
 
@@ -75,9 +77,8 @@ class RunPool(BlockPool):
         # The hole keeps what lies before and after the taken run.
         parts = [p for p in ((hole_start, start), (start + num_blocks, hole_end)) if p[0] < p[1]]
         holes[i:i + 1] = parts
-        ref_cnt = self.ref_cnt
-        for bid in range(start, start + num_blocks):
-            ref_cnt[bid] = 1
+        self._grow(start + num_blocks)
+        self._refs[start:start + num_blocks] = itertools.repeat(1, num_blocks)
         self._num_free -= num_blocks
         return list(range(start, start + num_blocks))
 
@@ -89,9 +90,9 @@ class RunPool(BlockPool):
 
     def free(self, block_ids: Iterable[int]) -> None:
         """Drops one reference on each block; blocks at ref count 0 go back into the holes, merged."""
-        ref_cnt, freed = self.ref_cnt, []
+        ref_cnt, freed = self._refs, []
         for bid in block_ids:
-            if ref_cnt[bid] < 1:
+            if not 0 <= bid < len(ref_cnt) or ref_cnt[bid] < 1:
                 raise RuntimeError(f"block {bid} freed more times than it was referenced")
             ref_cnt[bid] -= 1
             if ref_cnt[bid] == 0:

@@ -39,6 +39,14 @@ def test_a_result_keeps_its_tokens_and_logprobs_per_sequence():
     assert wire.result_from_pb(through_the_wire(wire.result_to_pb(result))) == result
 
 
+def test_a_result_naming_a_sequence_twice_is_refused():
+    pb = worker_pb2.StepResult(step_id=4)
+    for seq_id, token_id in ((10, 7), (11, 2), (10, 3)):
+        pb.tokens.add(seq_id=seq_id, token_id=token_id)
+    with pytest.raises(ValueError, match="seq 10 has more than one token"):
+        wire.result_from_pb(pb)
+
+
 def test_a_step_error_keeps_its_kind_and_an_unknown_kind_reads_as_a_failed_step():
     err = StepError(3, StepErrorKind.BAD_PLAN, "block 99 is outside the pool")
     assert wire.step_error_from_pb(through_the_wire(wire.step_error_to_pb(err))) == err

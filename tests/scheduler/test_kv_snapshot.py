@@ -115,3 +115,13 @@ def test_static_reservations_show_whole_runs_and_the_holes_between_them():
     assert f["internal_fragmentation"] == pytest.approx(16 / 24)
     assert (f["num_free_blocks"], f["largest_free_run"]) == (5, 3)
     assert f["external_fragmentation"] == pytest.approx(2 / 5)
+
+
+def test_a_huge_pool_is_described_without_walking_the_blocks_never_used():
+    s = Scheduler(SchedulerConfig(num_blocks=1 << 20, max_model_len=64, block_size=BS))
+    s.add_request(Request("a", PROMPT, SamplingParams(max_tokens=8)))
+    run_step(s)
+    snap = snapshot("w", s)
+    assert len(snap.ref_counts) == len(snap.cached) == 1 << 20 and s.kv.pool.num_touched_blocks == 3
+    assert snap.ref_counts[:4] == bytes([1, 1, 1, 0]) and snap.ref_counts.count(0) == (1 << 20) - 3
+    assert snap.cached[:3] == bytes([1, 1, 0]) and snap.cached.count(0) == (1 << 20) - 2

@@ -34,6 +34,7 @@ class Service:
     metrics: str
     procs: list
     http: str = ""  # the OpenAI-compatible front, HOST:PORT
+    worker_listen: str = ""  # where workers dial in, HOST:PORT
     # NOTE: keyword-only, so that subclasses (test_access.Secure) keep their positional fields
     log: Path | None = field(default=None, kw_only=True)  # the scheduler's stderr, when the fixture keeps it
 
@@ -135,20 +136,30 @@ def save_tiny_served_model(path) -> str:
 
 @pytest.fixture(scope="module")
 def service(tiny_served_model, tmp_path_factory):
+    log = tmp_path_factory.mktemp("service") / "scheduler.log"
+    with started_service(tiny_served_model, "--max-num-seqs", "64", log=log) as s:
+        yield s
+
+
+@contextmanager
+def started_service(model_dir: str, *scheduler_args: str, kv_memory: str = str(KV_MEMORY),
+                    log: Path | None = None) -> Iterator[Service]:
+    """A scheduler (with `scheduler_args`; its stderr in `log` when given) and one worker of `kv_memory` bytes,
+    healthy; stopped on exit."""
     listen, worker_listen, metrics, http = (f"127.0.0.1:{free_port()}" for _ in range(4))
     exe = [sys.executable, "-m", "pagedserve_cli.main"]
-    log = tmp_path_factory.mktemp("service") / "scheduler.log"
-    with open(log, "wb") as err:
-        sched = subprocess.Popen([*exe, "scheduler", "--model", tiny_served_model, "--listen", listen,
+    with open(log if log is not None else os.devnull, "wb") as err:
+        sched = subprocess.Popen([*exe, "scheduler", "--model", model_dir, "--listen", listen,
                                   "--worker-listen", worker_listen, "--metrics", metrics, "--http", http,
-                                  "--max-num-batched-tokens", str(MAX_BATCHED), "--max-num-seqs", "64"], stderr=err)
-    worker = subprocess.Popen([*exe, "worker", "--scheduler", worker_listen, "--model", tiny_served_model,
-                               "--kv-memory", str(KV_MEMORY), "--threads", "1"])
+                                  "--max-num-batched-tokens", str(MAX_BATCHED), *scheduler_args],
+                                 stderr=err if log is not None else None)
+    worker = subprocess.Popen([*exe, "worker", "--scheduler", worker_listen, "--model", model_dir,
+                               "--kv-memory", kv_memory, "--threads", "1"])
     procs = [worker, sched]
     try:
         from pagedserve_cli.up_cmd import wait_healthy
         wait_healthy(listen, 120, procs)
-        yield Service(tiny_served_model, listen, metrics, procs, http, log=log)
+        yield Service(model_dir, listen, metrics, procs, http, worker_listen, log=log)
     finally:
         stop_processes(procs)
 

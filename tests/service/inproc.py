@@ -57,8 +57,7 @@ def with_server(**engine_kwargs):
 
 class ScriptedWorker:
     """Registers over the real Attach stream. With `answer`, it answers every plan, sampling TOKEN for every
-    scheduled sequence (the scheduler ignores tokens of sequences still in prefill); otherwise it stays silent.
-    Every plan it receives is kept."""
+    sequence that finished its known tokens (reply); otherwise it stays silent. Every plan it receives is kept."""
 
     def __init__(self, channel, model_id: str = "m", answer: bool = False, num_blocks: int = 64) -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -69,6 +68,7 @@ class ScriptedWorker:
         self.answer = answer
         self.call = worker_pb2_grpc.WorkerControlStub(channel).Attach(self._messages())
         self.plans: list = []
+        self.lengths: dict[int, list[int]] = {}  # seq_id -> [known tokens, computed]: who samples (reply)
         self.error: grpc.RpcError | None = None
         self.ended = False  # the scheduler ended the stream (OK status)
         self.reader = asyncio.get_running_loop().create_task(self._read())
@@ -88,9 +88,19 @@ class ScriptedWorker:
             self.error = e
 
     def reply(self, plan) -> None:
+        """Samples TOKEN for each sequence that reaches the end of its known tokens, as a real worker does (the
+        scheduler refuses an answer with any other sequence's token)."""
         result = worker_pb2.StepResult(step_id=plan.step_id)
+        for seq_id in (*plan.finished_seq_ids, *plan.preempted_seq_ids):
+            self.lengths.pop(seq_id, None)
+        for n in plan.new_seqs:
+            self.lengths[n.seq_id] = [len(n.token_ids), n.num_computed_tokens]
         for s in (*plan.new_seqs, *plan.running):
-            result.tokens.add(seq_id=s.seq_id, token_id=TOKEN)
+            length = self.lengths[s.seq_id]  # [known tokens, computed]
+            length[1] += s.num_scheduled_tokens
+            if length[1] >= length[0]:
+                result.tokens.add(seq_id=s.seq_id, token_id=TOKEN)
+                length[0] += 1
         self.queue.put_nowait(worker_pb2.WorkerMessage(result=result))
 
     def fail_step(self, plan, kind=worker_pb2.StepError.STEP_FAILED, message: str = "boom") -> None:

@@ -9,7 +9,7 @@ import grpc
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc, worker_pb2
 from scheduler_svc.engine import Engine, EngineConfig
-from tests.service.inproc import ScriptedWorker, generate, status_of, tokens_of, wait_for, with_server
+from tests.service.inproc import TOKEN, ScriptedWorker, generate, status_of, tokens_of, wait_for, with_server
 
 
 @with_server()
@@ -51,17 +51,41 @@ async def test_full_queue_duplicate_ids_and_draining(engine, channel):
         call.cancel()
 
 
-@with_server()
-async def test_a_worker_breaking_the_protocol_ends_its_requests_with_internal(engine, channel):
+@with_server(no_worker_timeout=60)
+async def test_a_worker_answering_another_step_is_lost_and_its_request_recomputed_elsewhere(engine, channel):
     worker = ScriptedWorker(channel)
     await wait_for(lambda: engine.workers)
     call = generate(channel, "r0")
     await wait_for(lambda: worker.plans)
     worker.queue.put_nowait(worker_pb2.WorkerMessage(result=worker_pb2.StepResult(step_id=99)))
-    code, details = await status_of(call)
-    assert code == grpc.StatusCode.INTERNAL and "step 99" in details
-    await worker.reader  # the scheduler closed the worker's stream
+    await worker.reader  # the scheduler closed the worker's stream: not INTERNAL for the request
     assert not engine.workers
+    assert engine.metrics.registry.get_sample_value("pagedserve_workers_lost_total", {"reason": "bad_result"}) == 1
+    ScriptedWorker(channel, answer=True)
+    assert await tokens_of(call) == [[TOKEN] * 4]
+
+
+@with_server(no_worker_timeout=60, max_migrations=2)
+async def test_a_request_every_worker_answers_wrongly_is_charged_and_ends_internal_after_max_migrations(engine,
+                                                                                                     channel):
+    """A wrong entry of one sequence (here a token outside the vocabulary) charges that sequence's request: workers
+    that all fail on it end it with INTERNAL after --max-migrations, instead of passing it around for ever."""
+    for attempt in range(2):
+        worker = ScriptedWorker(channel)
+        await wait_for(lambda: engine.workers)
+        if attempt == 0:
+            call = generate(channel, "r0")
+        await wait_for(lambda: worker.plans)
+        plan = worker.plans[-1]
+        result = worker_pb2.StepResult(step_id=plan.step_id)
+        result.tokens.add(seq_id=plan.new_seqs[0].seq_id, token_id=49152)  # the vocabulary's size: one past it
+        worker.queue.put_nowait(worker_pb2.WorkerMessage(result=result))
+        await worker.reader
+        assert not engine.workers
+    code, details = await status_of(call)
+    assert code == grpc.StatusCode.INTERNAL and "was in a step of 2 workers that failed" in details
+    assert "token_id 49152" in details
+    assert engine.metrics.registry.get_sample_value("pagedserve_workers_lost_total", {"reason": "bad_result"}) == 2
 
 
 def test_the_token_budget_defaults_by_the_workers_device():

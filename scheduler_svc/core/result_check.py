@@ -1,0 +1,71 @@
+"""The check of a worker's StepResult against the plan it answers and the vocabulary, before anything uses it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from pagedserve_common.step import PositionLogprobs, StepResult
+
+# NOTE: log_softmax rounds; the most likely token's logprob may come out a hair above 0 in low precision.
+LOGPROB_EPSILON = 1e-3
+
+
+@dataclass(slots=True, frozen=True)
+class WrongResult:
+    """What is wrong with an answer, naming the field and the sequence; `seq_id` is the one sequence whose own entry
+    is wrong (None when the answer as a whole is: a wrong step_id, a missing or an extra sequence)."""
+
+    message: str
+    seq_id: int | None = None
+
+
+def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None],
+                 vocab_size: int) -> WrongResult | None:
+    """None when `result` is a well-formed answer to plan `step_id`; else what is wrong (WrongResult). `due` holds
+    each sequence of the plan that samples a token this step (it reaches the end of its known tokens; one mid
+    chunked prefill samples nothing) -> the number of top logprobs it asked for (None: no logprobs).
+
+    The rules: the plan's step_id; exactly the due sequences sampled; every token id in [0, vocab_size); logprobs
+    only for sequences that asked, for every one of them, with the sampled token as their sampled entry, at most
+    the asked number of top entries, token ids in the vocabulary, and finite logprobs <= 0 (LOGPROB_EPSILON)."""
+    if result.step_id != step_id:
+        return WrongResult(f"step_id {result.step_id} answers plan {step_id}")
+    sampled = result.sampled
+    if sampled.keys() != due.keys():
+        extra, missing = sorted(sampled.keys() - due.keys()), sorted(due.keys() - sampled.keys())
+        if missing:
+            return WrongResult(f"tokens: no token for seq {missing[0]}, which samples this step "
+                               f"({len(missing)} missing)")
+        return WrongResult(f"tokens: a token for seq {extra[0]}, which does not sample this step ({len(extra)} extra)")
+    if sampled and not (min(sampled.values()) >= 0 and max(sampled.values()) < vocab_size):
+        seq_id, tok = next((s, t) for s, t in sampled.items() if not 0 <= t < vocab_size)
+        return WrongResult(f"token_id {tok} of seq {seq_id} is outside the vocabulary (0 .. {vocab_size - 1})",
+                           seq_id)
+    logprobs = result.logprobs
+    for seq_id in logprobs:
+        if due[seq_id] is None:
+            return WrongResult(f"logprobs for seq {seq_id}, which asked for none", seq_id)
+    for seq_id, num_top in due.items():
+        if num_top is None:
+            continue
+        lp = logprobs.get(seq_id)
+        if lp is None:
+            return WrongResult(f"logprobs: none for seq {seq_id}, which asked for them", seq_id)
+        if (wrong := _check_logprobs(lp, sampled[seq_id], num_top, vocab_size)) is not None:
+            return WrongResult(f"logprobs of seq {seq_id}: {wrong}", seq_id)
+    return None
+
+
+def _check_logprobs(lp: PositionLogprobs, token_id: int, num_top: int, vocab_size: int) -> str | None:
+    if lp.sampled.token_id != token_id:
+        return f"sampled.token_id {lp.sampled.token_id} is not the sampled token {token_id}"
+    if len(lp.top) > num_top:
+        return f"top has {len(lp.top)} entries; {num_top} were asked for"
+    for name, entry in (("sampled", lp.sampled), *(("top", t) for t in lp.top)):
+        if not 0 <= entry.token_id < vocab_size:
+            return f"{name}.token_id {entry.token_id} is outside the vocabulary (0 .. {vocab_size - 1})"
+        if not (math.isfinite(entry.logprob) and entry.logprob <= LOGPROB_EPSILON):
+            return f"{name}.logprob {entry.logprob!r} of token {entry.token_id} is not a finite value <= 0"
+    return None
