@@ -52,7 +52,6 @@ def certs(tmp_path_factory) -> Path:
 class Secure(Service):
     certs: Path = Path()
     logs: Path = Path()
-    worker_listen: str = ""
 
     def credentials(self) -> grpc.ChannelCredentials:
         return grpc.ssl_channel_credentials(root_certificates=(self.certs / "ca.pem").read_bytes())
@@ -82,7 +81,7 @@ def secure(tiny_served_model, certs, tmp_path_factory):
                                   "--tls-cert", str(certs / "server.pem"), "--tls-key", str(certs / "server-key.pem"),
                                   "--tls-ca", str(certs / "ca.pem"), "--api-key-file", str(certs / "api-keys")],
                                  stderr=err)
-    s = Secure(tiny_served_model, listen, metrics, [sched], http, certs, logs, worker_listen)
+    s = Secure(tiny_served_model, listen, metrics, [sched], http, worker_listen, certs, logs)
     worker, _ = s.start_worker("worker", *s.cert_args())
     s.procs.insert(0, worker)
     try:

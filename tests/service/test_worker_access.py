@@ -63,7 +63,6 @@ def test_with_insecure_workers_it_starts_and_warns(tiny_served_model, tmp_path):
 @dataclass
 class Gated(Service):
     logs: Path = Path()
-    worker_listen: str = ""
     tokens: Path = Path()
 
     def start_worker(self, name: str, *extra: str) -> tuple[subprocess.Popen, Path]:
@@ -96,7 +95,7 @@ def gated(tiny_served_model, tmp_path_factory):
                                   "--worker-listen", f"0.0.0.0:{port}", "--metrics", metrics,
                                   "--max-num-batched-tokens", str(MAX_BATCHED),
                                   "--worker-token-file", str(tokens / "scheduler")], stderr=err)
-    g = Gated(tiny_served_model, listen, metrics, [sched], "", logs, f"127.0.0.1:{port}", tokens)
+    g = Gated(tiny_served_model, listen, metrics, [sched], "", f"127.0.0.1:{port}", logs, tokens)
     worker, _ = g.start_worker("worker", "--worker-token-file", str(tokens / "worker"))
     g.procs.insert(0, worker)  # NOTE: procs are [worker, scheduler], as Service.worker_paused expects
     try:
