@@ -2,14 +2,14 @@
 slowloris connections (a header byte every 5 s) are held against the HTTP front, in one run; the scheduler's RSS
 and open descriptors before, during and after.
 
-    python bench/attack.py [--model DIR] [--idle 1100] [--slowloris 200] [--tokens 300] [--streams 3] [--nofile 1024]
+    python bench/attack.py [--model DIR] [--idle 1100] [--slowloris 200] [--tokens 300] [--seconds 25] [--nofile 1024]
 
 Starts `pagedserve scheduler` (with --http) and one CPU worker on loopback over the tests' tiny model (or --model),
 the scheduler under a soft open files limit of --nofile (the issue's 1024; it raises it to its hard limit at start).
 The attacker runs in a process of its own (so that its sockets do not share the measuring client's event loop)
 and holds its connections: one the server closes (--header-timeout, the cap) is opened again a second later. The
-honest streams are greedy gRPC streams of --tokens tokens each (--streams of them per phase). Prints the phases and
-last one line:
+honest streams are greedy gRPC streams of --tokens tokens each, one after another for --seconds per phase. Prints
+the phases and last one line:
 
     attack itl_p99_ratio=X itl_idle_p99_ms=.. itl_attack_p99_ms=.. rss_mb_before=.. rss_mb_during=.. rss_mb_after=..
     fds_before=.. fds_during=.. fds_after=..
@@ -113,11 +113,12 @@ async def stream_gaps(stub, tokens: int) -> list[float]:
     return gaps
 
 
-async def phase(address: str, tokens: int, streams: int) -> list[float]:
+async def phase(address: str, tokens: int, seconds: float) -> list[float]:
+    """The gaps of streams run one after another until `seconds` are over (one at least)."""
     async with grpc.aio.insecure_channel(address) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
-        gaps = []
-        for _ in range(streams):
+        gaps, end = [], time.monotonic() + seconds
+        while not gaps or time.monotonic() < end:
             gaps += await stream_gaps(stub, tokens)
         return gaps
 
@@ -132,9 +133,10 @@ def main(argv=None) -> int:
     ap.add_argument("--idle", type=int, default=1100, help="idle connections held")
     ap.add_argument("--slowloris", type=int, default=200, help="slowloris connections held")
     ap.add_argument("--tokens", type=int, default=300, help="tokens of each measured stream")
-    ap.add_argument("--streams", type=int, default=3, help="measured streams per phase")
+    ap.add_argument("--seconds", type=float, default=25.0, help="each phase streams this long: over the 10 s "
+                                                                  "--header-timeout, so closes and reopens happen")
     ap.add_argument("--nofile", type=int, default=1024, help="the scheduler's soft open files limit at start")
-    ap.add_argument("--settle", type=float, default=5.0, help="seconds between the attack's start and measuring")
+    ap.add_argument("--settle", type=float, default=3.0, help="seconds between the attack's start and measuring")
     ap.add_argument("--scheduler-args", default="", help="more `pagedserve scheduler` arguments")
     ap.add_argument("--out", default=None, help="folder for the servers' logs (default: a temporary one)")
     args = ap.parse_args(argv)
@@ -153,9 +155,9 @@ def main(argv=None) -> int:
                                scheduler_preexec=lowered_soft_limit)
     pid = server.scheduler_pid
     try:
-        asyncio.run(phase(server.address, 16, 1))  # warm-up
+        asyncio.run(phase(server.address, 16, 0))  # warm-up
         rss_before, fds_before = rss_mb(pid), num_fds(pid)
-        idle = asyncio.run(phase(server.address, args.tokens, args.streams))
+        idle = asyncio.run(phase(server.address, args.tokens, args.seconds))
         print(f"idle: itl_p50_ms={percentiles(idle)['p50'] * 1e3:.1f} itl_p99_ms={p99_ms(idle):.1f} "
               f"samples={len(idle)}", flush=True)
         ctx = multiprocessing.get_context("spawn")
@@ -165,7 +167,7 @@ def main(argv=None) -> int:
                                                             results))
         attacker.start()
         time.sleep(args.settle)
-        attacked = asyncio.run(phase(server.address, args.tokens, args.streams))
+        attacked = asyncio.run(phase(server.address, args.tokens, args.seconds))
         rss_during, fds_during = rss_mb(pid), num_fds(pid)
         stop_flag.set()
         counts = results.get(timeout=120)

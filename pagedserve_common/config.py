@@ -112,8 +112,8 @@ class ConnectionOptions:
         default_text=f"a quarter of the open files limit, at most {DEFAULT_MAX_CONNECTIONS}", up=GIVEN)
     header_timeout: float = option(10.0, "a connection that has not sent a whole HTTP request head (or finished its "
                                          "gRPC handshake) this long after it opened or got its last answer is closed "
-                                         "(HTTP: 408 if it sent part of one)", type=at_least(float, 1e-3, "seconds > 0"),
-                                   metavar="SECONDS", up=GIVEN)
+                                         "(HTTP: 408 if it sent part of one)",
+                                   type=at_least(float, 1e-3, "seconds > 0"), metavar="SECONDS", up=GIVEN)
     body_timeout: float = option(30.0, "an HTTP request body that brings no byte for this long is closed",
                                  type=at_least(float, 1e-3, "seconds > 0"), metavar="SECONDS", up=GIVEN)
 

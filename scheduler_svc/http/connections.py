@@ -18,9 +18,9 @@ log = structlog.get_logger("pagedserve.http")
 
 MAX_HEAD_BYTES = 64 << 10  # a request line and headers beyond this get 431 (h11's limit on an incomplete event)
 # NOTE: a refusal (503, 408, 431, 400) is written, then what the client still sends is read and dropped until it
-# has been quiet LINGER_IDLE seconds (new bytes extend that for LINGER_MAX at most) before the close: closing with unread bytes would make the
-# kernel send a reset, which can destroy the answer before the client reads it (scheduler_svc.http.limits does the
-# same for a 413).
+# has been quiet LINGER_IDLE seconds (new bytes extend that for LINGER_MAX at most) before the close: closing with
+# unread bytes would make the kernel send a reset, which can destroy the answer before the client reads it
+# (scheduler_svc.http.limits does the same for a 413).
 LINGER_IDLE = 0.5
 LINGER_MAX = 5.0
 # NOTE: refusals lingering at once, beyond which a connection over the cap is closed at once without an answer: a

@@ -173,9 +173,13 @@ def test_connections_over_the_cap_get_503_while_the_streams_held_complete(guarde
     max_tokens = 24
     reference = grpc_greedy_text(service, max_tokens)
 
-    async def stream() -> bytes:
+    async def open_stream() -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         reader, writer = await asyncio.open_connection(host, port)
         writer.write(completion_request(service.model_dir, max_tokens))
+        await writer.drain()
+        return reader, writer
+
+    async def read_stream(reader, writer) -> bytes:
         try:
             return await read_until_closed(reader, RPC_TIMEOUT)
         finally:
@@ -190,14 +194,13 @@ def test_connections_over_the_cap_get_503_while_the_streams_held_complete(guarde
             writer.close()
 
     async def attack() -> tuple[list[bytes], list[bytes]]:
-        # NOTE: with the worker stopped, MAX_HTTP streams hold every connection the cap allows (a connection
-        # waiting for its answer has no timeout)
+        # NOTE: with the worker stopped no stream can finish, so MAX_HTTP streams hold every connection the cap
+        # allows (a connection waiting for its answer has no timeout). The server accepts connections in the order
+        # they were made, so the ones opened after these are over the cap.
         with service.worker_paused():
-            streams = [asyncio.create_task(stream()) for _ in range(MAX_HTTP)]
-            await asyncio.to_thread(wait_until, lambda: service.metric("pagedserve_requests_waiting")
-                                    + service.metric("pagedserve_requests_running") == MAX_HTTP)
+            held = [await open_stream() for _ in range(MAX_HTTP)]
             refused = await asyncio.gather(*(over_cap() for _ in range(5)))
-        return await asyncio.gather(*streams), refused
+        return await asyncio.gather(*(read_stream(*h) for h in held)), refused
 
     answers, refused = asyncio.run(attack())
     for answer in refused:
