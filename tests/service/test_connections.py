@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import resource
+import socket
 import subprocess
 import sys
 import time
@@ -128,6 +129,25 @@ def test_slowloris_and_idle_connections_are_closed_within_the_header_timeout(gua
     assert httpx.get(f"http://{service.http}/v1/models", timeout=60).status_code == 200
 
 
+def test_connections_that_never_speak_http2_to_the_grpc_ports_are_closed_within_the_header_timeout(guarded):
+    service, server = guarded
+
+    async def silent(address: str) -> bytes:
+        reader, writer = await asyncio.open_connection(*host_port(address))
+        try:
+            return await read_until_closed(reader)
+        finally:
+            writer.close()
+
+    async def attack() -> list[bytes]:
+        return await asyncio.gather(*(silent(a) for a in [service.address] * 4 + [server.worker_listen] * 4))
+
+    answers = asyncio.run(attack())  # NOTE: each read ends when the port closes the connection (or the hang guard)
+    assert len(answers) == 8 and all(not a or b"timeout" in a for a in answers), answers  # grpc's GOAWAY says why
+    assert grpc_greedy_text(service, 4)  # the client API still serves, and the worker is still attached
+    assert service.metric("pagedserve_workers") == 1
+
+
 def test_a_stalled_chunked_body_is_closed(guarded):
     service, server = guarded
     host, port = host_port(service.http)
@@ -222,6 +242,46 @@ def start_worker(model_dir: str, worker_listen: str, log_path) -> subprocess.Pop
                                  "--model", model_dir, "--threads", "1"], stderr=log)
 
 
+def test_at_a_low_open_files_limit_the_default_cap_keeps_descriptors_for_every_port(tiny_served_model, tmp_path):
+    """The issue's attack (more idle connections than descriptors) against the default --max-http-connections."""
+    http = f"127.0.0.1:{free_port()}"
+    server = LocalServer.start(tiny_served_model, tmp_path, scheduler_preexec=lowered_open_files_limit,
+                               scheduler_args=("--http", http, "--header-timeout", "600"))
+    service = Service(tiny_served_model, server.address, server.metrics, server.procs, http)
+    sockets = []
+    try:
+        for _ in range(NUM_FILES + 64):
+            sockets.append(socket.create_connection(host_port(http), timeout=60))
+        # NOTE: a quarter of 256 held, the others refused. The gRPC port and metrics answer meanwhile, and so does
+        # the HTTP front: 503, once it has refused the burst (asyncio accepts a burst before the protocol can refuse
+        # any, so a burst larger than the free descriptors still hits the limit for a moment; it retries a second
+        # later, and a new connection caught in the burst may see a reset)
+        assert grpc_greedy_text(service, 4)
+        assert "pagedserve_workers" in scrape(server.metrics)
+
+        def refused_with_503() -> bool:
+            try:
+                over = httpx.get(f"http://{http}/v1/models", timeout=60)
+            except httpx.TransportError:
+                return False
+            return over.status_code == 503 and "--max-http-connections" in over.json()["error"]["message"]
+        wait_until(refused_with_503)
+        assert grpc_greedy_text(service, 4)
+        accept_errors = [line for line in server.scheduler_log.read_text(errors="replace").splitlines()
+                         if "cannot accept connections" in line]
+        assert len(accept_errors) <= 3, accept_errors
+        for s in sockets:
+            s.close()
+        sockets.clear()
+        wait_until(lambda: httpx.get(f"http://{http}/v1/models", timeout=60).status_code == 200)
+        assert_idle_and_serving(service)
+        assert not server.error_lines()
+    finally:
+        for s in sockets:
+            s.close()
+        server.stop()
+
+
 def test_descriptor_exhaustion_is_logged_once_a_while_and_every_port_recovers(tiny_served_model, tmp_path):
     """No cap here (--max-http-connections above the limit): idle connections take every descriptor."""
     http = f"127.0.0.1:{free_port()}"
@@ -229,7 +289,6 @@ def test_descriptor_exhaustion_is_logged_once_a_while_and_every_port_recovers(ti
                                scheduler_args=("--http", http, "--max-http-connections", "100000",
                                                "--header-timeout", "600"))
     service = Service(tiny_served_model, server.address, server.metrics, server.procs, http)
-    host, port = host_port(http)
     sockets = []
     try:
         log = server.scheduler_log
@@ -239,9 +298,8 @@ def test_descriptor_exhaustion_is_logged_once_a_while_and_every_port_recovers(ti
             return [json.loads(line) for line in log.read_text(errors="replace").splitlines()
                     if "cannot accept connections" in line]
 
-        import socket
         for _ in range(NUM_FILES + 64):  # more than the scheduler can hold; the rest wait in its backlog
-            sockets.append(socket.create_connection((host, port), timeout=60))
+            sockets.append(socket.create_connection(host_port(http), timeout=60))
         wait_until(lambda: accept_error_lines())
         server.procs[0].kill()  # a worker that dies now, and its replacement, which cannot get in yet
         server.procs[0].wait()
