@@ -36,16 +36,6 @@ def raise_open_files_limit(process: str) -> int:
     return raised
 
 
-def num_open_descriptors() -> int | None:
-    """This process's open descriptors (Linux), or None where /proc cannot say."""
-    import os
-
-    try:
-        return len(os.listdir("/proc/self/fd")) - 1  # NOTE: minus the one listdir itself holds
-    except OSError:
-        return None
-
-
 @dataclass(slots=True)
 class EveryInterval:
     """Logs a recurring event at most once per `interval` seconds per key, with how many times it happened since
@@ -87,5 +77,4 @@ class AcceptErrors:
         error = errno.errorcode.get(getattr(exc, "errno", None) or 0, str(exc))
         self.limit.note(error, lambda count: log.warning(
             "cannot accept connections: out of descriptors or memory; retrying every second", error=error,
-            count=count, interval_s=self.limit.interval, open_descriptors=num_open_descriptors(),
-            limit=resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
+            count=count, interval_s=self.limit.interval, limit=resource.getrlimit(resource.RLIMIT_NOFILE)[0]))
