@@ -71,6 +71,9 @@ def run_worker(args: argparse.Namespace) -> int:
     # exits. Both before the imports below, which take seconds; configure() too: no progress bars in JSON logs.
     exit_on_stop_signals()
     configure()
+    from pagedserve_common.descriptors import raise_open_files_limit
+
+    raise_open_files_limit("worker")
     from worker_svc.client import run_worker as run
     from worker_svc.worker import WorkerConfig
 

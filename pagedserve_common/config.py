@@ -37,6 +37,7 @@ MAX_WORKER_BLOCKS = 1 << 22
 # leaves room for whitespace runs and long words while refusing a multi-megabyte prompt before it costs seconds of
 # tokenizing.
 PROMPT_CHARS_PER_TOKEN = 32
+DEFAULT_MAX_CONNECTIONS = 4096  # --max-http-connections and --max-grpc-connections at most, when not set
 
 TLS_SERVER_NAME_HELP = "check the server's certificate for NAME instead of the host dialled"
 WORKER_TOKEN_HELP = "worker tokens, one a line (# comments)"
@@ -117,6 +118,26 @@ class LimitOptions:
 
 
 @dataclass(slots=True)
+class ConnectionOptions:
+    """Connection bounds of the HTTP front and the gRPC ports (scheduler_svc.http.connections, scheduler_svc.server):
+    the caps default to a share of the open files limit (raised to the hard limit at start)."""
+
+    max_http_connections: int | None = option(
+        None, "open connections to the HTTP front; one more gets 503 and is closed", type=at_least(int, 1, _POSITIVE),
+        metavar="N", default_text=f"a quarter of the open files limit, at most {DEFAULT_MAX_CONNECTIONS}", up=GIVEN)
+    max_grpc_connections: int | None = option(
+        None, "open connections to the client API (--listen); one more is closed at once",
+        type=at_least(int, 1, _POSITIVE), metavar="N",
+        default_text=f"a quarter of the open files limit, at most {DEFAULT_MAX_CONNECTIONS}", up=GIVEN)
+    header_timeout: float = option(10.0, "a connection that has not sent a whole HTTP request head (or finished its "
+                                         "gRPC handshake) this long after it opened or got its last answer is closed "
+                                         "(HTTP: 408 if it sent part of one)",
+                                   type=at_least(float, 1e-3, "seconds > 0"), metavar="SECONDS", up=GIVEN)
+    body_timeout: float = option(30.0, "an HTTP request body that brings no byte for this long is closed",
+                                 type=at_least(float, 1e-3, "seconds > 0"), metavar="SECONDS", up=GIVEN)
+
+
+@dataclass(slots=True)
 class SchedulerAccess:
     """NOTE: paths only, so that no key (TLS or API) reaches a repr or a log line."""
 
@@ -150,6 +171,7 @@ class SchedulerOptions:
     network: SchedulerNetwork = group(SchedulerNetwork, "network")
     engine: EngineOptions = group(EngineOptions, "batching, KV cache, routing and failures")
     limits: LimitOptions = group(LimitOptions, "input bounds")
+    connections: ConnectionOptions = group(ConnectionOptions, "connection bounds")
     access: SchedulerAccess = group(SchedulerAccess, "access (TLS, API keys, worker tokens)")
 
 

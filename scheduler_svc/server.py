@@ -16,7 +16,8 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import start_http_server
 
 from pagedserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
-from pagedserve_common.config import SchedulerOptions
+from pagedserve_common.config import DEFAULT_MAX_CONNECTIONS, ConnectionOptions, SchedulerOptions
+from pagedserve_common.descriptors import AcceptErrors, raise_open_files_limit
 from pagedserve_common.options import values
 from scheduler_svc import gc_policy
 from scheduler_svc.auth import Access, add_port
@@ -76,6 +77,41 @@ def pending_call_options(max_queued_requests: int) -> tuple[tuple[str, int], ...
     return (("grpc.server.max_pending_requests", limit), ("grpc.server.max_pending_requests_hard_limit", limit))
 
 
+# NOTE: the worker port's connection bounds. Workers are few, and each needs one connection with one stream (Attach,
+# which lasts as long as the worker): these leave room for a large fleet and its reconnections, not for a flood.
+MAX_WORKER_CONNECTIONS = 1024
+MAX_WORKER_STREAMS = 16  # per connection
+MAX_WORKER_RPCS = 1024
+IDLE_CONNECTION_MS = 300_000  # a connection with no RPC this long gets a GOAWAY (clients reconnect on their next)
+
+
+@dataclass(slots=True, frozen=True)
+class ConnectionCaps:
+    """How many connections each port holds at once."""
+
+    http: int
+    grpc: int
+    workers: int
+
+    @classmethod
+    def of(cls, opts: ConnectionOptions, num_files: int) -> ConnectionCaps:
+        """The flags', else shares of the open files limit `num_files`: a quarter each for the HTTP front and the
+        client API, an eighth for the worker port, the rest for everything else (refusals under way, the
+        tokenizer processes' pipes, model files, metrics)."""
+        share = max(16, min(DEFAULT_MAX_CONNECTIONS, num_files // 4))
+        return cls(http=opts.max_http_connections or share, grpc=opts.max_grpc_connections or share,
+                   workers=max(8, min(MAX_WORKER_CONNECTIONS, num_files // 8)))
+
+
+def connection_options(max_connections: int, header_timeout: float) -> tuple[tuple[str, int], ...]:
+    """grpc core's bounds on a port's connections. NOTE: beyond max_allowed_incoming_connections grpc accepts a
+    connection and closes it at once; the handshake timeout closes one that never speaks HTTP/2 (or TLS); the
+    idle timeout closes one with no RPC, never one with a stream open, however long (Generate, Attach)."""
+    return (("grpc.max_allowed_incoming_connections", max_connections),
+            ("grpc.server_handshake_timeout_ms", max(1, round(header_timeout * 1000))),
+            ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS))
+
+
 def input_limits(cfg: ServerConfig, max_model_len: int) -> Limits:
     """The client APIs' input bounds: those with a flag from it, the fixed ones from Limits."""
     return Limits.for_model(max_model_len, **values(cfg.limits))
@@ -85,6 +121,8 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
     a, net = cfg.access, cfg.network
     access = Access.load(a.tls_cert, a.tls_key, a.tls_ca, a.api_key_file)  # first: a bad file fails fast
     gate = WorkerGate.load(net.worker_listen, a.worker_token_file, access.mutual, a.insecure_workers)
+    caps = ConnectionCaps.of(cfg.connections, raise_open_files_limit("scheduler"))
+    asyncio.get_running_loop().set_exception_handler(AcceptErrors())
     tokenizer = Tokenizer.from_model_dir(cfg.model_dir)
     engine = Engine(engine_config(cfg, tokenizer))
     limits = input_limits(cfg, engine.config.max_model_len)
@@ -101,16 +139,20 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
 
     engine.on_workers_changed = on_workers_changed
     # NOTE: grpc refuses a larger message with RESOURCE_EXHAUSTED before the servicer (or the parser) sees it.
-    clients = grpc.aio.server(options=(("grpc.max_receive_message_length", limits.max_message_size),
-                                       *pending_call_options(cfg.engine.max_queued_requests)),
-                              interceptors=access.interceptors())
+    pending = pending_call_options(cfg.engine.max_queued_requests)
+    clients = grpc.aio.server(options=(("grpc.max_receive_message_length", limits.max_message_size), *pending,
+                                       *connection_options(caps.grpc, cfg.connections.header_timeout)),
+                              interceptors=access.interceptors(),
+                              maximum_concurrent_rpcs=pending[0][1])  # NOTE: beyond, RESOURCE_EXHAUSTED at once
     add_generation_servicer(GenerationServicer(frontend), clients)
     health_pb2_grpc.add_HealthServicer_to_server(health, clients)
     reflection.enable_server_reflection(
         (generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
          health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), clients)
     add_port(clients, net.listen, access.clients)
-    workers = grpc.aio.server(options=WORKER_SERVER_OPTIONS)
+    workers = grpc.aio.server(options=(*WORKER_SERVER_OPTIONS, ("grpc.max_concurrent_streams", MAX_WORKER_STREAMS),
+                                       *connection_options(caps.workers, cfg.connections.header_timeout)),
+                              maximum_concurrent_rpcs=MAX_WORKER_RPCS)
     worker_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(engine, gate.tokens), workers)
     reflection.enable_server_reflection(
         (worker_pb2.DESCRIPTOR.services_by_name["WorkerControl"].full_name, reflection.SERVICE_NAME), workers)
@@ -121,9 +163,11 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
     http = None
     if net.http:
         from scheduler_svc.http.app import create_app
+        from scheduler_svc.http.connections import ConnectionLimits
         from scheduler_svc.http.server import HttpServer
 
-        http = HttpServer(create_app(frontend, access.api_keys), net.http, ssl=access.http_ssl)
+        http = HttpServer(create_app(frontend, access.api_keys), net.http, ConnectionLimits(
+            caps.http, cfg.connections.header_timeout, cfg.connections.body_timeout), ssl=access.http_ssl)
     await workers.start()
     await clients.start()
     if http is not None:
@@ -131,7 +175,9 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
     gc_policy.settle()  # NOTE: start-up is done: what it left alive is frozen, never walked by a collection again
     log.info("scheduler listening", listen=net.listen, worker_listen=net.worker_listen, http=net.http,
              metrics=net.metrics, model=cfg.model, tls=access.clients is not None, mutual_tls=access.mutual,
-             api_keys=len(access.api_keys or ()), worker_auth=gate.auth, worker_tokens=len(gate.tokens or ()))
+             api_keys=len(access.api_keys or ()), worker_auth=gate.auth, worker_tokens=len(gate.tokens or ()),
+             max_http_connections=caps.http if net.http else None, max_grpc_connections=caps.grpc,
+             max_worker_connections=caps.workers)
     if gate.insecure:
         log.warning("the worker port is reachable from other hosts and authenticates no worker "
                     "(--insecure-workers): whoever reaches it can attach as a worker and receive prompts",

@@ -20,6 +20,7 @@ class LocalServer:
     metrics: str
     log_dir: Path
     procs: list = field(default_factory=list)  # [worker, scheduler]
+    worker_listen: str = ""
 
     @property
     def scheduler_pid(self) -> int:
@@ -30,20 +31,22 @@ class LocalServer:
         return self.log_dir / "scheduler.log"
 
     @classmethod
-    def start(cls, model_dir: str, log_dir: Path, scheduler_args=(), worker_args=(), timeout: float = 180):
+    def start(cls, model_dir: str, log_dir: Path, scheduler_args=(), worker_args=(), timeout: float = 180,
+              scheduler_preexec=None):
+        """`scheduler_preexec`: run in the scheduler's process before it starts (e.g. to lower a resource limit)."""
         from pagedserve_cli.up_cmd import wait_healthy
 
         listen, worker_listen, metrics = (f"127.0.0.1:{free_port()}" for _ in range(3))
         exe = [sys.executable, "-m", "pagedserve_cli.main"]
         log_dir.mkdir(parents=True, exist_ok=True)
-        server = cls(listen, metrics, log_dir)
+        server = cls(listen, metrics, log_dir, worker_listen=worker_listen)
         with open(log_dir / "scheduler.log", "wb") as slog, open(log_dir / "worker.log", "wb") as wlog:
             server.procs.append(subprocess.Popen(
                 [*exe, "worker", "--scheduler", worker_listen, "--model", model_dir, "--threads", "1",
                  *worker_args], stderr=wlog))
             server.procs.append(subprocess.Popen(
                 [*exe, "scheduler", "--model", model_dir, "--listen", listen, "--worker-listen", worker_listen,
-                 "--metrics", metrics, "--http", "", *scheduler_args], stderr=slog))
+                 "--metrics", metrics, "--http", "", *scheduler_args], stderr=slog, preexec_fn=scheduler_preexec))
         try:
             wait_healthy(listen, timeout, server.procs)
         except BaseException:

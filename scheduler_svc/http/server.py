@@ -4,9 +4,17 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
+import functools
 import socket
 
 import uvicorn
+
+from pagedserve_common.descriptors import OUT_OF_RESOURCE_ERRNOS
+from scheduler_svc.http.connections import MAX_HEAD_BYTES, ConnectionLimits, GuardedH11Protocol
+
+KEEP_ALIVE_S = 5  # uvicorn's default: an idle keep-alive connection is closed after it
+LISTEN_BACKLOG = 2048  # uvicorn's: connections the kernel holds before this process accepts them
 
 
 class _Server(uvicorn.Server):
@@ -23,16 +31,40 @@ def parse_address(address: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
+class _Listener(socket.socket):
+    """The listening socket. NOTE: after an accept() that fails for want of descriptors, asyncio (3.11) tries again
+    up to `backlog` times in the same tick and schedules a retry a second later for each failure; those retries
+    each do the same, so the failures multiply (the issue saw 785,622 in 70 s). Raising BlockingIOError for the
+    attempt after a failure makes asyncio stop the burst (it reads it as "nothing to accept"): one attempt and one
+    retry a second."""
+
+    def accept(self):
+        if getattr(self, "failed", False):
+            self.failed = False
+            raise BlockingIOError(errno.EAGAIN, "backing off after an accept() failure")
+        try:
+            return super().accept()
+        except OSError as e:
+            self.failed = e.errno in OUT_OF_RESOURCE_ERRNOS
+            raise
+
+
 class HttpServer:
     """uvicorn on a socket bound here (so that a taken port fails the scheduler's start with a clear error)."""
 
-    def __init__(self, app, address: str, ssl: tuple[str, str] | None = None) -> None:
+    def __init__(self, app, address: str, limits: ConnectionLimits, ssl: tuple[str, str] | None = None) -> None:
         host, port = parse_address(address)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        self.socket = socket.create_server((host, port), family=family)
+        bound = socket.create_server((host, port), family=family)
+        self.socket = _Listener(bound.family, bound.type, bound.proto, fileno=bound.detach())
         self.address = address
+        self.limits = limits
         certfile, keyfile = ssl or (None, None)  # HTTPS with the scheduler's --tls-cert/--tls-key
-        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", http="h11", ws="none",
+        # NOTE: uvicorn closes an idle keep-alive connection after timeout_keep_alive (5 s); the other bounds are
+        # GuardedH11Protocol's
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", ws="none",
+                                http=functools.partial(GuardedH11Protocol, limits=limits), backlog=LISTEN_BACKLOG,
+                                h11_max_incomplete_event_size=MAX_HEAD_BYTES, timeout_keep_alive=KEEP_ALIVE_S,
                                 timeout_graceful_shutdown=1, ssl_certfile=certfile, ssl_keyfile=keyfile)
         self._server = _Server(config)
         self._task: asyncio.Task | None = None

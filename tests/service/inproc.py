@@ -16,6 +16,7 @@ from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.grpc.servicers import GenerationServicer, WorkerControlServicer, add_generation_servicer
 from scheduler_svc.frontend import FrontEnd, Tokenizer
 from scheduler_svc.http.app import create_app
+from scheduler_svc.http.connections import ConnectionLimits
 from scheduler_svc.http.server import HttpServer
 from tests.service.conftest import free_port
 from pagedserve_common.defaults import DEFAULT_MODEL
@@ -148,7 +149,8 @@ class Front:
     """The HTTP front of `engine` on a free loopback port, as the scheduler runs it (same event loop)."""
 
     def __init__(self, engine) -> None:
-        self.http = HttpServer(create_app(FrontEnd(engine, tokenizer())), f"127.0.0.1:{free_port()}")
+        self.http = HttpServer(create_app(FrontEnd(engine, tokenizer())), f"127.0.0.1:{free_port()}",
+                               ConnectionLimits(max_connections=64, header_timeout=10.0, body_timeout=30.0))
         self.client = httpx.AsyncClient(base_url=f"http://{self.http.address}", timeout=30)
 
     async def __aenter__(self) -> httpx.AsyncClient:
