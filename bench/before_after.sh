@@ -4,7 +4,9 @@
 #   usage: bench/before_after.sh BASE_REV [FIGURES]      FIGURES: any of sched_scale sched_vs_vllm vs_vllm
 #                                                                  plan_codec suite (default: all of them)
 #   env:   VLLM_CORE_VENV (/work/vllm_core_venv), VLLM_VENV (/work/vllm_venv): the peers of ../shared/peers;
-#          MODEL_DIR (default: `pagedserve model pull`'s); OUT (bench/out/before_after-YYYYmmdd-HHMMSS); PYTHON
+#          MODEL_DIR (default: `pagedserve model pull`'s); OUT (bench/out/before_after-YYYYmmdd-HHMMSS); PYTHON;
+#          ROUNDS (1): sched_scale runs before, after, before, after, ... ROUNDS times each and reports the medians
+#          (a noisy shared machine slows whole minutes down: alternating puts both sides in the same minutes)
 # Every line it prints that starts with `before_after` names a figure and its two values: `before=X after=Y`.
 set -euo pipefail
 base_rev=${1:?usage: bench/before_after.sh BASE_REV [FIGURES]}
@@ -28,6 +30,12 @@ in_tree() {  # in_tree TREE CMD...: runs CMD in TREE with TREE's packages first 
   (cd "$tree" && PYTHONPATH="$tree:$tree/protos" "$@")
 }
 
+median_mean() {  # median_mean SIDE B: sched_scale's mean ms per step at batch B, the median over the rounds
+  # NOTE: the table's row `batch B 0 16 mean_ms ...`, as both versions print it
+  cat "$out"/sched_scale_"$1"_*.txt | awk -v b="$2" '$1 == "batch" && $2 == b {print $5}' | sort -g |
+    awk '{v[NR] = $1} END {print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2}'
+}
+
 field() {  # field FILE NAME: the last NAME=value in FILE
   grep -o "$2=[^ ]*" "$1" | tail -1 | cut -d= -f2
 }
@@ -35,22 +43,22 @@ field() {  # field FILE NAME: the last NAME=value in FILE
 for figure in $figures; do
   case $figure in
   sched_scale)  # mean ms per step at B = 64, 256, 1,024 (100,000 queued) and the longest pause
-    for side in before after; do
-      tree=$([ $side = before ] && echo "$base" || echo "$new")
-      in_tree "$tree" "$py" bench/sched_scale.py --batch-sizes 64,256,1024 --cached-blocks "" --block-sizes "" \
-        --out "$out/sched_scale_$side" > "$out/sched_scale_$side.txt"
+    for round in $(seq "${ROUNDS:-1}"); do
+      for side in before after; do
+        tree=$([ $side = before ] && echo "$base" || echo "$new")
+        in_tree "$tree" "$py" bench/sched_scale.py --batch-sizes 64,256,1024 --cached-blocks "" --block-sizes "" \
+          --out "$out/sched_scale_${side}_$round" > "$out/sched_scale_${side}_$round.txt"
+      done
     done
     for b in 64 256 1024; do
-      for side in before after; do
-        # NOTE: the table's row `batch B 0 16 mean_ms ...`, as both versions print it
-        eval "${side}=\$(awk -v b=$b '\$1 == \"batch\" && \$2 == b {print \$5; exit}' \"$out/sched_scale_$side.txt\")"
-      done
-      echo "before_after sched_scale_mean_ms_B$b before=$before after=$after"
+      echo "before_after sched_scale_mean_ms_B$b before=$(median_mean before $b) after=$(median_mean after $b)"
     done
     # The longest pause at B=1,024: after, the longest step whole (max_step_ms); before (which timed full
-    # collections apart), the mean full-collection pause it reported (full_gc_ms) at the largest batch.
-    echo "before_after sched_scale_longest_pause_ms before=$(field "$out/sched_scale_before.txt" pause_ms)" \
-         "after=$(field "$out/sched_scale_after.txt" max_step_ms)"
+    # collections apart), the mean full-collection pause it reported (full_gc_ms) at the largest batch. The largest
+    # over the rounds.
+    echo "before_after sched_scale_longest_pause_ms" \
+         "before=$(cat "$out"/sched_scale_before_*.txt | grep -o 'pause_ms=[^ ]*' | cut -d= -f2 | sort -g | tail -1)" \
+         "after=$(cat "$out"/sched_scale_after_*.txt | grep -o 'max_step_ms=[^ ]*' | cut -d= -f2 | sort -g | tail -1)"
     ;;
   sched_vs_vllm)
     for side in before after; do
