@@ -7,7 +7,6 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,9 +14,10 @@ import grpc
 import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
-from pagedserve.v1 import generate_pb2_grpc, worker_pb2, worker_pb2_grpc
+from pagedserve.v1 import generate_pb2_grpc
 from scheduler_svc.worker_auth import token_id
 from tests.service.conftest import MAX_BATCHED, Service, free_port, start_worker, stop_processes, wait_until
+from tests.support.fake_worker import FakeWorker, registration
 from tests.support.processes import wait_for_line
 from tests.support.worker import assert_same_greedy, reference_greedy, reference_model
 
@@ -105,50 +105,9 @@ def gated(tiny_served_model, tmp_path_factory):
         stop_processes(g.procs)
 
 
-def registration(model_id: str, name: str) -> worker_pb2.WorkerMessage:
-    """A registration the scheduler would take (the model it serves, a small pool)."""
-    return worker_pb2.WorkerMessage(registration=worker_pb2.WorkerRegistration(
-        model_id=model_id, name=name, max_model_len=128, device="cpu", num_blocks=64,
-        kv_geometry=worker_pb2.KVGeometry(num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32",
-                                          block_size=16)))
-
-
-class FakeWorker:
-    """A worker written from the protos: it registers, keeps its stream open and records every plan it receives,
-    until the scheduler ends the call or `close()`."""
-
-    def __init__(self, gated: Gated, name: str, metadata=()) -> None:
-        self.channel = grpc.insecure_channel(gated.worker_listen)
-        self.closed = threading.Event()
-        self.plans: list = []
-        self.error: grpc.RpcError | None = None
-        first = registration(gated.model_dir, name)
-
-        def messages():
-            yield first
-            self.closed.wait(120)
-
-        self.call = worker_pb2_grpc.WorkerControlStub(self.channel).Attach(messages(), metadata=metadata, timeout=120)
-        self.reader = threading.Thread(target=self._read, daemon=True)
-        self.reader.start()
-
-    def _read(self) -> None:
-        try:
-            for plan in self.call:
-                self.plans.append(plan)
-        except grpc.RpcError as e:
-            self.error = e
-        finally:
-            self.closed.set()
-
-    def ended(self) -> bool:
-        return self.closed.is_set()
-
-    def close(self) -> None:
-        self.call.cancel()
-        self.closed.set()
-        self.reader.join(30)
-        self.channel.close()
+def fake_worker(gated: Gated, name: str, metadata=()) -> FakeWorker:
+    """A worker written from the protos (tests/support/fake_worker.py), registering as `name` with `metadata`."""
+    return FakeWorker(gated.worker_listen, registration(gated.model_dir, name=name, max_model_len=128), metadata)
 
 
 def generate(gated: Gated) -> list[int]:
@@ -168,12 +127,12 @@ def bearer(token: str) -> tuple[tuple[str, str], ...]:
                                                                              "no worker token"),
     (bearer(TOKEN) + bearer(TOKEN), "more than one authorization")], ids=["none", "wrong", "no-scheme", "two"])
 def test_a_fake_worker_without_a_valid_token_is_unauthenticated_and_gets_no_plan(gated, metadata, why):
-    fake = FakeWorker(gated, "evil:666", metadata)
+    fake = fake_worker(gated, "evil:666", metadata)
     try:
-        wait_until(fake.ended)
-        assert fake.error is not None and fake.error.code() == grpc.StatusCode.UNAUTHENTICATED, fake.error
-        assert why in fake.error.details() and all(s not in fake.error.details() for s in SECRETS)
-        assert fake.plans == []
+        code, details = fake.ended()
+        assert code == grpc.StatusCode.UNAUTHENTICATED, (code, details)
+        assert why in details and all(s not in details for s in SECRETS)
+        assert fake.num_plans == 0
         # An honest request meanwhile: served by the real worker alone, with its exact greedy tokens.
         assert_same_greedy(generate(gated), *reference_greedy(reference_model(gated.model_dir), PROMPT_IDS, NEW))
         assert gated.worker_names() != [] and "evil:666" not in gated.worker_names()
@@ -185,10 +144,10 @@ def test_a_fake_worker_without_a_valid_token_is_unauthenticated_and_gets_no_plan
 def test_the_same_fake_worker_with_a_token_of_the_file_attaches(gated):
     """The control: the refusals above are the token's doing (the old token of a rotation counts too)."""
     for token, name in ((OLD_TOKEN, "fake:1"), (TOKEN, "fake:2")):
-        fake = FakeWorker(gated, name, bearer(token))
+        fake = fake_worker(gated, name, bearer(token))
         try:
             wait_until(lambda: name in gated.worker_names())
-            assert fake.error is None
+            assert fake.status is None  # attached, its stream still open
         finally:
             fake.close()
         wait_until(lambda: gated.worker_names() == [n for n in gated.worker_names() if not n.startswith("fake:")]
@@ -211,9 +170,9 @@ def test_a_real_worker_without_the_token_keeps_dialling_and_says_why(gated):
 
 
 def test_the_log_names_peer_and_token_id_and_never_a_token(gated):
-    fake = FakeWorker(gated, "evil:667", bearer(WRONG_TOKEN))
+    fake = fake_worker(gated, "evil:667", bearer(WRONG_TOKEN))
     try:
-        wait_until(fake.ended)
+        fake.ended()
     finally:
         fake.close()
     sched_log = gated.logs / "scheduler.log"

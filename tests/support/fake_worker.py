@@ -21,16 +21,18 @@ def registration(model_id: str, *, block_size: int = 16, **fields) -> worker_pb2
 
 
 class FakeWorker:
-    """Attaches with `reg`; the plans it receives queue up (next_plan); send() answers one."""
+    """Attaches with `reg` (and the call's `metadata`: a worker token); the plans it receives queue up (next_plan);
+    send() answers one."""
 
-    def __init__(self, address: str, reg: worker_pb2.WorkerRegistration) -> None:
+    def __init__(self, address: str, reg: worker_pb2.WorkerRegistration, metadata=()) -> None:
         self._out: queue.Queue = queue.Queue()
         self._out.put(worker_pb2.WorkerMessage(registration=reg))
         self._plans: queue.Queue = queue.Queue()
         self.status: tuple[grpc.StatusCode, str] | None = None  # how the scheduler ended the stream
         self._ended = threading.Event()
         self._channel = grpc.insecure_channel(address)
-        self._call = worker_pb2_grpc.WorkerControlStub(self._channel).Attach(iter(self._out.get, None))
+        self._call = worker_pb2_grpc.WorkerControlStub(self._channel).Attach(iter(self._out.get, None),
+                                                                               metadata=metadata)
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -41,6 +43,11 @@ class FakeWorker:
         except grpc.RpcError as e:
             self.status = (e.code(), e.details())
         self._ended.set()
+
+    @property
+    def num_plans(self) -> int:
+        """Plans received and not yet taken by next_plan()."""
+        return self._plans.qsize()
 
     def next_plan(self) -> worker_pb2.StepPlan:
         return self._plans.get(timeout=WAIT)
