@@ -6,6 +6,9 @@ import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+MAX_PENALTY = 2.0  # presence/frequency penalties lie in [-2, 2] (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100] (OpenAI's range): -100 bans a token, 100 all but forces it
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
 
 
 class InvalidField(ValueError):
@@ -14,6 +17,25 @@ class InvalidField(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(message)
         self.field = field
+
+
+@dataclass(slots=True, frozen=True)
+class StructuredOutput:
+    """pagedserve.v1.StructuredOutput in memory: what the output must match. The scheduler compiles it and sends
+    each step's allowed tokens (StepPlan.token_bitmasks); workers never see the spec."""
+
+    kind: str  # one of STRUCTURED_KINDS
+    spec: str = ""  # json_schema: the schema's JSON text; regex: the pattern; grammar: the grammar; else ""
+    choices: tuple[str, ...] = ()  # choice: the output is exactly one of these
+
+    def validate(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidField("structured_output", f"structured_output: unknown kind {self.kind!r} (one of "
+                                                    f"{', '.join(STRUCTURED_KINDS)})")
+        if self.kind == "choice" and not self.choices:
+            raise InvalidField("structured_output", "structured_output.choice needs at least one choice")
+        if self.kind in ("json_schema", "regex", "grammar") and not self.spec:
+            raise InvalidField("structured_output", f"structured_output.{self.kind} is empty")
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,6 +54,21 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's only; N: also the top N
+    # Penalties and biases, applied on the worker to the logits before sampling (and before temperature).
+    presence_penalty: float = 0.0  # minus this, once, for each token in the sample's output
+    frequency_penalty: float = 0.0  # minus this times the token's count in the sample's output
+    repetition_penalty: float = 1.0  # CTRL's: tokens of the prompt or output; > 1 discourages, 1 is off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs, ids ascending, each once
+    min_tokens: int = 0  # EOS and stop_token_ids are masked (and stop strings wait) until this many outputs
+    # Token sequences never generated: the front end adds each bad word's tokenizations (with and without a
+    # leading space) to the client's own; a sequence's last token is masked when the tokens before it match.
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    structured_output: StructuredOutput | None = None  # None: free text
+
+    @property
+    def needs_token_counts(self) -> bool:
+        """Whether the worker keeps this sequence's output token counts (the penalties read them)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def greedy(self) -> bool:
@@ -56,3 +93,21 @@ class SamplingParams:
             raise InvalidField("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.seed is not None and not (0 <= self.seed < 2**64):
             raise InvalidField("seed", f"seed must fit in 64 bits unsigned, got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (-MAX_PENALTY <= value <= MAX_PENALTY):
+                raise InvalidField(name, f"{name} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value}")
+        if not (0 < self.repetition_penalty <= MAX_PENALTY):
+            raise InvalidField("repetition_penalty", f"repetition_penalty must be in (0, {MAX_PENALTY:g}] (1 is off), "
+                                                     f"got {self.repetition_penalty}")
+        for token_id, bias in self.logit_bias:
+            if not (-MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                raise InvalidField("logit_bias", f"logit_bias[{token_id}] must be in [-{MAX_LOGIT_BIAS:g}, "
+                                                 f"{MAX_LOGIT_BIAS:g}], got {bias}")
+        if not (0 <= self.min_tokens <= self.max_tokens):
+            raise InvalidField("min_tokens", f"min_tokens must be in [0, max_tokens = {self.max_tokens}], got "
+                                             f"{self.min_tokens}")
+        if any(not seq for seq in self.bad_words_token_ids):
+            raise InvalidField("bad_words_token_ids", "bad_words_token_ids: a banned sequence is empty")
+        if self.structured_output is not None:
+            self.structured_output.validate()

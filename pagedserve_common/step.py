@@ -21,6 +21,7 @@ class NewSequence:
     num_scheduled_tokens: int  # tokens to compute this step, from num_computed_tokens on
     sampling: SamplingParams = SamplingParams()
     seed: int = 0  # the seed in use (the client's, or drawn by the scheduler), so a recomputed sequence draws alike
+    num_prompt_tokens: int = 0  # token_ids[:num_prompt_tokens] is the prompt, the rest outputs (penalties count them)
 
 
 @dataclass(slots=True)
@@ -46,6 +47,9 @@ class StepPlan:
     copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) blocks: copy-on-write
     swap_out: list[tuple[int, int]] = field(default_factory=list)  # (device, cpu) blocks, first of all
     swap_in: list[tuple[int, int]] = field(default_factory=list)  # (cpu, device) blocks, after swap_out
+    # seq_id -> the tokens it may sample this step (structured output): little-endian uint32 words, bit i of word j
+    # allows token 32 * j + i. Sequences not listed sample freely.
+    token_bitmasks: dict[int, bytes] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:

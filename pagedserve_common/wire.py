@@ -8,7 +8,7 @@ from pagedserve_common.kv_geometry import KVGeometry
 from pagedserve_common.step import (NewSequence, PositionLogprobs, SequenceDelta, StepError, StepErrorKind, StepPlan,
                                     StepResult, TokenLogprob)
 from pagedserve_common.registration import WorkerRegistration
-from pagedserve_common.sampling import SamplingParams
+from pagedserve_common.sampling import SamplingParams, StructuredOutput
 
 # NOTE: requests mostly share a few sampling settings, and a plan of new sequences carries one per sequence:
 # both directions are cached (bounded) so that a step of 256 admissions converts them once, not 256 times.
@@ -28,9 +28,41 @@ def sampling_to_pb(sp: SamplingParams) -> generate_pb2.SamplingParams:
             pb.seed = sp.seed
         if sp.logprobs is not None:
             pb.logprobs = sp.logprobs
+        d = _DEFAULT
+        for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
+            if getattr(sp, name) != getattr(d, name):
+                setattr(pb, name, getattr(sp, name))
+        for token_id, bias in sp.logit_bias:
+            pb.logit_bias[token_id] = bias
+        for ids in sp.bad_words_token_ids:
+            pb.bad_words_token_ids.add(token_ids=ids)
+        if sp.structured_output is not None:
+            structured_to_pb(sp.structured_output, pb.structured_output)
         if len(_sampling_cache) < _MAX_CACHED:
             _sampling_cache[sp] = pb
     return pb
+
+
+def structured_to_pb(so: StructuredOutput, pb: generate_pb2.StructuredOutput) -> None:
+    if so.kind == "json_object":
+        pb.json_object = True
+    elif so.kind == "choice":
+        pb.choice.choices.extend(so.choices)
+    else:
+        setattr(pb, so.kind, so.spec)
+
+
+def structured_from_pb(pb: generate_pb2.StructuredOutput) -> StructuredOutput | None:
+    """None when no kind is set. NOTE: json_object false is kept as a json_object (validate refuses nothing
+    there): only its presence counts, as with every oneof."""
+    kind = pb.WhichOneof("kind")
+    if kind is None:
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "choice":
+        return StructuredOutput("choice", choices=tuple(pb.choice.choices))
+    return StructuredOutput(kind, getattr(pb, kind))
 
 
 def _opt(pb, name: str, default):
@@ -55,7 +87,18 @@ def _decode_sampling(pb: generate_pb2.SamplingParams) -> SamplingParams:
                           top_k=_opt(pb, "top_k", d.top_k), min_p=_opt(pb, "min_p", d.min_p),
                           seed=_opt(pb, "seed", d.seed), n=_opt(pb, "n", d.n),
                           stop_token_ids=tuple(pb.stop_token_ids), ignore_eos=pb.ignore_eos,
-                          logprobs=_opt(pb, "logprobs", d.logprobs))
+                          logprobs=_opt(pb, "logprobs", d.logprobs),
+                          presence_penalty=_opt(pb, "presence_penalty", d.presence_penalty),
+                          frequency_penalty=_opt(pb, "frequency_penalty", d.frequency_penalty),
+                          repetition_penalty=_opt(pb, "repetition_penalty", d.repetition_penalty),
+                          logit_bias=tuple(sorted(pb.logit_bias.items())),
+                          min_tokens=_opt(pb, "min_tokens", d.min_tokens),
+                          bad_words_token_ids=tuple(tuple(t.token_ids) for t in pb.bad_words_token_ids),
+                          structured_output=structured_from_pb(pb.structured_output)
+                          if pb.HasField("structured_output") else None)
+
+
+_DEFAULT = SamplingParams()
 
 
 # -- the plan: scheduler -> worker, every step ----------------------------------------------------------------
@@ -66,13 +109,15 @@ def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
     for s in plan.new_seqs:
         add_new(seq_id=s.seq_id, token_ids=s.token_ids, block_ids=s.block_ids,
                 num_computed_tokens=s.num_computed_tokens, num_scheduled_tokens=s.num_scheduled_tokens,
-                sampling=sampling_to_pb(s.sampling), seed=s.seed)
+                sampling=sampling_to_pb(s.sampling), seed=s.seed, num_prompt_tokens=s.num_prompt_tokens)
     add_delta = pb.running.add
     for r in plan.running:
         add_delta(seq_id=r.seq_id, new_block_ids=r.new_block_ids, num_scheduled_tokens=r.num_scheduled_tokens)
     for pairs, field in ((plan.copies, pb.copies), (plan.swap_out, pb.swap_out), (plan.swap_in, pb.swap_in)):
         for src, dst in pairs:
             field.add(src=src, dst=dst)
+    for seq_id, bitmask in plan.token_bitmasks.items():
+        pb.token_bitmasks.add(seq_id=seq_id, bitmask=bitmask)
     return pb
 
 
@@ -80,11 +125,13 @@ def plan_from_pb(pb: worker_pb2.StepPlan) -> StepPlan:
     return StepPlan(
         step_id=pb.step_id,
         new_seqs=[NewSequence(n.seq_id, list(n.token_ids), list(n.block_ids), n.num_computed_tokens,
-                              n.num_scheduled_tokens, sampling_from_pb(n.sampling), n.seed) for n in pb.new_seqs],
+                              n.num_scheduled_tokens, sampling_from_pb(n.sampling), n.seed, n.num_prompt_tokens)
+                  for n in pb.new_seqs],
         running=[SequenceDelta(r.seq_id, list(r.new_block_ids), r.num_scheduled_tokens) for r in pb.running],
         finished_seq_ids=list(pb.finished_seq_ids), preempted_seq_ids=list(pb.preempted_seq_ids),
         copies=[(c.src, c.dst) for c in pb.copies], swap_out=[(c.src, c.dst) for c in pb.swap_out],
-        swap_in=[(c.src, c.dst) for c in pb.swap_in])
+        swap_in=[(c.src, c.dst) for c in pb.swap_in],
+        token_bitmasks={m.seq_id: m.bitmask for m in pb.token_bitmasks})
 
 
 # -- the answer: worker -> scheduler, every step --------------------------------------------------------------

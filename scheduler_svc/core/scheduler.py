@@ -6,7 +6,7 @@ import itertools
 import random
 from collections import deque
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pagedserve_common.step import NewSequence, SequenceDelta, StepPlan
 from pagedserve_common.config import EngineOptions
@@ -300,8 +300,11 @@ class Scheduler(Handover):
 
     def _new_plan(self, req: Request, num_new: int) -> NewSequence:
         req.on_worker = True
+        sampling = req.sampling
+        if sampling.structured_output is not None:  # NOTE: the worker gets masks (token_bitmasks), not the spec
+            sampling = replace(sampling, structured_output=None)
         return NewSequence(req.seq_id, list(req.all_token_ids), self.kv.block_table(req.seq_id),
-                          req.num_computed_tokens, num_new, req.sampling, req.seed)
+                          req.num_computed_tokens, num_new, sampling, req.seed, len(req.prompt_token_ids))
 
     def _swap_in(self, req: Request, plan: StepPlan, num_new: int) -> bool:
         """Admits a swapped-out sequence: fresh device blocks, its KV restored from CPU before the forward."""

@@ -22,3 +22,8 @@ class GenerateInput:
     cache_salt: str = ""
     chat_template_kwargs: dict = field(default_factory=dict)  # e.g. enable_thinking; reach the template as is
     fill_context: bool = False  # max_tokens unset (OpenAI chat): generate up to the context's end
+    # Front-end settings of the text (they need the tokenizer or detokenized text, so they are not SamplingParams)
+    bad_words: tuple[str, ...] = ()  # tokenized into sampling.bad_words_token_ids before admission
+    include_stop_str_in_output: bool = False  # the stop string that ended a sample stays in its text
+    skip_special_tokens: bool = True  # special tokens' text is left out (their ids are always returned)
+    echo: bool = False  # the prompt's text comes first (completions' echo)

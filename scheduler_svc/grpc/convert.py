@@ -98,7 +98,11 @@ def input_from_pb(pb: generate_pb2.GenerateRequest, limits: Limits) -> GenerateI
                          prompt_token_ids=pb.prompt_token_ids or None,
                          messages=[{"role": m.role, "content": m.content} for m in pb.messages] or None,
                          sampling=sampling_from_pb(pb.sampling), stop=tuple(pb.sampling.stop),
-                         request_id=pb.request_id, cache_salt=pb.cache_salt)
+                         request_id=pb.request_id, cache_salt=pb.cache_salt, bad_words=tuple(pb.sampling.bad_words),
+                         include_stop_str_in_output=pb.sampling.include_stop_str_in_output,
+                         skip_special_tokens=pb.sampling.skip_special_tokens
+                         if pb.sampling.HasField("skip_special_tokens") else True,
+                         echo=pb.echo)
 
 
 def item_to_pb(request_id: str, item: StreamItem) -> generate_pb2.GenerateResponse:

@@ -54,14 +54,16 @@ class Job:
         return prompt_index * self.n + sample_index
 
 
-def _refuse_unsupported(body) -> None:
-    neutral = (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))
-    for name, value in neutral:
-        got = getattr(body, name)
-        if got is not None and got != value:
-            raise invalid(name, f"{name} is not supported (only {value:g})")
-    if body.logit_bias:
-        raise invalid("logit_bias", "logit_bias is not supported")
+def _logit_bias(body) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: token ids as JSON keys (strings) -> bias; ids ascending."""
+    out = []
+    for key, bias in (body.logit_bias or {}).items():
+        try:
+            token_id = int(key)
+        except ValueError:
+            raise invalid("logit_bias", f"logit_bias: key {key[:40]!r} is not a token id") from None
+        out.append((token_id, float(bias)))
+    return tuple(sorted(out))
 
 
 def _sampling(body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
@@ -73,7 +75,18 @@ def _sampling(body, max_tokens: int | None, logprobs: int | None) -> SamplingPar
                           top_p=pick(body.top_p, d.top_p), top_k=pick(body.top_k, d.top_k),
                           min_p=pick(body.min_p, d.min_p),
                           seed=body.seed, n=body.n, stop_token_ids=tuple(body.stop_token_ids or ()),
-                          ignore_eos=body.ignore_eos, logprobs=logprobs)
+                          ignore_eos=body.ignore_eos, logprobs=logprobs,
+                          presence_penalty=pick(body.presence_penalty, d.presence_penalty),
+                          frequency_penalty=pick(body.frequency_penalty, d.frequency_penalty),
+                          repetition_penalty=pick(body.repetition_penalty, d.repetition_penalty),
+                          logit_bias=_logit_bias(body), min_tokens=pick(body.min_tokens, d.min_tokens))
+
+
+def _text_options(body) -> dict:
+    """GenerateInput's front-end settings of the text, as both endpoints take them."""
+    return {"stop": _stop(body), "bad_words": tuple(body.bad_words or ()),
+            "include_stop_str_in_output": body.include_stop_str_in_output,
+            "skip_special_tokens": body.skip_special_tokens}
 
 
 def _stop(body) -> tuple[str, ...]:
@@ -81,9 +94,6 @@ def _stop(body) -> tuple[str, ...]:
 
 
 def completion_job(body: CompletionRequest, request_id: str, frontend: FrontEnd) -> Job:
-    _refuse_unsupported(body)
-    if body.echo:
-        raise invalid("echo", "echo is not supported")
     if body.suffix:
         raise invalid("suffix", "suffix is not supported")
     if body.best_of is not None and body.best_of != body.n:
@@ -103,7 +113,8 @@ def completion_job(body: CompletionRequest, request_id: str, frontend: FrontEnd)
     for i, one in enumerate(prompts):
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         kind = "prompt" if isinstance(one, str) else "prompt_token_ids"
-        inputs.append(GenerateInput(**{kind: one}, sampling=sampling, stop=_stop(body), request_id=rid))
+        inputs.append(GenerateInput(**{kind: one}, sampling=sampling, request_id=rid, echo=body.echo,
+                                    **_text_options(body)))
     return Job(inputs, body.n, {"prompt_token_ids": "prompt"})
 
 
@@ -122,7 +133,6 @@ def _message_dict(i: int, m) -> dict:
 
 def chat_job(body: ChatCompletionRequest, request_id: str, _frontend: FrontEnd) -> Job:
     """(completion_job's signature: one prompt, whose n the front end checks before tokenizing)"""
-    _refuse_unsupported(body)
     if body.tools:
         raise invalid("tools", "tools are not supported (no tool-call parsing)")
     if body.response_format and body.response_format.get("type", "text") != "text":
@@ -135,8 +145,8 @@ def chat_job(body: ChatCompletionRequest, request_id: str, _frontend: FrontEnd) 
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     sampling = _sampling(body, max_tokens, logprobs)
     inp = GenerateInput(messages=[_message_dict(i, m) for i, m in enumerate(body.messages)], sampling=sampling,
-                        stop=_stop(body), request_id=request_id, chat_template_kwargs=body.chat_template_kwargs or {},
-                        fill_context=max_tokens is None)
+                        request_id=request_id, chat_template_kwargs=body.chat_template_kwargs or {},
+                        fill_context=max_tokens is None, **_text_options(body))
     return Job([inp], body.n, {"max_tokens": name, "logprobs": "top_logprobs"})
 
 

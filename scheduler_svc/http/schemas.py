@@ -32,11 +32,21 @@ class _Common(BaseModel):
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
-    # Known, not supported: refused unless neutral
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias
+    min_tokens: int | None = None
+    bad_words: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    # Structured output: OpenAI's response_format, vLLM's guided_* and their newer structured_outputs spelling
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_Common):
@@ -68,7 +78,8 @@ class ChatCompletionRequest(_Common):
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: reach the chat template (e.g. enable_thinking)
     tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 FinishReasonName = Literal["stop", "length", "abort"]

@@ -12,7 +12,7 @@ from pagedserve_common.kv_geometry import KVGeometry
 from pagedserve_common.step import (NewSequence, PositionLogprobs, SequenceDelta, StepError, StepErrorKind, StepPlan,
                                     StepResult, TokenLogprob)
 from pagedserve_common.registration import WorkerRegistration
-from pagedserve_common.sampling import SamplingParams
+from pagedserve_common.sampling import SamplingParams, StructuredOutput
 
 
 def through_the_wire(message):
@@ -21,11 +21,24 @@ def through_the_wire(message):
 
 def test_a_plan_with_every_field_set_comes_back_equal():
     sampling = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.75, top_k=3, min_p=0.25, seed=11, n=2,
-                              stop_token_ids=(5, 6), ignore_eos=True, logprobs=4)
-    plan = StepPlan(9, new_seqs=[NewSequence(3, [1, 2, 3], [4, 5], 1, 2, sampling, 2**63 + 1)],
+                              stop_token_ids=(5, 6), ignore_eos=True, logprobs=4, presence_penalty=0.5,
+                              frequency_penalty=-0.25, repetition_penalty=1.5, logit_bias=((3, -100.0), (9, 2.5)),
+                              min_tokens=2, bad_words_token_ids=((4,), (5, 6)))
+    plan = StepPlan(9, new_seqs=[NewSequence(3, [1, 2, 3], [4, 5], 1, 2, sampling, 2**63 + 1, 2)],
                     running=[SequenceDelta(4, [7], 1), SequenceDelta(8, [], 1)], finished_seq_ids=[1],
-                    preempted_seq_ids=[2], copies=[(1, 2)], swap_out=[(3, 0)], swap_in=[(1, 6)])
+                    preempted_seq_ids=[2], copies=[(1, 2)], swap_out=[(3, 0)], swap_in=[(1, 6)],
+                    token_bitmasks={3: b"\x01\x00\x00\x80", 4: b"\xff\xff\xff\xff"})
     assert wire.plan_from_pb(through_the_wire(wire.plan_to_pb(plan))) == plan
+
+
+@pytest.mark.parametrize("structured", [
+    StructuredOutput("json_schema", '{"type": "object"}'), StructuredOutput("json_object"),
+    StructuredOutput("regex", "[a-z]+"), StructuredOutput("choice", choices=("yes", "no")),
+    StructuredOutput("grammar", 'start: "a"+'),
+])
+def test_each_kind_of_structured_output_comes_back_equal(structured):
+    sampling = SamplingParams(structured_output=structured)
+    assert wire.sampling_from_pb(through_the_wire(wire.sampling_to_pb(sampling))) == sampling
 
 
 def test_unset_sampling_fields_read_as_the_documented_defaults():
@@ -80,7 +93,9 @@ def test_a_registration_whose_pool_cannot_exist_is_refused_naming_the_field(geom
 ])
 def test_each_type_has_the_fields_of_its_message_under_the_same_names(cls, message):
     """One name per concept: the in-memory type and its wire message differ only where the wire needs more
-    (SamplingParams has no stop strings: they stay with the front end; the proto's are in GenerateRequest's)."""
+    (SamplingParams has no stop strings nor bad words: they need the tokenizer and stay with the front end)."""
     names = {f.name for f in dataclasses.fields(cls)}
-    wire_names = set(message.DESCRIPTOR.fields_by_name) - {"stop"}
+    # NOTE: the front end's settings of the text ride in the proto's SamplingParams but not in the dataclass
+    front_end = {"stop", "bad_words", "include_stop_str_in_output", "skip_special_tokens"}
+    wire_names = set(message.DESCRIPTOR.fields_by_name) - front_end
     assert names == wire_names

@@ -49,7 +49,7 @@ def test_long_prompt_is_chunked_by_the_token_budget():
     a = req("a", toks(0, 40), max_tokens=2)
     s.add_request(a)
     plans = drive(s, w)
-    assert plans[0].new_seqs == [NewSequence(0, toks(0, 40), [0, 1], 0, 16, a.sampling, a.seed)]
+    assert plans[0].new_seqs == [NewSequence(0, toks(0, 40), [0, 1], 0, 16, a.sampling, a.seed, 40)]
     assert [p.running for p in plans[1:]] == [[SequenceDelta(0, [2, 3], 16)], [SequenceDelta(0, [4], 8)],
                                               [SequenceDelta(0, [5], 1)]]
     assert list(a.output_token_ids) == [10_040, 10_041] and a.num_computed_tokens == 41

@@ -24,41 +24,51 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedserve/v1/generate.proto\x12\rpagedserve.v1\"\xcc\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0e\n\x01n\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x07\x88\x01\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobs\"\xd8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12,\n\x08messages\x18\x07 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\tB\t\n\x07_promptJ\x04\x08\x03\x10\x04\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"j\n\x10PositionLogprobs\x12,\n\x07sampled\x18\x01 \x01(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x31\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\"\x15\n\x13GetModelInfoRequest\"t\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0c\n\x04name\x18\x06 \x01(\t\"\xa2\x01\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12*\n\x07workers\x18\x04 \x03(\x0b\x32\x19.pagedserve.v1.WorkerInfo\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\r\n\x05max_n\x18\x06 \x01(\r\"&\n\x11GetKVStateRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"W\n\nKVSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06seq_id\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\"\x83\x03\n\x07KVState\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nref_counts\x18\x04 \x01(\x0c\x12\x0e\n\x06\x63\x61\x63hed\x18\x05 \x01(\x0c\x12,\n\tsequences\x18\x06 \x03(\x0b\x32\x19.pagedserve.v1.KVSequence\x12\x15\n\rkv_allocation\x18\x07 \x01(\t\x12\x11\n\tnum_steps\x18\x08 \x01(\x04\x12\x13\n\x0bnum_waiting\x18\t \x01(\r\x12\x1b\n\x13prefix_query_tokens\x18\n \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x0b \x01(\x04\x12\x15\n\rnum_evictions\x18\x0c \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\r \x01(\x04\x12\x1a\n\x12num_prefill_tokens\x18\x0e \x01(\x04\x12\x0c\n\x04time\x18\x0f \x01(\x01\x12\x1a\n\x12waiting_for_blocks\x18\x10 \x01(\x08*\x97\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xfc\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12W\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a#.pagedserve.v1.GetModelInfoResponse\x12\x46\n\nGetKVState\x12 .pagedserve.v1.GetKVStateRequest\x1a\x16.pagedserve.v1.KVStateb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cpagedserve/v1/generate.proto\x12\rpagedserve.v1\"\xed\x06\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x05\x88\x01\x01\x12\x0e\n\x01n\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x12\n\nignore_eos\x18\n \x01(\x08\x12\x15\n\x08logprobs\x18\x0b \x01(\rH\x07\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\x08\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\t\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0e \x01(\x02H\n\x88\x01\x01\x12@\n\nlogit_bias\x18\x0f \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x17\n\nmin_tokens\x18\x10 \x01(\rH\x0b\x88\x01\x01\x12\x11\n\tbad_words\x18\x11 \x03(\t\x12\x34\n\x13\x62\x61\x64_words_token_ids\x18\x12 \x03(\x0b\x32\x17.pagedserve.v1.TokenIds\x12\"\n\x1ainclude_stop_str_in_output\x18\x13 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x14 \x01(\x08H\x0c\x88\x01\x01\x12:\n\x11structured_output\x18\x15 \x01(\x0b\x32\x1f.pagedserve.v1.StructuredOutput\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\x04\n\x02_nB\x0b\n\t_logprobsB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_min_tokensB\x16\n\x14_skip_special_tokens\"\x1d\n\x08TokenIds\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\xc3\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\x39\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\'.pagedserve.v1.StructuredOutput.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x1a\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\tB\x06\n\x04kind\"\xe6\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x06prompt\x18\x02 \x01(\tH\x00\x88\x01\x01\x12\x18\n\x10prompt_token_ids\x18\x06 \x03(\r\x12,\n\x08messages\x18\x07 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x12\n\ncache_salt\x18\x05 \x01(\t\x12\x0c\n\x04\x65\x63ho\x18\x08 \x01(\x08\x42\t\n\x07_promptJ\x04\x08\x03\x10\x04\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"1\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"j\n\x10PositionLogprobs\x12,\n\x07sampled\x18\x01 \x01(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\xe2\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x0c\n\x04text\x18\x04 \x01(\t\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12#\n\x05usage\x18\x06 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x31\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\"\x15\n\x13GetModelInfoRequest\"t\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x0c\n\x04name\x18\x06 \x01(\t\"\xa2\x01\n\x14GetModelInfoResponse\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nblock_size\x18\x03 \x01(\r\x12*\n\x07workers\x18\x04 \x03(\x0b\x32\x19.pagedserve.v1.WorkerInfo\x12\x12\n\nvocab_size\x18\x05 \x01(\r\x12\r\n\x05max_n\x18\x06 \x01(\r\"&\n\x11GetKVStateRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"W\n\nKVSequence\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06seq_id\x18\x02 \x01(\x04\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\"\x83\x03\n\x07KVState\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nblock_size\x18\x02 \x01(\r\x12\x12\n\nnum_blocks\x18\x03 \x01(\r\x12\x12\n\nref_counts\x18\x04 \x01(\x0c\x12\x0e\n\x06\x63\x61\x63hed\x18\x05 \x01(\x0c\x12,\n\tsequences\x18\x06 \x03(\x0b\x32\x19.pagedserve.v1.KVSequence\x12\x15\n\rkv_allocation\x18\x07 \x01(\t\x12\x11\n\tnum_steps\x18\x08 \x01(\x04\x12\x13\n\x0bnum_waiting\x18\t \x01(\r\x12\x1b\n\x13prefix_query_tokens\x18\n \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x0b \x01(\x04\x12\x15\n\rnum_evictions\x18\x0c \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\r \x01(\x04\x12\x1a\n\x12num_prefill_tokens\x18\x0e \x01(\x04\x12\x0c\n\x04time\x18\x0f \x01(\x01\x12\x1a\n\x12waiting_for_blocks\x18\x10 \x01(\x08*\x97\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x02\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x03\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x04\x32\xfc\x01\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12W\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a#.pagedserve.v1.GetModelInfoResponse\x12\x46\n\nGetKVState\x12 .pagedserve.v1.GetKVStateRequest\x1a\x16.pagedserve.v1.KVStateb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1950
-  _globals['_FINISHREASON']._serialized_end=2101
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_FINISHREASON']._serialized_start=2738
+  _globals['_FINISHREASON']._serialized_end=2889
   _globals['_SAMPLINGPARAMS']._serialized_start=48
-  _globals['_SAMPLINGPARAMS']._serialized_end=380
-  _globals['_GENERATEREQUEST']._serialized_start=383
-  _globals['_GENERATEREQUEST']._serialized_end=599
-  _globals['_CHATMESSAGE']._serialized_start=601
-  _globals['_CHATMESSAGE']._serialized_end=645
-  _globals['_TOKENLOGPROB']._serialized_start=647
-  _globals['_TOKENLOGPROB']._serialized_end=696
-  _globals['_POSITIONLOGPROBS']._serialized_start=698
-  _globals['_POSITIONLOGPROBS']._serialized_end=804
-  _globals['_USAGE']._serialized_start=806
-  _globals['_USAGE']._serialized_end=893
-  _globals['_GENERATERESPONSE']._serialized_start=896
-  _globals['_GENERATERESPONSE']._serialized_end=1122
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1124
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1145
-  _globals['_WORKERINFO']._serialized_start=1147
-  _globals['_WORKERINFO']._serialized_end=1263
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1266
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1428
-  _globals['_GETKVSTATEREQUEST']._serialized_start=1430
-  _globals['_GETKVSTATEREQUEST']._serialized_end=1468
-  _globals['_KVSEQUENCE']._serialized_start=1470
-  _globals['_KVSEQUENCE']._serialized_end=1557
-  _globals['_KVSTATE']._serialized_start=1560
-  _globals['_KVSTATE']._serialized_end=1947
-  _globals['_GENERATION']._serialized_start=2104
-  _globals['_GENERATION']._serialized_end=2356
+  _globals['_SAMPLINGPARAMS']._serialized_end=925
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=683
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=731
+  _globals['_TOKENIDS']._serialized_start=927
+  _globals['_TOKENIDS']._serialized_end=956
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=959
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1154
+  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_start=1120
+  _globals['_STRUCTUREDOUTPUT_CHOICES']._serialized_end=1146
+  _globals['_GENERATEREQUEST']._serialized_start=1157
+  _globals['_GENERATEREQUEST']._serialized_end=1387
+  _globals['_CHATMESSAGE']._serialized_start=1389
+  _globals['_CHATMESSAGE']._serialized_end=1433
+  _globals['_TOKENLOGPROB']._serialized_start=1435
+  _globals['_TOKENLOGPROB']._serialized_end=1484
+  _globals['_POSITIONLOGPROBS']._serialized_start=1486
+  _globals['_POSITIONLOGPROBS']._serialized_end=1592
+  _globals['_USAGE']._serialized_start=1594
+  _globals['_USAGE']._serialized_end=1681
+  _globals['_GENERATERESPONSE']._serialized_start=1684
+  _globals['_GENERATERESPONSE']._serialized_end=1910
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1912
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1933
+  _globals['_WORKERINFO']._serialized_start=1935
+  _globals['_WORKERINFO']._serialized_end=2051
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2054
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2216
+  _globals['_GETKVSTATEREQUEST']._serialized_start=2218
+  _globals['_GETKVSTATEREQUEST']._serialized_end=2256
+  _globals['_KVSEQUENCE']._serialized_start=2258
+  _globals['_KVSEQUENCE']._serialized_end=2345
+  _globals['_KVSTATE']._serialized_start=2348
+  _globals['_KVSTATE']._serialized_end=2735
+  _globals['_GENERATION']._serialized_start=2892
+  _globals['_GENERATION']._serialized_end=3144
 # @@protoc_insertion_point(module_scope)
