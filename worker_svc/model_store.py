@@ -20,7 +20,7 @@ from pathlib import Path
 import structlog
 
 from pagedserve_common.defaults import DEFAULT_MODEL
-from pagedserve_common.model_spec import (DIR, GGUF, HUB, LOCAL_HINT, ModelFetchError, ModelSpecError,  # noqa: F401
+from pagedserve_common.model_spec import (DIR, GGUF, HUB, LOCAL_HINT, ModelFetchError, ModelSpecError,
                                           classify)
 
 log = structlog.get_logger("pagedserve.model")
