@@ -6,6 +6,7 @@ import argparse
 import json
 
 from pagedserve_common.defaults import DEFAULT_BLOCK_SIZE
+from pagedserve_common.model_spec import MODEL_HELP
 from pagedserve_common.units import parse_bytes
 from pagedserve_common.kv_geometry import DTYPE_BYTES, KVGeometry
 from scheduler_svc.kv.capacity import max_model_len_of, plan, read_config
@@ -13,7 +14,7 @@ from scheduler_svc.kv.capacity import max_model_len_of, plan, read_config
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("kv-plan", help="KV-cache capacity planning from a model's config.json")
-    p.add_argument("--model", required=True, help="model directory (holding config.json) or a known model name")
+    p.add_argument("--model", required=True, help=MODEL_HELP + " (at its default branch)")
     p.add_argument("--seq-len", type=int, required=True, help="sequence length S (prompt + output tokens)")
     p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="KV element type (default: the model's)")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
@@ -26,7 +27,7 @@ def _model_dir(spec: str) -> str:
     from pathlib import Path
     if (Path(spec) / "config.json").is_file():
         return spec
-    from worker_svc.model_store import resolve_model  # NOTE: only for names; pulls the model once
+    from worker_svc.model_store import resolve_model  # NOTE: only for what is not a directory: pulls it once
     return str(resolve_model(spec))
 
 

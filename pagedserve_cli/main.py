@@ -29,11 +29,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from pagedserve_common.model_spec import ModelFetchError
+
     try:
         return args.func(args)
     except (ValueError, FileNotFoundError, KeyError) as e:
         print(f"pagedserve {args.command}: error: {e}", file=sys.stderr)
         return 2
+    except ModelFetchError as e:  # NOTE: the model could not be had (offline, no such repo): not a usage error
+        print(f"pagedserve {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

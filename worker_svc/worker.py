@@ -100,7 +100,7 @@ def create_runner(cfg: WorkerConfig, backend: AttentionBackend | None = None) ->
     if cfg.device == "cpu":
         torch.set_num_threads(cfg.threads or available_cores())
     set_device(cfg.device)
-    loaded = load_model(resolve_model(cfg.model), cfg.dtype, cfg.device, model_id=cfg.model)
+    loaded = load_model(resolve_model(cfg.model, cfg.revision), cfg.dtype, cfg.device, model_id=cfg.model)
     geometry = loaded.kv_geometry(cfg.block_size)
     kv_memory = cfg.kv_memory
     if kv_memory is None:

