@@ -40,7 +40,8 @@ class RequestStream:
     """Fed by the engine's step loop, read by the Generate handler (`async for item in stream`)."""
 
     def __init__(self, request: Request, tokenizer, stop: tuple[str, ...], metrics: Metrics, *,
-                 include_stop_str: bool = False, skip_special_tokens: bool = True, echo_text: str | None = None) -> None:
+                 include_stop_str: bool = False, skip_special_tokens: bool = True,
+                 echo_text: str | None = None) -> None:
         """`echo_text`: the prompt's text, sent first (one item per sample: the prompt's ids and this text, no
         logprobs); None sends only the output."""
         self.request = request

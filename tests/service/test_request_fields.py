@@ -41,7 +41,7 @@ def names(kind: str) -> list[str]:
     """Every field OpenAI's client or vLLM has for `kind`, and every one fields.py classifies."""
     ours: set[str] = set()
     if kind in (COMPLETIONS, CHAT):
-        ours = set(fields.MODELS[kind].model_fields) | set(fields.IGNORED_FIELDS[kind]) | set(fields.REFUSED_FIELDS[kind])
+        ours = {*fields.MODELS[kind].model_fields, *fields.IGNORED_FIELDS[kind], *fields.REFUSED_FIELDS[kind]}
     return sorted(OPENAI[kind] | set(VLLM[kind]) | ours)
 
 
@@ -88,14 +88,16 @@ VALUES: dict[str, dict[str, dict]] = {
     CHAT: {**BOTH_VALUES,
            "messages": {"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]},
            "logprobs": {"logprobs": True}, "top_logprobs": {"logprobs": True, "top_logprobs": 2},
-           "max_completion_tokens": {"max_completion_tokens": 2}, "audio": {"audio": {"voice": "alloy", "format": "wav"}},
+           "max_completion_tokens": {"max_completion_tokens": 2},
+           "audio": {"audio": {"voice": "alloy", "format": "wav"}},
            "function_call": {"function_call": "auto"},
            "functions": {"functions": [{"name": "f", "parameters": {"type": "object"}}]},
            "metadata": {"metadata": {"team": "a"}}, "modalities": {"modalities": ["text", "audio"]},
            "moderation": {"moderation": {"model": "omni-moderation-latest"}},
            "parallel_tool_calls": {"parallel_tool_calls": False},
            "prediction": {"prediction": {"type": "content", "content": "Hello"}},
-           "prompt_cache_key": {"prompt_cache_key": "key-1"}, "prompt_cache_options": {"prompt_cache_options": {"mode": "explicit"}},
+           "prompt_cache_key": {"prompt_cache_key": "key-1"},
+           "prompt_cache_options": {"prompt_cache_options": {"mode": "explicit"}},
            "prompt_cache_retention": {"prompt_cache_retention": "24h"}, "reasoning_effort": {"reasoning_effort": "low"},
            "safety_identifier": {"safety_identifier": "user-1"}, "service_tier": {"service_tier": "flex"},
            "store": {"store": True}, "tools": {"tools": [TOOL], "tool_choice": "none"},
