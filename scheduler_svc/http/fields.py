@@ -30,7 +30,7 @@ class Refused:
         return value is None or any(_same(value, n) for n in self.neutral)
 
     def accepted_text(self, code: str = "") -> str:
-        return self.accepted or ", ".join(f"{code}{v}{code}" for v in ["null", *map(_json, self.neutral)])
+        return self.accepted or ", ".join(f"{code}{v}{code}" for v in ["null", *map(json.dumps, self.neutral)])
 
 
 def _same(value, neutral) -> bool:
@@ -125,6 +125,10 @@ MESSAGE_REFUSED = {
     **{name: Refused("the Harmony message form (gpt-oss) is not implemented: give role and content")
        for name in ("author", "channel", "content_type", "recipient")},
 }
+TEXT_PART_IGNORED = {
+    "cache_control": Ignored("a prompt-caching hint (Anthropic's) some clients put on text parts; the prefix cache "
+                             "here needs none"),
+}
 STREAM_OPTIONS_IGNORED = {
     "include_obfuscation": Ignored("OpenAI's random padding of stream events against length side channels; none is "
                                    "sent"),
@@ -171,10 +175,6 @@ def _refuse_unless_neutral(param: str, where: str, rule: Refused, value) -> None
         raise invalid(param, f"{where} is not supported: {rule.reason} (accepted: {rule.accepted_text()})")
 
 
-def _json(value) -> str:
-    return json.dumps(value)
-
-
 def _check_nested(param: str, where: str, model: BaseModel, refused: dict[str, Refused],
                   ignored: dict[str, Ignored], known: tuple[str, ...] = ()) -> None:
     for name, value in (model.model_extra or {}).items():
@@ -191,7 +191,7 @@ def _check_messages(body: ChatCompletionRequest) -> None:
         if isinstance(m.content, list):
             for j, part in enumerate(m.content):
                 if part.type == "text":  # NOTE: other types are refused by convert, naming the type
-                    _check_nested("messages", f"messages[{i}].content[{j}]", part, {}, {})
+                    _check_nested("messages", f"messages[{i}].content[{j}]", part, {}, TEXT_PART_IGNORED)
 
 
 def markdown() -> str:
@@ -201,6 +201,8 @@ def markdown() -> str:
         lines.append(f"| `{name}` | {endpoints} | {rule.reason} |")
     for name, rule in STREAM_OPTIONS_IGNORED.items():
         lines.append(f"| `stream_options.{name}` | both | {rule.reason} |")
+    for name, rule in TEXT_PART_IGNORED.items():
+        lines.append(f"| `messages[].content[].{name}` | chat | {rule.reason} |")
     lines += ["", "| refused unless neutral | endpoints | accepted values | why |", "| --- | --- | --- | --- |"]
     for name, endpoints, rule in _rows(REFUSED_FIELDS):
         lines.append(f"| `{name}` | {endpoints} | {rule.accepted_text('`')} | {rule.reason} |")

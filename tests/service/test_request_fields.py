@@ -220,9 +220,32 @@ def test_an_unknown_field_is_refused_by_name_and_the_server_keeps_serving(servic
         assert status == 200, body
     status, body = _post(http, CHAT, {**_base(CHAT, service.model_dir),
                                       "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi",
-                                                                                 "cache_control": {}}]}]})
+                                                                                 "cache": {}}]}]})
     assert status == 400 and body["error"]["param"] == "messages", body
-    assert "messages[0].content[0].cache_control: unknown field" in body["error"]["message"]
+    assert "messages[0].content[0].cache: unknown field" in body["error"]["message"]
+    part = {"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}  # on the ignored list
+    status, body = _post(http, CHAT, {**_base(CHAT, service.model_dir), "messages": [{"role": "user",
+                                                                                      "content": [part]}]})
+    assert status == 200, body
+    wait_until(lambda: idle(service))
+
+
+def test_request_id_names_the_response_and_cache_salt_keeps_prefix_cache_hits_apart(service, http):
+    rid = f"my-request-{uuid.uuid4().hex}"
+    status, body = _post(http, COMPLETIONS, {**_base(COMPLETIONS, service.model_dir), "request_id": rid})
+    assert status == 200 and body["id"] == f"cmpl-{rid}", body
+    status, body = _post(http, CHAT, {**_base(CHAT, service.model_dir), "request_id": "x" * 257})
+    assert status == 400 and body["error"]["param"] == "request_id", body
+    prompt = uuid.uuid4().hex + " the quick brown fox jumps over the lazy dog" * 6  # several KV blocks, new
+
+    def cached_tokens(salt: str) -> int:
+        status, body = _post(http, COMPLETIONS, {**_base(COMPLETIONS, service.model_dir), "prompt": prompt,
+                                                 "cache_salt": salt})
+        assert status == 200, body
+        return body["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    assert cached_tokens("tenant-a") == 0 and cached_tokens("tenant-a") > 0
+    assert cached_tokens("tenant-b") == 0
     wait_until(lambda: idle(service))
 
 
