@@ -8,6 +8,7 @@ import typing
 import uuid
 from pathlib import Path
 
+import grpc
 import httpx
 import pytest
 from openai.types import completion_create_params
@@ -247,6 +248,47 @@ def test_request_id_names_the_response_and_cache_salt_keeps_prefix_cache_hits_ap
     assert cached_tokens("tenant-a") == 0 and cached_tokens("tenant-a") > 0
     assert cached_tokens("tenant-b") == 0
     wait_until(lambda: idle(service))
+
+
+UNKNOWN_111 = bytes([0xF8, 0x06, 0x01])  # field 111 (not in generate.proto), varint 1
+
+
+def _field_bytes(message_type, name: str, payload: bytes) -> bytes:
+    """`payload` as the length-delimited field `name` of a `message_type` message."""
+    number = message_type.DESCRIPTOR.fields_by_name[name].number
+    assert number < 16 and len(payload) < 128  # one-byte key and length
+    return bytes([number << 3 | 2, len(payload)]) + payload
+
+
+@pytest.mark.parametrize("where", ["GenerateRequest", "sampling", "messages"])
+def test_grpc_a_field_these_protos_do_not_know_is_invalid_argument(service, where):
+    """Protobuf keeps unknown fields silently; the servicer refuses them (a newer client's constraint would be
+    ignored otherwise)."""
+    from pagedserve.v1 import generate_pb2 as pb
+
+    base = pb.GenerateRequest(prompt="Hello", sampling=pb.SamplingParams(max_tokens=1))
+    if where == "GenerateRequest":
+        raw = base.SerializeToString() + UNKNOWN_111
+    elif where == "sampling":
+        raw = pb.GenerateRequest(prompt="Hello").SerializeToString() + _field_bytes(
+            pb.GenerateRequest, "sampling", pb.SamplingParams(max_tokens=1).SerializeToString() + UNKNOWN_111)
+    else:
+        message = pb.ChatMessage(role="user", content="Hi").SerializeToString() + UNKNOWN_111
+        raw = _field_bytes(pb.GenerateRequest, "messages", message) + _field_bytes(
+            pb.GenerateRequest, "sampling", pb.SamplingParams(max_tokens=1).SerializeToString())
+    with service.channel() as ch:
+        call = ch.unary_stream("/pagedserve.v1.Generation/Generate", request_serializer=None,
+                               response_deserializer=pb.GenerateResponse.FromString)
+        with pytest.raises(grpc.RpcError) as e:
+            list(call(raw, timeout=120))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    named = {"GenerateRequest": "GenerateRequest:", "sampling": "sampling:", "messages": "messages[0]:"}[where]
+    assert e.value.details().startswith(named) and "field number 111" in e.value.details(), e.value.details()
+    with service.channel() as ch:  # the same request without it is served
+        out = list(ch.unary_stream("/pagedserve.v1.Generation/Generate", request_serializer=None,
+                                   response_deserializer=pb.GenerateResponse.FromString)(
+            base.SerializeToString(), timeout=120))
+    assert out[-1].usage.completion_tokens == 1
 
 
 def test_the_classes_are_disjoint():
