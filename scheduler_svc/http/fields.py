@@ -161,8 +161,8 @@ def check(body: BaseModel) -> None:
         if name in refused:
             _refuse_unless_neutral(name, name, refused[name], value)
         elif name not in ignored:
-            raise invalid(name, f"{name[:80]}: unknown field (the README's OpenAI-compatible section lists every "
-                                "field this server accepts)")
+            raise invalid(name[:80], f"{name[:80]}: unknown field (the README's OpenAI-compatible section lists "
+                                     "every field this server accepts)")
     if body.stream_options is not None:
         _check_nested("stream_options", "stream_options", body.stream_options, STREAM_OPTIONS_REFUSED,
                       STREAM_OPTIONS_IGNORED)
