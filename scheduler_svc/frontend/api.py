@@ -141,12 +141,21 @@ class FrontEnd:
                 self._check(ids, sampling)
             except InvalidField as e:
                 raise invalid(e.field, str(e)) from None
+            echo_text = await self._echo_text(inp, ids) if inp.echo else None  # NOTE: after the vocabulary check
+            text = {"include_stop_str": inp.include_stop_str_in_output, "skip_special_tokens": inp.skip_special_tokens,
+                    "echo_text": echo_text}
             return self.engine.submit(inp.request_id, ids, sampling, inp.cache_salt,
-                                      open_stream=lambda req: RequestStream(req, tokenizer, stop, metrics))
+                                      open_stream=lambda req: RequestStream(req, tokenizer, stop, metrics, **text))
         except EngineError as e:
             if e.field == "prompt_token_ids" and kind != "prompt_token_ids":
                 e.field = kind  # the ids came from this field
             raise
+
+    async def _echo_text(self, inp: GenerateInput, ids: list[int]) -> str:
+        """The prompt's text for echo: a text prompt as given; token ids (or a rendered chat) decoded."""
+        if inp.prompt is not None:
+            return inp.prompt
+        return await self.pool.decode(ids, inp.skip_special_tokens)
 
     def _check(self, ids: list[int], sp: SamplingParams) -> None:
         """Raises InvalidField when a request can never be served by this model, whichever worker takes it (the

@@ -19,7 +19,7 @@ class Decoder(Protocol):
 @dataclass(slots=True, frozen=True)
 class DetokenizeResult:
     text_delta: str  # new text safe to send; "" when everything new is held back
-    stopped: bool = False  # a stop string matched; the text ends just before it
+    stopped: bool = False  # a stop string matched; the text ends just before it (or with it: include_stop_str)
     stop_string: str | None = None
 
 
@@ -34,13 +34,14 @@ class IncrementalDetokenizer:
     two tokens), never the whole output.
     """
 
-    __slots__ = ("_tok", "_skip_special", "_stops", "_window", "_read", "_prefix_text", "_held",
+    __slots__ = ("_tok", "_skip_special", "_stops", "_include_stop", "_window", "_read", "_prefix_text", "_held",
                  "stop_string", "finished")
 
     def __init__(self, tokenizer: Decoder, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True,
-                 stop: Iterable[str] = ()) -> None:
+                 stop: Iterable[str] = (), include_stop_str: bool = False) -> None:
         self._tok = tokenizer
         self._skip_special = skip_special_tokens
+        self._include_stop = include_stop_str  # the matched stop string ends the text instead of being cut off
         self._stops = tuple(dict.fromkeys(stop))
         if "" in self._stops:
             raise ValueError("stop strings must not be empty")
@@ -108,7 +109,7 @@ class IncrementalDetokenizer:
             self._held = ""
             self.stop_string = stop
             self.finished = True
-            return DetokenizeResult(text[:start], True, stop)
+            return DetokenizeResult(text[:start + len(stop) if self._include_stop else start], True, stop)
         keep = 0 if final else self._stop_prefix_len(text)
         self._held = text[len(text) - keep:] if keep else ""
         return DetokenizeResult(text[:len(text) - keep])

@@ -16,6 +16,7 @@ from scheduler_svc.frontend.tokenizer import Tokenizer
 # NOTE: tokenizing ~4,000 characters takes about 1 ms on a slow core: below that, a trip to another process and
 # back costs more than it saves, and the loop is held no longer than a step's bookkeeping.
 INLINE_CHARS = 4096
+INLINE_TOKENS = INLINE_CHARS // 4  # decoding: about as many characters
 
 _tokenizer: Tokenizer | None = None  # in a tokenizer process: its own copy
 
@@ -38,6 +39,10 @@ def _encode(text: str, max_tokens: int) -> list[int] | int:
 
 def _encode_chat(messages: list[dict], template_kwargs: dict, max_tokens: int) -> list[int] | int:
     return _capped(_tokenizer.encode_chat(messages, add_generation_prompt=True, **template_kwargs), max_tokens)
+
+
+def _decode(ids: list[int], skip_special_tokens: bool) -> str:
+    return _tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 class TokenizerPool:
@@ -68,6 +73,12 @@ class TokenizerPool:
             ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, **template_kwargs)
             return _capped(ids, max_tokens)
         return await self._run(_encode_chat, messages, template_kwargs, max_tokens)
+
+    async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        """A prompt's text (echo); a long one decoded in a tokenizer process."""
+        if len(ids) < INLINE_TOKENS or self.tokenizer.model_dir is None:
+            return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        return await self._run(_decode, ids, skip_special_tokens)
 
     async def _run(self, fn, *args) -> Any:
         with self._lock:

@@ -39,12 +39,20 @@ class _Sample:
 class RequestStream:
     """Fed by the engine's step loop, read by the Generate handler (`async for item in stream`)."""
 
-    def __init__(self, request: Request, tokenizer, stop: tuple[str, ...], metrics: Metrics) -> None:
+    def __init__(self, request: Request, tokenizer, stop: tuple[str, ...], metrics: Metrics, *,
+                 include_stop_str: bool = False, skip_special_tokens: bool = True,
+                 echo_text: str | None = None) -> None:
+        """`echo_text`: the prompt's text, sent first (one item per sample: the prompt's ids and this text, no
+        logprobs); None sends only the output."""
         self.request = request
         self.metrics = metrics
         self.queue: asyncio.Queue[StreamItem | tuple[str, str] | None] = asyncio.Queue()
-        self.samples = [_Sample(IncrementalDetokenizer(tokenizer, request.prompt_token_ids, stop=list(stop)))
+        self.samples = [_Sample(IncrementalDetokenizer(tokenizer, request.prompt_token_ids, skip_special_tokens,
+                                                       stop=list(stop), include_stop_str=include_stop_str))
                         for _ in range(request.sampling.n)]
+        if echo_text is not None:
+            for index in range(request.sampling.n):
+                self.queue.put_nowait(StreamItem(index, list(request.prompt_token_ids), echo_text))
         self.num_open = request.sampling.n
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None  # monotonic, of any sample

@@ -7,11 +7,13 @@ from dataclasses import dataclass
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from pagedserve.v1 import generate_pb2
 
 from pagedserve_common.wire import logprobs_to_pb, sampling_from_pb
 from scheduler_svc.core.kv_snapshot import KVPoolSnapshot
+from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend.inputs import GenerateInput
 from scheduler_svc.frontend.limits import Limits
 from scheduler_svc.frontend.stream import StreamItem
@@ -89,10 +91,31 @@ def _varint(data: bytes, pos: int) -> tuple[int, int]:
         shift += 7
 
 
+def unknown_field(msg, prefix: str = "") -> tuple[str, int] | None:
+    """(path of the message, number) of the first field in `msg` or a message within it that these protos do not
+    know, or None. NOTE: protobuf keeps such fields silently: a newer client's field would be ignored."""
+    unknown = UnknownFieldSet(msg)
+    if len(unknown):
+        return prefix.rstrip("."), unknown[0].field_number
+    for field, value in msg.ListFields():
+        if field.type == FieldDescriptor.TYPE_MESSAGE and not field.message_type.GetOptions().map_entry:
+            inner = ((f"{field.name}[{i}]", m) for i, m in enumerate(value)) if field.is_repeated \
+                else ((field.name, value),)
+            for name, m in inner:
+                if (found := unknown_field(m, f"{prefix}{name}.")) is not None:
+                    return found
+    return None
+
+
 def input_from_pb(pb: generate_pb2.GenerateRequest, limits: Limits) -> GenerateInput:
     """An input counts as set when present: prompt by presence (even empty), the lists when non-empty.
     NOTE: list lengths are checked before any list is copied; prompt_token_ids stays the message's own container
     (the front end checks its length before copying it)."""
+    if (found := unknown_field(pb)) is not None:
+        where, number = found
+        raise EngineError(ErrorCode.INVALID_ARGUMENT, f"{where or 'GenerateRequest'}: field number {number} is not "
+                          "in this server's generate.proto (a client built from newer protos?): refused, not "
+                          "ignored", where.split(".")[0].split("[")[0] or None)
     limits.check_counts(len(pb.sampling.stop), len(pb.sampling.stop_token_ids), len(pb.messages))
     return GenerateInput(prompt=pb.prompt if pb.HasField("prompt") else None,
                          prompt_token_ids=pb.prompt_token_ids or None,

@@ -19,7 +19,7 @@ from scheduler_svc.auth import ApiKeyMiddleware, ApiKeys
 from scheduler_svc import request_log
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend import FrontEnd, RequestStream, StreamItem
-from scheduler_svc.http import convert
+from scheduler_svc.http import convert, fields
 from scheduler_svc.http.convert import Job, UsageCount
 from scheduler_svc.http.limits import BodyLimit
 from scheduler_svc.http.schemas import ChatCompletionRequest, CompletionRequest
@@ -175,6 +175,8 @@ def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None) -> FastAPI:
         rid = uuid.uuid4().hex
         try:
             convert.check_text(body)  # NOTE: first: an error message may quote a field (the model's name)
+            fields.check(body)
+            rid = convert.request_id(body, frontend.limits) or rid
             convert.check_model(frontend, body.model)
             job = make_job(body, rid, frontend)
         except EngineError as e:

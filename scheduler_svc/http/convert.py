@@ -83,10 +83,10 @@ def _sampling(body, max_tokens: int | None, logprobs: int | None) -> SamplingPar
 
 
 def _text_options(body) -> dict:
-    """GenerateInput's front-end settings of the text, as both endpoints take them."""
+    """GenerateInput's front-end settings of the text (and the prefix cache's salt), as both endpoints take them."""
     return {"stop": _stop(body), "bad_words": tuple(body.bad_words or ()),
             "include_stop_str_in_output": body.include_stop_str_in_output,
-            "skip_special_tokens": body.skip_special_tokens}
+            "skip_special_tokens": body.skip_special_tokens, "cache_salt": body.cache_salt or ""}
 
 
 def _stop(body) -> tuple[str, ...]:
@@ -94,8 +94,9 @@ def _stop(body) -> tuple[str, ...]:
 
 
 def completion_job(body: CompletionRequest, request_id: str, frontend: FrontEnd) -> Job:
-    if body.suffix:
-        raise invalid("suffix", "suffix is not supported")
+    if body.echo and body.logprobs is not None:  # NOTE: the worker returns sampled tokens' logprobs only
+        raise invalid("logprobs", "logprobs with echo: the prompt's logprobs are not computed (only those of "
+                                  "sampled tokens); drop logprobs, or echo and prepend the prompt yourself")
     if body.best_of is not None and body.best_of != body.n:
         raise invalid("best_of", f"best_of must equal n ({body.n}) when set: samples are not ranked")
     p = body.prompt
@@ -192,6 +193,14 @@ def _surrogate_at(value, path: str) -> str | None:
             continue
         todo.extend(reversed(items))
     return None
+
+
+def request_id(body, limits) -> str | None:
+    """vLLM's request_id, within its bound (it names the request's log lines and its response), or None."""
+    if body.request_id and len(body.request_id) > limits.max_request_id_chars:
+        raise invalid("request_id", f"request_id has {len(body.request_id)} characters; the limit is "
+                                    f"{limits.max_request_id_chars}")
+    return body.request_id or None
 
 
 def check_model(frontend: FrontEnd, model: str | None) -> None:

@@ -7,15 +7,18 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
+# NOTE: extra="allow" keeps the fields these models do not declare for scheduler_svc.http.fields.check, which
+# refuses each by name unless it is on its list of fields accepted and deliberately ignored (or neutral).
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
     include_usage: bool = False
 
 
 class _Common(BaseModel):
-    """Fields both endpoints take. Unknown fields are ignored (clients send many); known but unsupported ones
-    are refused when set to anything but their neutral value (refused, not silently ignored)."""
+    """Fields both endpoints take (and implement). Undeclared ones are checked by scheduler_svc.http.fields."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str | None = None
     max_tokens: int | None = None
@@ -26,7 +29,8 @@ class _Common(BaseModel):
     seed: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None  # NOTE: accepted and ignored, as the issue asks
+    request_id: str | None = None  # vLLM's: the request's id in logs and the response's id (else a random one)
+    cache_salt: str | None = None  # vLLM's: prefix-cache hits only between requests of the same salt
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None
@@ -53,19 +57,18 @@ class CompletionRequest(_Common):
     prompt: str | list[int] | list[str] | list[list[int]]
     logprobs: int | None = None
     echo: bool = False
-    suffix: str | None = None
     best_of: int | None = None
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     type: str
     text: str | None = None
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # e.g. name; passed to the chat template as they are
+    model_config = ConfigDict(extra="allow")  # e.g. name; passed to the chat template as they are (fields.check)
 
     role: str
     content: str | list[TextPart] | None = None

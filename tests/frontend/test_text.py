@@ -327,6 +327,14 @@ def test_overlapping_and_multiple_stop_strings_first_completed_wins():
     assert "".join(_char_stream("xaaab", ["aab"])[0]) == "xa"
 
 
+def test_include_stop_str_ends_the_text_with_the_stop_string_and_nothing_after_it():
+    for sizes in (None, [3, 2, 4, 20]):  # one character a push, and pushes that split the stop string
+        det = IncrementalDetokenizer(CharDecoder(), [], stop=["END", "xyz"], include_stop_str=True)
+        ids = [ord(c) for c in "Hello END world"]
+        deltas, last = _stream(det, _chunks(ids, sizes) if sizes is not None else [[i] for i in ids])
+        assert "".join(deltas) == "Hello END" and last.stopped and last.stop_string == "END"
+
+
 def test_push_after_stop_and_empty_stop_rejected():
     det = IncrementalDetokenizer(CharDecoder(), [], stop=["!"])
     assert det.push(map(ord, "hi!there")) == DetokenizeResult("hi", True, "!")

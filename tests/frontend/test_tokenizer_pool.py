@@ -9,7 +9,7 @@ import pytest
 
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend import Tokenizer
-from scheduler_svc.frontend.pool import INLINE_CHARS, TokenizerPool
+from scheduler_svc.frontend.pool import INLINE_CHARS, INLINE_TOKENS, TokenizerPool
 from pagedserve_common.defaults import DEFAULT_MODEL
 from worker_svc.model_store import resolve_model
 
@@ -34,6 +34,19 @@ def test_a_long_prompt_in_a_process_gives_the_inline_ids():
         messages = [{"role": "user", "content": LONG}]
         assert run(pool.encode_chat(messages, {}, 10_000)) == tokenizer().encode_chat(messages)
         assert pool.num_pending == 0
+    finally:
+        pool.shutdown()
+
+
+def test_a_long_decode_in_a_process_gives_the_inline_text():
+    pool = TokenizerPool(tokenizer(), num_processes=1)
+    try:
+        ids = tokenizer().encode_chat([{"role": "user", "content": LONG}])  # special tokens among the text
+        assert len(ids) >= INLINE_TOKENS
+        for skip in (True, False):
+            assert run(pool.decode(ids, skip)) == tokenizer().decode(ids, skip_special_tokens=skip)
+        assert pool._executor is not None and pool.num_pending == 0
+        assert run(pool.decode(ids[:5], False)) == tokenizer().decode(ids[:5], skip_special_tokens=False)
     finally:
         pool.shutdown()
 
