@@ -10,6 +10,7 @@ from pagedserve_common.options import ALWAYS, GIVEN, at_least, byte_size, group,
 from pagedserve_common.units import format_bytes
 
 ROUTING = ("kv", "least-loaded", "round-robin")  # scheduler_svc.routing
+TOOL_CALL_PARSERS = ("none", "hermes", "llama3_json")  # scheduler_svc.frontend.tool_parsers
 # "paged" allocates a KV block when a sequence needs one (scheduler_svc.kv.manager); the static modes reserve a
 # sequence's whole run at admission (scheduler_svc.kv.static): for max_model_len tokens, or for
 # min(prompt + max_tokens, max_model_len).
@@ -168,6 +169,9 @@ class SchedulerOptions:
     max_model_len: int | None = option(None, "longest sequence, prompt and output together",
                                        type=at_least(int, 1, _POSITIVE), metavar="N",
                                        default_text="the model's, also the upper bound", up=GIVEN)
+    tool_call_parser: str = option("none", "the model family's tool-call format, which tool_choice auto parses: "
+                                           "hermes (Hermes/Qwen <tool_call> blocks), llama3_json (Llama 3's JSON) or "
+                                           "none (tool_choice auto is refused)", choices=TOOL_CALL_PARSERS, up=GIVEN)
     network: SchedulerNetwork = group(SchedulerNetwork, "network")
     engine: EngineOptions = group(EngineOptions, "batching, KV cache, routing and failures")
     limits: LimitOptions = group(LimitOptions, "input bounds")

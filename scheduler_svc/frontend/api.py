@@ -14,13 +14,23 @@ from scheduler_svc.frontend.inputs import INPUTS, GenerateInput
 from scheduler_svc.frontend.limits import Limits
 from scheduler_svc.frontend.pool import TokenizerPool
 from scheduler_svc.frontend.stream import RequestStream
-from scheduler_svc.frontend.tokenizer import Tokenizer
+from scheduler_svc.frontend.tokenizer import TemplateRefusal, Tokenizer
 
 if TYPE_CHECKING:
     from scheduler_svc.engine import Engine
 
 def _wrapped(value: int) -> str:
     return " (a negative number sent as uint32?)" if value >= 2**31 else ""
+
+
+def _template_failure(e: Exception) -> str:
+    if isinstance(e, jinja2.UndefinedError):
+        return "it reads a field a message does not have"
+    if isinstance(e, TypeError):
+        return "a value has a type it does not expect, e.g. content null"
+    if isinstance(e, ValueError) and "no chat template" in str(e):
+        return "the model has no chat template"
+    return type(e).__name__
 
 
 def invalid(field_name: str, message: str) -> EngineError:
@@ -116,9 +126,17 @@ class FrontEnd:
                 raise invalid("messages", f"messages[{i}].role must be a non-empty string")
         try:
             return await self.pool.encode_chat(list(inp.messages), inp.chat_template_kwargs, limit)
-        except (jinja2.TemplateError, ValueError, TypeError) as e:
-            # NOTE: templates reject bad conversations with raise_exception (e.g. roles that do not alternate)
+        except EngineError:
+            raise
+        except TemplateRefusal as e:  # NOTE: the template's own words (e.g. roles that do not alternate)
             raise invalid("messages", f"messages: the chat template refused them: {e}") from None
+        except Exception as e:
+            # NOTE: a template's code failing on a conversation it was not written for (a field it reads missing,
+            # None where it adds strings...): its raw message (`'dict object' has no attribute 'content'`) means
+            # nothing to a client, so it is named by kind only.
+            raise invalid("messages", f"messages: the model's chat template cannot render this conversation "
+                                      f"({_template_failure(e)}); check each message's role, content and "
+                                      f"tool_calls") from None
 
     async def generate(self, inp: GenerateInput) -> RequestStream:
         """Tokenizes, validates and admits `inp`; iterate the returned stream for its StreamItems.

@@ -38,8 +38,13 @@ def _as_ids(value: Any) -> tuple[int, ...]:
     return (value,) if isinstance(value, int) else tuple(int(v) for v in value)
 
 
+class TemplateRefusal(jinja2.exceptions.TemplateError):
+    """A chat template's own raise_exception("..."): its message is written for the user (e.g. roles must
+    alternate), unlike a failure inside the template's code."""
+
+
 def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
+    raise TemplateRefusal(message)
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,

@@ -12,7 +12,9 @@ from scheduler_svc.core.request import FinishReason
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend import FrontEnd, GenerateInput, StreamItem
 from scheduler_svc.frontend.api import invalid
+from scheduler_svc.http import history, tools
 from scheduler_svc.http.schemas import ChatCompletionRequest, CompletionRequest
+from scheduler_svc.http.tools import Shaper, ToolPlan
 
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.STOP_STRING: "stop",
                   FinishReason.ABORT: "abort"}
@@ -45,6 +47,7 @@ class Job:
     inputs: list[GenerateInput]
     n: int
     params: dict[str, str] = field(default_factory=dict)  # generate.proto field -> the name this request used
+    tools: ToolPlan | None = None  # chat with tools: how its answers become tool calls
 
     @property
     def wants_logprobs(self) -> bool:
@@ -52,6 +55,10 @@ class Job:
 
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         return prompt_index * self.n + sample_index
+
+    def shaper(self) -> Shaper:
+        """A new shaper of one chat choice's answer into OpenAI's deltas (content, tool_calls)."""
+        return Shaper() if self.tools is None else self.tools.shaper()
 
 
 def _logit_bias(body) -> tuple[tuple[int, float], ...]:
@@ -118,23 +125,9 @@ def completion_job(body: CompletionRequest, request_id: str, frontend: FrontEnd)
     return Job(inputs, body.n, {"prompt_token_ids": "prompt"})
 
 
-def _message_dict(i: int, m) -> dict:
-    out = m.model_dump(exclude_none=True)
-    if isinstance(m.content, list):
-        texts = []
-        for j, part in enumerate(m.content):
-            if part.type != "text" or part.text is None:
-                raise invalid("messages", f"messages[{i}].content[{j}]: only text parts are supported, got "
-                                          f"type {part.type!r}")
-            texts.append(part.text)
-        out["content"] = "".join(texts)
-    return out
-
-
-def chat_job(body: ChatCompletionRequest, request_id: str, _frontend: FrontEnd) -> Job:
+def chat_job(body: ChatCompletionRequest, request_id: str, frontend: FrontEnd, tool_call_parser: str = "none") -> Job:
     """(completion_job's signature: one prompt, whose n the front end checks before tokenizing)"""
-    if body.tools:
-        raise invalid("tools", "tools are not supported (no tool-call parsing)")
+    tool_plan = tools.plan(body, tool_call_parser)
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise invalid("response_format", "only response_format {\"type\": \"text\"} is supported")
     if body.top_logprobs is not None and not body.logprobs:
@@ -144,10 +137,15 @@ def chat_job(body: ChatCompletionRequest, request_id: str, _frontend: FrontEnd) 
         max_tokens, name = body.max_tokens, "max_tokens"
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     sampling = _sampling(body, max_tokens, logprobs)
-    inp = GenerateInput(messages=[_message_dict(i, m) for i, m in enumerate(body.messages)], sampling=sampling,
-                        request_id=request_id, chat_template_kwargs=body.chat_template_kwargs or {},
-                        fill_context=max_tokens is None, **_text_options(body))
-    return Job([inp], body.n, {"max_tokens": name, "logprobs": "top_logprobs"})
+    template_kwargs = body.chat_template_kwargs or {}
+    params = {"max_tokens": name, "logprobs": "top_logprobs"}
+    if tool_plan is not None:
+        sampling, template_kwargs = tools.apply(tool_plan, sampling, template_kwargs)
+        params["structured_output"] = "tools"  # NOTE: a schema the engine refuses is a tool's parameters
+    messages = history.template_messages(body.messages, frontend.tokenizer.chat_template)
+    inp = GenerateInput(messages=messages, sampling=sampling, request_id=request_id,
+                        chat_template_kwargs=template_kwargs, fill_context=max_tokens is None, **_text_options(body))
+    return Job([inp], body.n, params, tool_plan)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
