@@ -13,6 +13,7 @@ from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend import FrontEnd, GenerateInput, StreamItem
 from scheduler_svc.frontend.api import invalid
 from scheduler_svc.http.schemas import ChatCompletionRequest, CompletionRequest
+from scheduler_svc.http.structured import structured_output
 
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.STOP_STRING: "stop",
                   FinishReason.ABORT: "abort"}
@@ -66,7 +67,12 @@ def _logit_bias(body) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out))
 
 
-def _sampling(body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling(body, max_tokens: int | None, logprobs: int | None, params: dict[str, str]) -> SamplingParams:
+    """`params` (Job.params) learns which field set structured_output, so that an error names it."""
+    so, so_param = structured_output(body)
+    if so_param is not None:
+        params["structured_output"] = so_param
+
     def pick(value, default):
         return default if value is None else value
 
@@ -79,7 +85,8 @@ def _sampling(body, max_tokens: int | None, logprobs: int | None) -> SamplingPar
                           presence_penalty=pick(body.presence_penalty, d.presence_penalty),
                           frequency_penalty=pick(body.frequency_penalty, d.frequency_penalty),
                           repetition_penalty=pick(body.repetition_penalty, d.repetition_penalty),
-                          logit_bias=_logit_bias(body), min_tokens=pick(body.min_tokens, d.min_tokens))
+                          logit_bias=_logit_bias(body), min_tokens=pick(body.min_tokens, d.min_tokens),
+                          structured_output=so)
 
 
 def _text_options(body) -> dict:
@@ -108,14 +115,15 @@ def completion_job(body: CompletionRequest, request_id: str, frontend: FrontEnd)
     if not prompts:
         raise invalid("prompt", "prompt is empty")
     frontend.check_batch(len(prompts), body.n)  # NOTE: before an input is made for each of up to a million prompts
-    sampling = _sampling(body, body.max_tokens, body.logprobs)
+    params = {"prompt_token_ids": "prompt"}
+    sampling = _sampling(body, body.max_tokens, body.logprobs, params)
     inputs = []
     for i, one in enumerate(prompts):
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         kind = "prompt" if isinstance(one, str) else "prompt_token_ids"
         inputs.append(GenerateInput(**{kind: one}, sampling=sampling, request_id=rid, echo=body.echo,
                                     **_text_options(body)))
-    return Job(inputs, body.n, {"prompt_token_ids": "prompt"})
+    return Job(inputs, body.n, params)
 
 
 def _message_dict(i: int, m) -> dict:
@@ -135,19 +143,18 @@ def chat_job(body: ChatCompletionRequest, request_id: str, _frontend: FrontEnd) 
     """(completion_job's signature: one prompt, whose n the front end checks before tokenizing)"""
     if body.tools:
         raise invalid("tools", "tools are not supported (no tool-call parsing)")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise invalid("response_format", "only response_format {\"type\": \"text\"} is supported")
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
     max_tokens, name = body.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, name = body.max_tokens, "max_tokens"
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    sampling = _sampling(body, max_tokens, logprobs)
+    params = {"max_tokens": name, "logprobs": "top_logprobs"}
+    sampling = _sampling(body, max_tokens, logprobs, params)
     inp = GenerateInput(messages=[_message_dict(i, m) for i, m in enumerate(body.messages)], sampling=sampling,
                         request_id=request_id, chat_template_kwargs=body.chat_template_kwargs or {},
                         fill_context=max_tokens is None, **_text_options(body))
-    return Job([inp], body.n, {"max_tokens": name, "logprobs": "top_logprobs"})
+    return Job([inp], body.n, params)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
