@@ -15,6 +15,7 @@ from scheduler_svc.frontend.limits import Limits
 from scheduler_svc.frontend.pool import TokenizerPool
 from scheduler_svc.frontend.stream import RequestStream
 from scheduler_svc.frontend.tokenizer import TemplateRefusal, Tokenizer
+from scheduler_svc.structured.compiler import Grammar, GrammarCompiler
 
 if TYPE_CHECKING:
     from scheduler_svc.engine import Engine
@@ -46,6 +47,15 @@ class FrontEnd:
         self.tokenizer = tokenizer
         self.limits = limits or Limits.for_model(engine.config.max_model_len)
         self.pool = pool or TokenizerPool(tokenizer)
+        self._grammars: GrammarCompiler | None = None  # made at the first structured output request
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        if self._grammars is None:
+            cfg = self.engine.config
+            self._grammars = GrammarCompiler(self.tokenizer.to_json(), cfg.vocab_size,
+                                             cfg.eos_token_ids or self.tokenizer.eos_token_ids)
+        return self._grammars
 
     @property
     def model_id(self) -> str:
@@ -157,14 +167,21 @@ class FrontEnd:
         try:
             try:
                 self._check(ids, sampling)
+                grammar = await self._grammar(sampling)
             except InvalidField as e:
                 raise invalid(e.field, str(e)) from None
-            return self.engine.submit(inp.request_id, ids, sampling, inp.cache_salt,
+            return self.engine.submit(inp.request_id, ids, sampling, inp.cache_salt, grammar=grammar,
                                       open_stream=lambda req: RequestStream(req, tokenizer, stop, metrics))
         except EngineError as e:
             if e.field == "prompt_token_ids" and kind != "prompt_token_ids":
                 e.field = kind  # the ids came from this field
             raise
+
+    async def _grammar(self, sp: SamplingParams) -> Grammar | None:
+        """structured_output compiled (off the event loop, cached by spec); raises InvalidField naming it."""
+        if sp.structured_output is None:
+            return None
+        return await self.grammars.compile(sp.structured_output)
 
     def _check(self, ids: list[int], sp: SamplingParams) -> None:
         """Raises InvalidField when a request can never be served by this model, whichever worker takes it (the

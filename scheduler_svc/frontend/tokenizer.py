@@ -108,6 +108,10 @@ class Tokenizer:
         self.chat_template = chat_template
         self.model_dir: Path | None = None  # where it was loaded from (a tokenizer process loads its own copy)
 
+    def to_json(self) -> str:
+        """tokenizer.json's text (the grammar engine builds its own copy of the tokenizer from it)."""
+        return self._tok.to_str()
+
     @classmethod
     def from_model_dir(cls, path: str | Path) -> Tokenizer:
         model_dir = Path(path)

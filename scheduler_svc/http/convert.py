@@ -14,6 +14,7 @@ from scheduler_svc.frontend import FrontEnd, GenerateInput, StreamItem
 from scheduler_svc.frontend.api import invalid
 from scheduler_svc.http import history, tools
 from scheduler_svc.http.schemas import ChatCompletionRequest, CompletionRequest
+from scheduler_svc.http.structured import structured_output
 from scheduler_svc.http.tools import Shaper, ToolPlan
 
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.STOP_STRING: "stop",
@@ -73,7 +74,12 @@ def _logit_bias(body) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out))
 
 
-def _sampling(body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling(body, max_tokens: int | None, logprobs: int | None, params: dict[str, str]) -> SamplingParams:
+    """`params` (Job.params) learns which field set structured_output, so that an error names it."""
+    so, so_param = structured_output(body)
+    if so_param is not None:
+        params["structured_output"] = so_param
+
     def pick(value, default):
         return default if value is None else value
 
@@ -86,7 +92,8 @@ def _sampling(body, max_tokens: int | None, logprobs: int | None) -> SamplingPar
                           presence_penalty=pick(body.presence_penalty, d.presence_penalty),
                           frequency_penalty=pick(body.frequency_penalty, d.frequency_penalty),
                           repetition_penalty=pick(body.repetition_penalty, d.repetition_penalty),
-                          logit_bias=_logit_bias(body), min_tokens=pick(body.min_tokens, d.min_tokens))
+                          logit_bias=_logit_bias(body), min_tokens=pick(body.min_tokens, d.min_tokens),
+                          structured_output=so)
 
 
 def _text_options(body) -> dict:
@@ -115,33 +122,33 @@ def completion_job(body: CompletionRequest, request_id: str, frontend: FrontEnd)
     if not prompts:
         raise invalid("prompt", "prompt is empty")
     frontend.check_batch(len(prompts), body.n)  # NOTE: before an input is made for each of up to a million prompts
-    sampling = _sampling(body, body.max_tokens, body.logprobs)
+    params = {"prompt_token_ids": "prompt"}
+    sampling = _sampling(body, body.max_tokens, body.logprobs, params)
     inputs = []
     for i, one in enumerate(prompts):
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         kind = "prompt" if isinstance(one, str) else "prompt_token_ids"
         inputs.append(GenerateInput(**{kind: one}, sampling=sampling, request_id=rid, echo=body.echo,
                                     **_text_options(body)))
-    return Job(inputs, body.n, {"prompt_token_ids": "prompt"})
+    return Job(inputs, body.n, params)
 
 
 def chat_job(body: ChatCompletionRequest, request_id: str, frontend: FrontEnd, tool_call_parser: str = "none") -> Job:
     """(completion_job's signature: one prompt, whose n the front end checks before tokenizing)"""
     tool_plan = tools.plan(body, tool_call_parser)
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise invalid("response_format", "only response_format {\"type\": \"text\"} is supported")
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
     max_tokens, name = body.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, name = body.max_tokens, "max_tokens"
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    sampling = _sampling(body, max_tokens, logprobs)
-    template_kwargs = body.chat_template_kwargs or {}
     params = {"max_tokens": name, "logprobs": "top_logprobs"}
+    sampling = _sampling(body, max_tokens, logprobs, params)
+    template_kwargs = body.chat_template_kwargs or {}
     if tool_plan is not None:
         sampling, template_kwargs = tools.apply(tool_plan, sampling, template_kwargs)
-        params["structured_output"] = "tools"  # NOTE: a schema the engine refuses is a tool's parameters
+        if tool_plan.structured_output() is not None:
+            params["structured_output"] = "tools"  # NOTE: a schema the engine refuses is a tool's parameters
     messages = history.template_messages(body.messages, frontend.tokenizer.chat_template)
     inp = GenerateInput(messages=messages, sampling=sampling, request_id=request_id,
                         chat_template_kwargs=template_kwargs, fill_context=max_tokens is None, **_text_options(body))
