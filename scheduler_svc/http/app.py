@@ -262,7 +262,7 @@ def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None, tool_call_pa
                                          "finish_reason": reason}], **extra}
 
         for index in range(job.n):  # each choice opens with the role, as OpenAI's stream does
-            yield chunk(index, {"role": "assistant", "content": ""}, None, None)
+            yield chunk(index, {"role": "assistant", "content": shapers[index].opening_content}, None, None)
         async for i, item in _items(streams):
             index = job.choice_index(i, item.index)
             deltas, reason = shapers[index].push(item.text, convert.finish_reason(item))

@@ -159,6 +159,7 @@ class Shaper:
     push(text, finish reason) -> (deltas, the finish reason to report)."""
 
     num_calls = 0
+    opening_content: str | None = ""  # the content of the stream's first delta, with the role
 
     def push(self, text: str, reason: str | None) -> tuple[list[dict], str | None]:
         return ([{"content": text}] if text else []), reason
@@ -168,7 +169,14 @@ class Shaper:
         return "tool_calls" if reason == "stop" and self.num_calls else reason
 
 
-class NamedShaper(Shaper):
+class ToolShaper(Shaper):
+    """An answer that may hold tool calls: its stream opens with content null, as OpenAI's does for a tool call
+    (text that follows still accumulates: null, then text, is the text)."""
+
+    opening_content = None
+
+
+class NamedShaper(ToolShaper):
     """A named function: the whole answer is its arguments (the constraint makes it so), streamed as they come."""
 
     def __init__(self, name: str) -> None:
@@ -184,7 +192,7 @@ class NamedShaper(Shaper):
         return deltas, self.reason(reason)
 
 
-class RequiredShaper(Shaper):
+class RequiredShaper(ToolShaper):
     """tool_choice required: the answer is a JSON array of calls, held to its end; one that does not parse (cut
     off by max_tokens) is content."""
 
@@ -205,7 +213,7 @@ class RequiredShaper(Shaper):
         return [_call_delta(i, name, args) for i, (name, args) in enumerate(calls)], self.reason(reason)
 
 
-class ParsedShaper(Shaper):
+class ParsedShaper(ToolShaper):
     """tool_choice auto: the parser's pieces, each call whole in one delta. Blanks next to a call are left out: a
     text's trailing blanks wait for what follows (more text: they go out with it; a call: dropped; the end: they
     go out if the answer called nothing), so that streamed and whole answers agree. With parallel_tool_calls false
