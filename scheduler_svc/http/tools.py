@@ -36,9 +36,9 @@ class ToolPlan:
         """The constraint of modes required and named: a JSON schema of the calls (None for none and auto).
         NOTE: required's answer is a JSON array of {"name", "arguments"} objects, named's the arguments alone."""
         if self.mode == "named":
-            schema = self.parameters[self.name]
+            schema = _closed(self.parameters[self.name])
         elif self.mode == "required":
-            options = [{"type": "object", "properties": {"name": {"const": name}, "arguments": params},
+            options = [{"type": "object", "properties": {"name": {"const": name}, "arguments": _closed(params)},
                         "required": ["name", "arguments"], "additionalProperties": False}
                        for name, params in self.parameters.items()]
             schema = {"type": "array", "minItems": 1, "items": options[0] if len(options) == 1 else
@@ -56,6 +56,16 @@ class ToolPlan:
         if self.mode == "auto":
             return ParsedShaper(make_parser(self.parser), self.parallel)
         return Shaper()
+
+
+def _closed(params: dict) -> dict:
+    """A function's parameters as the constraint of its arguments: an object schema that does not say whether
+    other properties may appear gets additionalProperties false. NOTE: a call's arguments are the function's
+    parameters, nothing else; left open, a small model fills the object with keys of its own until max_tokens
+    (LangChain's schemas from pydantic models leave it open)."""
+    if params.get("type") == "object" and "additionalProperties" not in params and "patternProperties" not in params:
+        return {**params, "additionalProperties": False}
+    return params
 
 
 def plan(body, parser: str) -> ToolPlan | None:

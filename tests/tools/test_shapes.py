@@ -76,7 +76,8 @@ def test_required_is_a_schema_of_one_or_more_calls_of_the_tools():
     valid = [[{"name": "get_weather", "arguments": {"city": "Paris"}}],
              [{"name": "now", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}]]
     invalid = [[], [{"name": "get_time", "arguments": {}}], [{"name": "get_weather", "arguments": {}}],
-               [{"name": "now", "arguments": {"x": 1}}], {"name": "now", "arguments": {}}]
+               [{"name": "now", "arguments": {"x": 1}}], {"name": "now", "arguments": {}},
+               [{"name": "get_weather", "arguments": {"city": "Paris", "country": "France"}}]]
     for value in valid:
         jsonschema.validate(value, schema)
     for value in invalid:
@@ -89,8 +90,12 @@ def test_required_is_a_schema_of_one_or_more_calls_of_the_tools():
 
 
 def test_a_named_function_is_the_schema_of_its_arguments():
+    # NOTE: the arguments are the function's parameters and nothing else: an object left open is closed
     assert schema_of(tools=[NOW, WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}) \
-        == WEATHER_PARAMS
+        == {**WEATHER_PARAMS, "additionalProperties": False}
+    open_object = {**WEATHER_PARAMS, "additionalProperties": {"type": "string"}}
+    assert schema_of(tools=[{"type": "function", "function": {"name": "f", "parameters": open_object}}],
+                     tool_choice={"type": "function", "function": {"name": "f"}}) == open_object
     assert schema_of(tools=[NOW], tool_choice={"type": "function", "function": {"name": "now"}}) \
         == tools.NO_PARAMETERS
 
