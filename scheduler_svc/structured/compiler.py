@@ -50,7 +50,7 @@ def grammar_text(so: StructuredOutput) -> str:
     if kind == "json_object":
         return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
     if kind == "regex":
-        return llguidance.LLMatcher.grammar_from_regex(so.spec)
+        return llguidance.LLMatcher.grammar_from_regex(ascii_classes(so.spec))
     if kind == "choice":
         # NOTE: JSON string literals are Lark's too; so any character of a choice stands for itself
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in so.choices))
@@ -58,6 +58,33 @@ def grammar_text(so: StructuredOutput) -> str:
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(so.spec))
     except Exception as e:  # noqa: BLE001 - the converter raises whatever a malformed GBNF grammar trips
         raise InvalidField(FIELD, f"{FIELD}.grammar is neither Lark nor GBNF: {_short(str(e))}") from None
+
+
+# NOTE: Rust's regex (llguidance's) reads \d and \w as Unicode classes (a model then writes digits of other scripts);
+# clients of vLLM's guided_regex (its engines) and JSON Schema's patterns mean ASCII ones.
+_ASCII_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_"}
+
+
+def ascii_classes(pattern: str) -> str:
+    """`pattern` with \d and \w spelled as their ASCII ranges, inside character classes and out."""
+    out, i, depth = [], 0, 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < len(pattern):
+            nxt = pattern[i + 1]
+            if nxt in _ASCII_CLASSES:
+                out.append(_ASCII_CLASSES[nxt] if depth else f"[{_ASCII_CLASSES[nxt]}]")
+            else:
+                out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if ch == "[":
+            depth += 1
+        elif ch == "]" and depth:
+            depth -= 1
+        out.append(ch)
+        i += 1
+    return "".join(out)
 
 
 def _short(text: str) -> str:
