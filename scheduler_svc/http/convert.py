@@ -147,7 +147,7 @@ def chat_job(body: ChatCompletionRequest, request_id: str, frontend: FrontEnd, t
     template_kwargs = body.chat_template_kwargs or {}
     if tool_plan is not None:
         sampling, template_kwargs = tools.apply(tool_plan, sampling, template_kwargs)
-        if tool_plan.structured_output() is not None:
+        if tool_plan.constrained:
             params["structured_output"] = "tools"  # NOTE: a schema the engine refuses is a tool's parameters
     messages = history.template_messages(body.messages, frontend.tokenizer.chat_template)
     inp = GenerateInput(messages=messages, sampling=sampling, request_id=request_id,

@@ -32,6 +32,11 @@ class ToolPlan:
     name: str = ""  # mode named: the function
     parser: str = "none"  # mode auto: --tool-call-parser
 
+    @property
+    def constrained(self) -> bool:
+        """Whether the answer is constrained (required, named), not free text that may be parsed (none, auto)."""
+        return self.mode in ("required", "named")
+
     def structured_output(self) -> StructuredOutput | None:
         """The constraint of modes required and named: a JSON schema of the calls (None for none and auto).
         NOTE: required's answer is a JSON array of {"name", "arguments"} objects, named's the arguments alone."""
@@ -119,8 +124,8 @@ def _tool(i: int, tool) -> tuple[str, dict]:
     if not isinstance(fn.get("strict", False), bool):
         raise invalid("tools", f"{where}.function.strict must be a boolean")
     params = fn.get("parameters", NO_PARAMETERS)
-    if not isinstance(params, dict):
-        raise invalid("tools", f"{where}.function.parameters must be a JSON schema (an object)")
+    if not isinstance(params, dict) or params.get("type", "object") != "object":
+        raise invalid("tools", f"{where}.function.parameters must be a JSON schema of an object (the arguments)")
     return name, params
 
 

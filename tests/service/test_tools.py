@@ -25,10 +25,10 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "The
                                              "required": ["zone"]}}}
 ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 # NOTE: a history as an agent sends it back: the assistant's call (content null) and the tool's answer
-HISTORY = [*ASK, {"role": "assistant", "content": None, "tool_calls": [
-    {"id": "call_abc", "type": "function", "function": {"name": "get_weather",
-                                                         "arguments": "{\"city\": \"Paris\", \"unit\": \"celsius\"}"}}]},
-    {"role": "tool", "tool_call_id": "call_abc", "content": "18 degrees and sunny"}]
+CALL = {"id": "call_abc", "type": "function",
+        "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}
+HISTORY = [*ASK, {"role": "assistant", "content": None, "tool_calls": [CALL]},
+           {"role": "tool", "tool_call_id": "call_abc", "content": "18 degrees and sunny"}]
 
 
 def client_of(service) -> openai.OpenAI:

@@ -159,9 +159,9 @@ BROKEN_TEMPLATE = ("{% for m in messages %}{# knows tool_calls, but not a null c
 async def test_a_template_that_fails_on_the_conversation_is_a_400_naming_messages(engine, channel):
     tok = Tokenizer.from_model_dir(tokenizer().model_dir)
     tok.chat_template = BROKEN_TEMPLATE
-    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
-        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     front = Front(engine, tok)
     async with front, client_of(front) as client:
         with pytest.raises(openai.BadRequestError) as e:

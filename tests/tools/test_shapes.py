@@ -34,12 +34,15 @@ def refusal(parser: str = "none", **fields) -> EngineError:
 
 @pytest.mark.parametrize("fields, param, words", [
     ({"tools": []}, "tools", "empty"),
+    ({"tools": [NOW] * 129}, "tools", "the limit is 128"),
     ({"tools": [{"type": "function"}]}, "tools", "tools[0] must be"),
     ({"tools": [{"type": "code_interpreter", "function": {"name": "f"}}]}, "tools", "tools[0] must be"),
     ({"tools": [{"type": "function", "function": {"name": "f", "params": {}}}]}, "tools", "unknown field 'params'"),
     ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools", "tools[0].function.name"),
     ({"tools": [NOW, WEATHER, NOW]}, "tools", "tools[2].function.name: 'now' is the name of an earlier tool"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "{}"}}]}, "tools", "JSON schema"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]}, "tools",
+     "JSON schema of an object"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice",
      "'get_time', which is not among tools (get_weather)"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice", "to name a function"),
@@ -74,7 +77,8 @@ def schema_of(**fields) -> dict:
 def test_required_is_a_schema_of_one_or_more_calls_of_the_tools():
     schema = schema_of(tools=[WEATHER, NOW], tool_choice="required")
     valid = [[{"name": "get_weather", "arguments": {"city": "Paris"}}],
-             [{"name": "now", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}]]
+             [{"name": "now", "arguments": {}},
+              {"name": "get_weather", "arguments": {"city": "Oslo", "unit": "celsius"}}]]
     invalid = [[], [{"name": "get_time", "arguments": {}}], [{"name": "get_weather", "arguments": {}}],
                [{"name": "now", "arguments": {"x": 1}}], {"name": "now", "arguments": {}},
                [{"name": "get_weather", "arguments": {"city": "Paris", "country": "France"}}]]
@@ -149,8 +153,8 @@ def test_auto_with_only_calls_has_null_content_and_parallel_false_keeps_the_firs
     message, reason = shaped({"tools": [WEATHER, NOW]}, [call % "now", call % "get_weather"])
     assert message["content"] is None and reason == "tool_calls"
     assert calls_of(message) == [("now", {}), ("get_weather", {})]
-    ids = [c["id"] for c in tools.message(tools.plan(body(tools=[NOW]), "hermes").shaper(), (call % "now") * 2, "stop")[0]
-           ["tool_calls"]]
+    shaper = tools.plan(body(tools=[NOW]), "hermes").shaper()
+    ids = [c["id"] for c in tools.message(shaper, (call % "now") * 2, "stop")[0]["tool_calls"]]
     assert len(set(ids)) == 2
     message, _ = shaped({"tools": [WEATHER, NOW], "parallel_tool_calls": False}, [call % "now", call % "get_weather"])
     assert calls_of(message) == [("now", {})]
@@ -175,8 +179,8 @@ def test_named_streams_the_arguments_as_they_come():
     first, _ = shaper.push('{"city"', None)
     assert first[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
     assert first[1] == {"tool_calls": [{"index": 0, "function": {"arguments": '{"city"'}}]}
-    assert shaper.push(': "Oslo"}', "stop") == ([{"tool_calls": [{"index": 0, "function": {"arguments": ': "Oslo"}'}}]}],
-                                                "tool_calls")
+    rest = {"tool_calls": [{"index": 0, "function": {"arguments": ': "Oslo"}'}}]}
+    assert shaper.push(': "Oslo"}', "stop") == ([rest], "tool_calls")
     message, reason = shaped({"tools": [WEATHER], "tool_choice": {"type": "function",
                                                                   "function": {"name": "get_weather"}}},
                              ['{"city": ', '"Oslo"}'])
