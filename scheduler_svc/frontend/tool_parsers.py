@@ -57,17 +57,19 @@ class HermesParser:
     def __init__(self) -> None:
         self._buf = ""
         self._inside = False
+        self._scanned = 0  # inside a block: where the search for its end resumes (a long call is not rescanned)
 
     def feed(self, text: str) -> list[Piece]:
         self._buf += text
         out: list[Piece] = []
         while True:
             if self._inside:
-                end = self._buf.find(self.CLOSE)
+                end = self._buf.find(self.CLOSE, self._scanned)
                 if end < 0:
+                    self._scanned = max(0, len(self._buf) - len(self.CLOSE) + 1)
                     return out
                 body, self._buf = self._buf[:end], self._buf[end + len(self.CLOSE):]
-                self._inside = False
+                self._inside, self._scanned = False, 0
                 out.append(self._block(body, closed=True))
                 continue
             start = self._buf.find(self.OPEN)
