@@ -61,6 +61,11 @@ def test_auto_without_a_tool_call_parser_is_a_400_naming_tool_choice(service, cl
 @pytest.mark.parametrize("request_fields, param", [
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_time"}}}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}], "tool_choice": "none"}, "tools"),
+    # a schema the grammar engine cannot compile: a tool's parameters
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "pattern": "(unclosed"}}}}}],
+      "tool_choice": "required"}, "tools"),
+    ({"tools": [WEATHER], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
 ])
 def test_bad_tools_are_a_400_naming_the_field(service, client, request_fields, param):
     with pytest.raises(openai.BadRequestError) as e:
