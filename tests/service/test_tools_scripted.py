@@ -62,7 +62,7 @@ HERMES = ('I will look it up.\n<tool_call>\n{"name": "get_weather", "arguments":
           '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call>')
 
 
-@with_server(eos_token_ids=(EOS,))
+@with_server(eos_token_ids=(EOS,), max_num_seqs=2)
 async def test_auto_with_the_hermes_parser_returns_tool_calls_streamed_and_not(engine, channel):
     Speaker(channel, HERMES)
     await wait_for(lambda: engine.workers)
@@ -82,6 +82,11 @@ async def test_auto_with_the_hermes_parser_returns_tool_calls_streamed_and_not(e
         whole, streamed, _ = await both(client, tools=[WEATHER], parallel_tool_calls=False)
         for out in (whole, streamed):
             assert calls_of(out.choices[0].message) == [("get_weather", {"city": "Paris"})]
+        # n = 2: each choice has its own calls, numbered from 0, with ids of their own
+        whole, streamed, _ = await both(client, tools=[WEATHER], n=2)
+        for out in (whole, streamed):
+            assert [len(calls_of(c.message)) for c in out.choices] == [2, 2]
+            assert len({call.id for c in out.choices for call in c.message.tool_calls}) == 4
 
 
 @with_server(eos_token_ids=(EOS,))
