@@ -26,7 +26,7 @@ from scheduler_svc.structured.matcher import fill_bitmasks
 
 if TYPE_CHECKING:  # NOTE: the front end makes the streams; the engine only feeds them
     from scheduler_svc.frontend.stream import RequestStream
-    from scheduler_svc.structured.compiler import Grammar
+    from scheduler_svc.structured.matcher import Grammar
 
 log = structlog.get_logger("pagedserve.scheduler")
 

@@ -15,7 +15,8 @@ from scheduler_svc.frontend.limits import Limits
 from scheduler_svc.frontend.pool import TokenizerPool
 from scheduler_svc.frontend.stream import RequestStream
 from scheduler_svc.frontend.tokenizer import TemplateRefusal, Tokenizer
-from scheduler_svc.structured.compiler import Grammar, GrammarCompiler
+from scheduler_svc.structured.compiler import GrammarCompiler
+from scheduler_svc.structured.matcher import Grammar
 
 if TYPE_CHECKING:
     from scheduler_svc.engine import Engine

@@ -8,13 +8,12 @@ import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from pagedserve_common.sampling import InvalidField, StructuredOutput
-from scheduler_svc.structured.matcher import Constraint
+from scheduler_svc.structured.matcher import Grammar
 
 FIELD = "structured_output"
 COMPILE_TIMEOUT_SECONDS = 10.0  # a compile (queued on the pool included) that takes longer is refused
@@ -66,7 +65,7 @@ _ASCII_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_"}
 
 
 def ascii_classes(pattern: str) -> str:
-    """`pattern` with \d and \w spelled as their ASCII ranges, inside character classes and out."""
+    r"""`pattern` with \d and \w spelled as their ASCII ranges, inside character classes and out."""
     out, i, depth = [], 0, 0
     while i < len(pattern):
         ch = pattern[i]
@@ -89,19 +88,6 @@ def ascii_classes(pattern: str) -> str:
 
 def _short(text: str) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
-
-
-@dataclass(slots=True, frozen=True, eq=False)
-class Grammar:
-    """A compiled spec. `template` never consumes a token: each sample's matcher is a copy of it."""
-
-    template: llguidance.LLMatcher
-    vocab_size: int
-    eos_token_id: int
-
-    def constraint(self) -> Constraint:
-        """A fresh matcher for one sample (NOTE: on the event loop only; matchers are not shared across threads)."""
-        return Constraint(self.template.deep_copy(), self)
 
 
 class GrammarCompiler:

@@ -1,9 +1,9 @@
-"""One sample's grammar state (a Constraint), the step's bitmasks of many, and the check of a sampled token."""
+"""A compiled grammar, one sample's state of it (a Constraint), and the step's bitmasks of many."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import llguidance
 import llguidance.numpy as lnp
@@ -11,9 +11,6 @@ import numpy as np
 import structlog
 
 from scheduler_svc.core.result_check import token_allowed  # noqa: F401 - re-exported
-
-if TYPE_CHECKING:
-    from scheduler_svc.structured.compiler import Grammar
 
 log = structlog.get_logger("pagedserve.scheduler")
 
@@ -26,6 +23,20 @@ def _executor() -> llguidance.LLExecutor:
     if _EXECUTOR is None:
         _EXECUTOR = llguidance.LLExecutor()
     return _EXECUTOR
+
+
+@dataclass(slots=True, frozen=True, eq=False)
+class Grammar:
+    """A compiled spec (scheduler_svc.structured.compiler). `template` never consumes a token: each sample's matcher
+    is a copy of it."""
+
+    template: llguidance.LLMatcher
+    vocab_size: int
+    eos_token_id: int
+
+    def constraint(self) -> Constraint:
+        """A fresh matcher for one sample (NOTE: on the event loop only; matchers are not shared across threads)."""
+        return Constraint(self.template.deep_copy(), self)
 
 
 class Constraint:
