@@ -11,6 +11,7 @@ from pagedserve_common.options import ALWAYS, GIVEN, at_least, byte_size, group,
 from pagedserve_common.units import format_bytes
 
 ROUTING = ("kv", "least-loaded", "round-robin")  # scheduler_svc.routing
+TOOL_CALL_PARSERS = ("none", "hermes", "llama3_json")  # scheduler_svc.frontend.tool_parsers
 # "paged" allocates a KV block when a sequence needs one (scheduler_svc.kv.manager); the static modes reserve a
 # sequence's whole run at admission (scheduler_svc.kv.static): for max_model_len tokens, or for
 # min(prompt + max_tokens, max_model_len).
@@ -27,6 +28,7 @@ GPU_BATCHED_TOKENS = 2048
 CPU_KV_MEMORY = 1 << 30  # a CPU worker's KV pool without --kv-memory
 MAX_MESSAGE_SIZE = 4 << 20  # scheduler_svc.frontend.limits.Limits
 MAX_STOP_STRINGS = 16
+MAX_STRUCTURED_OUTPUT_BYTES = 64 << 10  # a structured output's spec (schema, regex, grammar, choices together)
 # NOTE: well under --max-queued-requests' default (1024): one request alone cannot hold the whole queue's worth of
 # sequences (a completions batch of 1,000 prompts x n=64 was 64,000 sequences)
 MAX_SEQS_PER_REQUEST = 256
@@ -113,6 +115,10 @@ class LimitOptions:
                                                                       f"max_model_len", up=GIVEN)
     max_stop_strings: int = option(MAX_STOP_STRINGS, "stop strings per request, each up to 1024 characters",
                                    type=at_least(int, 0, "an integer >= 0"), metavar="N", up=GIVEN)
+    max_structured_output_bytes: int = option(
+        MAX_STRUCTURED_OUTPUT_BYTES, "largest structured output spec (a JSON schema, regex or grammar; choices "
+                                     "together), e.g. 256KiB", type=byte_size(1), metavar="BYTES", show=format_bytes,
+        up=GIVEN)
     max_seqs_per_request: int = option(MAX_SEQS_PER_REQUEST, "sequences one request may ask for: n, times the "
                                                              "number of prompts of a /v1/completions batch",
                                        type=at_least(int, 1, _POSITIVE), metavar="N", up=GIVEN)
@@ -171,6 +177,9 @@ class SchedulerOptions:
     max_model_len: int | None = option(None, "longest sequence, prompt and output together",
                                        type=at_least(int, 1, _POSITIVE), metavar="N",
                                        default_text="the model's, also the upper bound", up=GIVEN)
+    tool_call_parser: str = option("none", "the model family's tool-call format, which tool_choice auto parses: "
+                                           "hermes (Hermes/Qwen <tool_call> blocks), llama3_json (Llama 3's JSON) or "
+                                           "none (tool_choice auto is refused)", choices=TOOL_CALL_PARSERS, up=GIVEN)
     network: SchedulerNetwork = group(SchedulerNetwork, "network")
     engine: EngineOptions = group(EngineOptions, "batching, KV cache, routing and failures")
     limits: LimitOptions = group(LimitOptions, "input bounds")

@@ -22,9 +22,11 @@ from scheduler_svc.errors import DRAINING, EngineError, ErrorCode
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.routing import Router
 from scheduler_svc.fleet import FIRST_STEP_TIMEOUT_FACTOR, Fleet, Lost, WorkerHandle, bad_result, export
+from scheduler_svc.structured.matcher import fill_bitmasks
 
 if TYPE_CHECKING:  # NOTE: the front end makes the streams; the engine only feeds them
     from scheduler_svc.frontend.stream import RequestStream
+    from scheduler_svc.structured.matcher import Grammar
 
 log = structlog.get_logger("pagedserve.scheduler")
 
@@ -70,14 +72,17 @@ class Engine(Fleet):
 
     # -- a worker's steps ----------------------------------------------------------------------------------
     async def _serve(self, w: WorkerHandle) -> None:
-        """A worker's step loop: schedule -> send -> receive -> update -> publish, one plan in flight, until the
-        worker detaches (it left, or the server stops) or is lost (the one place a loss is handled)."""
+        """A worker's step loop: schedule -> [bitmasks] -> send -> receive -> update -> publish, one plan in flight,
+        until the worker detaches (it left, or the server stops) or is lost (the one place a loss is handled)."""
         try:
             while True:
                 plan = await self._next_plan(w)  # schedule: waits while there is nothing to run
                 if not isinstance(plan, StepPlan):
                     break
                 t0 = time.perf_counter()
+                if due := w.scheduler.constrained_due():  # structured output: each sample's allowed tokens
+                    plan.token_bitmasks = dict(zip([r.seq_id for r in due], fill_bitmasks(
+                        [r.constraint for r in due], self.config.vocab_size)))
                 w.outbox.put_nowait(plan)  # send: the Attach stream encodes it
                 result = await self._receive(w, plan)
                 if not isinstance(result, StepResult):
@@ -110,7 +115,8 @@ class Engine(Fleet):
             return Lost("failed_step", f"step {answer.step_id} failed ({answer.kind.name}): {answer.message}")
         # NOTE: a worker that answers wrongly is lost, not its requests: they are recomputed elsewhere uncharged,
         # but for the one whose own entry was wrong (Lost.charged_request_ids).
-        wrong = check_result(plan.step_id, answer, w.scheduler.due_samples(), self.config.vocab_size)
+        wrong = check_result(plan.step_id, answer, w.scheduler.due_samples(), self.config.vocab_size,
+                             plan.token_bitmasks)
         if wrong is not None:
             blamed = w.scheduler.request_id_of(wrong.seq_id) if wrong.seq_id is not None else None
             return bad_result(plan.step_id, wrong.message, frozenset(() if blamed is None else (blamed,)))
@@ -172,11 +178,12 @@ class Engine(Fleet):
 
     # -- requests -----------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str = "",
-               *, open_stream: Callable[[Request], RequestStream]) -> RequestStream:
+               *, open_stream: Callable[[Request], RequestStream], grammar: Grammar | None = None) -> RequestStream:
         """Admits a request and returns its stream, made by `open_stream` (the front end's: it detokenizes).
         NOTE: the front end checked the input (FrontEnd._check); here only what needs the fleet: a request id in
         use, the queue bound, and whether the chosen worker can ever hold it (Scheduler.check_fits). Raises
-        EngineError; an INVALID_ARGUMENT one names the field at fault."""
+        EngineError; an INVALID_ARGUMENT one names the field at fault. `grammar`: sampling.structured_output
+        compiled (the front end's), whose matchers the request's samples consume."""
         cfg = self.config
         if self.draining:
             raise EngineError(ErrorCode.UNAVAILABLE, DRAINING)
@@ -186,7 +193,8 @@ class Engine(Fleet):
         if request_id in self.streams:
             raise EngineError(ErrorCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running")
         self.check_queue()
-        req = Request(request_id, list(prompt_token_ids), sampling, cache_salt or None)
+        req = Request(request_id, list(prompt_token_ids), sampling, cache_salt or None,
+                      constraint=grammar and grammar.constraint())
         try:
             if self._routable():
                 self._place(req)

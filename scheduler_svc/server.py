@@ -166,7 +166,7 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
         from scheduler_svc.http.connections import ConnectionLimits
         from scheduler_svc.http.server import HttpServer
 
-        http = HttpServer(create_app(frontend, access.api_keys), net.http, ConnectionLimits(
+        http = HttpServer(create_app(frontend, access.api_keys, cfg.tool_call_parser), net.http, ConnectionLimits(
             caps.http, cfg.connections.header_timeout, cfg.connections.body_timeout), ssl=access.http_ssl)
     await workers.start()
     await clients.start()

@@ -88,7 +88,10 @@ class ModelRunner:
             sampled = [scheduled[i] for i in sampling_rows]
             # NOTE: a sampled token's randomness depends only on (seed, position = tokens known so far): the same
             # whatever else is batched, and a preempted or migrated sequence redraws exactly what it drew before.
-            result = self.sampler.sample(logits.float(), [s.sampling for s in sampled],
+            logits = logits.float()
+            if plan.token_bitmasks:
+                _apply_bitmasks(logits, [plan.token_bitmasks.get(s.seq_id) for s in sampled])
+            result = self.sampler.sample(logits, [s.sampling for s in sampled],
                                          [len(s.token_ids) for s in sampled])
         for s in scheduled:
             s.num_computed_tokens += s.num_scheduled_tokens
@@ -98,3 +101,14 @@ class ModelRunner:
         logprobs = {s.seq_id: lp for s, lp in zip(sampled, result.logprobs) if lp is not None}
         return StepResult(plan.step_id, {s.seq_id: tok for s, tok in zip(sampled, result.token_ids)}, logprobs,
                           time.perf_counter() - t0)
+
+
+def _apply_bitmasks(logits: torch.Tensor, masks: list[bytes | None]) -> None:
+    """Structured output (a stopgap until the sampling helper's version lands): the tokens a row's bitmask does not
+    allow get -inf. NOTE: the logprobs are then those of the masked logits."""
+    vocab = logits.shape[1]
+    for row, mask in enumerate(masks):
+        if mask is None:
+            continue
+        allowed = np.unpackbits(np.frombuffer(mask, np.uint8), bitorder="little")[:vocab].astype(bool)
+        logits[row, torch.from_numpy(~allowed).to(logits.device)] = float("-inf")

@@ -26,7 +26,7 @@ class Handover:
         self.running.clear()
         self.waiting.clear()
         self.requests.clear()
-        self._num_seq_slots = 0
+        self._num_seq_slots, self.num_constrained = 0, 0
         self._scheduled, self._in_flight, self._finished_seq_ids = [], None, []
         if self._cpu_blocks_to_free:
             self.cpu_pool.free(self._cpu_blocks_to_free)
@@ -45,6 +45,7 @@ class Handover:
                 self.waiting.remove(seq)
                 self._reset_for_recompute(seq)
             del self.requests[req.request_id]
+            self.num_constrained -= req.constraint is not None
             out.append(req)
         return out
 
@@ -63,6 +64,7 @@ class Handover:
         for i, seq in enumerate(seqs):
             self.waiting.insert(at + i, seq)
         self.requests[req.request_id] = req
+        self.num_constrained += req.constraint is not None
 
     @staticmethod
     def _unfinished(req: Request) -> list[Request]:

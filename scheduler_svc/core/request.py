@@ -78,6 +78,9 @@ class Request:
     on_worker: bool = False  # the worker holds this sequence's state: send deltas, never the table again
     cpu_block_ids: list[int] | None = None  # swapped out: its computed KV sits in these CPU swap blocks
     stop_ids: frozenset[int] = frozenset()  # stop_token_ids, plus EOS unless ignore_eos
+    # Structured output: this sample's grammar state (scheduler_svc.structured.Constraint; None: free text). It
+    # consumes each committed output token; a fork parent's is only the template of its children's.
+    constraint: object | None = None
 
     def __post_init__(self) -> None:
         try:

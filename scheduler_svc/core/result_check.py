@@ -21,15 +21,16 @@ class WrongResult:
     seq_id: int | None = None
 
 
-def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None],
-                 vocab_size: int) -> WrongResult | None:
+def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None], vocab_size: int,
+                 bitmasks: Mapping[int, bytes] | None = None) -> WrongResult | None:
     """None when `result` is a well-formed answer to plan `step_id`; else what is wrong (WrongResult). `due` holds
     each sequence of the plan that samples a token this step (it reaches the end of its known tokens; one mid
     chunked prefill samples nothing) -> the number of top logprobs it asked for (None: no logprobs).
 
     The rules: the plan's step_id; exactly the due sequences sampled; every token id in [0, vocab_size); logprobs
     only for sequences that asked, for every one of them, with the sampled token as their sampled entry, at most
-    the asked number of top entries, token ids in the vocabulary, and finite logprobs <= 0 (LOGPROB_EPSILON)."""
+    the asked number of top entries, token ids in the vocabulary, and finite logprobs <= 0 (LOGPROB_EPSILON); and
+    each token of a sequence the plan sent a bitmask for (structured output) one that its bitmask allows."""
     if result.step_id != step_id:
         return WrongResult(f"step_id {result.step_id} answers plan {step_id}")
     sampled = result.sampled
@@ -43,6 +44,11 @@ def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None]
         seq_id, tok = next((s, t) for s, t in sampled.items() if not 0 <= t < vocab_size)
         return WrongResult(f"token_id {tok} of seq {seq_id} is outside the vocabulary (0 .. {vocab_size - 1})",
                            seq_id)
+    for seq_id, bitmask in (bitmasks or {}).items():
+        tok = sampled.get(seq_id)
+        if tok is not None and not token_allowed(bitmask, tok):
+            return WrongResult(f"token_id {tok} of seq {seq_id} is not allowed by its token_bitmask (structured "
+                               f"output): the worker ignored the mask", seq_id)
     logprobs = result.logprobs
     for seq_id in logprobs:
         if due[seq_id] is None:
@@ -56,6 +62,12 @@ def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None]
         if (wrong := _check_logprobs(lp, sampled[seq_id], num_top, vocab_size)) is not None:
             return WrongResult(f"logprobs of seq {seq_id}: {wrong}", seq_id)
     return None
+
+
+def token_allowed(bitmask: bytes, token_id: int) -> bool:
+    """Whether a StepPlan bitmask allows `token_id` (little-endian uint32 words: bit t % 8 of byte t // 8)."""
+    byte = token_id >> 3
+    return byte < len(bitmask) and bool(bitmask[byte] >> (token_id & 7) & 1)
 
 
 def _check_logprobs(lp: PositionLogprobs, token_id: int, num_top: int, vocab_size: int) -> str | None:

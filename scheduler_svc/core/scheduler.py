@@ -90,6 +90,7 @@ class Scheduler(Handover):
         self._in_flight: int | None = None  # step_id of the plan in flight
         self._eos = frozenset(config.eos_token_ids)
         self._rng = random.Random()
+        self.num_constrained = 0  # client requests here with structured output (their samples need bitmasks)
 
     # -- admission ----------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -106,6 +107,7 @@ class Scheduler(Handover):
         # NOTE: shared, not one set per request, when there are no stop ids of its own (~200 B a queued request)
         req.stop_ids = frozenset(sp.stop_token_ids) | eos if sp.stop_token_ids else eos
         self.requests[req.request_id] = req
+        self.num_constrained += req.constraint is not None
         self.waiting.append(req)
 
     def check_fits(self, req: Request) -> None:
@@ -181,9 +183,11 @@ class Scheduler(Handover):
         parent = seq.parent
         if parent is None:
             del self.requests[seq.request_id]
+            self.num_constrained -= seq.constraint is not None
         elif all(c.status is _FINISHED for c in parent.children):
             parent.status, parent.finish_reason = _FINISHED, reason
             del self.requests[parent.request_id]
+            self.num_constrained -= parent.constraint is not None
             for child in parent.children:  # NOTE: no parent <-> child cycle outlives the request (Request.parent)
                 child.parent = None
 
@@ -355,7 +359,8 @@ class Scheduler(Handover):
                             parent.arrival_time, status=_RUNNING, all_token_ids=parent.all_token_ids[:],
                             num_computed_tokens=parent.num_computed_tokens, seq_id=self._new_seq_id(),
                             seed=(parent.seed + index) % 2**64, index=index, parent=parent,
-                            num_cached_prompt_tokens=parent.num_cached_prompt_tokens, stop_ids=parent.stop_ids)
+                            num_cached_prompt_tokens=parent.num_cached_prompt_tokens, stop_ids=parent.stop_ids,
+                            constraint=parent.constraint and parent.constraint.fork())
             kv.fork(parent.seq_id, child.seq_id)
             children.append(child)
         kv.free(parent.seq_id)  # the children now hold every block
@@ -373,6 +378,13 @@ class Scheduler(Handover):
         those aborted or finished while the step runs: the worker samples them all the same."""
         return {req.seq_id: req.sampling.logprobs for req, num in self._scheduled
                 if req.num_computed_tokens + num >= len(req.all_token_ids)}
+
+    def constrained_due(self) -> list[Request]:
+        """The sequences of the plan in flight that sample this step under structured output (they need a bitmask)."""
+        if not self.num_constrained:
+            return []
+        return [req for req, num in self._scheduled
+                if req.constraint is not None and req.num_computed_tokens + num >= len(req.all_token_ids)]
 
     def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[RequestOutput]:
         """Applies the worker's result for `plan` (seq_id -> sampled token); returns per-sample outputs."""
@@ -402,6 +414,10 @@ class Scheduler(Handover):
             out.append(tok)
             reason = None
             if tok in req.stop_ids:
+                reason = FinishReason.STOP
+            elif req.constraint is not None and (not req.constraint.accept(tok) or req.constraint.finished):
+                # NOTE: a whole match that allows nothing more ends the sample, EOS or not (result_check checked
+                # the token against its bitmask, so a refusal here is the engine giving up: the sample ends too)
                 reason = FinishReason.STOP
             elif len(out) >= req.sampling.max_tokens or len(tokens) >= max_model_len:
                 reason = FinishReason.LENGTH

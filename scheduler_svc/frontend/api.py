@@ -14,13 +14,25 @@ from scheduler_svc.frontend.inputs import INPUTS, GenerateInput
 from scheduler_svc.frontend.limits import Limits
 from scheduler_svc.frontend.pool import TokenizerPool
 from scheduler_svc.frontend.stream import RequestStream
-from scheduler_svc.frontend.tokenizer import Tokenizer
+from scheduler_svc.frontend.tokenizer import TemplateRefusal, Tokenizer
+from scheduler_svc.structured.compiler import GrammarCompiler
+from scheduler_svc.structured.matcher import Grammar
 
 if TYPE_CHECKING:
     from scheduler_svc.engine import Engine
 
 def _wrapped(value: int) -> str:
     return " (a negative number sent as uint32?)" if value >= 2**31 else ""
+
+
+def _template_failure(e: Exception) -> str:
+    if isinstance(e, jinja2.UndefinedError):
+        return "it reads a field a message does not have"
+    if isinstance(e, TypeError):
+        return "a value has a type it does not expect, e.g. content null"
+    if isinstance(e, ValueError) and "no chat template" in str(e):
+        return "the model has no chat template"
+    return type(e).__name__
 
 
 def invalid(field_name: str, message: str) -> EngineError:
@@ -36,6 +48,15 @@ class FrontEnd:
         self.tokenizer = tokenizer
         self.limits = limits or Limits.for_model(engine.config.max_model_len)
         self.pool = pool or TokenizerPool(tokenizer)
+        self._grammars: GrammarCompiler | None = None  # made at the first structured output request
+
+    @property
+    def grammars(self) -> GrammarCompiler:
+        if self._grammars is None:
+            cfg = self.engine.config
+            self._grammars = GrammarCompiler(self.tokenizer.to_json(), cfg.vocab_size,
+                                             cfg.eos_token_ids or self.tokenizer.eos_token_ids)
+        return self._grammars
 
     @property
     def model_id(self) -> str:
@@ -116,9 +137,17 @@ class FrontEnd:
                 raise invalid("messages", f"messages[{i}].role must be a non-empty string")
         try:
             return await self.pool.encode_chat(list(inp.messages), inp.chat_template_kwargs, limit)
-        except (jinja2.TemplateError, ValueError, TypeError) as e:
-            # NOTE: templates reject bad conversations with raise_exception (e.g. roles that do not alternate)
+        except EngineError:
+            raise
+        except TemplateRefusal as e:  # NOTE: the template's own words (e.g. roles that do not alternate)
             raise invalid("messages", f"messages: the chat template refused them: {e}") from None
+        except Exception as e:
+            # NOTE: a template's code failing on a conversation it was not written for (a field it reads missing,
+            # None where it adds strings...): its raw message (`'dict object' has no attribute 'content'`) means
+            # nothing to a client, so it is named by kind only.
+            raise invalid("messages", f"messages: the model's chat template cannot render this conversation "
+                                      f"({_template_failure(e)}); check each message's role, content and "
+                                      f"tool_calls") from None
 
     async def generate(self, inp: GenerateInput) -> RequestStream:
         """Tokenizes, validates and admits `inp`; iterate the returned stream for its StreamItems.
@@ -139,12 +168,13 @@ class FrontEnd:
         try:
             try:
                 self._check(ids, sampling)
+                grammar = await self._grammar(sampling)
             except InvalidField as e:
                 raise invalid(e.field, str(e)) from None
             echo_text = await self._echo_text(inp, ids) if inp.echo else None  # NOTE: after the vocabulary check
             text = {"include_stop_str": inp.include_stop_str_in_output, "skip_special_tokens": inp.skip_special_tokens,
                     "echo_text": echo_text}
-            return self.engine.submit(inp.request_id, ids, sampling, inp.cache_salt,
+            return self.engine.submit(inp.request_id, ids, sampling, inp.cache_salt, grammar=grammar,
                                       open_stream=lambda req: RequestStream(req, tokenizer, stop, metrics, **text))
         except EngineError as e:
             if e.field == "prompt_token_ids" and kind != "prompt_token_ids":
@@ -156,6 +186,12 @@ class FrontEnd:
         if inp.prompt is not None:
             return inp.prompt
         return await self.pool.decode(ids, inp.skip_special_tokens)
+
+    async def _grammar(self, sp: SamplingParams) -> Grammar | None:
+        """structured_output compiled (off the event loop, cached by spec); raises InvalidField naming it."""
+        if sp.structured_output is None:
+            return None
+        return await self.grammars.compile(sp.structured_output)
 
     def _check(self, ids: list[int], sp: SamplingParams) -> None:
         """Raises InvalidField when a request can never be served by this model, whichever worker takes it (the

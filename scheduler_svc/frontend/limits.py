@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedserve_common.config import MAX_MESSAGE_SIZE, MAX_SEQS_PER_REQUEST, MAX_STOP_STRINGS, PROMPT_CHARS_PER_TOKEN
+from pagedserve_common.config import (MAX_MESSAGE_SIZE, MAX_SEQS_PER_REQUEST, MAX_STOP_STRINGS,
+                                      MAX_STRUCTURED_OUTPUT_BYTES, PROMPT_CHARS_PER_TOKEN)
 from scheduler_svc.errors import EngineError, ErrorCode
 
 if TYPE_CHECKING:
@@ -22,6 +23,7 @@ class Limits:
     max_message_size: int = MAX_MESSAGE_SIZE  # --max-message-size: one gRPC request message or one HTTP body
     max_stop_strings: int = MAX_STOP_STRINGS  # --max-stop-strings
     max_seqs_per_request: int = MAX_SEQS_PER_REQUEST  # --max-seqs-per-request: prompts x n
+    max_structured_output_bytes: int = MAX_STRUCTURED_OUTPUT_BYTES  # --max-structured-output-bytes
     max_stop_chars: int = 1024  # each stop string
     max_stop_token_ids: int = 1024
     max_request_id_chars: int = 256
@@ -57,6 +59,11 @@ class Limits:
         self.check_counts(len(inp.stop), len(inp.sampling.stop_token_ids), len(inp.messages or ()))
         for i, s in enumerate(inp.stop):
             _at_most(f"stop[{i}]", len(s), self.max_stop_chars, "characters", field="stop")
+        if (so := inp.sampling.structured_output) is not None:
+            size = len(so.spec.encode("utf-8", "surrogatepass")) + sum(len(c.encode("utf-8", "surrogatepass"))
+                                                                       for c in so.choices)
+            _at_most("structured_output", size, self.max_structured_output_bytes, "bytes",
+                     "--max-structured-output-bytes")
         if inp.prompt is not None:
             _at_most("prompt", len(inp.prompt), self.max_prompt_chars, "characters", "--max-prompt-chars")
         if inp.messages is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import multiprocessing
 import signal
 import threading
@@ -69,6 +70,8 @@ class TokenizerPool:
 
     async def encode_chat(self, messages: list[dict], template_kwargs: dict, max_tokens: int) -> list[int] | int:
         size = sum(len(m.get("content") or "") + 64 for m in messages)  # 64: a turn's markup, roughly
+        if template_kwargs or any("tool_calls" in m for m in messages):  # NOTE: tools' schemas, calls' arguments
+            size += len(json.dumps([template_kwargs, [m.get("tool_calls") for m in messages]], default=str))
         if size < INLINE_CHARS or self.tokenizer.model_dir is None:
             ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, **template_kwargs)
             return _capped(ids, max_tokens)

@@ -38,8 +38,13 @@ def _as_ids(value: Any) -> tuple[int, ...]:
     return (value,) if isinstance(value, int) else tuple(int(v) for v in value)
 
 
+class TemplateRefusal(jinja2.exceptions.TemplateError):
+    """A chat template's own raise_exception("..."): its message is written for the user (e.g. roles must
+    alternate), unlike a failure inside the template's code."""
+
+
 def _raise_exception(message: str) -> None:
-    raise jinja2.exceptions.TemplateError(message)
+    raise TemplateRefusal(message)
 
 
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
@@ -102,6 +107,10 @@ class Tokenizer:
         self.eos_token_ids = tuple(dict.fromkeys(eos_token_ids))  # dedupe, keep order
         self.chat_template = chat_template
         self.model_dir: Path | None = None  # where it was loaded from (a tokenizer process loads its own copy)
+
+    def to_json(self) -> str:
+        """tokenizer.json's text (the grammar engine builds its own copy of the tokenizer from it)."""
+        return self._tok.to_str()
 
     @classmethod
     def from_model_dir(cls, path: str | Path) -> Tokenizer:

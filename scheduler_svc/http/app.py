@@ -19,7 +19,7 @@ from scheduler_svc.auth import ApiKeyMiddleware, ApiKeys
 from scheduler_svc import request_log
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend import FrontEnd, RequestStream, StreamItem
-from scheduler_svc.http import convert, fields
+from scheduler_svc.http import convert, fields, tools
 from scheduler_svc.http.convert import Job, UsageCount
 from scheduler_svc.http.limits import BodyLimit
 from scheduler_svc.http.schemas import ChatCompletionRequest, CompletionRequest
@@ -99,7 +99,8 @@ async def _gather(job: Job, streams: list[RequestStream], logprobs_of: Callable)
     return texts, reasons, logprobs, usage
 
 
-def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None) -> FastAPI:
+def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None, tool_call_parser: str = "none") -> FastAPI:
+    """`tool_call_parser`: the model's tool-call format (--tool-call-parser), which tool_choice auto parses."""
     # NOTE: no /docs, /redoc or /openapi.json: they would be served without the API key, and they describe the
     # pydantic models, not the API (the README does)
     app = FastAPI(title="pagedserve", summary="OpenAI-compatible API of a pagedserve scheduler", docs_url=None,
@@ -256,35 +257,44 @@ def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None) -> FastAPI:
     async def chat_events(job: Job, streams, rid: str, meta: dict, include_usage: bool):
         head = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", **meta}
         extra = {"usage": None} if include_usage else {}
-        usage = UsageCount()
+        usage, shapers = UsageCount(), defaultdict(job.shaper)
+
+        def chunk(index: int, delta: dict, logprobs, reason: str | None) -> dict:
+            return {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
+                                         "finish_reason": reason}], **extra}
+
         for index in range(job.n):  # each choice opens with the role, as OpenAI's stream does
-            yield {**head, "choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
-                                        "logprobs": None, "finish_reason": None}], **extra}
+            yield chunk(index, {"role": "assistant", "content": shapers[index].opening_content}, None, None)
         async for i, item in _items(streams):
-            reason = convert.finish_reason(item)
+            index = job.choice_index(i, item.index)
+            deltas, reason = shapers[index].push(item.text, convert.finish_reason(item))
             if reason is not None:
                 usage.add(i, item)
-            elif not item.text and not item.logprobs:
-                continue
-            choice = {"index": job.choice_index(i, item.index), "delta": {"content": item.text} if item.text else {},
-                      "logprobs": {"content": convert.chat_logprobs(frontend, item)} if job.wants_logprobs else None,
-                      "finish_reason": reason}
-            yield {**head, "choices": [choice], **extra}
+            elif not deltas and not item.logprobs:
+                continue  # text held back (a possible stop string or tool call): nothing to say yet
+            for delta in deltas[:-1]:
+                yield chunk(index, delta, None, None)
+            logprobs = {"content": convert.chat_logprobs(frontend, item)} if job.wants_logprobs else None
+            yield chunk(index, deltas[-1] if deltas else {}, logprobs, reason)
         if include_usage:
             yield {**head, "choices": [], "usage": usage.to_json()}
 
     async def chat_collect(job: Job, streams, rid: str, meta: dict) -> dict:
         texts, reasons, logprobs, usage = await _gather(job, streams,
                                                         lambda item, _: convert.chat_logprobs(frontend, item))
-        choices = [{"index": k, "message": {"role": "assistant", "content": texts[k]},
-                    "logprobs": {"content": [e for part in logprobs[k] for e in part]} if job.wants_logprobs
-                    else None, "finish_reason": reasons.get(k)} for k in sorted(texts)]
+        choices = []
+        for k in sorted(texts):
+            message, reason = tools.message(job.shaper(), texts[k], reasons.get(k))
+            choices.append({"index": k, "message": message, "finish_reason": reason,
+                            "logprobs": {"content": [e for part in logprobs[k] for e in part]} if job.wants_logprobs
+                            else None})
         return {"id": f"chatcmpl-{rid}", "object": "chat.completion", **meta, "choices": choices,
                 "usage": usage.to_json()}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await serve(request, body, convert.chat_job, chat_events, chat_collect)
+        return await serve(request, body, partial(convert.chat_job, tool_call_parser=tool_call_parser), chat_events,
+                           chat_collect)
 
     return app
 

@@ -12,7 +12,10 @@ from scheduler_svc.core.request import FinishReason
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend import FrontEnd, GenerateInput, StreamItem
 from scheduler_svc.frontend.api import invalid
+from scheduler_svc.http import history, tools
 from scheduler_svc.http.schemas import ChatCompletionRequest, CompletionRequest
+from scheduler_svc.http.structured import structured_output
+from scheduler_svc.http.tools import Shaper, ToolPlan
 
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.STOP_STRING: "stop",
                   FinishReason.ABORT: "abort"}
@@ -45,6 +48,7 @@ class Job:
     inputs: list[GenerateInput]
     n: int
     params: dict[str, str] = field(default_factory=dict)  # generate.proto field -> the name this request used
+    tools: ToolPlan | None = None  # chat with tools: how its answers become tool calls
 
     @property
     def wants_logprobs(self) -> bool:
@@ -52,6 +56,10 @@ class Job:
 
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         return prompt_index * self.n + sample_index
+
+    def shaper(self) -> Shaper:
+        """A new shaper of one chat choice's answer into OpenAI's deltas (content, tool_calls)."""
+        return Shaper() if self.tools is None else self.tools.shaper()
 
 
 def _logit_bias(body) -> tuple[tuple[int, float], ...]:
@@ -66,7 +74,12 @@ def _logit_bias(body) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out))
 
 
-def _sampling(body, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+def _sampling(body, max_tokens: int | None, logprobs: int | None, params: dict[str, str]) -> SamplingParams:
+    """`params` (Job.params) learns which field set structured_output, so that an error names it."""
+    so, so_param = structured_output(body)
+    if so_param is not None:
+        params["structured_output"] = so_param
+
     def pick(value, default):
         return default if value is None else value
 
@@ -79,7 +92,8 @@ def _sampling(body, max_tokens: int | None, logprobs: int | None) -> SamplingPar
                           presence_penalty=pick(body.presence_penalty, d.presence_penalty),
                           frequency_penalty=pick(body.frequency_penalty, d.frequency_penalty),
                           repetition_penalty=pick(body.repetition_penalty, d.repetition_penalty),
-                          logit_bias=_logit_bias(body), min_tokens=pick(body.min_tokens, d.min_tokens))
+                          logit_bias=_logit_bias(body), min_tokens=pick(body.min_tokens, d.min_tokens),
+                          structured_output=so)
 
 
 def _text_options(body) -> dict:
@@ -109,46 +123,37 @@ def completion_job(body: CompletionRequest, request_id: str, frontend: FrontEnd)
     if not prompts:
         raise invalid("prompt", "prompt is empty")
     frontend.check_batch(len(prompts), body.n)  # NOTE: before an input is made for each of up to a million prompts
-    sampling = _sampling(body, body.max_tokens, body.logprobs)
+    params = {"prompt_token_ids": "prompt"}
+    sampling = _sampling(body, body.max_tokens, body.logprobs, params)
     inputs = []
     for i, one in enumerate(prompts):
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         kind = "prompt" if isinstance(one, str) else "prompt_token_ids"
         inputs.append(GenerateInput(**{kind: one}, sampling=sampling, request_id=rid, echo=body.echo,
                                     **_text_options(body)))
-    return Job(inputs, body.n, {"prompt_token_ids": "prompt"})
+    return Job(inputs, body.n, params)
 
 
-def _message_dict(i: int, m) -> dict:
-    out = m.model_dump(exclude_none=True)
-    if isinstance(m.content, list):
-        texts = []
-        for j, part in enumerate(m.content):
-            if part.type != "text" or part.text is None:
-                raise invalid("messages", f"messages[{i}].content[{j}]: only text parts are supported, got "
-                                          f"type {part.type!r}")
-            texts.append(part.text)
-        out["content"] = "".join(texts)
-    return out
-
-
-def chat_job(body: ChatCompletionRequest, request_id: str, _frontend: FrontEnd) -> Job:
+def chat_job(body: ChatCompletionRequest, request_id: str, frontend: FrontEnd, tool_call_parser: str = "none") -> Job:
     """(completion_job's signature: one prompt, whose n the front end checks before tokenizing)"""
-    if body.tools:
-        raise invalid("tools", "tools are not supported (no tool-call parsing)")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise invalid("response_format", "only response_format {\"type\": \"text\"} is supported")
+    tool_plan = tools.plan(body, tool_call_parser)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs", "top_logprobs needs logprobs: true")
     max_tokens, name = body.max_completion_tokens, "max_completion_tokens"
     if max_tokens is None:
         max_tokens, name = body.max_tokens, "max_tokens"
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    sampling = _sampling(body, max_tokens, logprobs)
-    inp = GenerateInput(messages=[_message_dict(i, m) for i, m in enumerate(body.messages)], sampling=sampling,
-                        request_id=request_id, chat_template_kwargs=body.chat_template_kwargs or {},
-                        fill_context=max_tokens is None, **_text_options(body))
-    return Job([inp], body.n, {"max_tokens": name, "logprobs": "top_logprobs"})
+    params = {"max_tokens": name, "logprobs": "top_logprobs"}
+    sampling = _sampling(body, max_tokens, logprobs, params)
+    template_kwargs = body.chat_template_kwargs or {}
+    if tool_plan is not None:
+        sampling, template_kwargs = tools.apply(tool_plan, sampling, template_kwargs)
+        if tool_plan.constrained:
+            params["structured_output"] = "tools"  # NOTE: a schema the engine refuses is a tool's parameters
+    messages = history.template_messages(body.messages, frontend.tokenizer.chat_template)
+    inp = GenerateInput(messages=messages, sampling=sampling, request_id=request_id,
+                        chat_template_kwargs=template_kwargs, fill_context=max_tokens is None, **_text_options(body))
+    return Job([inp], body.n, params, tool_plan)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

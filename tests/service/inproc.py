@@ -100,9 +100,13 @@ class ScriptedWorker:
             length = self.lengths[s.seq_id]  # [known tokens, computed]
             length[1] += s.num_scheduled_tokens
             if length[1] >= length[0]:
-                result.tokens.add(seq_id=s.seq_id, token_id=TOKEN)
+                result.tokens.add(seq_id=s.seq_id, token_id=self.next_token(s.seq_id, length[0]))
                 length[0] += 1
         self.queue.put_nowait(worker_pb2.WorkerMessage(result=result))
+
+    def next_token(self, seq_id: int, num_tokens: int) -> int:
+        """The token sampled for sequence `seq_id` after its first `num_tokens` (prompt and output)."""
+        return TOKEN
 
     def fail_step(self, plan, kind=worker_pb2.StepError.STEP_FAILED, message: str = "boom") -> None:
         self.queue.put_nowait(worker_pb2.WorkerMessage(error=worker_pb2.StepError(
@@ -148,8 +152,10 @@ async def tokens_of(call) -> list[list[int]]:
 class Front:
     """The HTTP front of `engine` on a free loopback port, as the scheduler runs it (same event loop)."""
 
-    def __init__(self, engine) -> None:
-        self.http = HttpServer(create_app(FrontEnd(engine, tokenizer())), f"127.0.0.1:{free_port()}",
+    def __init__(self, engine, tok: Tokenizer | None = None, **app_kwargs) -> None:
+        """`tok`: the model's tokenizer and chat template (the default model's); `app_kwargs` go to create_app."""
+        app = create_app(FrontEnd(engine, tok or tokenizer()), **app_kwargs)
+        self.http = HttpServer(app, f"127.0.0.1:{free_port()}",
                                ConnectionLimits(max_connections=64, header_timeout=10.0, body_timeout=30.0))
         self.client = httpx.AsyncClient(base_url=f"http://{self.http.address}", timeout=30)
 

@@ -1,0 +1,153 @@
+"""StructuredOutput specs to llguidance grammars: compiled on a thread pool, bounded in size, work and time, cached."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import llguidance
+from llguidance.gbnf_to_lark import any_to_lark
+
+from pagedserve_common.sampling import InvalidField, StructuredOutput
+from scheduler_svc.structured.matcher import Grammar
+
+FIELD = "structured_output"
+COMPILE_TIMEOUT_SECONDS = 10.0  # a compile (queued on the pool included) that takes longer is refused
+NUM_COMPILE_THREADS = 2  # NOTE: llguidance drops the GIL while it builds a grammar: the event loop keeps running
+CACHE_SIZE = 256  # compiled specs kept (least recently used dropped); a refused spec is remembered too
+MAX_ERROR_CHARS = 400
+# NOTE: compact JSON (no whitespace between tokens, "," and ":" separators): a small model given the freedom of
+# whitespace can loop on newlines until max_tokens; the output is still JSON any parser reads.
+JSON_OPTIONS = {"whitespace_flexible": False}
+# The engine's bounds on one grammar's work (llguidance's defaults, written out so that they are ours): the size of
+# the grammar, the fuel of building its lexer, and the work of computing one step's mask. Beyond them the compile
+# fails (INVALID_ARGUMENT) or, mid-output, the sample ends (Constraint.failed).
+LIMITS = dict(max_grammar_size=500_000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
+              step_max_items=50_000, max_items_in_row=2_000, max_lexer_states=250_000)
+
+
+def grammar_text(so: StructuredOutput) -> str:
+    """The llguidance grammar (its JSON form) of a spec; raises InvalidField naming structured_output when the
+    spec is malformed before any compiling (not JSON, not a JSON object schema)."""
+    so.validate()
+    kind = so.kind
+    if kind == "json_schema":
+        try:
+            schema = json.loads(so.spec)
+        except ValueError as e:
+            raise InvalidField(FIELD, f"{FIELD}.json_schema is not JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise InvalidField(FIELD, f"{FIELD}.json_schema must be a JSON object, got {type(schema).__name__}")
+        try:
+            return llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+        except ValueError as e:
+            raise InvalidField(FIELD, f"{FIELD}.json_schema: {_short(str(e))}") from None
+    if kind == "json_object":
+        return llguidance.LLMatcher.grammar_from_json_schema({"type": "object"}, defaults=JSON_OPTIONS)
+    if kind == "regex":
+        return llguidance.LLMatcher.grammar_from_regex(ascii_classes(so.spec))
+    if kind == "choice":
+        # NOTE: JSON string literals are Lark's too; so any character of a choice stands for itself
+        return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in so.choices))
+    try:  # grammar: Lark (llguidance's dialect), or GBNF (llama.cpp's, as vLLM clients also send), converted
+        return llguidance.LLMatcher.grammar_from_lark(any_to_lark(so.spec))
+    except Exception as e:  # noqa: BLE001 - the converter raises whatever a malformed GBNF grammar trips
+        raise InvalidField(FIELD, f"{FIELD}.grammar is neither Lark nor GBNF: {_short(str(e))}") from None
+
+
+# NOTE: Rust's regex (llguidance's) reads \d and \w as Unicode classes (a model then writes digits of other scripts);
+# clients of vLLM's guided_regex (its engines) and JSON Schema's patterns mean ASCII ones.
+_ASCII_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_"}
+
+
+def ascii_classes(pattern: str) -> str:
+    r"""`pattern` with \d and \w spelled as their ASCII ranges, inside character classes and out."""
+    out, i, depth = [], 0, 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < len(pattern):
+            nxt = pattern[i + 1]
+            if nxt in _ASCII_CLASSES:
+                out.append(_ASCII_CLASSES[nxt] if depth else f"[{_ASCII_CLASSES[nxt]}]")
+            else:
+                out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if ch == "[":
+            depth += 1
+        elif ch == "]" and depth:
+            depth -= 1
+        out.append(ch)
+        i += 1
+    return "".join(out)
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
+
+
+class GrammarCompiler:
+    """Compiles specs for one model's tokenizer, off the event loop: each on a small thread pool, within
+    COMPILE_TIMEOUT_SECONDS and LIMITS; the last CACHE_SIZE outcomes (grammars and refusals) kept by spec."""
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int],
+                 timeout: float = COMPILE_TIMEOUT_SECONDS, cache_size: int = CACHE_SIZE) -> None:
+        self._tokenizer_json = tokenizer_json
+        self.vocab_size = vocab_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.timeout = timeout
+        self.cache_size = cache_size
+        self._cache: OrderedDict[StructuredOutput, Grammar | InvalidField] = OrderedDict()
+        self._pool = ThreadPoolExecutor(NUM_COMPILE_THREADS, thread_name_prefix="grammar")
+        self._lltok: llguidance.LLTokenizer | None = None
+        self._lltok_lock = threading.Lock()
+        self.num_compiled = 0  # compiles run (cache misses), for tests and metrics
+
+    async def compile(self, so: StructuredOutput) -> Grammar:
+        """The spec's grammar; raises InvalidField naming structured_output when it does not compile (in time)."""
+        hit = self._cache.get(so)
+        if hit is None:
+            loop = asyncio.get_running_loop()
+            try:
+                hit = await asyncio.wait_for(loop.run_in_executor(self._pool, self._compile, so), self.timeout)
+            except TimeoutError:
+                # NOTE: the thread runs on to its end (LIMITS bound it); not cached: a busy pool may be why
+                raise InvalidField(FIELD, f"{FIELD}: compiling the {so.kind} took over {self.timeout:g} s") from None
+            self._cache[so] = hit
+            if len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        else:
+            self._cache.move_to_end(so)
+        if isinstance(hit, InvalidField):
+            raise InvalidField(hit.field, str(hit))
+        return hit
+
+    def _tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lltok_lock:  # NOTE: built once, at the first compile (~0.25 s for a 49k vocabulary)
+            if self._lltok is None:
+                self._lltok = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                                     eos_token=self.eos_token_ids or None)
+            return self._lltok
+
+    def _compile(self, so: StructuredOutput) -> Grammar | InvalidField:
+        """On a pool thread: the grammar, or why not (returned, so that the refusal is cached like a grammar)."""
+        self.num_compiled += 1
+        try:
+            text = grammar_text(so)
+        except InvalidField as e:
+            return e
+        tok = self._tokenizer()
+        matcher = llguidance.LLMatcher(tok, text, log_level=0, limits=llguidance.LLParserLimits(**LIMITS))
+        if not matcher.is_error():
+            matcher.compute_bitmask()  # NOTE: the first mask builds the lexer's start: here, not on the event loop
+        if matcher.is_error():
+            return InvalidField(FIELD, f"{FIELD}: the {so.kind} does not compile: {_short(matcher.get_error())}")
+        eos = self.eos_token_ids[0] if self.eos_token_ids else tok.eos_token
+        return Grammar(matcher, self.vocab_size, eos)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
