@@ -147,13 +147,15 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         why = self.keys.refusal_of(details.invocation_metadata or (), "authorization")
         if why is None:
             return handler
-        request_log.refused("grpc", "UNAUTHENTICATED", why)
         return _denying(handler, why)
 
 
 def _denying(handler, why: str):
-    """A handler of the same kind as `handler` (the client expects its framing) that only refuses."""
+    """A handler of the same kind as `handler` (the client expects its framing) that only refuses. NOTE: it reads
+    the request with `handler`'s deserializer, so that the log line carries the client's request_id."""
     async def deny(request, context) -> None:
+        rid = getattr(request, "request_id", "")
+        request_log.refused("grpc", "UNAUTHENTICATED", why, request_id=rid if isinstance(rid, str) else "")
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
     if handler is not None and handler.response_streaming:
@@ -162,7 +164,7 @@ def _denying(handler, why: str):
     else:
         make = grpc.stream_unary_rpc_method_handler if handler is not None and handler.request_streaming \
             else grpc.unary_unary_rpc_method_handler
-    return make(deny)
+    return make(deny, request_deserializer=getattr(handler, "request_deserializer", None))
 
 
 class ApiKeyMiddleware:
