@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 
+from pagedserve_common.startup import StartupError, check_bindable
 from pagedserve_common.tls import TlsFiles
 from scheduler_svc import request_log
 
@@ -46,11 +47,16 @@ class Access:
         return [ApiKeyInterceptor(self.api_keys)] if self.api_keys else []
 
 
-def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> None:
-    if credentials is None:
-        server.add_insecure_port(address)
-    else:
-        server.add_secure_port(address, credentials)
+def add_port(server: grpc.aio.Server, flag: str, address: str, credentials: grpc.ServerCredentials | None) -> None:
+    """Listens on `address` (given by `flag`); a port that cannot be bound is a StartupError naming both."""
+    check_bindable(flag, address)
+    try:
+        if credentials is None:
+            server.add_insecure_port(address)
+        else:
+            server.add_secure_port(address, credentials)
+    except RuntimeError as e:  # NOTE: taken in the moment since check_bindable, or refused by gRPC itself
+        raise StartupError(f"{flag} {address}: cannot listen there ({e})") from None
 
 
 class ApiKeyFileError(ValueError):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import threading
@@ -74,7 +75,8 @@ def test_a_killed_worker_is_logged_and_restarted(tiny_served_model, tmp_path):
         assert proc.wait(timeout=120) == 0
         assert not [k for k in all_kids if alive(k)]
         text = log.read_text()
-        assert text.index("pagedserve up: draining the scheduler") < text.index("pagedserve up: stopping workers")
+        said = [e["event"] for e in map(json.loads, text.splitlines()) if e["process"] == "up"]
+        assert said.index("draining the scheduler") < said.index("stopping workers")
         assert "Traceback" not in text
     finally:
         stop_all(proc)
