@@ -76,8 +76,9 @@ def test_up_logs_one_line_per_request_and_stops_without_a_traceback(tiny_served_
     names = {"up", "scheduler", *(f"worker-{i}" for i in range(workers))}
     assert {e["process"] for e in events} == names, events  # each says which process wrote it
     assert {e["event"] for e in events if e["process"] == "up"} >= {"draining the scheduler", "stopped"}
-    assert all("worker ready" in {e["event"] for e in events if e["process"] == f"worker-{i}"}
-               for i in range(workers))
+    ready = [e for e in events if e["event"] == "worker ready"]
+    assert sorted(e["process"] for e in ready) == [f"worker-{i}" for i in range(workers)]
+    assert all(e["warm_up_steps"] >= 4 and e["warm_up_s"] >= 0 for e in ready), ready  # warmed before attaching
 
     ends: dict[str, list[dict]] = {}
     for e in events:
