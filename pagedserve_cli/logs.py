@@ -94,8 +94,8 @@ def configure(level: str = "info") -> None:
     structlog.configure(processors=[*shared, renderer],
                         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
                         logger_factory=structlog.WriteLoggerFactory(_Stderr()), cache_logger_on_first_use=True)
-    # The standard library's loggers (asyncio, grpc, uvicorn, transformers) write through the same renderer, so
-    # that every line of a JSON log is JSON. As before, only their warnings and errors are shown.
+    # The standard library's loggers (asyncio, grpc, uvicorn, transformers) and warnings write through the same
+    # renderer, so that every line of a JSON log is JSON. As before, only their warnings and errors are shown.
     handler = logging.StreamHandler(_Stderr())
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
@@ -103,3 +103,4 @@ def configure(level: str = "info") -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
+    logging.captureWarnings(True)  # NOTE: a library's warnings.warn() too (logger py.warnings), not a bare line
