@@ -231,7 +231,7 @@ def stop_in_order(scheduler: Child, workers: list[Child], drain_timeout: float) 
 
 def run(args: argparse.Namespace) -> int:
     """`up`; a start-up failure (its own, or a child's) ends it with one line, JSON when stderr is no terminal."""
-    relay = Relay()
+    relay = Relay()  # NOTE: a bad PAGEDSERVE_LOG_FORMAT raises here, before anything starts
     try:
         return serve(args, relay)
     except StartupError as e:

@@ -11,7 +11,7 @@ import sys
 import threading
 from dataclasses import dataclass, field
 
-from pagedserve_cli.logs import FORMAT_VARIABLE
+from pagedserve_cli.logs import FORMAT_VARIABLE, json_wanted
 
 UP = "up"  # the `process` of up's own lines
 # NOTE: lines no logger of ours wrote: gRPC's C++ core (glog: "E1201 22:01:33.92 7656 file.cc:56] ..."), a start-up
@@ -23,8 +23,9 @@ MAX_LINE_BYTES = 1 << 16  # a longer line (none of ours: logs.truncate_long_valu
 
 
 def json_lines() -> bool:
-    """Whether up's stderr gets JSON lines: when it is not a terminal (a file, a pipe, a supervisor)."""
-    return not sys.stderr.isatty()
+    """Whether up's stderr gets JSON lines: when it is not a terminal (a file, a pipe, a supervisor), unless
+    PAGEDSERVE_LOG_FORMAT says otherwise (a bad value raises StartupError, which pagedserve_cli.main reports)."""
+    return json_wanted()
 
 
 def now() -> str:

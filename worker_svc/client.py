@@ -101,9 +101,10 @@ def run_worker(scheduler: str, cfg: WorkerConfig, shutdown: Shutdown | None = No
     if shutdown is None:
         shutdown = Shutdown()
         shutdown.install()
-    # NOTE: before registering: the first request would otherwise pay for first calls (TTFT 1.5-2.9 s, ~0.1 s later)
-    warm_up_steps, warm_up_s = warm_up(runner)
     governor = make_governor(cfg)
+    # NOTE: before registering: the first request would otherwise pay for first calls and an unsettled thread count
+    # (TTFT 1.5-2.9 s, ~0.1 s later)
+    warm_up_steps, warm_up_s = warm_up(runner, governor.tick if governor is not None else None)
     log.info("worker ready", scheduler=scheduler, num_blocks=reg.num_blocks, block_size=reg.block_size,
              dtype=reg.dtype, device=reg.device, kv_bytes=runner.pool.nbytes, threads=torch.get_num_threads(),
              cores=available_cores(), adaptive_threads=bool(governor and governor.enabled),

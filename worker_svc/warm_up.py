@@ -1,9 +1,11 @@
 """The warm-up at start: a few small steps through the real paths (prefill, a prefix hit, decode, the sampler, the
-attention kernel), so that the first request does not pay for first calls (kernel builds, allocator growth)."""
+attention kernel), so that the first request pays neither for first calls (kernel builds, allocator growth) nor for
+a thread count the CPU's load does not allow (worker_svc.threads)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 from pagedserve_common.sampling import SamplingParams
 from pagedserve_common.step import NewSequence, SequenceDelta, StepPlan
@@ -36,15 +38,23 @@ def warm_up_plans(block_size: int, num_blocks: int, vocab_size: int) -> list[Ste
     return plans
 
 
-def warm_up(runner) -> tuple[int, float]:
-    """Runs the warm-up on `runner` (a ModelRunner), then forgets its sequences (runner.reset(): the pool's
-    contents are never read before the scheduler's own plans write them). (steps run, seconds taken)."""
+def warm_up(runner, after_step: Callable[[], None] | None = None) -> tuple[int, float]:
+    """Runs the warm-up on `runner` (a ModelRunner), calling `after_step` after each step (the thread governor's
+    tick), then forgets its sequences (runner.reset(): the pool's contents are never read before the scheduler's own
+    plans write them). (steps run, seconds taken).
+
+    NOTE: the governor's tick matters as much as the steps: on a CPU that other processes keep busy, a forward on
+    every core ran 50x slower than on one (4.7 s against 0.09 s here, on 2 cores); the first request paid that for
+    its first step until the governor, ticking only between plans, gave a thread up. Ticking here, it settles
+    before the worker registers."""
     geometry = runner.pool.geometry
     plans = warm_up_plans(geometry.block_size, runner.pool.num_blocks, runner.loaded.vocab_size)
     t0 = time.perf_counter()
     try:
         for plan in plans:
             runner.step(plan)  # NOTE: its sampled tokens come back to the host: the device is done with the step
+            if after_step is not None:
+                after_step()
     finally:
         runner.reset()
     return len(plans), time.perf_counter() - t0
