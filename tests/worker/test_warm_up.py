@@ -16,8 +16,10 @@ from worker_svc.warm_up import warm_up, warm_up_plans
 @pytest.mark.parametrize("path", PATHS)
 def test_the_warm_up_runs_real_steps_and_leaves_no_trace(tiny_llama_dir, path):
     warmed = make_runner(tiny_llama_dir, path=path)
-    steps, seconds = warm_up(warmed)
-    assert steps == len(warm_up_plans(16, 64, 512)) >= 4 and seconds > 0
+    ticks = []  # NOTE: the thread governor's tick, so that the thread count settles before the first request
+    steps, seconds = warm_up(warmed, lambda: ticks.append(len(warmed.batch.seqs)))
+    assert steps == len(warm_up_plans(16, 64, 512)) == len(ticks) >= 4 and seconds > 0
+    assert ticks[:3] == [1, 2, 2]  # after A's prefill, then beside B
     assert not warmed.batch.seqs  # its sequences are forgotten
     prompt = [random.Random(3).randrange(512) for _ in range(40)]
     outputs = []
