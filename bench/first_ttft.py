@@ -1,6 +1,8 @@
 """The first request's TTFT after `pagedserve up` against the later ones': starts `up` (the default model unless
 --model), sends --requests chat completions one after another (streamed, the official openai client), prints each
-TTFT and first/tenth, then stops `up`. Run a few times: the machine's load moves every number.
+TTFT and first/tenth, then stops `up`. Run a few times: the machine's load moves every number. NOTE: the later
+requests reuse the chat template's system prompt from the prefix cache (the first computes it): `-- --no-prefix-caching`
+compares like with like.
 
     python bench/first_ttft.py [--runs 3] [--requests 10] [--model DIR] [--device cpu] [--log FILE] [-- UP FLAGS]
 """
@@ -33,6 +35,7 @@ def one_run(args: argparse.Namespace, extra: list[str]) -> list[float]:
         assert line.startswith("pagedserve is up"), f"up did not start: {line!r}"
         client = openai.OpenAI(base_url=f"http://{http}/v1", api_key="unused", max_retries=0, timeout=300)
         model = client.models.list().data[0].id
+        client.chat.completions  # NOTE: the client imports its chat modules on first use: not the server's time
         ttfts = []
         for i in range(args.requests):
             t0 = time.perf_counter()

@@ -283,6 +283,9 @@ def serve(args: argparse.Namespace, relay: Relay) -> int:
             if not wait_healthy(args.listen, args.startup_timeout, [c.proc for c in children], lambda: stopping,
                                 args.workers, tls.credentials, tls.server_name, tls.metadata):
                 return 0
+        except TimeoutError as e:
+            raise StartupError(f"--startup-timeout {args.startup_timeout:g}: {e} (a slow model load or pull: pass "
+                               f"a longer --startup-timeout)") from None
         except ChildExited as e:
             child = next(c for c in children if c.proc is e.proc)
             child.drained()
