@@ -9,8 +9,8 @@ import socket
 USAGE, RUNTIME = 2, 1  # exit codes: a flag's value is wrong / the environment refuses it (a port taken)
 
 # NOTE: what a bind's errno means to someone choosing an address
-BIND_ERRORS = {errno.EADDRINUSE: "address already in use", errno.EACCES: "permission denied (ports below 1024 need "
-                                                                            "privileges)",
+BIND_ERRORS = {errno.EADDRINUSE: "address already in use",
+               errno.EACCES: "permission denied (ports below 1024 need privileges)",
                errno.EADDRNOTAVAIL: "no such address on this host"}
 
 
