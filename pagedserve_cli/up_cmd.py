@@ -295,8 +295,8 @@ def serve(args: argparse.Namespace, relay: Relay) -> int:
         on = ", ".join(dict.fromkeys(devices))
         scheme = "https" if args.tls_cert else "http"
         http = f"OpenAI-compatible API {scheme}://{args.http}/v1, " if args.http else ""
-        print(f"pagedserve is up: {args.listen} ({args.workers} worker(s) on {on}, {http}metrics "
-              f"http://{args.metrics}/metrics)", flush=True)
+        metrics = f"metrics http://{args.metrics}/metrics" if args.metrics else "no metrics"
+        print(f"pagedserve is up: {args.listen} ({args.workers} worker(s) on {on}, {http}{metrics})", flush=True)
         while not stopping:
             now = time.monotonic()
             for c in children:

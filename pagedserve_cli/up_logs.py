@@ -42,8 +42,10 @@ class Relay:
     last_error: dict[str, str] = field(default_factory=dict)  # child name -> its last error line's message
 
     def child_env(self) -> dict[str, str]:
-        """A child's environment: its log format is up's (its stderr is a pipe to up, not up's terminal)."""
-        return {**os.environ, FORMAT_VARIABLE: "json" if self.json else "console"}
+        """A child's environment: its log format is up's (its stderr is a pipe to up, not up's terminal), and no
+        progress bars (carriage returns within one line, which the relay would show as one garbled line)."""
+        return {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1", **os.environ,
+                FORMAT_VARIABLE: "json" if self.json else "console"}
 
     def say(self, message: str, level: str = "info", **fields) -> None:
         """One of up's own lines: `pagedserve up: MESSAGE` on a terminal, JSON otherwise."""
