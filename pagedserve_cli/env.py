@@ -32,7 +32,8 @@ def _convert(action: argparse.Action, text: str):
 
 
 class EnvArgumentParser(argparse.ArgumentParser):
-    """An ArgumentParser (its subcommands' too) that reports a malformed PAGEDSERVE_* variable when it parses.
+    """An ArgumentParser (its subcommands' too) that reports a malformed PAGEDSERVE_* variable when it parses, and
+    any usage error in one line.
 
     NOTE: one variable may feed flags of several subcommands with different choices (PAGEDSERVE_DTYPE=auto suits
     `worker`, not `kv-plan`), so an error belongs to the subcommand that runs, not to building the parser.
@@ -44,6 +45,10 @@ class EnvArgumentParser(argparse.ArgumentParser):
         for message in getattr(self, "env_errors", []):
             self.error(message)
         return super().parse_known_args(args, namespace)
+
+    def error(self, message: str):
+        """A usage error as one line (argparse prints its usage first: a wall of flags for `up`), exit code 2."""
+        self.exit(2, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
 
 
 def apply_env(parser: argparse.ArgumentParser, environ: Mapping[str, str] | None = None) -> None:

@@ -1,4 +1,5 @@
-"""structlog set-up: JSON lines when stderr is not a terminal, readable lines when it is; long values cut short."""
+"""structlog set-up: JSON lines when stderr is not a terminal, readable lines when it is (PAGEDSERVE_LOG_FORMAT
+decides instead when set); long values cut short."""
 
 from __future__ import annotations
 
@@ -8,8 +9,11 @@ import sys
 
 import structlog
 
+from pagedserve_common.startup import USAGE, StartupError
+
 # A longer value (a client's huge request_id, an error message quoting it) is cut to this. NOTE: above the 256
 # characters an admitted request_id may have (scheduler_svc.frontend.limits), so end lines keep whole ids.
+FORMAT_VARIABLE, FORMATS = "PAGEDSERVE_LOG_FORMAT", ("json", "console")
 MAX_VALUE_CHARS = 300
 MAX_EVENT_CHARS = 1000  # the message itself (the standard library's loggers put their data in it)
 MAX_TRACEBACK_CHARS = 8000  # a traceback keeps its end: the frames that raised and the exception itself
@@ -49,8 +53,34 @@ def disable_progress_bars() -> None:
         transformers.utils.logging.disable_progress_bar()
 
 
+class _Stderr:
+    """stderr for the log, dropping a line it cannot write because nobody reads it any more (`up`, which reads its
+    children's, was killed: they still drain and stop on their SIGTERM rather than die of a logging error)."""
+
+    def write(self, text: str) -> None:
+        try:
+            sys.stderr.write(text)
+        except BrokenPipeError:
+            pass
+
+    def flush(self) -> None:
+        try:
+            sys.stderr.flush()
+        except BrokenPipeError:
+            pass
+
+
+def json_wanted() -> bool:
+    """JSON lines unless stderr is a terminal; PAGEDSERVE_LOG_FORMAT (json or console) decides instead when set
+    (`up` sets it for its children, whose stderr is a pipe to it)."""
+    chosen = os.environ.get(FORMAT_VARIABLE, "").strip().lower()
+    if chosen not in ("", *FORMATS):
+        raise StartupError(f"environment variable {FORMAT_VARIABLE}: expected json or console, got {chosen!r}", USAGE)
+    return chosen == "json" if chosen else not sys.stderr.isatty()
+
+
 def configure(level: str = "info") -> None:
-    json_lines = not sys.stderr.isatty()
+    json_lines = json_wanted()
     if json_lines:
         disable_progress_bars()
     shared = [structlog.contextvars.merge_contextvars, structlog.processors.add_log_level,
@@ -63,13 +93,14 @@ def configure(level: str = "info") -> None:
     # print() (two writes) let two processes' lines run together.
     structlog.configure(processors=[*shared, renderer],
                         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-                        logger_factory=structlog.WriteLoggerFactory(sys.stderr), cache_logger_on_first_use=True)
-    # The standard library's loggers (asyncio, grpc, uvicorn, transformers) write through the same renderer, so
-    # that every line of a JSON log is JSON. As before, only their warnings and errors are shown.
-    handler = logging.StreamHandler(sys.stderr)
+                        logger_factory=structlog.WriteLoggerFactory(_Stderr()), cache_logger_on_first_use=True)
+    # The standard library's loggers (asyncio, grpc, uvicorn, transformers) and warnings write through the same
+    # renderer, so that every line of a JSON log is JSON. As before, only their warnings and errors are shown.
+    handler = logging.StreamHandler(_Stderr())
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[structlog.stdlib.add_logger_name, *shared],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer]))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)
+    logging.captureWarnings(True)  # NOTE: a library's warnings.warn() too (logger py.warnings), not a bare line

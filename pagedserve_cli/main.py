@@ -8,6 +8,7 @@ import sys
 from pagedserve_cli import (bench_cmd, certs_cmd, generate_cmd, health_cmd, kv_map_cmd, kv_plan, model_cmd,
                             serve_cmd, up_cmd, worker_token_cmd)
 from pagedserve_cli.env import EnvArgumentParser, apply_env
+from pagedserve_common.startup import USAGE, StartupError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,16 +29,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
     from pagedserve_common.model_spec import ModelFetchError
 
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # NOTE: said by the subcommand's parser, so that the line names it (`pagedserve up: error: ...`)
+        sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        sub.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     try:
         return args.func(args)
+    except StartupError as e:  # NOTE: one line naming the flag or path, no traceback (pagedserve_common.startup)
+        print(f"pagedserve {args.command}: error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
     except (ValueError, FileNotFoundError, KeyError) as e:
-        print(f"pagedserve {args.command}: error: {e}", file=sys.stderr)
-        return 2
+        print(f"pagedserve {args.command}: error: {e}", file=sys.stderr, flush=True)
+        return USAGE
     except ModelFetchError as e:  # NOTE: the model could not be had (offline, no such repo): not a usage error
-        print(f"pagedserve {args.command}: error: {e}", file=sys.stderr)
+        print(f"pagedserve {args.command}: error: {e}", file=sys.stderr, flush=True)
         return 1
 
 

@@ -81,14 +81,14 @@ def run_worker(args: argparse.Namespace) -> int:
     # exits. Both before the imports below, which take seconds; configure() too: no progress bars in JSON logs.
     exit_on_stop_signals()
     configure()
+    credentials = access_args.worker_credentials(args)  # before torch and the model load: a bad file fails at once
+    metadata = access_args.worker_token_metadata(args.worker_token_file)
     from pagedserve_common.descriptors import raise_open_files_limit
 
     raise_open_files_limit("worker")
     from worker_svc.client import run_worker as run
     from worker_svc.worker import WorkerConfig
 
-    credentials = access_args.worker_credentials(args)  # before the model loads: a bad file fails at once
-    metadata = access_args.worker_token_metadata(args.worker_token_file)
     opts = build(WorkerOptions, args)
     device = "cuda:0" if opts.runner.device == "cuda" else opts.runner.device
     if device == "cuda:auto":

@@ -13,6 +13,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,8 +21,10 @@ from dataclasses import dataclass
 from pagedserve_cli import access_args
 from pagedserve_cli.flags import DefaultsFormatter, add_flags, forward_argv
 from pagedserve_cli.serve_cmd import model_dir
+from pagedserve_cli.up_logs import Relay
 from pagedserve_common.config import EngineOptions, RunnerOptions, SchedulerOptions, UpOptions, WorkerOptions
 from pagedserve_common.model_spec import snapshot_commit
+from pagedserve_common.startup import USAGE, StartupError
 
 CRASH_LOOP_SECONDS = 10.0  # a child that dies sooner than this after starting is restarted after a back-off
 FIRST_BACKOFF, MAX_BACKOFF = 1.0, 30.0  # that back-off doubles from 1 s up to 30 s
@@ -52,6 +55,14 @@ def worker_argv(args: argparse.Namespace, device: str) -> list[str]:
     return ["--scheduler", args.worker_listen, "--device", device, *forward_argv(args, RunnerOptions), *token]
 
 
+class ChildExited(RuntimeError):
+    """A service `up` started (one of `wait_healthy`'s processes) exited before all were up."""
+
+    def __init__(self, proc: subprocess.Popen) -> None:
+        super().__init__(f"a service exited during start-up ({describe_exit(proc.returncode)}; see its log above)")
+        self.proc = proc
+
+
 def wait_healthy(address: str, timeout: float, procs: list[subprocess.Popen], stopping=lambda: False,
                  num_workers: int = 1, credentials=None, server_name: str | None = None, metadata=()) -> bool:
     """True once `address` is SERVING with `num_workers` attached; False if `stopping()` turns true first.
@@ -68,8 +79,8 @@ def wait_healthy(address: str, timeout: float, procs: list[subprocess.Popen], st
         while time.monotonic() < deadline:
             if stopping():
                 return False
-            if any(p.poll() is not None for p in procs):
-                raise RuntimeError("a service exited during start-up (see its log above)")
+            if exited := [p for p in procs if p.poll() is not None]:
+                raise ChildExited(exited[0])
             try:
                 # NOTE: SERVING means one worker is in; the others may still be loading their model.
                 if health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status == \
@@ -131,10 +142,6 @@ def describe_exit(returncode: int) -> str:
     return f"exit code {returncode}"
 
 
-def log(message: str) -> None:
-    print(f"pagedserve up: {message}", file=sys.stderr, flush=True)
-
-
 def child_setup(cores: list[int] | None) -> Callable[[], None]:
     """The preexec function of a child: SIGTERM when `up` dies (Linux), then its share of the cores (if any).
     Runs in the forked child, before exec; the child is already in a session of its own (start_new_session)."""
@@ -153,17 +160,26 @@ def child_setup(cores: list[int] | None) -> Callable[[], None]:
 
 @dataclass
 class Child:
-    name: str  # "scheduler" or "worker I"
+    name: str  # "scheduler" or "worker-I": the `process` of its log lines
     cmd: list[str]
+    relay: Relay  # its stderr goes there, line by line
     cores: list[int] | None = None
     proc: subprocess.Popen | None = None
     started: float = 0.0
     delay: float = 0.0  # the back-off before its latest start
     restart_at: float = 0.0  # while dead: when to start it again
+    reader: threading.Thread | None = None  # relays its stderr (Relay.follow)
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.cmd, start_new_session=True, preexec_fn=child_setup(self.cores))
+        self.proc = subprocess.Popen(self.cmd, start_new_session=True, preexec_fn=child_setup(self.cores),
+                                     stderr=subprocess.PIPE, env=self.relay.child_env())
+        self.reader = self.relay.follow(self.name, self.proc.stderr)
         self.started = time.monotonic()
+
+    def drained(self, timeout: float = 5.0) -> None:
+        """Waits (a while) until its stderr has been relayed to the end: its last lines are out, its error known."""
+        if self.reader is not None:
+            self.reader.join(timeout)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -172,8 +188,8 @@ class Child:
         """Notices a death (logs it, schedules the restart) and restarts when the back-off is over."""
         if self.proc is not None and (code := self.proc.poll()) is not None:
             self.delay = restart_delay(now - self.started, self.delay)
-            log(f"{self.name} (pid {self.proc.pid}) died ({describe_exit(code)}); restarting"
-                + (f" in {self.delay:.0f} s" if self.delay else ""))
+            self.relay.say(f"{self.name} (pid {self.proc.pid}) died ({describe_exit(code)}); restarting"
+                           + (f" in {self.delay:.0f} s" if self.delay else ""), "warning")
             self.proc, self.restart_at = None, now + self.delay
         if self.proc is None and now >= self.restart_at:
             self.start()
@@ -189,7 +205,7 @@ class Child:
         try:
             self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
-            log(f"{self.name} (pid {self.proc.pid}) did not stop in time; killing it")
+            self.relay.say(f"{self.name} (pid {self.proc.pid}) did not stop in time; killing it", "warning")
             self.proc.kill()
             self.proc.wait()
 
@@ -197,20 +213,36 @@ class Child:
 def stop_in_order(scheduler: Child, workers: list[Child], drain_timeout: float) -> None:
     """The scheduler first: it stops admitting and drains its streams, which need the workers; then the workers
     (which would otherwise wait to reconnect)."""
+    say = scheduler.relay.say
     if scheduler.alive():
-        log("draining the scheduler")
+        say("draining the scheduler")
         scheduler.stop()
         scheduler.wait(time.monotonic() + drain_timeout + STOP_MARGIN)
-    log("stopping workers")
+    say("stopping workers")
     for w in workers:
         w.stop()
     deadline = time.monotonic() + STOP_MARGIN
     for w in workers:
         w.wait(deadline)
-    log("stopped")
+    for c in (scheduler, *workers):
+        c.drained()
+    say("stopped")
 
 
 def run(args: argparse.Namespace) -> int:
+    """`up`; a start-up failure (its own, or a child's) ends it with one line, JSON when stderr is no terminal."""
+    relay = Relay()  # NOTE: a bad PAGEDSERVE_LOG_FORMAT raises here, before anything starts
+    try:
+        return serve(args, relay)
+    except StartupError as e:
+        relay.say(str(e), "error")
+        return e.exit_code
+    except (ValueError, FileNotFoundError, KeyError) as e:  # NOTE: as pagedserve_cli.main reports them
+        relay.say(str(e), "error")
+        return USAGE
+
+
+def serve(args: argparse.Namespace, relay: Relay) -> int:
     tls = access_args.up_tls(args)  # first: a bad file fails before anything starts
     # NOTE: pulled once, up front (the children then find it in the cache); a Hub repo's children get the commit
     # it resolved to, so that the scheduler's tokenizer and every worker's weights are one snapshot.
@@ -240,24 +272,34 @@ def run(args: argparse.Namespace) -> int:
     # NOTE: a CPU worker is pinned to its share, so its default thread count is that share's size.
     shares = core_shares(sorted(os.sched_getaffinity(0)), args.workers) \
         if hasattr(os, "sched_getaffinity") and device == "cpu" else [None] * args.workers
-    scheduler = Child("scheduler", sched_cmd)
+    scheduler = Child("scheduler", sched_cmd, relay)
     workers = []
     for i, (dev, share) in enumerate(zip(devices, shares)):
         cmd = [*exe, "worker", *worker_argv(args, dev)]
-        workers.append(Child(f"worker {i}", cmd + tls.worker_argv, share))
+        workers.append(Child(f"worker-{i}", cmd + tls.worker_argv, relay, share))
     children = [scheduler, *workers]
     try:
         for c in children:
             c.start()
         # Start-up fails fast if a service exits: that is usually a configuration error, not worth retrying.
-        if not wait_healthy(args.listen, args.startup_timeout, [c.proc for c in children], lambda: stopping,
-                            args.workers, tls.credentials, tls.server_name, tls.metadata):
-            return 0
+        try:
+            if not wait_healthy(args.listen, args.startup_timeout, [c.proc for c in children], lambda: stopping,
+                                args.workers, tls.credentials, tls.server_name, tls.metadata):
+                return 0
+        except TimeoutError as e:
+            raise StartupError(f"--startup-timeout {args.startup_timeout:g}: {e} (a slow model load or pull: pass "
+                               f"a longer --startup-timeout)") from None
+        except ChildExited as e:
+            child = next(c for c in children if c.proc is e.proc)
+            child.drained()
+            why = relay.last_error.get(child.name, "see its log above")
+            raise StartupError(f"{child.name} exited during start-up ({describe_exit(e.proc.returncode)}): "
+                               f"{why}") from None
         on = ", ".join(dict.fromkeys(devices))
         scheme = "https" if args.tls_cert else "http"
         http = f"OpenAI-compatible API {scheme}://{args.http}/v1, " if args.http else ""
-        print(f"pagedserve is up: {args.listen} ({args.workers} worker(s) on {on}, {http}metrics "
-              f"http://{args.metrics}/metrics)", flush=True)
+        metrics = f"metrics http://{args.metrics}/metrics" if args.metrics else "no metrics"
+        print(f"pagedserve is up: {args.listen} ({args.workers} worker(s) on {on}, {http}{metrics})", flush=True)
         while not stopping:
             now = time.monotonic()
             for c in children:

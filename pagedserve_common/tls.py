@@ -22,6 +22,41 @@ def read_pem(path: str, flag: str) -> bytes:
     return data
 
 
+def load_certificates(data: bytes, flag: str, path: str) -> list:
+    """The certificates of PEM `data` (cryptography's x509 objects); an error naming `flag` and `path` when it holds
+    none that parses. NOTE: gRPC and OpenSSL would only say "Invalid cert chain file" on a log line of their own."""
+    from cryptography import x509
+
+    try:
+        return x509.load_pem_x509_certificates(data)
+    except ValueError as e:
+        raise TlsConfigError(f"{flag} {path}: not a valid PEM certificate ({e})") from None
+
+
+def check_identity(chain: bytes, key: bytes, cert_path: str, key_path: str) -> None:
+    """That --tls-key's PEM `key` is an unencrypted private key, of the first certificate of --tls-cert's `chain`."""
+    from cryptography.hazmat.primitives import serialization
+
+    certs = load_certificates(chain, "--tls-cert", cert_path)
+    try:
+        private = serialization.load_pem_private_key(key, password=None)
+    except TypeError:  # NOTE: cryptography's word for "it is encrypted, and no password was given"
+        raise TlsConfigError(f"--tls-key {key_path}: an encrypted private key: give it unencrypted "
+                             f"(`openssl pkey -in KEY -out PLAIN`)") from None
+    except (ValueError, cryptography_errors()) as e:
+        raise TlsConfigError(f"--tls-key {key_path}: not a valid PEM private key ({e})") from None
+    raw = (serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+    if private.public_key().public_bytes(*raw) != certs[0].public_key().public_bytes(*raw):
+        raise TlsConfigError(f"--tls-key {key_path}: not the private key of the certificate in --tls-cert "
+                             f"{cert_path}")
+
+
+def cryptography_errors() -> type[Exception]:
+    from cryptography.exceptions import UnsupportedAlgorithm
+
+    return UnsupportedAlgorithm
+
+
 @dataclass(slots=True, frozen=True)
 class TlsFiles:
     """The paths given by --tls-cert, --tls-key and --tls-ca (None: not given)."""
@@ -47,12 +82,18 @@ class TlsFiles:
         return self.has_identity
 
     def identity(self) -> tuple[bytes, bytes]:
-        """(private key, certificate chain) PEM."""
+        """(private key, certificate chain) PEM, checked: certificates, an unencrypted key, the key of the first."""
         chain = read_pem(self.cert, "--tls-cert")
-        return read_pem(self.key, "--tls-key"), chain
+        key = read_pem(self.key, "--tls-key")
+        check_identity(chain, key, self.cert, self.key)
+        return key, chain
 
     def root(self) -> bytes | None:
-        return read_pem(self.ca, "--tls-ca") if self.ca else None
+        if not self.ca:
+            return None
+        data = read_pem(self.ca, "--tls-ca")
+        load_certificates(data, "--tls-ca", self.ca)
+        return data
 
     def server_pems(self, require_client_auth: bool) -> dict:
         """grpc.ssl_server_credentials' arguments: this certificate; with `require_client_auth` the peer must

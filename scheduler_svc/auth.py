@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 
+from pagedserve_common.startup import StartupError, check_bindable
 from pagedserve_common.tls import TlsFiles
 from scheduler_svc import request_log
 
@@ -46,11 +47,16 @@ class Access:
         return [ApiKeyInterceptor(self.api_keys)] if self.api_keys else []
 
 
-def add_port(server: grpc.aio.Server, address: str, credentials: grpc.ServerCredentials | None) -> None:
-    if credentials is None:
-        server.add_insecure_port(address)
-    else:
-        server.add_secure_port(address, credentials)
+def add_port(server: grpc.aio.Server, flag: str, address: str, credentials: grpc.ServerCredentials | None) -> None:
+    """Listens on `address` (given by `flag`); a port that cannot be bound is a StartupError naming both."""
+    check_bindable(flag, address)
+    try:
+        if credentials is None:
+            server.add_insecure_port(address)
+        else:
+            server.add_secure_port(address, credentials)
+    except RuntimeError as e:  # NOTE: taken in the moment since check_bindable, or refused by gRPC itself
+        raise StartupError(f"{flag} {address}: cannot listen there ({e})") from None
 
 
 class ApiKeyFileError(ValueError):
@@ -147,13 +153,15 @@ class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
         why = self.keys.refusal_of(details.invocation_metadata or (), "authorization")
         if why is None:
             return handler
-        request_log.refused("grpc", "UNAUTHENTICATED", why)
         return _denying(handler, why)
 
 
 def _denying(handler, why: str):
-    """A handler of the same kind as `handler` (the client expects its framing) that only refuses."""
+    """A handler of the same kind as `handler` (the client expects its framing) that only refuses. NOTE: it reads
+    the request with `handler`'s deserializer, so that the log line carries the client's request_id."""
     async def deny(request, context) -> None:
+        rid = getattr(request, "request_id", "")
+        request_log.refused("grpc", "UNAUTHENTICATED", why, request_id=rid if isinstance(rid, str) else "")
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
     if handler is not None and handler.response_streaming:
@@ -162,7 +170,7 @@ def _denying(handler, why: str):
     else:
         make = grpc.stream_unary_rpc_method_handler if handler is not None and handler.request_streaming \
             else grpc.unary_unary_rpc_method_handler
-    return make(deny)
+    return make(deny, request_deserializer=getattr(handler, "request_deserializer", None))
 
 
 class ApiKeyMiddleware:

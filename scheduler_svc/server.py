@@ -19,6 +19,7 @@ from pagedserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from pagedserve_common.config import DEFAULT_MAX_CONNECTIONS, ConnectionOptions, SchedulerOptions
 from pagedserve_common.descriptors import AcceptErrors, raise_open_files_limit
 from pagedserve_common.options import values
+from pagedserve_common.startup import StartupError, bind_failure, host_port, one_line
 from scheduler_svc import gc_policy
 from scheduler_svc.auth import Access, add_port
 from scheduler_svc.engine import Engine, EngineConfig
@@ -52,7 +53,10 @@ def engine_config(cfg: ServerConfig, tokenizer: Tokenizer) -> EngineConfig:
 # (worker_svc.client), so the server must accept pings that often.
 KEEPALIVE_TIME_MS = 10_000
 KEEPALIVE_TIMEOUT_MS = 5_000
+# NOTE: gRPC sets SO_REUSEPORT by default: a second scheduler on a taken port would start and share it silently
+NO_PORT_SHARING = (("grpc.so_reuseport", 0),)
 WORKER_SERVER_OPTIONS = (
+    *NO_PORT_SHARING,
     ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
     ("grpc.keepalive_permit_without_calls", 1),
@@ -123,7 +127,12 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
     gate = WorkerGate.load(net.worker_listen, a.worker_token_file, access.mutual, a.insecure_workers)
     caps = ConnectionCaps.of(cfg.connections, raise_open_files_limit("scheduler"))
     asyncio.get_running_loop().set_exception_handler(AcceptErrors())
-    tokenizer = Tokenizer.from_model_dir(cfg.model_dir)
+    try:
+        tokenizer = Tokenizer.from_model_dir(cfg.model_dir)
+    except Exception as e:  # NOTE: the tokenizers library raises a bare Exception for a missing or broken file
+        raise StartupError(f"--model {cfg.model}: cannot load its tokenizer (tokenizer.json) from {cfg.model_dir}: "
+                           f"{one_line(e)}") \
+            from None
     engine = Engine(engine_config(cfg, tokenizer))
     limits = input_limits(cfg, engine.config.max_model_len)
     frontend = FrontEnd(engine, tokenizer, limits)
@@ -140,7 +149,8 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
     engine.on_workers_changed = on_workers_changed
     # NOTE: grpc refuses a larger message with RESOURCE_EXHAUSTED before the servicer (or the parser) sees it.
     pending = pending_call_options(cfg.engine.max_queued_requests)
-    clients = grpc.aio.server(options=(("grpc.max_receive_message_length", limits.max_message_size), *pending,
+    clients = grpc.aio.server(options=(*NO_PORT_SHARING, ("grpc.max_receive_message_length", limits.max_message_size),
+                                       *pending,
                                        *connection_options(caps.grpc, cfg.connections.header_timeout)),
                               interceptors=access.interceptors(),
                               maximum_concurrent_rpcs=pending[0][1])  # NOTE: beyond, RESOURCE_EXHAUSTED at once
@@ -149,17 +159,20 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
     reflection.enable_server_reflection(
         (generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
          health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), clients)
-    add_port(clients, net.listen, access.clients)
+    add_port(clients, "--listen", net.listen, access.clients)
     workers = grpc.aio.server(options=(*WORKER_SERVER_OPTIONS, ("grpc.max_concurrent_streams", MAX_WORKER_STREAMS),
                                        *connection_options(caps.workers, cfg.connections.header_timeout)),
                               maximum_concurrent_rpcs=MAX_WORKER_RPCS)
     worker_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(engine, gate.tokens), workers)
     reflection.enable_server_reflection(
         (worker_pb2.DESCRIPTOR.services_by_name["WorkerControl"].full_name, reflection.SERVICE_NAME), workers)
-    add_port(workers, net.worker_listen, access.workers)
+    add_port(workers, "--worker-listen", net.worker_listen, access.workers)
     if net.metrics:
-        host, port = net.metrics.rsplit(":", 1)
-        start_http_server(int(port), addr=host, registry=engine.metrics.registry)
+        host, port = host_port("--metrics", net.metrics)
+        try:
+            start_http_server(port, addr=host or "0.0.0.0", registry=engine.metrics.registry)
+        except OSError as e:
+            raise bind_failure("--metrics", net.metrics, e, off=True) from None
     http = None
     if net.http:
         from scheduler_svc.http.app import create_app

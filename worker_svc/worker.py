@@ -12,6 +12,7 @@ from pagedserve_common.config import CPU_KV_MEMORY, RunnerOptions
 from worker_svc.attention import AttentionBackend, TorchAttentionBackend
 from pagedserve_common.kv_geometry import KVGeometry
 from pagedserve_common.registration import WorkerRegistration
+from pagedserve_common.startup import USAGE, StartupError, one_line
 from worker_svc.kv_pool import DTYPES, KVPool
 from worker_svc.model_store import resolve_model
 from worker_svc.models import ATTN_IMPLEMENTATION, load_model
@@ -58,8 +59,8 @@ def set_device(device: str) -> None:
         return
     index = torch.device(device).index or 0
     if not torch.cuda.is_available() or index >= torch.cuda.device_count():
-        raise ValueError(f"device {device!r}: {torch.cuda.device_count() if torch.cuda.is_available() else 0} "
-                         f"GPU(s) visible")
+        raise StartupError(f"--device {device}: {torch.cuda.device_count() if torch.cuda.is_available() else 0} "
+                           f"GPU(s) visible", USAGE)
     torch.cuda.set_device(index)
 
 
@@ -100,7 +101,11 @@ def create_runner(cfg: WorkerConfig, backend: AttentionBackend | None = None) ->
     if cfg.device == "cpu":
         torch.set_num_threads(cfg.threads or available_cores())
     set_device(cfg.device)
-    loaded = load_model(resolve_model(cfg.model, cfg.revision), cfg.dtype, cfg.device, model_id=cfg.model)
+    model_dir = resolve_model(cfg.model, cfg.revision)
+    try:
+        loaded = load_model(model_dir, cfg.dtype, cfg.device, model_id=cfg.model)
+    except (OSError, ValueError) as e:  # NOTE: a missing or broken weights file, an unsupported architecture
+        raise StartupError(f"--model {cfg.model}: cannot load it from {model_dir}: {one_line(e)}") from None
     geometry = loaded.kv_geometry(cfg.block_size)
     kv_memory = cfg.kv_memory
     if kv_memory is None:

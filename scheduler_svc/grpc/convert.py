@@ -25,6 +25,7 @@ class Undecodable:
 
     message: str
     field: str | None = None
+    request_id: str = ""  # the message's request_id when that field itself is readable (for the log)
 
 
 def lenient(message_type):
@@ -36,9 +37,11 @@ def lenient(message_type):
             return message_type.FromString(data)
         except DecodeError as e:
             field = bad_utf8_field(data, message_type.DESCRIPTOR)
+            rid = request_id_of(data, message_type.DESCRIPTOR)
             if field is not None:
-                return Undecodable(f"{field} is not valid UTF-8 (a protobuf string must be)", field)
-            return Undecodable(f"the request is not a valid {message_type.DESCRIPTOR.full_name} message: {e}")
+                return Undecodable(f"{field} is not valid UTF-8 (a protobuf string must be)", field, rid)
+            return Undecodable(f"the request is not a valid {message_type.DESCRIPTOR.full_name} message: {e}",
+                               request_id=rid)
     return parse
 
 
@@ -46,38 +49,61 @@ def bad_utf8_field(data: bytes, descriptor: Descriptor, prefix: str = "") -> str
     """The path (`messages[1].content`, `sampling.stop[0]`) of the first string field in the wire bytes `data` of
     a `descriptor` message that is not UTF-8, or None. A walk of the wire format: only length-delimited fields are
     looked into; a message too broken to walk gives None."""
-    pos, counts = 0, {}
+    counts = {}
     try:
-        while pos < len(data):
-            key, pos = _varint(data, pos)
-            number, wire_type = key >> 3, key & 7
-            if wire_type == 0:
-                _, pos = _varint(data, pos)
-            elif wire_type in (1, 5):
-                pos += 8 if wire_type == 1 else 4
-            elif wire_type == 2:
-                length, pos = _varint(data, pos)
-                chunk, pos = data[pos:pos + length], pos + length
-                field = descriptor.fields_by_number.get(number)
-                if field is None:
-                    continue
-                name = prefix + field.name
-                if field.is_repeated:
-                    counts[number] = counts.get(number, -1) + 1
-                    name += f"[{counts[number]}]"
-                if field.type == FieldDescriptor.TYPE_STRING:
-                    try:
-                        chunk.decode("utf-8")
-                    except UnicodeDecodeError:
-                        return name
-                elif field.type == FieldDescriptor.TYPE_MESSAGE:
-                    if (found := bad_utf8_field(chunk, field.message_type, name + ".")) is not None:
-                        return found
-            else:  # groups: not in these protos
-                return None
+        for number, chunk in _length_delimited(data):
+            field = descriptor.fields_by_number.get(number)
+            if field is None:
+                continue
+            name = prefix + field.name
+            if field.is_repeated:
+                counts[number] = counts.get(number, -1) + 1
+                name += f"[{counts[number]}]"
+            if field.type == FieldDescriptor.TYPE_STRING:
+                try:
+                    chunk.decode("utf-8")
+                except UnicodeDecodeError:
+                    return name
+            elif field.type == FieldDescriptor.TYPE_MESSAGE:
+                if (found := bad_utf8_field(chunk, field.message_type, name + ".")) is not None:
+                    return found
     except IndexError:
         return None
     return None
+
+
+def request_id_of(data: bytes, descriptor: Descriptor) -> str:
+    """The top-level `request_id` string in the wire bytes `data` of a `descriptor` message, when it has one that
+    is valid UTF-8 (the last one, as protobuf reads it); '' otherwise. For the log of a message that did not
+    parse."""
+    field = descriptor.fields_by_name.get("request_id")
+    found = ""
+    try:
+        for number, chunk in _length_delimited(data):
+            if field is not None and number == field.number:
+                found = chunk.decode("utf-8")
+    except (IndexError, UnicodeDecodeError):
+        return found
+    return found
+
+
+def _length_delimited(data: bytes):
+    """(field number, bytes) of each length-delimited field of the wire bytes `data`, in order; the walk stops at
+    a group (not in these protos) and raises IndexError where a varint runs past the end."""
+    pos = 0
+    while pos < len(data):
+        key, pos = _varint(data, pos)
+        number, wire_type = key >> 3, key & 7
+        if wire_type == 0:
+            _, pos = _varint(data, pos)
+        elif wire_type in (1, 5):
+            pos += 8 if wire_type == 1 else 4
+        elif wire_type == 2:
+            length, pos = _varint(data, pos)
+            yield number, data[pos:pos + length]
+            pos += length
+        else:
+            return
 
 
 def _varint(data: bytes, pos: int) -> tuple[int, int]:

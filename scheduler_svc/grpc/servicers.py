@@ -36,7 +36,7 @@ async def _abort(context, e: EngineError) -> None:
 async def _refuse_undecodable(request, context) -> None:
     if isinstance(request, convert.Undecodable):
         e = EngineError(ErrorCode.INVALID_ARGUMENT, request.message, request.field)
-        request_log.rejected("grpc", e)
+        request_log.rejected("grpc", e, request.request_id)
         await _abort(context, e)
 
 

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models, /health."""
+"""The OpenAI-compatible routes: /v1/completions, /v1/chat/completions, /v1/models (and /v1/models/{id}), /health."""
 
 from __future__ import annotations
 
@@ -152,10 +152,21 @@ def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None, tool_call_pa
         ok, why = frontend.serving()
         return JSONResponse({"status": "ok"}) if ok else error(503, why)
 
+    def model_object() -> dict:
+        return {"id": frontend.model_id, "object": "model", "created": started, "owned_by": "pagedserve",
+                "max_model_len": frontend.max_model_len}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": frontend.model_id, "object": "model", "created": started,
-                                            "owned_by": "pagedserve", "max_model_len": frontend.max_model_len}]}
+        return {"object": "list", "data": [model_object()]}
+
+    # NOTE: `:path`: a model id may hold slashes (a Hub repo id, a directory), sent raw or as %2F (the openai client)
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id == frontend.model_id:
+            return JSONResponse(model_object())
+        message = f"The model {model_id[:200]!r} does not exist: this server serves {frontend.model_id!r}"
+        return JSONResponse(convert.error_body(404, message, "model", "model_not_found"), status_code=404)
 
     async def open_streams(job: Job) -> list[RequestStream]:
         streams: list[RequestStream] = []

@@ -11,6 +11,7 @@ import socket
 import uvicorn
 
 from pagedserve_common.descriptors import OUT_OF_RESOURCE_ERRNOS
+from pagedserve_common.startup import bind_failure, host_port
 from scheduler_svc.http.connections import MAX_HEAD_BYTES, ConnectionLimits, GuardedH11Protocol
 
 KEEP_ALIVE_S = 5  # uvicorn's default: an idle keep-alive connection is closed after it
@@ -25,10 +26,8 @@ class _Server(uvicorn.Server):
 
 
 def parse_address(address: str) -> tuple[str, int]:
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"--http: expected HOST:PORT, got {address!r}")
-    return host.strip("[]") or "127.0.0.1", int(port)
+    host, port = host_port("--http", address)
+    return host or "127.0.0.1", port
 
 
 class _Listener(socket.socket):
@@ -55,7 +54,10 @@ class HttpServer:
     def __init__(self, app, address: str, limits: ConnectionLimits, ssl: tuple[str, str] | None = None) -> None:
         host, port = parse_address(address)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        bound = socket.create_server((host, port), family=family)
+        try:
+            bound = socket.create_server((host, port), family=family)
+        except OSError as e:
+            raise bind_failure("--http", address, e, off=True) from None
         self.socket = _Listener(bound.family, bound.type, bound.proto, fileno=bound.detach())
         self.address = address
         self.limits = limits

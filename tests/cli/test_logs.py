@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -46,6 +47,8 @@ try:
     1 / 0
 except ZeroDivisionError:
     structlog.get_logger("t").exception("failed")
+import warnings
+warnings.warn("an old API", FutureWarning)
 from transformers.utils import logging as tlogging
 print(tlogging.is_progress_bar_enabled())
 """
@@ -57,9 +60,23 @@ def test_json_logs_bound_every_line_route_stdlib_loggers_and_have_no_progress_ba
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False"  # transformers' bars (model loading) are off
     lines = out.stderr.splitlines()
-    assert len(lines) == 3 and all(len(line) < 2000 for line in lines), [len(line) for line in lines]
-    big, stdlib, failed = map(json.loads, lines)
+    assert len(lines) == 4 and all(len(line) < 2000 for line in lines), [len(line) for line in lines]
+    big, stdlib, failed, warned = map(json.loads, lines)
+    assert (warned["logger"], warned["level"]) == ("py.warnings", "warning") and "an old API" in warned["event"]
     assert big["event"] == "big" and big["request_id"].endswith("chars)")
     assert (stdlib["logger"], stdlib["level"]) == ("asyncio", "error")
     assert stdlib["event"].startswith("Task was destroyed but it is pending! yyy")
     assert failed["level"] == "error" and failed["exception"].endswith("ZeroDivisionError: division by zero")
+
+
+def test_the_log_format_can_be_chosen():
+    """PAGEDSERVE_LOG_FORMAT=console: readable lines though stderr is a pipe (`up` sets it for its children when
+    its own stderr is a terminal); json: JSON lines."""
+    env = {**os.environ, "PAGEDSERVE_LOG_FORMAT": "console"}
+    out = subprocess.run([sys.executable, "-c", CONFIGURED], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0 and not out.stderr.startswith("{") and "big" in out.stderr, out.stderr
+    env["PAGEDSERVE_LOG_FORMAT"] = "yaml"
+    out = subprocess.run([sys.executable, "-m", "pagedserve_cli.main", "scheduler"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert (out.returncode, out.stderr.strip()) == (2, "pagedserve scheduler: error: environment variable "
+                                                       "PAGEDSERVE_LOG_FORMAT: expected json or console, got 'yaml'")

@@ -101,6 +101,34 @@ def test_tls_files_name_the_missing_flag(tmp_path):
     assert TlsFiles().client_pems() is None and not TlsFiles().serves_tls()  # no flag: plaintext
 
 
+def test_tls_files_that_do_not_hold_what_their_flag_says_are_named(tmp_path):
+    """Caught when the files are read, naming the flag and the path (gRPC would say "Invalid cert chain file" on a
+    C++ log line, then fail to bind)."""
+    from cryptography.hazmat.primitives import serialization
+
+    files = {name: write(tmp_path, pem.decode(), name) for name, pem in dev_certificates().items()}
+    garbage = write(tmp_path, "-----BEGIN CERTIFICATE-----\nbm90IGEgY2VydA==\n-----END CERTIFICATE-----\n", "bad.pem")
+    encrypted = write(tmp_path, load_key(files["server-key.pem"]).private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(b"secret")).decode(), "locked.pem")
+    cases = [(TlsFiles(garbage, files["server-key.pem"]), r"--tls-cert .*bad\.pem: not a valid PEM certificate"),
+             (TlsFiles(files["server.pem"], files["server.pem"]), r"--tls-key .*server\.pem: not a valid PEM private"),
+             (TlsFiles(files["server.pem"], encrypted), r"--tls-key .*locked\.pem: an encrypted private key"),
+             (TlsFiles(files["server.pem"], files["worker-key.pem"]),
+              r"--tls-key .*worker-key\.pem: not the private key of the certificate in --tls-cert .*server\.pem"),
+             (TlsFiles(files["server.pem"], files["server-key.pem"], garbage), r"--tls-ca .*bad\.pem: not a valid")]
+    for tls, match in cases:
+        with pytest.raises(TlsConfigError, match=match):
+            tls.server_pems(require_client_auth=bool(tls.ca))
+    assert TlsFiles(files["server.pem"], files["server-key.pem"], files["ca.pem"]).server_pems(True)
+
+
+def load_key(path: str):
+    from cryptography.hazmat.primitives import serialization
+
+    return serialization.load_pem_private_key(open(path, "rb").read(), password=None)
+
+
 def test_certs_command_writes_the_files_keys_private(tmp_path, capsys):
     out = tmp_path / "certs"
     assert main(["certs", str(out), "--host", "llm.example", "--host", "10.1.2.3"]) == 0

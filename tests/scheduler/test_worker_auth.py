@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import subprocess
 import sys
 
@@ -103,8 +104,10 @@ def cli(*args: str, cwd=None) -> subprocess.CompletedProcess:
 
 def test_up_refuses_a_reachable_worker_port_before_starting_anything(tmp_path):
     out = cli("up", "--worker-listen", "0.0.0.0:50052", "--model", str(tmp_path / "no-model-needed"))
-    assert out.returncode == 2 and "pagedserve up: error: --worker-listen 0.0.0.0:50052 is not loopback-only" \
-        in out.stderr, out.stderr
+    (line,) = out.stderr.splitlines()  # JSON: stderr is not a terminal
+    said = json.loads(line)
+    assert out.returncode == 2 and (said["process"], said["level"]) == ("up", "error"), out.stderr
+    assert said["event"].startswith("--worker-listen 0.0.0.0:50052 is not loopback-only"), out.stderr
 
 
 def test_worker_token_writes_a_private_file_once(tmp_path):

@@ -12,6 +12,7 @@ import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc, worker_pb2, worker_pb2_grpc
+from scheduler_svc.auth import ApiKeyInterceptor, ApiKeys
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.grpc.servicers import GenerationServicer, WorkerControlServicer, add_generation_servicer
 from scheduler_svc.frontend import FrontEnd, Tokenizer
@@ -30,8 +31,9 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.from_model_dir(resolve_model(DEFAULT_MODEL))
 
 
-def with_server(**engine_kwargs):
-    """Runs an async test against a real gRPC server in this process: test(engine, channel)."""
+def with_server(api_keys: list[str] | None = None, **engine_kwargs):
+    """Runs an async test against a real gRPC server in this process: test(engine, channel). With `api_keys`, the
+    client API requires one (scheduler_svc.auth.ApiKeyInterceptor)."""
     config = {"model_id": "m", "max_model_len": 128, "vocab_size": 49152, "max_num_seqs": 1,
               "max_queued_requests": 2, "no_worker_timeout": 0, **engine_kwargs}
 
@@ -39,7 +41,8 @@ def with_server(**engine_kwargs):
         def run():
             async def main():
                 engine = Engine(EngineConfig(**config))
-                server, address = grpc.aio.server(), f"127.0.0.1:{free_port()}"
+                interceptors = [ApiKeyInterceptor(ApiKeys.of(api_keys))] if api_keys else None
+                server, address = grpc.aio.server(interceptors=interceptors), f"127.0.0.1:{free_port()}"
                 servicer = GenerationServicer(FrontEnd(engine, tokenizer()))
                 add_generation_servicer(servicer, server)
                 worker_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(engine), server)

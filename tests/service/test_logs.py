@@ -1,5 +1,6 @@
 """Logs a person can read, from real processes: `pagedserve up` serves, refuses and loses a few requests, then
-stops; its stderr (JSON lines, as under any supervisor) has one line per request and no traceback."""
+stops; its stderr (JSON lines, as under any supervisor, each naming the process that wrote it) has one line per
+request and no traceback."""
 
 from __future__ import annotations
 
@@ -71,9 +72,13 @@ def test_up_logs_one_line_per_request_and_stops_without_a_traceback(tiny_served_
         assert noise not in text, text
     assert HUGE_ID[:1000] not in text
     assert max(len(line) for line in text.splitlines()) < 4096  # long values are cut (logs.truncate_long_values)
-    others = [line for line in text.splitlines() if not line.startswith("{")]
-    assert all(line.startswith("pagedserve up: ") for line in others), others  # the rest is JSON
-    events = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+    events = [json.loads(line) for line in text.splitlines()]  # every line is JSON, up's own too
+    names = {"up", "scheduler", *(f"worker-{i}" for i in range(workers))}
+    assert {e["process"] for e in events} == names, events  # each says which process wrote it
+    assert {e["event"] for e in events if e["process"] == "up"} >= {"draining the scheduler", "stopped"}
+    ready = [e for e in events if e["event"] == "worker ready"]
+    assert sorted(e["process"] for e in ready) == [f"worker-{i}" for i in range(workers)]
+    assert all(e["warm_up_steps"] >= 4 and e["warm_up_s"] >= 0 for e in ready), ready  # warmed before attaching
 
     ends: dict[str, list[dict]] = {}
     for e in events:

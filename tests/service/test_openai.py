@@ -48,6 +48,26 @@ def test_models_and_health(service, client):
     assert (r.status_code, r.json()) == (200, {"status": "ok"})
 
 
+def test_models_retrieve_names_the_served_model_and_404s_any_other(service, client):
+    model = client.models.retrieve(service.model_dir)  # NOTE: a path: the client sends its slashes as %2F
+    assert (model.id, model.object, model.owned_by) == (service.model_dir, "model", "pagedserve")
+    assert model.max_model_len == 512
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("gpt-4o")
+    assert (e.value.body["param"], e.value.body["code"]) == ("model", "model_not_found")
+    assert "gpt-4o" in e.value.body["message"] and e.value.body["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("method, path, status", [("get", "/nowhere", 404), ("get", "/completions", 405),
+                                                  ("delete", "/models", 405)])
+def test_unknown_routes_and_methods_answer_in_openais_shape(service, client, method, path, status):
+    with pytest.raises(openai.APIStatusError) as e:
+        getattr(client, method)(path, cast_to=httpx.Response)
+    assert e.value.status_code == status
+    assert set(e.value.body) == {"message", "type", "param", "code"}  # the client hands over the "error" object
+    assert f"{method.upper()} /v1{path}" in e.value.body["message"]
+
+
 def test_completion_greedy_equals_the_grpc_api(service, client):
     ref = grpc_samples(service, prompt=PROMPT, sampling={"max_tokens": 12, "temperature": 0, "ignore_eos": True})
     out = client.completions.create(model=service.model_dir, prompt=PROMPT, max_tokens=12, temperature=0,

@@ -9,6 +9,7 @@ import re
 import grpc
 from structlog.testing import capture_logs
 
+from pagedserve.v1 import generate_pb2 as pb
 from scheduler_svc.errors import ErrorCode
 from tests.service.inproc import Front, ScriptedWorker, generate, status_of, tokens_of, wait_for, with_server
 
@@ -126,6 +127,21 @@ async def test_each_refused_request_has_one_rejected_line_naming_its_field_and_a
     assert "temperature" in http_line["message"]
     assert (body_line["api"], body_line["status"]) == ("http", "INVALID_ARGUMENT") and "JSON" in body_line["message"]
     assert not [e for e in logs if e["event"] in END_EVENTS]  # refused requests were never admitted
+
+
+@with_server(api_keys=["the-key"])
+async def test_grpc_refusals_before_parsing_carry_the_clients_request_id(engine, channel):
+    """A request refused for its API key, or for a string that is not UTF-8, still names the request_id the client
+    sent (the HTTP ones name theirs)."""
+    bad = pb.GenerateRequest(request_id="bad-utf8", prompt="QZQZ").SerializeToString().replace(b"QZ", b"\xff", 1)
+    raw = channel.unary_stream("/pagedserve.v1.Generation/Generate")
+    with capture_logs() as logs:
+        code, _ = await status_of(generate(channel, "no-key"))
+        assert code == grpc.StatusCode.UNAUTHENTICATED
+        code, _ = await status_of(raw(bad, metadata=(("authorization", "Bearer the-key"),)))
+        assert code == grpc.StatusCode.INVALID_ARGUMENT
+    refused = [(e["status"], e.get("request_id")) for e in logs if e["event"] == "request rejected"]
+    assert refused == [("UNAUTHENTICATED", "no-key"), ("INVALID_ARGUMENT", "bad-utf8")]
 
 
 # -- honest messages when no worker is there --------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import threading
@@ -15,6 +16,7 @@ from pagedserve.v1 import generate_pb2_grpc
 from pagedserve_cli.main import build_parser
 from pagedserve_cli.serve_cmd import parse_device, scheduler_policy_argv
 from pagedserve_cli.up_cmd import describe_exit, restart_delay, worker_devices
+from pagedserve_common.startup import StartupError
 from tests.service.conftest import free_port, wait_until
 from tests.support.processes import alive, children, stop_all, up
 
@@ -74,7 +76,8 @@ def test_a_killed_worker_is_logged_and_restarted(tiny_served_model, tmp_path):
         assert proc.wait(timeout=120) == 0
         assert not [k for k in all_kids if alive(k)]
         text = log.read_text()
-        assert text.index("pagedserve up: draining the scheduler") < text.index("pagedserve up: stopping workers")
+        said = [e["event"] for e in map(json.loads, text.splitlines()) if e["process"] == "up"]
+        assert said.index("draining the scheduler") < said.index("stopping workers")
         assert "Traceback" not in text
     finally:
         stop_all(proc)
@@ -231,5 +234,5 @@ def test_set_device_selects_the_gpu_and_rejects_a_missing_one(monkeypatch):
     worker.set_device("cuda:1")
     worker.set_device("cuda")
     assert chosen == [1, 0]
-    with pytest.raises(ValueError, match="'cuda:2': 2 GPU"):
+    with pytest.raises(StartupError, match="--device cuda:2: 2 GPU"):  # one line naming the flag, exit code 2
         worker.set_device("cuda:2")
