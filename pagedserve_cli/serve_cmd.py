@@ -19,19 +19,28 @@ def scheduler_policy_argv(args: argparse.Namespace) -> list[str]:
     return forward_argv(args, SchedulerOptions, given_only=True)
 
 
-def model_dir(spec: str, revision: str | None = None) -> str:
+def model_dir(spec: str, revision: str | None = None, relay=None) -> str:
     """A local model directory for --model `spec` (pagedserve_common.model_spec): a directory as is, else pulled
     (fetched or converted once into the cache) by `pagedserve model pull` in a child process, which keeps torch out
-    of here; its progress and log lines go to our stderr. Its failure is ours: ModelSpecError or ModelFetchError,
-    one line."""
+    of here; its progress and log lines go to our stderr (through `relay`, up's pagedserve_cli.up_logs.Relay, when
+    it writes JSON: then each line says it came from the pull). Its failure is ours: ModelSpecError or
+    ModelFetchError, one line."""
     from pagedserve_cli.model_cmd import ERRORS_TO_STDOUT
     from pagedserve_common.model_spec import ModelFetchError, ModelSpecError
 
     if revision is None and (Path(spec).expanduser() / "config.json").is_file():
         return spec
     argv = [spec, *(["--revision", revision] if revision is not None else [])]
-    out = subprocess.run([sys.executable, "-m", "pagedserve_cli.main", "model", "pull", ERRORS_TO_STDOUT, *argv],
-                         stdout=subprocess.PIPE, text=True)
+    cmd = [sys.executable, "-m", "pagedserve_cli.main", "model", "pull", ERRORS_TO_STDOUT, *argv]
+    if relay is not None and relay.json:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=relay.child_env())
+        reader = relay.follow("pull", proc.stderr)
+        stdout = proc.stdout.read().decode("utf-8", "replace")
+        proc.wait()
+        reader.join()
+        out = subprocess.CompletedProcess(cmd, proc.returncode, stdout)
+    else:  # NOTE: a terminal (or no relay): the pull's own progress bars, as they are
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, text=True)
     lines = out.stdout.strip().splitlines() or [""]
     if out.returncode == 0:
         return lines[-1]

@@ -23,7 +23,7 @@ from pagedserve_cli.flags import DefaultsFormatter, add_flags, forward_argv
 from pagedserve_cli.serve_cmd import model_dir
 from pagedserve_cli.up_logs import Relay
 from pagedserve_common.config import EngineOptions, RunnerOptions, SchedulerOptions, UpOptions, WorkerOptions
-from pagedserve_common.model_spec import snapshot_commit
+from pagedserve_common.model_spec import ModelFetchError, snapshot_commit
 from pagedserve_common.startup import USAGE, StartupError
 
 CRASH_LOOP_SECONDS = 10.0  # a child that dies sooner than this after starting is restarted after a back-off
@@ -240,13 +240,16 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError, KeyError) as e:  # NOTE: as pagedserve_cli.main reports them
         relay.say(str(e), "error")
         return USAGE
+    except ModelFetchError as e:  # the model could not be had (offline, no such repo)
+        relay.say(str(e), "error")
+        return 1
 
 
 def serve(args: argparse.Namespace, relay: Relay) -> int:
     tls = access_args.up_tls(args)  # first: a bad file fails before anything starts
     # NOTE: pulled once, up front (the children then find it in the cache); a Hub repo's children get the commit
     # it resolved to, so that the scheduler's tokenizer and every worker's weights are one snapshot.
-    path = model_dir(args.model, args.revision)
+    path = model_dir(args.model, args.revision, relay)
     if path != args.model:
         args.revision = snapshot_commit(path) or args.revision
     stopping = False

