@@ -303,6 +303,10 @@ class Scheduler(Handover):
         sampling = req.sampling
         if sampling.structured_output is not None:  # NOTE: the worker gets masks (token_bitmasks), not the spec
             sampling = replace(sampling, structured_output=None)
+        if sampling.min_tokens and req.stop_ids != frozenset(sampling.stop_token_ids):
+            # NOTE: the worker masks stop_token_ids and its model's EOS until min_tokens: it is told this
+            # scheduler's EOS ids too (the tokenizer's), so that both sides agree on what may not end a sample early.
+            sampling = replace(sampling, stop_token_ids=tuple(sorted(req.stop_ids)))
         return NewSequence(req.seq_id, list(req.all_token_ids), self.kv.block_table(req.seq_id),
                           req.num_computed_tokens, num_new, sampling, req.seed, len(req.prompt_token_ids))
 
@@ -374,6 +378,13 @@ class Scheduler(Handover):
         return {req.seq_id: req.sampling.logprobs for req, num in self._scheduled
                 if req.num_computed_tokens + num >= len(req.all_token_ids)}
 
+    def banned_samples(self) -> dict[int, frozenset[int]]:
+        """The sequences of the plan in flight whose token this step may not be a stop id (its EOS or
+        stop_token_ids): those with fewer than min_tokens outputs; each -> those ids (what the worker masked)."""
+        return {req.seq_id: req.stop_ids for req, num in self._scheduled
+                if req.sampling.min_tokens > len(req.output_token_ids) and req.stop_ids
+                and req.num_computed_tokens + num >= len(req.all_token_ids)}
+
     def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[RequestOutput]:
         """Applies the worker's result for `plan` (seq_id -> sampled token); returns per-sample outputs."""
         if plan.step_id != self._in_flight:
@@ -401,7 +412,7 @@ class Scheduler(Handover):
             out = req.output_token_ids
             out.append(tok)
             reason = None
-            if tok in req.stop_ids:
+            if tok in req.stop_ids and len(out) > req.sampling.min_tokens:
                 reason = FinishReason.STOP
             elif len(out) >= req.sampling.max_tokens or len(tokens) >= max_model_len:
                 reason = FinishReason.LENGTH

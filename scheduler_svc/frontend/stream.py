@@ -43,7 +43,8 @@ class RequestStream:
         self.request = request
         self.metrics = metrics
         self.queue: asyncio.Queue[StreamItem | tuple[str, str] | None] = asyncio.Queue()
-        self.samples = [_Sample(IncrementalDetokenizer(tokenizer, request.prompt_token_ids, stop=list(stop)))
+        self.samples = [_Sample(IncrementalDetokenizer(tokenizer, request.prompt_token_ids, stop=list(stop),
+                                                       min_tokens=request.sampling.min_tokens))
                         for _ in range(request.sampling.n)]
         self.num_open = request.sampling.n
         self.arrival = time.monotonic()
