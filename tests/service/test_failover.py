@@ -79,7 +79,8 @@ class Fleet:
 class Streams:
     """Greedy streams in threads: tokens per stream, and the error of any that fails."""
 
-    def __init__(self, fleet: Fleet, prompts) -> None:
+    def __init__(self, fleet: Fleet, prompts, **sampling) -> None:
+        self.sampling = pb.SamplingParams(**{"max_tokens": NEW, "temperature": 0, "ignore_eos": True, **sampling})
         self.tokens = [[] for _ in prompts]
         self.errors: list = []
         self.threads = [threading.Thread(target=self._run, args=(fleet.listen, i, p)) for i, p in enumerate(prompts)]
@@ -90,8 +91,7 @@ class Streams:
         try:
             with grpc.insecure_channel(address) as ch:
                 for msg in generate_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
-                        prompt_token_ids=prompt, sampling=pb.SamplingParams(
-                            max_tokens=NEW, temperature=0, ignore_eos=True)), timeout=300):
+                        prompt_token_ids=prompt, sampling=self.sampling), timeout=300):
                     self.tokens[i].extend(msg.token_ids)
         except grpc.RpcError as e:
             self.errors.append((i, e.code(), e.details()))

@@ -1,6 +1,7 @@
 """Penalties, logit_bias, min_tokens and bad_words through a real scheduler and worker serving the default model, on
 both APIs (gRPC and the official `openai` client): each changes a greedy output as it should, against transformers'
-own generate (repetition_penalty) or a float64 reference of the rules over transformers' forward."""
+own generate (repetition_penalty) or a float64 reference of the rules over transformers' forward (presence and
+frequency)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from collections import Counter
 import openai
 import pytest
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
@@ -18,7 +18,8 @@ from pagedserve_common.defaults import DEFAULT_MODEL
 from scheduler_svc.frontend import Tokenizer
 from tests.service.conftest import started_service, wait_until
 from tests.support.service import idle
-from tests.support.worker import reference_model
+from pagedserve_common.sampling import SamplingParams
+from tests.support.worker import assert_same_within_ties, reference_model, reference_rules
 from worker_svc.model_store import resolve_model
 
 NEW = 40
@@ -68,30 +69,6 @@ def http_completion(client, service, prompt_ids: list[int], **extra):
                                      extra_body=extra)
 
 
-class Float64Rules(LogitsProcessor):
-    """Presence and frequency penalties as the README states them, in float64: the reference run's logits processor."""
-
-    def __init__(self, num_prompt: int, presence: float, frequency: float) -> None:
-        self.num_prompt, self.presence, self.frequency, self.gaps = num_prompt, presence, frequency, []
-
-    def __call__(self, input_ids, scores):
-        x = scores[0].double()
-        for t, c in Counter(input_ids[0, self.num_prompt:].tolist()).items():
-            x[t] -= self.frequency * c + self.presence
-        top2 = torch.topk(x, 2).values
-        self.gaps.append(float(top2[0] - top2[1]))
-        return x[None].to(scores.dtype)
-
-
-def assert_greedy_equal(got: list[int], want: list[int], gaps: list[float]) -> None:
-    """Token-identical, except that a divergence at a near tie of the processed logits (1e-4) ends the check."""
-    for i, (g, w) in enumerate(zip(got, want)):
-        if g != w:
-            assert gaps[i] < 1e-4, f"diverged at {i}: {got} != {want}"
-            return
-    assert len(got) == len(want), (got, want)
-
-
 def reference_generate(model, prompt: list[int], **kwargs) -> tuple[list[int], list[float]]:
     """transformers' greedy generate: the new tokens and each step's gap between the two best processed scores."""
     with torch.inference_mode():
@@ -106,7 +83,7 @@ def test_repetition_penalty_matches_transformers_generate_on_both_apis(service, 
     plain = grpc_tokens(service, prompt_token_ids=prompt)
     got = grpc_tokens(service, prompt_token_ids=prompt, repetition_penalty=1.3)
     assert got != plain
-    assert_greedy_equal(got, *reference_generate(model, prompt, repetition_penalty=1.3))
+    assert_same_within_ties(got, *reference_generate(model, prompt, repetition_penalty=1.3))
     out = http_completion(client, service, prompt, repetition_penalty=1.3)
     assert out.choices[0].text == tok.decode(got)
 
@@ -116,9 +93,8 @@ def test_presence_and_frequency_penalties_match_a_float64_reference_on_both_apis
     plain = grpc_tokens(service, prompt_token_ids=prompt)
     got = grpc_tokens(service, prompt_token_ids=prompt, presence_penalty=0.8, frequency_penalty=0.6)
     assert got != plain
-    rules = Float64Rules(len(prompt), 0.8, 0.6)
-    want, _ = reference_generate(model, prompt, logits_processor=LogitsProcessorList([rules]))
-    assert_greedy_equal(got, want, rules.gaps)
+    sp = SamplingParams(presence_penalty=0.8, frequency_penalty=0.6)
+    assert_same_within_ties(got, *reference_rules(model, prompt, sp, NEW, tok.eos_token_ids))
     out = client.completions.create(model=service.model_dir, prompt=prompt, max_tokens=NEW, temperature=0,
                                     presence_penalty=0.8, frequency_penalty=0.6)  # OpenAI's own parameters
     assert out.choices[0].text == tok.decode(got)
