@@ -9,6 +9,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import grpc
 import pytest
@@ -107,16 +109,23 @@ class Streams:
             t.join(300)
 
 
-@pytest.fixture(scope="module")
-def fleet(tiny_served_model):
-    f = Fleet(tiny_served_model)
+@contextmanager
+def fleet_of(model: str, num_workers: int) -> Iterator[Fleet]:
+    """A scheduler and `num_workers` workers, all attached; stopped on exit."""
+    f = Fleet(model)
     try:
-        for _ in range(3):
+        for _ in range(num_workers):
             f.add_worker()
-        f.wait_workers(3)
+        f.wait_workers(num_workers)
         yield f
     finally:
         f.stop()
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_served_model):
+    with fleet_of(tiny_served_model, 3) as f:
+        yield f
 
 
 @pytest.fixture(scope="module")
@@ -129,22 +138,28 @@ def busiest_worker(fleet: Fleet, worker_ids: list[str]) -> str:
     return max(worker_ids, key=lambda w: fleet.metric("pagedserve_kv_blocks_used", worker=w))
 
 
-def test_kill_9_of_a_worker_mid_generation_loses_no_stream(fleet, reference):
-    ids = fleet.wait_workers(3)
-    streams = Streams(fleet, PROMPTS)
-    streams.wait_started()
-    # NOTE: the fleet is frozen while the victim is chosen, so a loaded machine cannot let the streams end first:
-    # the gauges stay those of each worker's last step.
+def kill_busiest(fleet: Fleet, worker_ids: list[str]) -> str:
+    """kill -9 of the worker holding the most KV blocks, which holds requests mid-generation; returns its id.
+    NOTE: the fleet is frozen while the victim is chosen, so a loaded machine cannot let the streams end first:
+    the gauges stay those of each worker's last step."""
     frozen = [p for p in fleet.workers if p.poll() is None]
     for p in frozen:
         os.kill(p.pid, signal.SIGSTOP)
     try:
-        victim = busiest_worker(fleet, ids)
+        victim = busiest_worker(fleet, worker_ids)
         assert fleet.metric("pagedserve_kv_blocks_used", worker=victim) > 0  # it holds requests mid-generation
         os.kill(fleet.pid_of(victim), signal.SIGKILL)
     finally:
         for p in frozen:
             os.kill(p.pid, signal.SIGCONT)
+    return victim
+
+
+def test_kill_9_of_a_worker_mid_generation_loses_no_stream(fleet, reference):
+    ids = fleet.wait_workers(3)
+    streams = Streams(fleet, PROMPTS)
+    streams.wait_started()
+    victim = kill_busiest(fleet, ids)
     streams.join()
     assert streams.errors == []
     for got, ref in zip(streams.tokens, reference):

@@ -3,15 +3,13 @@ is preempted (a small KV pool), equals one that does neither; real processes on 
 
 from __future__ import annotations
 
-import os
-import signal
 from types import SimpleNamespace
 
 import pytest
 
-from tests.service.conftest import started_service
-from tests.service.test_failover import NEW, PROMPTS, Fleet, Streams, busiest_worker
 from pagedserve_common.sampling import SamplingParams
+from tests.service.conftest import started_service
+from tests.service.test_failover import NEW, PROMPTS, Streams, fleet_of, kill_busiest
 from tests.support.worker import assert_same_within_ties, reference_greedy, reference_model, reference_rules
 
 PENALTIES = {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.3}
@@ -46,14 +44,8 @@ def stay(fleet, refs) -> list[list[int]]:
 
 @pytest.fixture(scope="module")
 def fleet(tiny_served_model):
-    f = Fleet(tiny_served_model)
-    try:
-        for _ in range(2):
-            f.add_worker()
-        f.wait_workers(2)
+    with fleet_of(tiny_served_model, 2) as f:
         yield f
-    finally:
-        f.stop()
 
 
 def test_a_penalised_greedy_stream_migrated_mid_way_equals_one_that_stays(fleet, tiny_served_model, stay, refs):
@@ -64,16 +56,7 @@ def test_a_penalised_greedy_stream_migrated_mid_way_equals_one_that_stays(fleet,
     migrations = fleet.metric("pagedserve_migrations_total")
     moved = Streams(fleet, prompts, **PENALTIES)
     moved.wait_started()
-    # NOTE: frozen while the victim is chosen, so that a loaded machine cannot let the streams end first
-    for p in fleet.workers:
-        os.kill(p.pid, signal.SIGSTOP)
-    try:
-        victim = busiest_worker(fleet, ids)
-        assert fleet.metric("pagedserve_kv_blocks_used", worker=victim) > 0  # it holds streams mid-generation
-        os.kill(fleet.pid_of(victim), signal.SIGKILL)
-    finally:
-        for p in fleet.workers:
-            os.kill(p.pid, signal.SIGCONT)
+    kill_busiest(fleet, ids)
     moved.join()
     assert moved.errors == []
     assert fleet.metric("pagedserve_migrations_total") > migrations

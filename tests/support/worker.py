@@ -56,6 +56,27 @@ def assert_same_greedy(got: list[int], ref: list[int], ref_logits: torch.Tensor)
     assert len(got) == len(ref), (got, ref)
 
 
+def apply_rules(x: torch.Tensor, sp: SamplingParams, token_ids: list[int], num_prompt: int,
+                eos_token_ids: tuple[int, ...] = ()) -> None:
+    """The worker's logits rules (worker_svc.logits) on one row `x` (float64, in place), written out one token at a
+    time: repetition, presence and frequency penalties, logit_bias, min_tokens' and bad words' masks."""
+    outputs = token_ids[num_prompt:]
+    if sp.repetition_penalty != 1.0:
+        for t in set(token_ids):
+            x[t] = x[t] / sp.repetition_penalty if x[t] > 0 else x[t] * sp.repetition_penalty
+    for t, c in Counter(outputs).items():
+        x[t] -= sp.frequency_penalty * c + sp.presence_penalty
+    for t, b in sp.logit_bias:
+        x[t] += b
+    if len(outputs) < sp.min_tokens:
+        for t in (*(() if sp.ignore_eos else eos_token_ids), *sp.stop_token_ids):
+            x[t] = -math.inf
+    for bad in sp.bad_words_token_ids:
+        prefix = list(bad[:-1])
+        if len(outputs) >= len(prefix) and (not prefix or outputs[len(outputs) - len(prefix):] == prefix):
+            x[bad[-1]] = -math.inf
+
+
 def reference_rules(model, prompt: list[int], sp: SamplingParams, num_new: int,
                     eos_token_ids: tuple[int, ...] = ()) -> tuple[list[int], list[float]]:
     """Greedy under the worker's logits rules (worker_svc.logits), written out in float64 over transformers' own
@@ -66,19 +87,7 @@ def reference_rules(model, prompt: list[int], sp: SamplingParams, num_new: int,
         for _ in range(num_new):
             out = model(torch.tensor([ids if past is None else ids[-1:]]), past_key_values=past, use_cache=True)
             x, past = out.logits[0, -1].double(), out.past_key_values
-            outputs = ids[len(prompt):]
-            if sp.repetition_penalty != 1.0:
-                for t in set(ids):
-                    x[t] = x[t] / sp.repetition_penalty if x[t] > 0 else x[t] * sp.repetition_penalty
-            for t, c in Counter(outputs).items():
-                x[t] -= sp.frequency_penalty * c + sp.presence_penalty
-            for t, b in sp.logit_bias:
-                x[t] += b
-            if len(outputs) < sp.min_tokens:
-                x[list((*eos_token_ids, *sp.stop_token_ids))] = -math.inf
-            for bad in sp.bad_words_token_ids:
-                if len(bad) == 1 or outputs[-(len(bad) - 1):] == list(bad[:-1]):
-                    x[bad[-1]] = -math.inf
+            apply_rules(x, sp, ids, len(prompt), eos_token_ids)
             top2 = torch.topk(x, 2).values
             gaps.append(float(top2[0] - top2[1]))
             ids.append(int(x.argmax()))

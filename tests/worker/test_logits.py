@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 import random
-from collections import Counter
 
 import numpy as np
 import pytest
@@ -13,6 +12,7 @@ import torch
 
 from pagedserve_common.sampling import SamplingParams
 from pagedserve_common.step import NewSequence, StepPlan
+from tests.support.worker import apply_rules
 from worker_svc.batch import PersistentBatch
 from worker_svc.logits import LogitsProcessor, bitmask_num_bytes, unpack_bitmasks
 
@@ -30,23 +30,10 @@ def pack(allowed: list[int], vocab: int = V) -> bytes:
 
 def reference(raw: np.ndarray, sp: SamplingParams, token_ids: list[int], num_prompt: int,
               bitmask: list[int] | None) -> np.ndarray:
-    """One row, the rules written out in float64, one token at a time."""
-    x = raw.astype(np.float64)
-    outputs = token_ids[num_prompt:]
-    for t in set(token_ids):
-        if sp.repetition_penalty != 1.0:
-            x[t] = x[t] / sp.repetition_penalty if x[t] > 0 else x[t] * sp.repetition_penalty
-    for t, c in Counter(outputs).items():
-        x[t] -= sp.frequency_penalty * c + sp.presence_penalty
-    for t, b in sp.logit_bias:
-        x[t] += b
-    if len(outputs) < sp.min_tokens:
-        for t in (*(() if sp.ignore_eos else EOS), *sp.stop_token_ids):
-            x[t] = -math.inf
-    for bad in sp.bad_words_token_ids:
-        prefix = list(bad[:-1])
-        if len(outputs) >= len(prefix) and (not prefix or outputs[len(outputs) - len(prefix):] == prefix):
-            x[bad[-1]] = -math.inf
+    """One row, the rules written out in float64, one token at a time; then the bitmask, winning."""
+    x = torch.from_numpy(raw).double()
+    apply_rules(x, sp, token_ids, num_prompt, EOS)
+    x = x.numpy()
     if bitmask is not None:
         mask = np.full(V, -math.inf)
         mask[bitmask] = 0.0
