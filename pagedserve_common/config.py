@@ -110,7 +110,8 @@ class LimitOptions:
         None, "characters of a text prompt, or of a chat's messages together, checked before tokenizing",
         type=at_least(int, 1, _POSITIVE), metavar="N", default_text=f"{PROMPT_CHARS_PER_TOKEN} per token of "
                                                                       f"max_model_len", up=GIVEN)
-    max_stop_strings: int = option(MAX_STOP_STRINGS, "stop strings per request, each up to 1024 characters",
+    max_stop_strings: int = option(MAX_STOP_STRINGS, "stop strings per request, each up to 1024 characters (and as "
+                                                     "many bad_words)",
                                    type=at_least(int, 0, "an integer >= 0"), metavar="N", up=GIVEN)
     max_seqs_per_request: int = option(MAX_SEQS_PER_REQUEST, "sequences one request may ask for: n, times the "
                                                              "number of prompts of a /v1/completions batch",

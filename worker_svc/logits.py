@@ -209,6 +209,11 @@ def _refused(bitmasks: list[bytes], v: int, dev) -> torch.Tensor:
     token) and are unpacked there, not 8 bits a token over the bus."""
     if dev.type == "cpu":
         return torch.from_numpy(unpack_bitmasks(bitmasks, v, invert=True))
+    return refused_on_device(bitmasks, v, dev)
+
+
+def refused_on_device(bitmasks: list[bytes], v: int, dev) -> torch.Tensor:
+    """_refused with torch ops on `dev`: the packed bytes go over, each becomes its 8 bits (little order) there."""
     packed = torch.frombuffer(bytearray(b"".join(bitmasks)), dtype=torch.uint8).view(len(bitmasks), -1).to(dev)
     shifts = torch.arange(8, dtype=torch.uint8, device=dev)
     bits = (packed[:, :, None] >> shifts).bitwise_and_(1).view(len(bitmasks), -1)[:, :v]

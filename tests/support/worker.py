@@ -103,3 +103,12 @@ def assert_same_within_ties(got: list[int], want: list[int], gaps: list[float]) 
             assert gaps[i] < 1e-4, f"diverged at {i}: {got} != {want}"
             return
     assert len(got) == len(want), (got, want)
+
+
+def pack_bitmask(allowed, vocab: int) -> bytes:
+    """A token bitmask in the wire's layout, written plainly: little-endian uint32 words, bit i of word j allows
+    token 32j + i."""
+    words = [0] * (-(-vocab // 32))
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return b"".join(w.to_bytes(4, "little") for w in words)

@@ -12,20 +12,16 @@ import torch
 
 from pagedserve_common.sampling import SamplingParams
 from pagedserve_common.step import NewSequence, StepPlan
-from tests.support.worker import apply_rules
+from tests.support.worker import apply_rules, pack_bitmask
 from worker_svc.batch import PersistentBatch
-from worker_svc.logits import LogitsProcessor, bitmask_num_bytes, unpack_bitmasks
+from worker_svc.logits import LogitsProcessor, bitmask_num_bytes, refused_on_device, unpack_bitmasks
 
 V = 100
 EOS = (2, 3)
 
 
 def pack(allowed: list[int], vocab: int = V) -> bytes:
-    """The wire's layout, written plainly: little-endian uint32 words, bit i of word j allows token 32j + i."""
-    words = [0] * (-(-vocab // 32))
-    for t in allowed:
-        words[t // 32] |= 1 << (t % 32)
-    return b"".join(w.to_bytes(4, "little") for w in words)
+    return pack_bitmask(allowed, vocab)
 
 
 def reference(raw: np.ndarray, sp: SamplingParams, token_ids: list[int], num_prompt: int,
@@ -175,3 +171,12 @@ def test_unpacking_follows_the_little_endian_word_layout():
     assert np.flatnonzero(bits[0]).tolist() == allowed
     words = np.array([0b101, 0, 1 << 5], dtype="<u4").tobytes()
     assert np.flatnonzero(unpack_bitmasks([words], vocab)[0]).tolist() == [0, 2, 69]
+
+
+def test_the_accelerator_unpacking_agrees_with_numpys():
+    """A GPU worker unpacks on the device with torch ops (run here on the CPU's tensors)."""
+    rng = np.random.default_rng(0)
+    vocab = 1000
+    masks = [bytes(rng.integers(0, 256, bitmask_num_bytes(vocab), dtype=np.uint8)) for _ in range(5)]
+    refused = refused_on_device(masks, vocab, torch.device("cpu"))
+    assert torch.equal(refused, torch.from_numpy(~unpack_bitmasks(masks, vocab)))

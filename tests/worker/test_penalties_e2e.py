@@ -1,5 +1,6 @@
 """Penalised streams through the real scheduler and runner (plans and results through protobuf): exact against a
-float64 reference, and unchanged by recompute and swap preemption and by a migration to another worker mid-way."""
+float64 reference, and unchanged by recompute and swap preemption and by a migration to another worker mid-way; the
+runner's bitmasks: sampled inside, winning over the other masks, raw logprobs, and a bad one refused."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import pytest
 
 from pagedserve.v1 import worker_pb2
 from pagedserve_common.sampling import SamplingParams
+from pagedserve_common.step import NewSequence, SequenceDelta, StepPlan
 from pagedserve_common.wire import plan_from_pb, plan_to_pb, result_from_pb, result_to_pb
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from tests.support.driver import LocalDriver
-from tests.support.worker import assert_same_within_ties, make_runner, reference_model, reference_rules
+from tests.support.worker import (assert_same_within_ties, make_runner, pack_bitmask, reference_model,
+                                  reference_rules)
+from worker_svc.batch import BadPlan
 from worker_svc.kv_pool import KVPool
 from worker_svc.models import load_model
 from worker_svc.runner import ModelRunner
@@ -108,3 +112,35 @@ def test_a_migration_mid_way_changes_no_penalised_stream(tiny_llama_dir, runner,
     while second.has_unfinished_requests():
         step(second, other)
     assert {r.request_id: [list(r.output_token_ids)] for r in reqs} == unpreempted[sp]
+
+
+def pack(allowed: list[int]) -> bytes:
+    return pack_bitmask(allowed, 512)
+
+
+def test_the_runner_samples_inside_each_bitmask_and_refuses_a_bad_one(runner):
+    runner.reset()
+    greedy, seeded = SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=1.0, seed=3)
+    bad_first = dataclasses.replace(greedy, bad_words_token_ids=((300,),))
+    prompt = [5, 6, 7]
+    plan = StepPlan(0, new_seqs=[NewSequence(0, prompt, [0], 0, 3, greedy, 0, 3),
+                                 NewSequence(1, prompt, [1], 0, 3, seeded, 3, 3),
+                                 NewSequence(2, prompt, [2], 0, 3, bad_first, 0, 3),
+                                 NewSequence(3, prompt, [3], 0, 3, greedy, 0, 3)],
+                    token_bitmasks={0: pack([100, 200]), 1: pack([100, 200]), 2: pack([300])})
+    result = runner.step(plan)
+    assert result.sampled[0] in (100, 200) and result.sampled[1] in (100, 200)
+    assert result.sampled[2] == 300  # the bad word leaves the bitmask nothing: the bitmask wins
+    # logprobs are the raw distribution's: its most likely token is the unconstrained greedy one
+    assert result.logprobs[0].top[0].token_id == result.sampled[3] == result.logprobs[3].top[0].token_id
+    assert result.logprobs[0].sampled.token_id == result.sampled[0]
+    running = [SequenceDelta(i, [], 1) for i in range(4)]
+    with pytest.raises(BadPlan, match="token_bitmasks: seq 0: the bitmask has 4 bytes; a vocabulary of 512 takes 64"):
+        runner.step(StepPlan(1, running=running, token_bitmasks={0: b"\xff" * 4}))
+    with pytest.raises(BadPlan, match="token_bitmasks: seq 1: the bitmask allows no token"):
+        runner.step(StepPlan(1, running=running, token_bitmasks={1: pack([])}))
+    with pytest.raises(BadPlan, match="token_bitmasks: seq 7 is not in this plan"):
+        runner.step(StepPlan(1, running=running, token_bitmasks={7: pack([1])}))
+    assert sorted(runner.batch.seqs) == [0, 1, 2, 3]  # refused plans changed nothing
+    assert all(len(s.token_ids) == 4 for s in runner.batch.seqs.values())
+    assert set(runner.step(StepPlan(1, running=running, token_bitmasks={3: pack([42])})).sampled.items()) >= {(3, 42)}
