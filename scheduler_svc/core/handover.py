@@ -63,6 +63,8 @@ class Handover:
         for i, seq in enumerate(seqs):
             self.waiting.insert(at + i, seq)
         self.requests[req.request_id] = req
+        if req.sampling.min_tokens:
+            self.min_tokens_request_ids.add(req.request_id)
 
     @staticmethod
     def _unfinished(req: Request) -> list[Request]:

@@ -89,6 +89,9 @@ class Scheduler(Handover):
         self._scheduled: list[tuple[Request, int]] = []  # the plan in flight: (sequence, tokens scheduled)
         self._in_flight: int | None = None  # step_id of the plan in flight
         self._eos = frozenset(config.eos_token_ids)
+        # NOTE: the request ids with min_tokens that may still be live (pruned lazily): banned_samples costs nothing
+        # a step while there are none, the common case
+        self.min_tokens_request_ids: set[str] = set()
         self._rng = random.Random()
 
     # -- admission ----------------------------------------------------------------------------------------
@@ -107,6 +110,8 @@ class Scheduler(Handover):
         req.stop_ids = frozenset(sp.stop_token_ids) | eos if sp.stop_token_ids else eos
         self.requests[req.request_id] = req
         self.waiting.append(req)
+        if sp.min_tokens:
+            self.min_tokens_request_ids.add(req.request_id)
 
     def check_fits(self, req: Request) -> None:
         """Raises InvalidField naming the field when this worker can never serve `req`: capacity only (its prompt
@@ -381,6 +386,9 @@ class Scheduler(Handover):
     def banned_samples(self) -> dict[int, frozenset[int]]:
         """The sequences of the plan in flight whose token this step may not be a stop id (its EOS or
         stop_token_ids): those with fewer than min_tokens outputs; each -> those ids (what the worker masked)."""
+        if not self.min_tokens_request_ids:
+            return {}
+        self.min_tokens_request_ids &= self.requests.keys()
         return {req.seq_id: req.stop_ids for req, num in self._scheduled
                 if req.sampling.min_tokens > len(req.output_token_ids) and req.stop_ids
                 and req.num_computed_tokens + num >= len(req.all_token_ids)}

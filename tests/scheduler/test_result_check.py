@@ -1,6 +1,7 @@
 """Spec tests for the check of a worker's answer (scheduler_svc.core.result_check): one test per rule, and which
 sequences the scheduler expects a token from (Scheduler.due_samples)."""
 
+import itertools
 import math
 import random
 
@@ -8,6 +9,7 @@ import pytest
 
 from pagedserve_common.step import PositionLogprobs, StepResult, TokenLogprob
 from scheduler_svc.core.result_check import check_result
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from tests.support.scheduler import FakeWorker, drive, make, req, toks
 
 VOCAB = 100
@@ -165,3 +167,19 @@ def test_the_scheduler_ends_no_sample_on_a_stop_id_before_min_tokens():
     s.add_request(a)
     drive(s, FakeWorker(lambda seq_id, position: 0))  # a worker that samples EOS every time
     assert list(a.output_token_ids) == [0, 0, 0, 0]  # the fourth EOS (after 3 outputs) ends it
+
+
+def test_banned_samples_follow_a_request_that_migrates_with_min_tokens():
+    ids = itertools.count()
+    lost, survivor = (Scheduler(SchedulerConfig(num_blocks=64, max_model_len=256, block_size=8,
+                                                eos_token_ids=(0,)), seq_ids=ids) for _ in range(2))
+    a = req("a", toks(1, 3), max_tokens=6, min_tokens=4)
+    lost.add_request(a)
+    w = FakeWorker(lambda seq_id, position: 50)
+    plan = lost.schedule()
+    lost.update(plan, w.step(plan))
+    for r in lost.release_all():
+        survivor.adopt(r)
+    survivor.schedule()
+    assert survivor.banned_samples() == {a.seq_id: frozenset({0})}
+    assert lost.banned_samples() == {} and not lost.min_tokens_request_ids  # pruned once the request left
