@@ -1,4 +1,4 @@
-"""Logits processing before sampling: penalties, logit_bias, min_tokens, bad words, then the structured-output bitmask."""
+"""Logits processing before sampling: penalties, logit_bias, min_tokens, bad words, then structured-output bitmasks."""
 
 from __future__ import annotations
 
@@ -146,10 +146,14 @@ class LogitsProcessor:
                 banned.extend(base + t for t in stop_ids if 0 <= t < v)
             if sp.bad_words_token_ids:
                 tokens = s.token_ids
+                last = tokens[-1]
                 for seq in sp.bad_words_token_ids:
                     n = len(seq) - 1
-                    if (n == 0 or (n <= num_outputs and tokens[len(tokens) - n:] == list(seq[:n]))) and 0 <= seq[-1] < v:
-                        banned.append(base + seq[-1])
+                    # NOTE: the last token first: most sequences fail there, without a slice
+                    if n == 0 or (n <= num_outputs and seq[n - 1] == last
+                                  and tokens[len(tokens) - n:] == list(seq[:n])):
+                        if 0 <= seq[-1] < v:
+                            banned.append(base + seq[-1])
         if banned:
             # NOTE: a row without a bitmask keeps a finite logit: these masks name far fewer ids than a vocabulary
             # (the front end's limits), and a model's own logits are finite.
