@@ -9,7 +9,7 @@ import pytest
 
 from pagedserve_common.sampling import SamplingParams
 from tests.service.conftest import started_service
-from tests.service.test_failover import NEW, PROMPTS, Streams, fleet_of, kill_busiest
+from tests.service.fleet import NEW, PROMPTS, Streams, fleet_of, kill_busiest
 from tests.support.worker import assert_same_within_ties, reference_greedy, reference_model, reference_rules
 
 PENALTIES = {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.3}
