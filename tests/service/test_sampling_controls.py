@@ -128,6 +128,10 @@ def test_min_tokens_30_outlasts_a_reply_that_ends_early(service, client):
             messages=[pb.ChatMessage(**m) for m in HI],
             sampling=pb.SamplingParams(max_tokens=100, temperature=0, min_tokens=30)), timeout=300))
     assert sum(len(m.token_ids) for m in msgs) == out.usage.completion_tokens
+    # without max_tokens (a chat runs to the end of the context): the same reply
+    unbounded = client.chat.completions.create(model=service.model_dir, messages=HI, temperature=0,
+                                               extra_body={"min_tokens": 30})
+    assert unbounded.choices[0].message.content == out.choices[0].message.content
 
 
 def test_min_tokens_holds_back_a_stop_string_until_then(service, client):
