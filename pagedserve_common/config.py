@@ -113,7 +113,8 @@ class LimitOptions:
         None, "characters of a text prompt, or of a chat's messages together, checked before tokenizing",
         type=at_least(int, 1, _POSITIVE), metavar="N", default_text=f"{PROMPT_CHARS_PER_TOKEN} per token of "
                                                                       f"max_model_len", up=GIVEN)
-    max_stop_strings: int = option(MAX_STOP_STRINGS, "stop strings per request, each up to 1024 characters",
+    max_stop_strings: int = option(MAX_STOP_STRINGS, "stop strings per request, each up to 1024 characters (and as "
+                                                     "many bad_words)",
                                    type=at_least(int, 0, "an integer >= 0"), metavar="N", up=GIVEN)
     max_structured_output_bytes: int = option(
         MAX_STRUCTURED_OUTPUT_BYTES, "largest structured output spec (a JSON schema, regex or grammar; choices "

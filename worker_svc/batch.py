@@ -4,10 +4,13 @@ write outside the pool, ever), then applied (its deltas)."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
+
+import torch
 
 from pagedserve_common.step import StepPlan
 from pagedserve_common.sampling import SamplingParams
+from worker_svc.logits import TokenCounts, allows_any, bitmask_num_bytes, needs_processing
 
 
 @dataclass(slots=True)
@@ -18,6 +21,18 @@ class SeqState:
     num_computed_tokens: int
     sampling: SamplingParams  # NOTE: its seed is the one in use (the plan's): a sampled token depends on it
     num_scheduled_tokens: int = 0  # this step's
+    num_prompt_tokens: int = 0  # token_ids[:num_prompt_tokens] is the prompt, the rest outputs
+    processed: bool = False  # any logits rule (worker_svc.logits.needs_processing), fixed at admission
+    counts: TokenCounts | None = None  # the penalties' token counts, built on its first sample
+    _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+
+    def logit_bias_tensors(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token ids, biases) of sampling.logit_bias, built once."""
+        if self._bias is None:
+            ids, biases = zip(*self.sampling.logit_bias)
+            self._bias = (torch.tensor(ids, dtype=torch.long, device=device),
+                          torch.tensor(biases, dtype=torch.float32, device=device))
+        return self._bias
 
     @property
     def samples_this_step(self) -> bool:
@@ -40,8 +55,9 @@ def check_plan(plan: StepPlan, seqs: Mapping[int, SeqState], num_blocks: int, nu
     """Raises BadPlan naming the first thing wrong: an unknown or duplicate sequence id, a block id outside
     the pool (or the swap space), a block twice in one sequence's table, a block table too short for the tokens
     scheduled, more tokens scheduled than the sequence has, a token id outside the vocabulary (an embedding
-    lookup out of range fails the step on a CPU and may kill the context on a GPU). NOTE: it reads `seqs` only, so a refused plan leaves
-    the batch as it was."""
+    lookup out of range fails the step on a CPU and may kill the context on a GPU), a token bitmask of the wrong
+    length, for a sequence that does not sample this step, or that allows no token. NOTE: it reads `seqs` only, so
+    a refused plan leaves the batch as it was."""
     dropped = set(plan.finished_seq_ids) | set(plan.preempted_seq_ids)
     if len(dropped) != len(plan.finished_seq_ids) + len(plan.preempted_seq_ids):
         raise BadPlan("a finished/preempted seq is dropped twice")
@@ -78,6 +94,30 @@ def check_plan(plan: StepPlan, seqs: Mapping[int, SeqState], num_blocks: int, nu
     for src, dst in plan.swap_in:
         _in_range((src,), num_cpu_blocks, "swap_in: CPU block")
         _in_range((dst,), num_blocks, "swap_in: block")
+    if plan.token_bitmasks:
+        _check_bitmasks(plan, seqs, vocab_size)
+
+
+def _check_bitmasks(plan: StepPlan, seqs: Mapping[int, SeqState], vocab_size: int | None) -> None:
+    """Each bitmask: for a sequence of the plan that samples this step, exactly ceil(vocab / 32) words long,
+    allowing at least one token of the vocabulary."""
+    sampling = {n.seq_id for n in plan.new_seqs if n.num_computed_tokens + n.num_scheduled_tokens == len(n.token_ids)}
+    for d in plan.running:
+        s = seqs[d.seq_id]
+        if s.num_computed_tokens + d.num_scheduled_tokens == len(s.token_ids):
+            sampling.add(d.seq_id)
+    for seq_id, bitmask in plan.token_bitmasks.items():
+        if seq_id not in sampling:
+            in_plan = any(n.seq_id == seq_id for n in plan.new_seqs) or any(d.seq_id == seq_id for d in plan.running)
+            raise BadPlan(f"token_bitmasks: seq {seq_id} " + ("does not sample this step" if in_plan
+                                                              else "is not in this plan"))
+        if vocab_size is None:
+            continue
+        if len(bitmask) != bitmask_num_bytes(vocab_size):
+            raise BadPlan(f"token_bitmasks: seq {seq_id}: the bitmask has {len(bitmask)} bytes; a vocabulary of "
+                          f"{vocab_size} takes {bitmask_num_bytes(vocab_size)}")
+        if not allows_any(bitmask, vocab_size):
+            raise BadPlan(f"token_bitmasks: seq {seq_id}: the bitmask allows no token")
 
 
 def _no_repeats(seq_id: int, table: Iterable[int], new: Iterable[int]) -> None:
@@ -121,7 +161,7 @@ class PersistentBatch:
         for new in plan.new_seqs:
             sampling = new.sampling if new.sampling.seed == new.seed else replace(new.sampling, seed=new.seed)
             s = SeqState(new.seq_id, list(new.token_ids), list(new.block_ids), new.num_computed_tokens, sampling,
-                         new.num_scheduled_tokens)
+                         new.num_scheduled_tokens, new.num_prompt_tokens, needs_processing(sampling))
             seqs[new.seq_id] = s
             scheduled.append(s)
         for delta in plan.running:

@@ -13,6 +13,7 @@ from worker_svc.attention import AttentionBackend, AttentionMetadata
 from worker_svc.batch import PersistentBatch, check_plan
 from worker_svc.kv_pool import KVPool
 from worker_svc.lean_model import build_lean
+from worker_svc.logits import LogitsProcessor
 from worker_svc.models import LoadedModel
 from worker_svc.sampling import Sampler
 
@@ -35,6 +36,7 @@ class ModelRunner:
         self.pool = pool
         self.backend = backend
         self.sampler = Sampler()
+        self.logits_processor = LogitsProcessor(loaded.vocab_size, loaded.eos_token_ids)
         self.batch = PersistentBatch()
         self.device = pool.kv.device
         self.lean, self.lean_skip_reason = build_lean(loaded) if lean else (None, "disabled")
@@ -88,11 +90,12 @@ class ModelRunner:
             sampled = [scheduled[i] for i in sampling_rows]
             # NOTE: a sampled token's randomness depends only on (seed, position = tokens known so far): the same
             # whatever else is batched, and a preempted or migrated sequence redraws exactly what it drew before.
-            logits = logits.float()
-            if plan.token_bitmasks:
-                _apply_bitmasks(logits, [plan.token_bitmasks.get(s.seq_id) for s in sampled])
-            result = self.sampler.sample(logits, [s.sampling for s in sampled],
-                                         [len(s.token_ids) for s in sampled])
+            # NOTE: penalties, biases and masks change what is sampled; logprobs stay those of the raw logits.
+            masks = plan.token_bitmasks
+            process = None if not masks and not any(s.processed for s in sampled) else \
+                (lambda x: self.logits_processor(x, sampled, masks))
+            result = self.sampler.sample(logits.float(), [s.sampling for s in sampled],
+                                         [len(s.token_ids) for s in sampled], process)
         for s in scheduled:
             s.num_computed_tokens += s.num_scheduled_tokens
             s.num_scheduled_tokens = 0
@@ -101,14 +104,3 @@ class ModelRunner:
         logprobs = {s.seq_id: lp for s, lp in zip(sampled, result.logprobs) if lp is not None}
         return StepResult(plan.step_id, {s.seq_id: tok for s, tok in zip(sampled, result.token_ids)}, logprobs,
                           time.perf_counter() - t0)
-
-
-def _apply_bitmasks(logits: torch.Tensor, masks: list[bytes | None]) -> None:
-    """Structured output (a stopgap until the sampling helper's version lands): the tokens a row's bitmask does not
-    allow get -inf. NOTE: the logprobs are then those of the masked logits."""
-    vocab = logits.shape[1]
-    for row, mask in enumerate(masks):
-        if mask is None:
-            continue
-        allowed = np.unpackbits(np.frombuffer(mask, np.uint8), bitorder="little")[:vocab].astype(bool)
-        logits[row, torch.from_numpy(~allowed).to(logits.device)] = float("-inf")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,7 +34,10 @@ class Sampler:
     the row's randomness (worker_svc.uniforms).
     """
 
-    def sample(self, logits: torch.Tensor, options: list[SamplingParams], positions: list[int]) -> SampleOutput:
+    def sample(self, logits: torch.Tensor, options: list[SamplingParams], positions: list[int],
+               process: Callable[[torch.Tensor], None] | None = None) -> SampleOutput:
+        """`process`, when given, changes the (float32) logits in place before sampling (worker_svc.logits); the
+        logprobs are taken before it."""
         # NOTE: options are validated once on admission (the scheduler's SamplingParams.validate), not every step.
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
@@ -41,6 +45,10 @@ class Sampler:
         if len(options) != b or len(positions) != b:
             raise ValueError(f"batch of {b} rows but {len(options)} options and {len(positions)} positions")
         logits = logits.float()
+        raw_lp = _raw_logprobs(logits, options)
+        if process is not None:
+            logits = logits.contiguous()  # NOTE: a no-op for the model's logits; the processor works on flat indices
+            process(logits)
         random_rows = [i for i, o in enumerate(options) if not o.greedy]
         if not random_rows:  # NOTE: the common case: one argmax over the rows as they are, no copy
             token_ids = logits.argmax(dim=-1)  # ties -> lowest id, as transformers' greedy does
@@ -56,7 +64,7 @@ class Sampler:
                                                     [positions[i] for i in random_rows], logits.device))
 
         ids = token_ids.tolist()
-        return SampleOutput(token_ids=ids, logprobs=_logprobs(logits, token_ids, ids, options))
+        return SampleOutput(token_ids=ids, logprobs=_logprobs(raw_lp, token_ids, ids, options))
 
 
 def _filtered_probs(logits: torch.Tensor, options: list[SamplingParams]) -> torch.Tensor:
@@ -169,16 +177,23 @@ def _sample_rows(logits: torch.Tensor, options: list[SamplingParams], u: torch.T
     return out
 
 
-def _logprobs(
-    logits: torch.Tensor, token_ids: torch.Tensor, ids: list[int], options: list[SamplingParams]
-) -> list[PositionLogprobs | None]:
-    """Logprobs from log_softmax of the raw logits, only for rows that asked."""
-    out: list[PositionLogprobs | None] = [None] * len(options)
+def _raw_logprobs(logits: torch.Tensor, options: list[SamplingParams]) -> torch.Tensor | None:
+    """log_softmax of the raw logits of the rows that asked for logprobs (None: no row did)."""
     rows = [i for i, o in enumerate(options) if o.logprobs is not None]
     if not rows:
+        return None
+    return torch.log_softmax(logits[torch.tensor(rows, device=logits.device)], dim=-1)
+
+
+def _logprobs(
+    lp: torch.Tensor | None, token_ids: torch.Tensor, ids: list[int], options: list[SamplingParams]
+) -> list[PositionLogprobs | None]:
+    """Logprobs from `lp` (_raw_logprobs), only for rows that asked."""
+    out: list[PositionLogprobs | None] = [None] * len(options)
+    if lp is None:
         return out
-    idx = torch.tensor(rows, device=logits.device)
-    lp = torch.log_softmax(logits[idx], dim=-1)
+    rows = [i for i, o in enumerate(options) if o.logprobs is not None]
+    idx = torch.tensor(rows, device=lp.device)
     sampled = lp.gather(1, token_ids[idx][:, None]).squeeze(1).tolist()
     n_top = max(options[i].logprobs or 0 for i in rows)
     top_vals: list[list[float]] = [[] for _ in rows]

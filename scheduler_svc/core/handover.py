@@ -65,6 +65,8 @@ class Handover:
             self.waiting.insert(at + i, seq)
         self.requests[req.request_id] = req
         self.num_constrained += req.constraint is not None
+        if req.sampling.min_tokens:
+            self.min_tokens_request_ids.add(req.request_id)
 
     @staticmethod
     def _unfinished(req: Request) -> list[Request]:

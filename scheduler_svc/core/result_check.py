@@ -22,15 +22,18 @@ class WrongResult:
 
 
 def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None], vocab_size: int,
-                 bitmasks: Mapping[int, bytes] | None = None) -> WrongResult | None:
+                 bitmasks: Mapping[int, bytes] | None = None,
+                 banned: Mapping[int, frozenset[int]] | None = None) -> WrongResult | None:
     """None when `result` is a well-formed answer to plan `step_id`; else what is wrong (WrongResult). `due` holds
     each sequence of the plan that samples a token this step (it reaches the end of its known tokens; one mid
     chunked prefill samples nothing) -> the number of top logprobs it asked for (None: no logprobs).
 
     The rules: the plan's step_id; exactly the due sequences sampled; every token id in [0, vocab_size); logprobs
     only for sequences that asked, for every one of them, with the sampled token as their sampled entry, at most
-    the asked number of top entries, token ids in the vocabulary, and finite logprobs <= 0 (LOGPROB_EPSILON); and
-    each token of a sequence the plan sent a bitmask for (structured output) one that its bitmask allows."""
+    the asked number of top entries, token ids in the vocabulary, and finite logprobs <= 0 (LOGPROB_EPSILON); each
+    token of a sequence the plan sent a bitmask for (structured output) one that its bitmask allows; and no token a
+    sequence may not sample this step (`banned`: seq_id -> its stop ids while it has fewer than min_tokens outputs,
+    which the worker masks)."""
     if result.step_id != step_id:
         return WrongResult(f"step_id {result.step_id} answers plan {step_id}")
     sampled = result.sampled
@@ -49,6 +52,10 @@ def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None]
         if tok is not None and not token_allowed(bitmask, tok):
             return WrongResult(f"token_id {tok} of seq {seq_id} is not allowed by its token_bitmask (structured "
                                f"output): the worker ignored the mask", seq_id)
+    for seq_id, ids in (banned or {}).items():
+        if sampled[seq_id] in ids:
+            return WrongResult(f"token_id {sampled[seq_id]} of seq {seq_id} is a stop id before its min_tokens",
+                               seq_id)
     logprobs = result.logprobs
     for seq_id in logprobs:
         if due[seq_id] is None:

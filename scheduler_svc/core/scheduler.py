@@ -89,6 +89,9 @@ class Scheduler(Handover):
         self._scheduled: list[tuple[Request, int]] = []  # the plan in flight: (sequence, tokens scheduled)
         self._in_flight: int | None = None  # step_id of the plan in flight
         self._eos = frozenset(config.eos_token_ids)
+        # NOTE: the request ids with min_tokens that may still be live (pruned lazily): banned_samples costs nothing
+        # a step while there are none, the common case
+        self.min_tokens_request_ids: set[str] = set()
         self._rng = random.Random()
         self.num_constrained = 0  # client requests here with structured output (their samples need bitmasks)
 
@@ -109,6 +112,8 @@ class Scheduler(Handover):
         self.requests[req.request_id] = req
         self.num_constrained += req.constraint is not None
         self.waiting.append(req)
+        if sp.min_tokens:
+            self.min_tokens_request_ids.add(req.request_id)
 
     def check_fits(self, req: Request) -> None:
         """Raises InvalidField naming the field when this worker can never serve `req`: capacity only (its prompt
@@ -307,6 +312,10 @@ class Scheduler(Handover):
         sampling = req.sampling
         if sampling.structured_output is not None:  # NOTE: the worker gets masks (token_bitmasks), not the spec
             sampling = replace(sampling, structured_output=None)
+        if sampling.min_tokens and req.stop_ids != frozenset(sampling.stop_token_ids):
+            # NOTE: the worker masks stop_token_ids and its model's EOS until min_tokens: it is told this
+            # scheduler's EOS ids too (the tokenizer's), so that both sides agree on what may not end a sample early.
+            sampling = replace(sampling, stop_token_ids=tuple(sorted(req.stop_ids)))
         return NewSequence(req.seq_id, list(req.all_token_ids), self.kv.block_table(req.seq_id),
                           req.num_computed_tokens, num_new, sampling, req.seed, len(req.prompt_token_ids))
 
@@ -386,6 +395,16 @@ class Scheduler(Handover):
         return [req for req, num in self._scheduled
                 if req.constraint is not None and req.num_computed_tokens + num >= len(req.all_token_ids)]
 
+    def banned_samples(self) -> dict[int, frozenset[int]]:
+        """The sequences of the plan in flight whose token this step may not be a stop id (its EOS or
+        stop_token_ids): those with fewer than min_tokens outputs; each -> those ids (what the worker masked)."""
+        if not self.min_tokens_request_ids:
+            return {}
+        self.min_tokens_request_ids &= self.requests.keys()
+        return {req.seq_id: req.stop_ids for req, num in self._scheduled
+                if req.sampling.min_tokens > len(req.output_token_ids) and req.stop_ids
+                and req.num_computed_tokens + num >= len(req.all_token_ids)}
+
     def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[RequestOutput]:
         """Applies the worker's result for `plan` (seq_id -> sampled token); returns per-sample outputs."""
         if plan.step_id != self._in_flight:
@@ -413,7 +432,7 @@ class Scheduler(Handover):
             out = req.output_token_ids
             out.append(tok)
             reason = None
-            if tok in req.stop_ids:
+            if tok in req.stop_ids and len(out) > req.sampling.min_tokens:
                 reason = FinishReason.STOP
             elif req.constraint is not None and (not req.constraint.accept(tok) or req.constraint.finished):
                 # NOTE: a whole match that allows nothing more ends the sample, EOS or not (result_check checked

@@ -163,6 +163,9 @@ class FrontEnd:
         if inp.fill_context:
             max_tokens = max(1, self.engine.max_output_tokens(len(ids), max(1, sampling.n)))
             sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
+        if inp.bad_words:
+            sampling = dataclasses.replace(sampling, bad_words_token_ids=self.bad_words_token_ids(
+                inp.bad_words, sampling.bad_words_token_ids))
         stop = tuple(s for s in inp.stop if s)
         metrics, tokenizer = self.engine.metrics, self.tokenizer
         try:
@@ -193,12 +196,28 @@ class FrontEnd:
             return None
         return await self.grammars.compile(sp.structured_output)
 
+    def bad_words_token_ids(self, bad_words: tuple[str, ...],
+                            given: tuple[tuple[int, ...], ...] = ()) -> tuple[tuple[int, ...], ...]:
+        """`given` and each bad word's tokenizations: as the first word of the output and after a space (the space
+        merges into the word's first token in most vocabularies), each sequence once. NOTE: inline: the words are
+        few and short (Limits: --max-stop-strings words of up to 1,024 characters)."""
+        out = dict.fromkeys(given)
+        for word in bad_words:
+            word = word.lstrip()
+            for text in (word, " " + word):
+                ids = tuple(self.tokenizer.encode(text, add_special_tokens=False)) if word else ()
+                if ids:
+                    out.setdefault(ids)
+        return tuple(out)
+
     def _check(self, ids: list[int], sp: SamplingParams) -> None:
         """Raises InvalidField when a request can never be served by this model, whichever worker takes it (the
         engine then checks what needs the fleet: Scheduler.check_fits, per worker, capacity only). n was checked
         before tokenizing (check_seqs)."""
         cfg = self.engine.config
-        for field, values in (("prompt_token_ids", ids), ("stop_token_ids", sp.stop_token_ids)):
+        for field, values in (("prompt_token_ids", ids), ("stop_token_ids", sp.stop_token_ids),
+                              ("logit_bias", (t for t, _ in sp.logit_bias)),
+                              ("bad_words_token_ids", (t for seq in sp.bad_words_token_ids for t in seq))):
             bad = next((t for t in values if not 0 <= t < cfg.vocab_size), None)
             if bad is not None:
                 raise InvalidField(field, f"{field}: {bad} is outside the vocabulary (size {cfg.vocab_size})")

@@ -35,11 +35,14 @@ class IncrementalDetokenizer:
     """
 
     __slots__ = ("_tok", "_skip_special", "_stops", "_include_stop", "_window", "_read", "_prefix_text", "_held",
-                 "stop_string", "finished")
+                 "stop_string", "finished", "_num_unchecked")
 
     def __init__(self, tokenizer: Decoder, prompt_token_ids: Sequence[int] = (), skip_special_tokens: bool = True,
-                 stop: Iterable[str] = (), include_stop_str: bool = False) -> None:
+                 stop: Iterable[str] = (), include_stop_str: bool = False, min_tokens: int = 0) -> None:
+        """Stop strings are looked for from the output's min_tokens-th token on (vLLM's min_tokens): the text of
+        the tokens before it cannot stop the sample."""
         self._tok = tokenizer
+        self._num_unchecked = max(0, min_tokens - 1)  # output tokens still to push whose text is not checked
         self._skip_special = skip_special_tokens
         self._include_stop = include_stop_str  # the matched stop string ends the text instead of being cut off
         self._stops = tuple(dict.fromkeys(stop))
@@ -65,7 +68,7 @@ class IncrementalDetokenizer:
         """Take this step's new output tokens; return the text that can be sent now."""
         if self.finished:
             return DetokenizeResult("", self.stop_string is not None, self.stop_string)
-        parts = []
+        parts, unchecked = [], ""
         # One token at a time: a push of several tokens may end inside a character, and the complete ones
         # before it should still go out now.
         for token_id in new_token_ids:
@@ -76,7 +79,13 @@ class IncrementalDetokenizer:
                 del self._window[:self._read]  # new prefix_offset = old read_offset
                 self._read = len(self._window)
                 self._prefix_text = self._decode(self._window)
-        return self._check_stops("".join(parts), final=False)
+            if self._num_unchecked:  # NOTE: before min_tokens: this text goes out as is, never held for stops
+                self._num_unchecked -= 1
+                unchecked += "".join(parts)
+                parts = []
+        result = self._check_stops("".join(parts), final=False)
+        return DetokenizeResult(unchecked + result.text_delta, result.stopped, result.stop_string) if unchecked \
+            else result
 
     def flush(self) -> DetokenizeResult:
         """At the end of the sequence (EOS, length, abort): everything still held back, U+FFFD included."""
@@ -84,7 +93,7 @@ class IncrementalDetokenizer:
             return DetokenizeResult("", self.stop_string is not None, self.stop_string)
         tail = self._decode(self._window)[len(self._prefix_text):]
         self._window, self._read, self._prefix_text = [], 0, ""
-        result = self._check_stops(tail, final=True)
+        result = DetokenizeResult(tail) if self._num_unchecked else self._check_stops(tail, final=True)
         self.finished = True
         return result
 

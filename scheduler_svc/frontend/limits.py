@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -29,16 +30,28 @@ class Limits:
     max_request_id_chars: int = 256
     max_cache_salt_chars: int = 256
     max_messages: int = 4096  # chat messages in one request
+    max_logit_bias: int = 1024  # logit_bias entries
+    max_bad_words_token_ids: int = 16  # banned token sequences the client sends (bad_words count as stop strings)
+    max_bad_word_tokens: int = 64  # ids in one of them
 
     @classmethod
     def for_model(cls, max_model_len: int, max_prompt_chars: int | None = None, **overrides) -> Limits:
         return cls(max_prompt_chars=max_prompt_chars or max_model_len * PROMPT_CHARS_PER_TOKEN, **overrides)
 
-    def check_counts(self, num_stop: int, num_stop_token_ids: int, num_messages: int) -> None:
+    def check_counts(self, num_stop: int, num_stop_token_ids: int, num_messages: int, num_logit_bias: int = 0,
+                     num_bad_words: int = 0, num_bad_words_token_ids: int = 0) -> None:
         """The list lengths alone, before an API converts its lists (a 4 MiB message holds ~2 million empty ones)."""
         _at_most("stop", num_stop, self.max_stop_strings, "strings", "--max-stop-strings")
         _at_most("stop_token_ids", num_stop_token_ids, self.max_stop_token_ids, "token ids")
         _at_most("messages", num_messages, self.max_messages, "messages")
+        _at_most("logit_bias", num_logit_bias, self.max_logit_bias, "entries")
+        _at_most("bad_words", num_bad_words, self.max_stop_strings, "strings", "--max-stop-strings")
+        _at_most("bad_words_token_ids", num_bad_words_token_ids, self.max_bad_words_token_ids, "sequences")
+
+    def check_bad_word_lengths(self, lengths: Iterable[int]) -> None:
+        """The length of each bad_words_token_ids sequence (after check_counts bounded their number)."""
+        for i, n in enumerate(lengths):
+            _at_most(f"bad_words_token_ids[{i}]", n, self.max_bad_word_tokens, "token ids", field="bad_words_token_ids")
 
     def check_seqs(self, num_prompts: int, n: int) -> None:
         """A request's sequences, before its prompts are tokenized: n samples of each of its prompts (several only
@@ -56,7 +69,10 @@ class Limits:
         """Raises EngineError(INVALID_ARGUMENT) naming the first field beyond its bound. O(size of the input)."""
         _at_most("request_id", len(inp.request_id), self.max_request_id_chars, "characters")
         _at_most("cache_salt", len(inp.cache_salt), self.max_cache_salt_chars, "characters")
-        self.check_counts(len(inp.stop), len(inp.sampling.stop_token_ids), len(inp.messages or ()))
+        sp = inp.sampling
+        self.check_counts(len(inp.stop), len(sp.stop_token_ids), len(inp.messages or ()), len(sp.logit_bias),
+                          len(inp.bad_words), len(sp.bad_words_token_ids))
+        self.check_bad_word_lengths(len(ids) for ids in sp.bad_words_token_ids)
         for i, s in enumerate(inp.stop):
             _at_most(f"stop[{i}]", len(s), self.max_stop_chars, "characters", field="stop")
         if (so := inp.sampling.structured_output) is not None:
@@ -64,6 +80,8 @@ class Limits:
                                                                        for c in so.choices)
             _at_most("structured_output", size, self.max_structured_output_bytes, "bytes",
                      "--max-structured-output-bytes")
+        for i, s in enumerate(inp.bad_words):
+            _at_most(f"bad_words[{i}]", len(s), self.max_stop_chars, "characters", field="bad_words")
         if inp.prompt is not None:
             _at_most("prompt", len(inp.prompt), self.max_prompt_chars, "characters", "--max-prompt-chars")
         if inp.messages is not None:

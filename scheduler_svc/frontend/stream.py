@@ -48,7 +48,8 @@ class RequestStream:
         self.metrics = metrics
         self.queue: asyncio.Queue[StreamItem | tuple[str, str] | None] = asyncio.Queue()
         self.samples = [_Sample(IncrementalDetokenizer(tokenizer, request.prompt_token_ids, skip_special_tokens,
-                                                       stop=list(stop), include_stop_str=include_stop_str))
+                                                       stop=list(stop), include_stop_str=include_stop_str,
+                                                       min_tokens=request.sampling.min_tokens))
                         for _ in range(request.sampling.n)]
         if echo_text is not None:
             for index in range(request.sampling.n):

@@ -142,7 +142,10 @@ def input_from_pb(pb: generate_pb2.GenerateRequest, limits: Limits) -> GenerateI
         raise EngineError(ErrorCode.INVALID_ARGUMENT, f"{where or 'GenerateRequest'}: field number {number} is not "
                           "in this server's generate.proto (a client built from newer protos?): refused, not "
                           "ignored", where.split(".")[0].split("[")[0] or None)
-    limits.check_counts(len(pb.sampling.stop), len(pb.sampling.stop_token_ids), len(pb.messages))
+    sp = pb.sampling
+    limits.check_counts(len(sp.stop), len(sp.stop_token_ids), len(pb.messages), len(sp.logit_bias), len(sp.bad_words),
+                        len(sp.bad_words_token_ids))
+    limits.check_bad_word_lengths(len(t.token_ids) for t in sp.bad_words_token_ids)
     return GenerateInput(prompt=pb.prompt if pb.HasField("prompt") else None,
                          prompt_token_ids=pb.prompt_token_ids or None,
                          messages=[{"role": m.role, "content": m.content} for m in pb.messages] or None,

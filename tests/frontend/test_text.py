@@ -388,3 +388,16 @@ def test_random_greedy_like_streams_with_stops(tok):
         stop = full[a:a + rng.randint(1, 5)]
         deltas, last = _stream(IncrementalDetokenizer(tok, [], stop=[stop]), [[i] for i in ids])
         assert "".join(deltas) == full[:full.find(stop)] and last.stop_string == stop
+
+
+@pytest.mark.parametrize("min_tokens, stops_at", [(0, 1), (1, 1), (2, 3), (3, 3), (4, None)])
+def test_stop_strings_wait_for_min_tokens(tok, min_tokens, stops_at):
+    """ "x" ends tokens 1 and 3 of " x y x z": a stop string counts from the min_tokens-th token on."""
+    ids = [tok.encode(w, add_special_tokens=False) for w in (" x", " y", " x", " z")]
+    assert all(len(i) == 1 for i in ids)
+    det = IncrementalDetokenizer(tok, tok.encode("Say:"), stop=["x"], min_tokens=min_tokens)
+    deltas, last = _stream(det, ids)
+    if stops_at is None:
+        assert not last.stopped and "".join(deltas) == " x y x z"
+    else:
+        assert last.stopped and len(deltas) == stops_at and "".join(deltas) == {1: " ", 3: " x y "}[stops_at]

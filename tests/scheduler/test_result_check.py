@@ -1,6 +1,7 @@
 """Spec tests for the check of a worker's answer (scheduler_svc.core.result_check): one test per rule, and which
 sequences the scheduler expects a token from (Scheduler.due_samples)."""
 
+import itertools
 import math
 import random
 
@@ -8,7 +9,8 @@ import pytest
 
 from pagedserve_common.step import PositionLogprobs, StepResult, TokenLogprob
 from scheduler_svc.core.result_check import check_result
-from tests.support.scheduler import FakeWorker, make, req, toks
+from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from tests.support.scheduler import FakeWorker, drive, make, req, toks
 
 VOCAB = 100
 DUE = {1: None, 2: 3}  # seq 1 asked for no logprobs, seq 2 for the top 3
@@ -133,3 +135,51 @@ def test_due_samples_are_what_a_worker_samples_through_chunks_forks_and_preempti
         assert sampled.keys() == due.keys()
         s.update(plan, sampled)
     assert s.num_preemptions > 0  # the pool was tight enough to preempt
+
+
+def test_a_stop_id_before_min_tokens_is_a_wrong_token_of_its_sequence():
+    banned = {1: frozenset({10, 11})}
+    wrong = check_result(7, answer(), DUE, VOCAB, banned)
+    assert (wrong.message, wrong.seq_id) == ("token_id 10 of seq 1 is a stop id before its min_tokens", 1)
+    assert check_result(7, answer({1: 12, 2: 20}), DUE, VOCAB, banned) is None
+
+
+def test_banned_samples_are_the_sampling_sequences_short_of_min_tokens():
+    s = make(eos_token_ids=(0,))
+    a = req("a", toks(1, 3), max_tokens=6, min_tokens=2, stop_token_ids=(9,))
+    b = req("b", toks(1, 3), max_tokens=6)
+    c = req("c", toks(1, 3), max_tokens=6, min_tokens=2, ignore_eos=True)
+    for r in (a, b, c):
+        s.add_request(r)
+    w = FakeWorker(lambda seq_id, position: 50)
+    plan = s.schedule()
+    assert s.banned_samples() == {a.seq_id: frozenset({0, 9})}  # c: no stop id at all
+    # the worker is told the scheduler's EOS among the ids it masks until min_tokens
+    assert [p.sampling.stop_token_ids for p in plan.new_seqs] == [(0, 9), (), ()]
+    s.update(plan, w.step(plan))
+    s.schedule()
+    assert s.banned_samples() == {a.seq_id: frozenset({0, 9})}  # one output: still short of 2
+
+
+def test_the_scheduler_ends_no_sample_on_a_stop_id_before_min_tokens():
+    s = make(eos_token_ids=(0,))
+    a = req("a", toks(1, 3), max_tokens=6, min_tokens=3)
+    s.add_request(a)
+    drive(s, FakeWorker(lambda seq_id, position: 0))  # a worker that samples EOS every time
+    assert list(a.output_token_ids) == [0, 0, 0, 0]  # the fourth EOS (after 3 outputs) ends it
+
+
+def test_banned_samples_follow_a_request_that_migrates_with_min_tokens():
+    ids = itertools.count()
+    lost, survivor = (Scheduler(SchedulerConfig(num_blocks=64, max_model_len=256, block_size=8,
+                                                eos_token_ids=(0,)), seq_ids=ids) for _ in range(2))
+    a = req("a", toks(1, 3), max_tokens=6, min_tokens=4)
+    lost.add_request(a)
+    w = FakeWorker(lambda seq_id, position: 50)
+    plan = lost.schedule()
+    lost.update(plan, w.step(plan))
+    for r in lost.release_all():
+        survivor.adopt(r)
+    survivor.schedule()
+    assert survivor.banned_samples() == {a.seq_id: frozenset({0})}
+    assert lost.banned_samples() == {} and not lost.min_tokens_request_ids  # pruned once the request left

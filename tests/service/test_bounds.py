@@ -66,6 +66,25 @@ CASES = [
     ("logprobs over 20", req(sampling={"logprobs": 21}), INVALID, ["logprobs", "20", "21"]),
     ("stop_token_ids outside the vocabulary", req(sampling={"stop_token_ids": [10**6]}), INVALID,
      ["stop_token_ids", "1000000", "vocabulary"]),
+    ("1,025 logit_bias entries", req(sampling={"logit_bias": {i: 1.0 for i in range(1025)}}), INVALID,
+     ["logit_bias has 1025 entries", "1024"]),
+    ("a logit_bias id outside the vocabulary", req(sampling={"logit_bias": {49152: 1.0}}), INVALID,
+     ["logit_bias", "49152", "vocabulary"]),
+    ("a logit_bias over 100", req(sampling={"logit_bias": {5: 101.0}}), INVALID, ["logit_bias[5]", "100", "101"]),
+    ("17 bad words", req(sampling={"bad_words": [f"w{i}" for i in range(17)]}), INVALID,
+     ["bad_words has 17 strings", "16", "--max-stop-strings"]),
+    ("a bad word of 100k chars", req(sampling={"bad_words": ["x" * 100_000]}), INVALID,
+     ["bad_words[0] has 100000 characters", "1024"]),
+    ("17 bad_words_token_ids", req(sampling={"bad_words_token_ids": [pb.TokenIds(token_ids=[5])] * 17}), INVALID,
+     ["bad_words_token_ids has 17 sequences", "16"]),
+    ("a bad_words_token_ids sequence of a million ids",
+     req(sampling={"bad_words_token_ids": [pb.TokenIds(token_ids=[5] * 1_000_000)]}), INVALID,
+     ["bad_words_token_ids[0] has 1000000 token ids", "64"]),
+    ("bad_words_token_ids outside the vocabulary",
+     req(sampling={"bad_words_token_ids": [pb.TokenIds(token_ids=[5, 10**6])]}), INVALID,
+     ["bad_words_token_ids", "1000000", "vocabulary"]),
+    ("min_tokens over max_tokens", req(sampling={"min_tokens": 3}), INVALID, ["min_tokens", "max_tokens = 2", "3"]),
+    ("presence_penalty over 2", req(sampling={"presence_penalty": 2.5}), INVALID, ["presence_penalty", "2.5"]),
 ]
 
 
@@ -168,6 +187,12 @@ def test_http_chunked_body_over_max_message_size_is_413(service):
     ({"prompt": ["hi"] * 1500}, "prompt", ["1500 prompts", "256", "--max-seqs-per-request"]),  # once a 429
     ({"prompt": [[5, 6, 7]] * 257}, "prompt", ["257 prompts", "257 sequences", "256"]),
     ({"messages": [{"role": "user", "content": "hi"}], "n": 65}, "n", ["64"]),
+    ({"prompt": "hi", "logit_bias": {str(i): 1 for i in range(1025)}}, "logit_bias", ["1025 entries", "1024"]),
+    ({"prompt": "hi", "logit_bias": {"49152": 1}}, "logit_bias", ["49152", "vocabulary"]),
+    ({"prompt": "hi", "logit_bias": {"five": 1}}, "logit_bias", ["not a token id"]),
+    ({"prompt": "hi", "bad_words": [f"w{i}" for i in range(17)]}, "bad_words", ["17 strings", "16"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0}, "repetition_penalty", ["(0, 2]"]),
+    ({"prompt": "hi", "min_tokens": 5}, "min_tokens", ["max_tokens = 2"]),
 ])
 def test_http_bounds_name_the_param(service, body, param, words):
     path = "/v1/chat/completions" if "messages" in body else "/v1/completions"

@@ -3,120 +3,18 @@
 from __future__ import annotations
 
 import os
-import random
 import signal
-import subprocess
-import sys
-import threading
-import time
 
-import grpc
 import pytest
 
-from pagedserve.v1 import generate_pb2 as pb
-from pagedserve.v1 import generate_pb2_grpc
-from tests.service.conftest import free_port, metric_value, scrape
+from tests.service.fleet import NEW, PROMPTS, Streams, busiest_worker, fleet_of, kill_busiest
 from tests.support.worker import assert_same_greedy, reference_greedy, reference_model
-
-EXE = [sys.executable, "-m", "pagedserve_cli.main"]
-NEW = 160  # long enough that every stream is mid-generation when a worker goes
-PROMPTS = [[random.Random(300 + i).randrange(3, 49152) for _ in range(random.Random(i).randint(5, 40))]
-           for i in range(9)]
-STEP_TIMEOUT = 10  # seconds; the stopped worker's requests move after this (and far above a frozen moment)
-
-
-class Fleet:
-    def __init__(self, model: str) -> None:
-        self.model = model
-        self.listen, self.worker_listen, self.metrics = (f"127.0.0.1:{free_port()}" for _ in range(3))
-        self.scheduler = self.start_scheduler()
-        self.workers: list[subprocess.Popen] = []
-
-    def start_scheduler(self) -> subprocess.Popen:
-        return subprocess.Popen([*EXE, "scheduler", "--model", self.model, "--listen", self.listen,
-                                 "--worker-listen", self.worker_listen, "--metrics", self.metrics,
-                                 "--max-num-batched-tokens", "64", "--step-timeout", str(STEP_TIMEOUT)])
-
-    def add_worker(self) -> subprocess.Popen:
-        p = subprocess.Popen([*EXE, "worker", "--scheduler", self.worker_listen, "--model", self.model,
-                              "--kv-memory", "2MiB", "--threads", "1"])
-        self.workers.append(p)
-        return p
-
-    def info(self):
-        with grpc.insecure_channel(self.listen) as ch:
-            return generate_pb2_grpc.GenerationStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=60)
-
-    def pid_of(self, worker_id: str) -> int:
-        return next(int(w.name.rsplit(":", 1)[1]) for w in self.info().workers if w.worker_id == worker_id)
-
-    def metric(self, name: str, **labels: str) -> float:
-        return metric_value(scrape(self.metrics), name, **labels)
-
-    def wait_workers(self, n: int, timeout: float = 120) -> list[str]:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                ids = [w.worker_id for w in self.info().workers]
-                if len(ids) == n:
-                    return ids
-            except grpc.RpcError:
-                pass
-            assert time.monotonic() < deadline, f"not {n} workers attached"
-            time.sleep(0.1)
-
-    def stop(self) -> None:
-        for p in (*self.workers, self.scheduler):
-            if p.poll() is None:
-                try:
-                    os.kill(p.pid, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
-                p.kill()
-            p.wait()
-
-
-class Streams:
-    """Greedy streams in threads: tokens per stream, and the error of any that fails."""
-
-    def __init__(self, fleet: Fleet, prompts) -> None:
-        self.tokens = [[] for _ in prompts]
-        self.errors: list = []
-        self.threads = [threading.Thread(target=self._run, args=(fleet.listen, i, p)) for i, p in enumerate(prompts)]
-        for t in self.threads:
-            t.start()
-
-    def _run(self, address: str, i: int, prompt) -> None:
-        try:
-            with grpc.insecure_channel(address) as ch:
-                for msg in generate_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
-                        prompt_token_ids=prompt, sampling=pb.SamplingParams(
-                            max_tokens=NEW, temperature=0, ignore_eos=True)), timeout=300):
-                    self.tokens[i].extend(msg.token_ids)
-        except grpc.RpcError as e:
-            self.errors.append((i, e.code(), e.details()))
-
-    def wait_started(self, timeout: float = 120) -> None:
-        deadline = time.monotonic() + timeout
-        while not all(self.tokens) and not self.errors:
-            assert time.monotonic() < deadline, "streams did not start"
-            time.sleep(0.01)
-
-    def join(self) -> None:
-        for t in self.threads:
-            t.join(300)
 
 
 @pytest.fixture(scope="module")
 def fleet(tiny_served_model):
-    f = Fleet(tiny_served_model)
-    try:
-        for _ in range(3):
-            f.add_worker()
-        f.wait_workers(3)
+    with fleet_of(tiny_served_model, 3) as f:
         yield f
-    finally:
-        f.stop()
 
 
 @pytest.fixture(scope="module")
@@ -125,26 +23,11 @@ def reference(tiny_served_model):
     return [reference_greedy(model, p, NEW) for p in PROMPTS]
 
 
-def busiest_worker(fleet: Fleet, worker_ids: list[str]) -> str:
-    return max(worker_ids, key=lambda w: fleet.metric("pagedserve_kv_blocks_used", worker=w))
-
-
 def test_kill_9_of_a_worker_mid_generation_loses_no_stream(fleet, reference):
     ids = fleet.wait_workers(3)
     streams = Streams(fleet, PROMPTS)
     streams.wait_started()
-    # NOTE: the fleet is frozen while the victim is chosen, so a loaded machine cannot let the streams end first:
-    # the gauges stay those of each worker's last step.
-    frozen = [p for p in fleet.workers if p.poll() is None]
-    for p in frozen:
-        os.kill(p.pid, signal.SIGSTOP)
-    try:
-        victim = busiest_worker(fleet, ids)
-        assert fleet.metric("pagedserve_kv_blocks_used", worker=victim) > 0  # it holds requests mid-generation
-        os.kill(fleet.pid_of(victim), signal.SIGKILL)
-    finally:
-        for p in frozen:
-            os.kill(p.pid, signal.SIGCONT)
+    victim = kill_busiest(fleet, ids)
     streams.join()
     assert streams.errors == []
     for got, ref in zip(streams.tokens, reference):

@@ -182,6 +182,7 @@ def test_chat_without_max_tokens_runs_to_the_context_or_eos(service, client):
     ({"extra_body": {"stop_token_ids": [10**9]}}, 400, "stop_token_ids"),
     ({"logprobs": 21}, 400, "logprobs"),
     ({"extra_body": {"use_beam_search": True}}, 400, "use_beam_search"),
+    ({"frequency_penalty": 2.5}, 400, "frequency_penalty"),  # beyond [-2, 2]
     ({"prompt": [49152]}, 400, "prompt"),
     ({"prompt": "x " * 600}, 400, "prompt"),
     ({"model": "gpt-4o"}, 404, "model"),

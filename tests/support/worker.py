@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+from collections import Counter
+
 import torch
 from transformers import AutoModelForCausalLM
 
+from pagedserve_common.sampling import SamplingParams
 from worker_svc.kv_pool import KVPool
 from worker_svc.models import load_model
 from worker_svc.runner import ModelRunner
@@ -50,3 +54,61 @@ def assert_same_greedy(got: list[int], ref: list[int], ref_logits: torch.Tensor)
             assert float(top2[0] - top2[1]) < 1e-4, f"diverged at {i}: {got} != {ref}"
             return
     assert len(got) == len(ref), (got, ref)
+
+
+def apply_rules(x: torch.Tensor, sp: SamplingParams, token_ids: list[int], num_prompt: int,
+                eos_token_ids: tuple[int, ...] = ()) -> None:
+    """The worker's logits rules (worker_svc.logits) on one row `x` (float64, in place), written out one token at a
+    time: repetition, presence and frequency penalties, logit_bias, min_tokens' and bad words' masks."""
+    outputs = token_ids[num_prompt:]
+    if sp.repetition_penalty != 1.0:
+        for t in set(token_ids):
+            x[t] = x[t] / sp.repetition_penalty if x[t] > 0 else x[t] * sp.repetition_penalty
+    for t, c in Counter(outputs).items():
+        x[t] -= sp.frequency_penalty * c + sp.presence_penalty
+    for t, b in sp.logit_bias:
+        x[t] += b
+    if len(outputs) < sp.min_tokens:
+        for t in (*(() if sp.ignore_eos else eos_token_ids), *sp.stop_token_ids):
+            x[t] = -math.inf
+    for bad in sp.bad_words_token_ids:
+        prefix = list(bad[:-1])
+        if len(outputs) >= len(prefix) and (not prefix or outputs[len(outputs) - len(prefix):] == prefix):
+            x[bad[-1]] = -math.inf
+
+
+def reference_rules(model, prompt: list[int], sp: SamplingParams, num_new: int,
+                    eos_token_ids: tuple[int, ...] = ()) -> tuple[list[int], list[float]]:
+    """Greedy under the worker's logits rules (worker_svc.logits), written out in float64 over transformers' own
+    forward, stopping at EOS: the tokens, and at each step the gap between the two best processed logits (a near
+    tie may go either way in float32)."""
+    ids, gaps, past = list(prompt), [], None
+    with torch.inference_mode():
+        for _ in range(num_new):
+            out = model(torch.tensor([ids if past is None else ids[-1:]]), past_key_values=past, use_cache=True)
+            x, past = out.logits[0, -1].double(), out.past_key_values
+            apply_rules(x, sp, ids, len(prompt), eos_token_ids)
+            top2 = torch.topk(x, 2).values
+            gaps.append(float(top2[0] - top2[1]))
+            ids.append(int(x.argmax()))
+            if ids[-1] in eos_token_ids:
+                break
+    return ids[len(prompt):], gaps
+
+
+def assert_same_within_ties(got: list[int], want: list[int], gaps: list[float]) -> None:
+    """Token-identical, except that a divergence at a near tie (the best two within 1e-4: `gaps`) ends the check."""
+    for i, (g, w) in enumerate(zip(got, want)):
+        if g != w:
+            assert gaps[i] < 1e-4, f"diverged at {i}: {got} != {want}"
+            return
+    assert len(got) == len(want), (got, want)
+
+
+def pack_bitmask(allowed, vocab: int) -> bytes:
+    """A token bitmask in the wire's layout, written plainly: little-endian uint32 words, bit i of word j allows
+    token 32j + i."""
+    words = [0] * (-(-vocab // 32))
+    for t in allowed:
+        words[t // 32] |= 1 << (t % 32)
+    return b"".join(w.to_bytes(4, "little") for w in words)

@@ -52,3 +52,25 @@ def test_a_good_plan_passes_and_a_refused_one_changes_nothing():
     with pytest.raises(BadPlan):
         check(StepPlan(1, new_seqs=[NewSequence(1, [1, 2], [2], 0, 2)], running=[SequenceDelta(0, [99], 1)]), batch)
     assert list(batch.seqs) == [0] and batch.seqs[0].block_ids == [0, 1]
+
+
+BITMASK_BYTES = 4  # a vocabulary of 10: one uint32 word
+
+
+@pytest.mark.parametrize("bitmasks, message", [
+    ({1: b"\xff\x03\x00"}, "token_bitmasks: seq 1: the bitmask has 3 bytes; a vocabulary of 10 takes 4"),
+    ({1: b"\xff\x03\x00\x00\x00"}, "token_bitmasks: seq 1: the bitmask has 5 bytes"),
+    ({1: b"\x00\xfc\xff\xff"}, "token_bitmasks: seq 1: the bitmask allows no token"),  # only padding bits set
+    ({5: b"\x01\x00\x00\x00"}, "token_bitmasks: seq 5 is not in this plan"),
+    ({2: b"\x01\x00\x00\x00"}, "token_bitmasks: seq 2 does not sample this step"),  # mid chunked prefill
+])
+def test_bad_token_bitmasks_are_refused_naming_their_sequence(bitmasks, message):
+    plan = StepPlan(1, new_seqs=[NewSequence(1, [1, 2], [2], 0, 2), NewSequence(2, [1, 2, 3], [3], 0, 2)],
+                    running=[SequenceDelta(0, [], 1)], token_bitmasks=bitmasks)
+    with pytest.raises(BadPlan, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check(plan)
+
+
+def test_good_token_bitmasks_pass_for_new_and_running_sequences():
+    check(StepPlan(1, new_seqs=[NewSequence(1, [1, 2], [2], 0, 2)], running=[SequenceDelta(0, [], 1)],
+                   token_bitmasks={1: b"\x00\x02\x00\x00", 0: b"\xff\x03\x00\x00"}))  # token 9; tokens 0..9

@@ -1,0 +1,141 @@
+"""A scheduler and workers as real processes on loopback, and greedy gRPC streams against them (the failover tests)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import grpc
+
+from pagedserve.v1 import generate_pb2 as pb
+from pagedserve.v1 import generate_pb2_grpc
+from tests.service.conftest import free_port, metric_value, scrape
+
+EXE = [sys.executable, "-m", "pagedserve_cli.main"]
+NEW = 160  # long enough that every stream is mid-generation when a worker goes
+PROMPTS = [[random.Random(300 + i).randrange(3, 49152) for _ in range(random.Random(i).randint(5, 40))]
+           for i in range(9)]
+STEP_TIMEOUT = 10  # seconds; the stopped worker's requests move after this (and far above a frozen moment)
+
+
+class Fleet:
+    def __init__(self, model: str) -> None:
+        self.model = model
+        self.listen, self.worker_listen, self.metrics = (f"127.0.0.1:{free_port()}" for _ in range(3))
+        self.scheduler = self.start_scheduler()
+        self.workers: list[subprocess.Popen] = []
+
+    def start_scheduler(self) -> subprocess.Popen:
+        return subprocess.Popen([*EXE, "scheduler", "--model", self.model, "--listen", self.listen,
+                                 "--worker-listen", self.worker_listen, "--metrics", self.metrics,
+                                 "--max-num-batched-tokens", "64", "--step-timeout", str(STEP_TIMEOUT)])
+
+    def add_worker(self) -> subprocess.Popen:
+        p = subprocess.Popen([*EXE, "worker", "--scheduler", self.worker_listen, "--model", self.model,
+                              "--kv-memory", "2MiB", "--threads", "1"])
+        self.workers.append(p)
+        return p
+
+    def info(self):
+        with grpc.insecure_channel(self.listen) as ch:
+            return generate_pb2_grpc.GenerationStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=60)
+
+    def pid_of(self, worker_id: str) -> int:
+        return next(int(w.name.rsplit(":", 1)[1]) for w in self.info().workers if w.worker_id == worker_id)
+
+    def metric(self, name: str, **labels: str) -> float:
+        return metric_value(scrape(self.metrics), name, **labels)
+
+    def wait_workers(self, n: int, timeout: float = 120) -> list[str]:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                ids = [w.worker_id for w in self.info().workers]
+                if len(ids) == n:
+                    return ids
+            except grpc.RpcError:
+                pass
+            assert time.monotonic() < deadline, f"not {n} workers attached"
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        for p in (*self.workers, self.scheduler):
+            if p.poll() is None:
+                try:
+                    os.kill(p.pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
+                p.kill()
+            p.wait()
+
+
+class Streams:
+    """Greedy streams in threads: tokens per stream, and the error of any that fails."""
+
+    def __init__(self, fleet: Fleet, prompts, **sampling) -> None:
+        self.sampling = pb.SamplingParams(**{"max_tokens": NEW, "temperature": 0, "ignore_eos": True, **sampling})
+        self.tokens = [[] for _ in prompts]
+        self.errors: list = []
+        self.threads = [threading.Thread(target=self._run, args=(fleet.listen, i, p)) for i, p in enumerate(prompts)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, address: str, i: int, prompt) -> None:
+        try:
+            with grpc.insecure_channel(address) as ch:
+                for msg in generate_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+                        prompt_token_ids=prompt, sampling=self.sampling), timeout=300):
+                    self.tokens[i].extend(msg.token_ids)
+        except grpc.RpcError as e:
+            self.errors.append((i, e.code(), e.details()))
+
+    def wait_started(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not all(self.tokens) and not self.errors:
+            assert time.monotonic() < deadline, "streams did not start"
+            time.sleep(0.01)
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join(300)
+
+
+@contextmanager
+def fleet_of(model: str, num_workers: int) -> Iterator[Fleet]:
+    """A scheduler and `num_workers` workers, all attached; stopped on exit."""
+    f = Fleet(model)
+    try:
+        for _ in range(num_workers):
+            f.add_worker()
+        f.wait_workers(num_workers)
+        yield f
+    finally:
+        f.stop()
+
+
+def busiest_worker(fleet: Fleet, worker_ids: list[str]) -> str:
+    return max(worker_ids, key=lambda w: fleet.metric("pagedserve_kv_blocks_used", worker=w))
+
+
+def kill_busiest(fleet: Fleet, worker_ids: list[str]) -> str:
+    """kill -9 of the worker holding the most KV blocks, which holds requests mid-generation; returns its id.
+    NOTE: the fleet is frozen while the victim is chosen, so a loaded machine cannot let the streams end first:
+    the gauges stay those of each worker's last step."""
+    frozen = [p for p in fleet.workers if p.poll() is None]
+    for p in frozen:
+        os.kill(p.pid, signal.SIGSTOP)
+    try:
+        victim = busiest_worker(fleet, worker_ids)
+        assert fleet.metric("pagedserve_kv_blocks_used", worker=victim) > 0  # it holds requests mid-generation
+        os.kill(fleet.pid_of(victim), signal.SIGKILL)
+    finally:
+        for p in frozen:
+            os.kill(p.pid, signal.SIGCONT)
+    return victim
