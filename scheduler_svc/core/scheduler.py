@@ -401,8 +401,10 @@ class Scheduler(Handover):
         if not self.min_tokens_request_ids:
             return {}
         self.min_tokens_request_ids &= self.requests.keys()
+        # NOTE: not a constrained sample: its grammar's mask wins over min_tokens on the worker (a whole match may
+        # allow EOS alone), and result_check holds its token to that mask instead
         return {req.seq_id: req.stop_ids for req, num in self._scheduled
-                if req.sampling.min_tokens > len(req.output_token_ids) and req.stop_ids
+                if req.sampling.min_tokens > len(req.output_token_ids) and req.stop_ids and req.constraint is None
                 and req.num_computed_tokens + num >= len(req.all_token_ids)}
 
     def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[RequestOutput]:
