@@ -6,7 +6,7 @@ import asyncio
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import llguidance
@@ -94,8 +94,10 @@ class GrammarCompiler:
     """Compiles specs for one model's tokenizer, off the event loop: each on a small thread pool, within
     COMPILE_TIMEOUT_SECONDS and LIMITS; the last CACHE_SIZE outcomes (grammars and refusals) kept by spec."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int],
+    def __init__(self, tokenizer_json: str | Callable[[], str], vocab_size: int, eos_token_ids: Sequence[int],
                  timeout: float = COMPILE_TIMEOUT_SECONDS, cache_size: int = CACHE_SIZE) -> None:
+        """`tokenizer_json`: tokenizer.json's text, or what makes it (called once, on a pool thread: ~60 ms for a
+        49k vocabulary)."""
         self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
@@ -129,7 +131,8 @@ class GrammarCompiler:
     def _tokenizer(self) -> llguidance.LLTokenizer:
         with self._lltok_lock:  # NOTE: built once, at the first compile (~0.25 s for a 49k vocabulary)
             if self._lltok is None:
-                self._lltok = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                text = self._tokenizer_json() if callable(self._tokenizer_json) else self._tokenizer_json
+                self._lltok = llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
                                                      eos_token=self.eos_token_ids or None)
             return self._lltok
 
