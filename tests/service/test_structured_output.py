@@ -23,7 +23,7 @@ from tests.support.service import assert_idle_and_serving, no_error_logged
 from tests.support.structured_schemas import SCHEMAS
 from worker_svc.model_store import resolve_model
 
-MAX_TOKENS = 300  # room: the longest of the twenty takes ~120 tokens greedy
+MAX_TOKENS = 512  # room: the longest of the twenty takes ~120 tokens greedy; a string of odd characters more
 
 
 @pytest.fixture(scope="module")
