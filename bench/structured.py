@@ -2,7 +2,8 @@
 longest stall while 16 new schemas compile, the per-step mask cost at batch 64; and the twenty test schemas'
 validity and tok/s against us and, with --peer, another OpenAI-compatible server (vLLM) side by side.
 
-    python bench/structured.py [--model DIR] [--num-requests 64] [--peer http://127.0.0.1:8100/v1 --peer-model M]
+    python bench/structured.py [--model DIR] [--num-requests 64] [--rounds 3]
+                               [--peer http://127.0.0.1:8100/v1 --peer-model M]
 
 Starts `pagedserve up` itself (gRPC and the HTTP front). The throughput workload is bench/vs_vllm.sh's: N requests
 at once, prompts of 32-256 random tokens, 16-128 output tokens, EOS ignored; "structured" gives each an unbounded
@@ -185,15 +186,21 @@ async def schemas(url: str, model: str | None, temperature: float) -> dict:
         n for _, n in results) / wall}
 
 
-async def grpc_part(listen: str, http_url: str, num_requests: int) -> tuple[dict, dict]:
+async def grpc_part(listen: str, http_url: str, num_requests: int, rounds: int) -> tuple[dict, dict]:
+    """NOTE: plain and structured runs alternate, `rounds` of each, and their medians count: a busy machine slows
+    whole minutes, not one kind of run."""
     async with grpc.aio.insecure_channel(listen) as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
         await throughput(stub, 4, True, "warm-up")  # first compile and first steps out of the way
-        plain, n_plain = await throughput(stub, num_requests, False, "plain")
-        structured, n_structured = await throughput(stub, num_requests, True, "structured")
+        runs: dict[bool, list[tuple[float, int]]] = {False: [], True: []}
+        for r in range(rounds):
+            for structured in (False, True):
+                # NOTE: a salt per run: no run reads another's prompts from the prefix cache
+                runs[structured].append(await throughput(stub, num_requests, structured, f"{structured}-{r}"))
         st = await stall(stub, http_url, f"n{time.time_ns()}")
-    return {"plain_tok_s": plain, "structured_tok_s": structured, "plain_tokens": n_plain,
-            "structured_tokens": n_structured}, st
+    plain, structured = (statistics.median(t for t, _ in runs[k]) for k in (False, True))
+    return {"plain_tok_s": plain, "structured_tok_s": structured, "tokens_per_run": runs[False][0][1],
+            "structured_tokens_per_run": runs[True][0][1], "rounds": rounds}, st
 
 
 def line(kind: str, d: dict) -> str:
@@ -204,6 +211,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=os.path.expanduser(f"~/.cache/pagedserve/models/{DEFAULT_MODEL}"))
     ap.add_argument("--num-requests", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3, help="plain and structured runs, alternated; medians count")
     ap.add_argument("--peer", default="", help="another OpenAI-compatible server's base URL (e.g. vLLM's .../v1)")
     ap.add_argument("--peer-model", default="", help="the model name the peer serves")
     ap.add_argument("--up-args", default="", help="more `pagedserve up` arguments")
@@ -213,7 +221,7 @@ def main() -> None:
     print(line("mask", mask_cost(args.model)), flush=True)
     proc, listen, http_url = run_up(args.model, f"{args.out}/up.log", args.up_args.split())
     try:
-        tp, st = asyncio.run(grpc_part(listen, http_url, args.num_requests))
+        tp, st = asyncio.run(grpc_part(listen, http_url, args.num_requests, args.rounds))
         print(line("throughput", tp), flush=True)
         print(line("stall", st), flush=True)
         ours = {t: asyncio.run(schemas(http_url, None, t)) for t in (0.0, 1.0)}
