@@ -18,7 +18,8 @@ PATTERN = "[a-c]{6}x"
 
 
 class MaskedWorker(FakeWorker):
-    """Samples, for each constrained sequence, the lowest token its bitmask allows (a one-character token) (others: the fake's tokens)."""
+    """Samples, for each constrained sequence, the lowest token its bitmask allows (a one-character token); for
+    the others, the fake's tokens."""
 
     def __init__(self) -> None:
         self.plan = None
