@@ -1,4 +1,4 @@
-"""Grammar engines side by side on the default model's tokenizer: compile time of a few JSON schemas, per-token mask time.
+"""Grammar engines on the default model's tokenizer: compile time of a few JSON schemas, per-token mask time.
 
     python bench/structured_engines.py [--model DIR] [--tokens 40]
 

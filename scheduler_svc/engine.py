@@ -116,7 +116,7 @@ class Engine(Fleet):
         # NOTE: a worker that answers wrongly is lost, not its requests: they are recomputed elsewhere uncharged,
         # but for the one whose own entry was wrong (Lost.charged_request_ids).
         wrong = check_result(plan.step_id, answer, w.scheduler.due_samples(), self.config.vocab_size,
-                             plan.token_bitmasks, w.scheduler.banned_samples())
+                             bitmasks=plan.token_bitmasks, banned=w.scheduler.banned_samples())
         if wrong is not None:
             blamed = w.scheduler.request_id_of(wrong.seq_id) if wrong.seq_id is not None else None
             return bad_result(plan.step_id, wrong.message, frozenset(() if blamed is None else (blamed,)))

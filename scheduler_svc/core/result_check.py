@@ -21,7 +21,7 @@ class WrongResult:
     seq_id: int | None = None
 
 
-def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None], vocab_size: int,
+def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None], vocab_size: int, *,
                  bitmasks: Mapping[int, bytes] | None = None,
                  banned: Mapping[int, frozenset[int]] | None = None) -> WrongResult | None:
     """None when `result` is a well-formed answer to plan `step_id`; else what is wrong (WrongResult). `due` holds

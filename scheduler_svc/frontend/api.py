@@ -54,7 +54,7 @@ class FrontEnd:
     def grammars(self) -> GrammarCompiler:
         if self._grammars is None:
             cfg = self.engine.config
-            self._grammars = GrammarCompiler(self.tokenizer.to_json(), cfg.vocab_size,
+            self._grammars = GrammarCompiler(self.tokenizer.to_json, cfg.vocab_size,
                                              cfg.eos_token_ids or self.tokenizer.eos_token_ids)
         return self._grammars
 

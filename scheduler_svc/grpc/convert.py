@@ -14,6 +14,7 @@ from pagedserve.v1 import generate_pb2
 from pagedserve_common.wire import logprobs_to_pb, sampling_from_pb
 from scheduler_svc.core.kv_snapshot import KVPoolSnapshot
 from scheduler_svc.errors import EngineError, ErrorCode
+from scheduler_svc.frontend.api import invalid
 from scheduler_svc.frontend.inputs import GenerateInput
 from scheduler_svc.frontend.limits import Limits
 from scheduler_svc.frontend.stream import StreamItem
@@ -146,6 +147,8 @@ def input_from_pb(pb: generate_pb2.GenerateRequest, limits: Limits) -> GenerateI
     limits.check_counts(len(sp.stop), len(sp.stop_token_ids), len(pb.messages), len(sp.logit_bias), len(sp.bad_words),
                         len(sp.bad_words_token_ids))
     limits.check_bad_word_lengths(len(t.token_ids) for t in sp.bad_words_token_ids)
+    if sp.HasField("structured_output"):
+        _check_structured(sp.structured_output)
     return GenerateInput(prompt=pb.prompt if pb.HasField("prompt") else None,
                          prompt_token_ids=pb.prompt_token_ids or None,
                          messages=[{"role": m.role, "content": m.content} for m in pb.messages] or None,
@@ -155,6 +158,16 @@ def input_from_pb(pb: generate_pb2.GenerateRequest, limits: Limits) -> GenerateI
                          skip_special_tokens=pb.sampling.skip_special_tokens
                          if pb.sampling.HasField("skip_special_tokens") else True,
                          echo=pb.echo)
+
+
+def _check_structured(so: generate_pb2.StructuredOutput) -> None:
+    """A structured_output that is set must say what: an empty one, or json_object false, is refused (not free text)."""
+    kind = so.WhichOneof("kind")
+    if kind is None:
+        raise invalid("structured_output", "structured_output is set but empty: set one of json_schema, json_object, "
+                                           "regex, choice and grammar (or leave it unset for free text)")
+    if kind == "json_object" and not so.json_object:
+        raise invalid("structured_output", "structured_output.json_object must be true")
 
 
 def item_to_pb(request_id: str, item: StreamItem) -> generate_pb2.GenerateResponse:

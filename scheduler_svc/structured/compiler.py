@@ -6,19 +6,21 @@ import asyncio
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from pagedserve_common.sampling import InvalidField, StructuredOutput
+from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.structured.matcher import Grammar
 
 FIELD = "structured_output"
 COMPILE_TIMEOUT_SECONDS = 10.0  # a compile (queued on the pool included) that takes longer is refused
 NUM_COMPILE_THREADS = 2  # NOTE: llguidance drops the GIL while it builds a grammar: the event loop keeps running
 CACHE_SIZE = 256  # compiled specs kept (least recently used dropped); a refused spec is remembered too
+MAX_PENDING = 64  # compiles queued or running at once; one more request is RESOURCE_EXHAUSTED
 MAX_ERROR_CHARS = 400
 # NOTE: compact JSON (no whitespace between tokens, "," and ":" separators): a small model given the freedom of
 # whitespace can loop on newlines until max_tokens; the output is still JSON any parser reads.
@@ -92,15 +94,21 @@ def _short(text: str) -> str:
 
 class GrammarCompiler:
     """Compiles specs for one model's tokenizer, off the event loop: each on a small thread pool, within
-    COMPILE_TIMEOUT_SECONDS and LIMITS; the last CACHE_SIZE outcomes (grammars and refusals) kept by spec."""
+    COMPILE_TIMEOUT_SECONDS and LIMITS, at most MAX_PENDING at once; the last CACHE_SIZE outcomes (grammars and
+    refusals) kept by spec."""
 
-    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Sequence[int],
-                 timeout: float = COMPILE_TIMEOUT_SECONDS, cache_size: int = CACHE_SIZE) -> None:
+    def __init__(self, tokenizer_json: str | Callable[[], str], vocab_size: int, eos_token_ids: Sequence[int],
+                 timeout: float = COMPILE_TIMEOUT_SECONDS, cache_size: int = CACHE_SIZE,
+                 max_pending: int = MAX_PENDING) -> None:
+        """`tokenizer_json`: tokenizer.json's text, or what makes it (called once, on a pool thread: ~60 ms for a
+        49k vocabulary)."""
         self._tokenizer_json = tokenizer_json
         self.vocab_size = vocab_size
         self.eos_token_ids = list(eos_token_ids)
         self.timeout = timeout
         self.cache_size = cache_size
+        self.max_pending = max_pending
+        self.num_pending = 0  # NOTE: on the event loop only (each job's end is told to it: _done)
         self._cache: OrderedDict[StructuredOutput, Grammar | InvalidField] = OrderedDict()
         self._pool = ThreadPoolExecutor(NUM_COMPILE_THREADS, thread_name_prefix="grammar")
         self._lltok: llguidance.LLTokenizer | None = None
@@ -108,12 +116,20 @@ class GrammarCompiler:
         self.num_compiled = 0  # compiles run (cache misses), for tests and metrics
 
     async def compile(self, so: StructuredOutput) -> Grammar:
-        """The spec's grammar; raises InvalidField naming structured_output when it does not compile (in time)."""
+        """The spec's grammar; raises InvalidField naming structured_output when it does not compile (in time), or
+        EngineError(RESOURCE_EXHAUSTED) when MAX_PENDING compiles are under way already."""
         hit = self._cache.get(so)
         if hit is None:
+            if self.num_pending >= self.max_pending:
+                raise EngineError(ErrorCode.RESOURCE_EXHAUSTED, f"{self.num_pending} structured output specs are "
+                                                                "being compiled already; retry later")
             loop = asyncio.get_running_loop()
+            self.num_pending += 1
+            job = loop.run_in_executor(self._pool, self._compile, so)
+            # NOTE: the count drops when the work ends, not when its caller stops waiting (a timeout, a cancel)
+            job.add_done_callback(self._done)
             try:
-                hit = await asyncio.wait_for(loop.run_in_executor(self._pool, self._compile, so), self.timeout)
+                hit = await asyncio.wait_for(asyncio.shield(job), self.timeout)
             except TimeoutError:
                 # NOTE: the thread runs on to its end (LIMITS bound it); not cached: a busy pool may be why
                 raise InvalidField(FIELD, f"{FIELD}: compiling the {so.kind} took over {self.timeout:g} s") from None
@@ -126,10 +142,14 @@ class GrammarCompiler:
             raise InvalidField(hit.field, str(hit))
         return hit
 
+    def _done(self, _job) -> None:
+        self.num_pending -= 1
+
     def _tokenizer(self) -> llguidance.LLTokenizer:
         with self._lltok_lock:  # NOTE: built once, at the first compile (~0.25 s for a 49k vocabulary)
             if self._lltok is None:
-                self._lltok = llguidance.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                text = self._tokenizer_json() if callable(self._tokenizer_json) else self._tokenizer_json
+                self._lltok = llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
                                                      eos_token=self.eos_token_ids or None)
             return self._lltok
 

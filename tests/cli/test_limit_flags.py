@@ -28,3 +28,8 @@ def test_up_forwards_only_the_flags_given():
     argv = scheduler_policy_argv(args)
     assert argv == ["--max-message-size", str(8 << 20), "--max-stop-strings", "2"]
     assert scheduler_policy_argv(build_parser().parse_args(["up"])) == []
+
+
+def test_the_structured_output_bound_has_its_flag():
+    assert limits_of().max_structured_output_bytes == 64 << 10
+    assert limits_of("--max-structured-output-bytes", "1KiB").max_structured_output_bytes == 1024

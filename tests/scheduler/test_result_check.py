@@ -139,9 +139,9 @@ def test_due_samples_are_what_a_worker_samples_through_chunks_forks_and_preempti
 
 def test_a_stop_id_before_min_tokens_is_a_wrong_token_of_its_sequence():
     banned = {1: frozenset({10, 11})}
-    wrong = check_result(7, answer(), DUE, VOCAB, banned)
+    wrong = check_result(7, answer(), DUE, VOCAB, banned=banned)
     assert (wrong.message, wrong.seq_id) == ("token_id 10 of seq 1 is a stop id before its min_tokens", 1)
-    assert check_result(7, answer({1: 12, 2: 20}), DUE, VOCAB, banned) is None
+    assert check_result(7, answer({1: 12, 2: 20}), DUE, VOCAB, banned=banned) is None
 
 
 def test_banned_samples_are_the_sampling_sequences_short_of_min_tokens():

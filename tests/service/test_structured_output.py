@@ -23,7 +23,7 @@ from tests.support.service import assert_idle_and_serving, no_error_logged
 from tests.support.structured_schemas import SCHEMAS
 from worker_svc.model_store import resolve_model
 
-MAX_TOKENS = 300  # room: the longest of the twenty takes ~120 tokens greedy
+MAX_TOKENS = 512  # room: the longest of the twenty takes ~120 tokens greedy; a string of odd characters more
 
 
 @pytest.fixture(scope="module")
@@ -185,3 +185,8 @@ def test_grpc_structured_output_and_a_bad_one_is_invalid_argument(served):
             list(stub.Generate(pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(
                 structured_output=pb.StructuredOutput(regex="(("))), timeout=60))
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "structured_output" in e.value.details()
+        for empty in (pb.StructuredOutput(), pb.StructuredOutput(json_object=False)):  # set, but saying nothing
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(pb.GenerateRequest(prompt="x", sampling=pb.SamplingParams(
+                    structured_output=empty)), timeout=60))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "structured_output" in e.value.details()

@@ -20,14 +20,14 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.from_model_dir(resolve_model(DEFAULT_MODEL))
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def compiler(tokenizer) -> GrammarCompiler:
     c = GrammarCompiler(tokenizer.to_json(), VOCAB, [EOS])
     yield c
     c.close()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def compile_(compiler):
     """compile_(spec) -> Grammar, run to completion on a fresh event loop."""
     return lambda so: asyncio.run(compiler.compile(so))

@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from pagedserve_common.sampling import InvalidField, StructuredOutput
+from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.structured import GrammarCompiler, fill_bitmasks, token_allowed
 from scheduler_svc.structured.compiler import ascii_classes
 from tests.structured.conftest import EOS, VOCAB
@@ -85,7 +86,12 @@ def test_a_bad_spec_is_invalid_field_naming_structured_output(compile_, so, word
     assert e.value.field == "structured_output"
 
 
-def test_outcomes_are_cached_by_spec_refusals_too(compiler, compile_, tokenizer):
+def test_outcomes_are_cached_by_spec_refusals_too(tokenizer):
+    compiler = GrammarCompiler(tokenizer.to_json, VOCAB, [EOS])
+
+    def compile_(so):
+        return asyncio.run(compiler.compile(so))
+
     good, bad = StructuredOutput("regex", "a+"), StructuredOutput("regex", "((")
     g1 = compile_(good)
     for _ in range(2):
@@ -96,7 +102,8 @@ def test_outcomes_are_cached_by_spec_refusals_too(compiler, compile_, tokenizer)
     a, b = g1.constraint(), g1.constraint()
     start = allowed(b)
     walk(tokenizer, a, "aaa")
-    assert allowed(b) == start and allowed(a.fork()) == start and allowed(a) != start or EOS in allowed(a)
+    assert allowed(b) == start and allowed(a.fork()) == start and allowed(a) != start
+    compiler.close()
 
 
 def test_the_cache_is_bounded(tokenizer):
@@ -126,3 +133,17 @@ def test_the_structured_package_leaves_torch_and_transformers_out():
             "print(sorted(m for m in ('torch', 'transformers', 'grpc') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
     assert out.strip() == "[]"
+
+
+def test_compiles_beyond_the_pending_bound_are_refused_at_once(tokenizer):
+    c = GrammarCompiler(tokenizer.to_json, VOCAB, [EOS], max_pending=2)
+
+    async def burst():
+        return await asyncio.gather(*(c.compile(StructuredOutput("regex", f"b{i}")) for i in range(3)),
+                                    return_exceptions=True)
+
+    outcomes = asyncio.run(burst())
+    refused = [o for o in outcomes if isinstance(o, EngineError)]
+    assert len(refused) == 1 and refused[0].code is ErrorCode.RESOURCE_EXHAUSTED
+    assert c.num_pending == 0 and asyncio.run(c.compile(StructuredOutput("regex", "b9"))) is not None
+    c.close()

@@ -18,7 +18,8 @@ PATTERN = "[a-c]{6}x"
 
 
 class MaskedWorker(FakeWorker):
-    """Samples, for each constrained sequence, the lowest token its bitmask allows (a one-character token) (others: the fake's tokens)."""
+    """Samples, for each constrained sequence, the lowest token its bitmask allows (a one-character token); for
+    the others, the fake's tokens."""
 
     def __init__(self) -> None:
         self.plan = None
@@ -101,7 +102,7 @@ def test_a_token_outside_its_bitmask_is_a_wrong_result_naming_the_sequence():
     mask = bytearray(VOCAB // 8)
     mask[0] = 0b100  # only token 2
     due = {5: None, 6: None}
-    ok = check_result(1, StepResult(1, {5: 2, 6: 900}), due, VOCAB, {5: bytes(mask)})
+    ok = check_result(1, StepResult(1, {5: 2, 6: 900}), due, VOCAB, bitmasks={5: bytes(mask)})
     assert ok is None
-    wrong = check_result(1, StepResult(1, {5: 3, 6: 900}), due, VOCAB, {5: bytes(mask)})
+    wrong = check_result(1, StepResult(1, {5: 3, 6: 900}), due, VOCAB, bitmasks={5: bytes(mask)})
     assert wrong.seq_id == 5 and "token_bitmask" in wrong.message
