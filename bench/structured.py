@@ -214,10 +214,17 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="plain and structured runs, alternated; medians count")
     ap.add_argument("--peer", default="", help="another OpenAI-compatible server's base URL (e.g. vLLM's .../v1)")
     ap.add_argument("--peer-model", default="", help="the model name the peer serves")
+    ap.add_argument("--peer-only", action="store_true", help="only the twenty schemas against --peer (a script that "
+                    "starts the peer after our runs, so that the two never share the CPU: bench/structured_vs_vllm.sh)")
     ap.add_argument("--up-args", default="", help="more `pagedserve up` arguments")
     ap.add_argument("--out", default="/tmp/pagedserve-structured")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    if args.peer_only:
+        if not args.peer:
+            raise SystemExit("--peer-only needs --peer URL")
+        print_schemas("peer", {t: asyncio.run(schemas(args.peer, args.peer_model or None, t)) for t in (0.0, 1.0)})
+        return
     print(line("mask", mask_cost(args.model)), flush=True)
     proc, listen, http_url = run_up(args.model, f"{args.out}/up.log", args.up_args.split())
     try:
@@ -232,10 +239,14 @@ def main() -> None:
     if args.peer:
         servers.append(("peer", {t: asyncio.run(schemas(args.peer, args.peer_model or None, t)) for t in (0.0, 1.0)}))
     for name, res in servers:
-        print(f"schemas server={name} valid_greedy={res[0.0]['valid']}/{len(SCHEMAS)} "
-              f"valid_t1={res[1.0]['valid']}/{len(SCHEMAS)} tok_s_greedy={res[0.0]['tok_s']:.1f} "
-              f"tok_s_t1={res[1.0]['tok_s']:.1f}", flush=True)
+        print_schemas(name, res)
     print(f"ratio_structured={tp['structured_tok_s'] / tp['plain_tok_s']:.3f}")
+
+
+def print_schemas(name: str, res: dict) -> None:
+    print(f"schemas server={name} valid_greedy={res[0.0]['valid']}/{len(SCHEMAS)} "
+          f"valid_t1={res[1.0]['valid']}/{len(SCHEMAS)} tok_s_greedy={res[0.0]['tok_s']:.1f} "
+          f"tok_s_t1={res[1.0]['tok_s']:.1f}", flush=True)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Structured output's cost here, then the same twenty schemas against vLLM (its CPU build, a measurement peer only),
+# one after the other in one script so that the two never share the CPU: bench/structured.py's lines for us
+# (`mask ...`, `throughput ...`, `stall ...`, `schemas server=pagedserve ...`, `ratio_structured=X`), then vLLM's
+# `schemas server=peer ...` line.
+#   usage: bench/structured_vs_vllm.sh MODEL_DIR [VLLM_VENV] [bench/structured.py args]   (VLLM_VENV /work/vllm_venv)
+#   env:   VLLM_ARGS more vLLM api_server args; VLLM_PORT (8100); OUT (bench/out/structured-DATE); PYTHON (python)
+set -euo pipefail
+model=${1:?usage: bench/structured_vs_vllm.sh MODEL_DIR [VLLM_VENV] [bench/structured.py args]}
+shift
+venv=/work/vllm_venv
+if [ $# -gt 0 ] && [[ $1 != -* ]]; then venv=$1; shift; fi
+root=$(cd "$(dirname "$0")/.." && pwd)
+py=${PYTHON:-python}
+out=${OUT:-$root/bench/out/structured-$(date +%Y%m%d-%H%M%S)}
+port=${VLLM_PORT:-8100}
+mkdir -p "$out"
+# shellcheck source=bench/server_lib.sh
+source "$root/bench/server_lib.sh"
+
+"$py" "$root/bench/structured.py" --model "$model" --out "$out" "$@" | tee "$out/pagedserve.txt"
+
+if ! "$venv/bin/python" -c "import vllm.entrypoints.openai.api_server" 2>/dev/null; then
+  bash "$root/../shared/peers/setup_vllm_serve.sh" "$venv"
+fi
+echo "== vLLM on 127.0.0.1:$port (log: $out/vllm.log)" >&2
+# shellcheck disable=SC2086
+VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} "$venv/bin/python" -m vllm.entrypoints.openai.api_server \
+  --model "$model" --served-model-name smollm2 --dtype float32 --host 127.0.0.1 --port "$port" ${VLLM_ARGS:-} \
+  >"$out/vllm.log" 2>&1 &
+pid=$!
+until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
+  kill -0 "$pid" 2>/dev/null || { tail -20 "$out/vllm.log" >&2; echo "vLLM exited" >&2; exit 1; }
+  sleep 2
+done
+"$py" "$root/bench/structured.py" --peer-only --peer "http://127.0.0.1:$port/v1" --peer-model smollm2 \
+  --out "$out" | tee "$out/vllm.txt"
+stop_server
+echo
+grep -h '^schemas ' "$out/pagedserve.txt" "$out/vllm.txt"
+grep -h '^ratio_structured=' "$out/pagedserve.txt"
