@@ -1,5 +1,5 @@
-# Sourced by the bench/*.sh scripts: a free loopback port, and stopping the one server a script started.
-# Needs $py (the Python to run); sets $pid to "" and traps EXIT so the server never outlives the script.
+# Sourced by the bench/*.sh scripts: a free loopback port, starting vLLM (start_vllm), and stopping the one server a
+# script started. Needs $py (the Python to run); sets $pid to "" and traps EXIT so the server never outlives the script.
 
 free_port() { "$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
@@ -14,3 +14,21 @@ stop_server() {  # only the server this script started, by its pid; it stops its
   pid=""
 }
 trap stop_server EXIT
+
+# vLLM's OpenAI server (its CPU build, set up in $venv if missing) for $model as "smollm2" on 127.0.0.1:$port, float32,
+# plus $VLLM_ARGS; its log in $out/vllm.log. Sets $pid; returns once it is healthy (exits if it dies first).
+start_vllm() {
+  if ! "$venv/bin/python" -c "import vllm.entrypoints.openai.api_server" 2>/dev/null; then
+    bash "$root/../shared/peers/setup_vllm_serve.sh" "$venv"
+  fi
+  echo "== vLLM on 127.0.0.1:$port (log: $out/vllm.log)" >&2
+  # shellcheck disable=SC2086  # VLLM_ARGS is a list of words on purpose
+  VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} "$venv/bin/python" -m vllm.entrypoints.openai.api_server \
+    --model "$model" --served-model-name smollm2 --dtype float32 --host 127.0.0.1 --port "$port" ${VLLM_ARGS:-} \
+    >"$out/vllm.log" 2>&1 &
+  pid=$!
+  until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
+    kill -0 "$pid" 2>/dev/null || { tail -20 "$out/vllm.log" >&2; echo "vLLM exited" >&2; exit 1; }
+    sleep 2
+  done
+}

@@ -22,7 +22,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 import time
 
@@ -33,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from pagedserve.v1 import generate_pb2 as pb  # noqa: E402
 from pagedserve.v1 import generate_pb2_grpc  # noqa: E402
 from pagedserve_common.defaults import DEFAULT_MODEL  # noqa: E402
-from pagedserve_common.ports import free_port  # noqa: E402
+from pagedserve_cli.bench.spawn import SpawnConfig, spawn  # noqa: E402
 from pagedserve_common.sampling import StructuredOutput  # noqa: E402
 from tests.support.structured_schemas import SCHEMAS  # noqa: E402
 
@@ -41,21 +40,6 @@ from tests.support.structured_schemas import SCHEMAS  # noqa: E402
 # write the same tokens
 ARRAY = json.dumps({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9999}, "minItems": 200})
 MAX_TOKENS = 300
-
-
-def run_up(model: str, log_path: str, extra: list[str]) -> tuple[subprocess.Popen, str, str]:
-    listen, http = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "pagedserve_cli.main", "up", "--model", model, "--listen", listen,
-           "--worker-listen", f"127.0.0.1:{free_port()}", "--metrics", f"127.0.0.1:{free_port()}", "--http", http,
-           *extra]
-    log = open(log_path, "w")
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 600
-    while "pagedserve is up" not in open(log_path).read():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            raise SystemExit(f"pagedserve up did not start; see {log_path}")
-        time.sleep(0.5)
-    return proc, listen, f"http://{http}/v1"
 
 
 async def throughput(stub, num_requests: int, structured: bool, salt: str) -> tuple[float, int]:
@@ -217,24 +201,23 @@ def main() -> None:
     ap.add_argument("--peer-only", action="store_true", help="only the twenty schemas against --peer (a script that "
                     "starts the peer after our runs, so that the two never share the CPU: bench/structured_vs_vllm.sh)")
     ap.add_argument("--up-args", default="", help="more `pagedserve up` arguments")
-    ap.add_argument("--out", default="/tmp/pagedserve-structured")
     args = ap.parse_args()
-    os.makedirs(args.out, exist_ok=True)
     if args.peer_only:
         if not args.peer:
             raise SystemExit("--peer-only needs --peer URL")
         print_schemas("peer", {t: asyncio.run(schemas(args.peer, args.peer_model or None, t)) for t in (0.0, 1.0)})
         return
     print(line("mask", mask_cost(args.model)), flush=True)
-    proc, listen, http_url = run_up(args.model, f"{args.out}/up.log", args.up_args.split())
+    up = spawn(SpawnConfig(args.model, http=True), args.up_args.split(), "structured")
+    print(f"(pagedserve up's log: {up.log_path})", file=sys.stderr, flush=True)
+    http_url = up.openai_url
     try:
-        tp, st = asyncio.run(grpc_part(listen, http_url, args.num_requests, args.rounds))
+        tp, st = asyncio.run(grpc_part(up.address, http_url, args.num_requests, args.rounds))
         print(line("throughput", tp), flush=True)
         print(line("stall", st), flush=True)
         ours = {t: asyncio.run(schemas(http_url, None, t)) for t in (0.0, 1.0)}
     finally:
-        proc.terminate()
-        proc.wait(timeout=120)
+        up.stop()
     servers = [("pagedserve", ours)]
     if args.peer:
         servers.append(("peer", {t: asyncio.run(schemas(args.peer, args.peer_model or None, t)) for t in (0.0, 1.0)}))

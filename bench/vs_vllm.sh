@@ -49,19 +49,7 @@ start_pagedserve http
 stop_server
 
 # --- vLLM ---
-if ! "$venv/bin/python" -c "import vllm.entrypoints.openai.api_server" 2>/dev/null; then
-  bash "$root/../shared/peers/setup_vllm_serve.sh" "$venv"
-fi
-echo "== vLLM on 127.0.0.1:$port (log: $out/vllm.log)" >&2
-# shellcheck disable=SC2086
-VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1} "$venv/bin/python" -m vllm.entrypoints.openai.api_server \
-  --model "$model" --served-model-name smollm2 --dtype float32 --host 127.0.0.1 --port "$port" ${VLLM_ARGS:-} \
-  >"$out/vllm.log" 2>&1 &
-pid=$!
-until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
-  kill -0 "$pid" 2>/dev/null || { tail -20 "$out/vllm.log" >&2; echo "vLLM exited" >&2; exit 1; }
-  sleep 2
-done
+start_vllm
 "$py" -m pagedserve_cli.main bench --openai-url "http://127.0.0.1:$port/v1" --model smollm2 --metrics-url "" \
   --out "$out/vllm" "${bench_args[@]}" | tee "$out/vllm.txt"
 stop_server

@@ -27,6 +27,7 @@ class SpawnConfig:
     max_num_batched_tokens: int | None = None
     threads: int | None = None
     startup_timeout: float = 600.0
+    http: bool = False  # also serve the OpenAI-compatible HTTP API (Spawned.http)
 
 
 @dataclass(slots=True)
@@ -38,6 +39,11 @@ class Spawned:
     metrics: str
     log_path: str
     argv: list[str] = field(default_factory=list)
+    http: str = ""  # HOST:PORT of the HTTP API, when SpawnConfig.http
+
+    @property
+    def openai_url(self) -> str:
+        return f"http://{self.http}/v1"
 
     def stop(self) -> int:
         """SIGTERM (up drains, then stops its children), SIGKILL after a minute; returns the exit status."""
@@ -58,11 +64,12 @@ class Spawned:
             return ""
 
 
-def up_argv(cfg: SpawnConfig, listen: str, worker_listen: str, metrics: str, extra: list[str]) -> list[str]:
+def up_argv(cfg: SpawnConfig, listen: str, worker_listen: str, metrics: str, extra: list[str],
+            http: str = "") -> list[str]:
     """The `pagedserve up` command line of one side: `extra` carries what the side changes (e.g. its
-    --kv-allocation)."""
+    --kv-allocation); `http` is the HTTP API's address ("" for none)."""
     argv = [sys.executable, "-m", "pagedserve_cli.main", "up", "--model", cfg.model, "--dtype", cfg.dtype,
-            "--listen", listen, "--worker-listen", worker_listen, "--metrics", metrics, "--http", "",
+            "--listen", listen, "--worker-listen", worker_listen, "--metrics", metrics, "--http", http,
             "--startup-timeout", str(cfg.startup_timeout)]
     for flag, value in (("--kv-memory", cfg.kv_memory), ("--max-model-len", cfg.max_model_len),
                         ("--max-num-seqs", cfg.max_num_seqs), ("--max-num-batched-tokens", cfg.max_num_batched_tokens),
@@ -77,13 +84,14 @@ def spawn(cfg: SpawnConfig, extra: list[str], name: str) -> Spawned:
     from pagedserve_cli.up_cmd import wait_healthy
 
     address, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-    argv = up_argv(cfg, address, f"127.0.0.1:{free_port()}", metrics, extra)
+    http = f"127.0.0.1:{free_port()}" if cfg.http else ""
+    argv = up_argv(cfg, address, f"127.0.0.1:{free_port()}", metrics, extra, http)
     log = tempfile.NamedTemporaryFile("w", prefix=f"pagedserve-bench-{name}-", suffix=".log", delete=False)
     # NOTE: its own process group, so a Ctrl-C of the bench reaches it only through stop().
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                             start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     log.close()
-    side = Spawned(proc, address, metrics, log.name, argv)
+    side = Spawned(proc, address, metrics, log.name, argv, http)
     try:
         wait_healthy(address, cfg.startup_timeout, [proc])
     except (RuntimeError, TimeoutError) as e:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import llguidance
@@ -10,7 +10,6 @@ import llguidance.numpy as lnp
 import numpy as np
 import structlog
 
-from scheduler_svc.core.result_check import token_allowed  # noqa: F401 - re-exported
 
 log = structlog.get_logger("pagedserve.scheduler")
 
@@ -54,13 +53,6 @@ class Constraint:
     def fork(self) -> Constraint:
         """A fresh matcher of the same grammar (a child of an n > 1 request: each sample its own)."""
         return self.grammar.constraint()
-
-    def rebuilt(self, output_token_ids: Iterable[int]) -> Constraint:
-        """A matcher of the same grammar that has consumed `output_token_ids` (the sample's committed output)."""
-        fresh = self.grammar.constraint()
-        for tok in output_token_ids:
-            fresh.accept(tok)
-        return fresh
 
     def accept(self, token_id: int) -> bool:
         """Consumes a committed token; False when the grammar refuses it (the sample must end)."""

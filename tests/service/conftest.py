@@ -47,6 +47,12 @@ class Service:
     def channel(self) -> grpc.Channel:
         return grpc.insecure_channel(self.address)
 
+    def openai_client(self, timeout: float = 300):
+        """The official `openai` client on the HTTP front (no retries: a refusal must show as it is)."""
+        import openai
+
+        return openai.OpenAI(base_url=f"http://{self.http}/v1", api_key="unused", max_retries=0, timeout=timeout)
+
     def scrape(self) -> str:
         return scrape(self.metrics)
 

@@ -37,7 +37,7 @@ def grpc_samples(service, **fields) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def client(service):
-    with openai.OpenAI(base_url=f"http://{service.http}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+    with service.openai_client(timeout=120) as c:
         yield c
 
 

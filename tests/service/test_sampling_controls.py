@@ -41,7 +41,7 @@ def service(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(service):
-    with openai.OpenAI(base_url=f"http://{service.http}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+    with service.openai_client() as c:
         yield c
 
 

@@ -11,7 +11,6 @@ import re
 import grpc
 import httpx
 import jsonschema
-import openai
 import pytest
 from pydantic import BaseModel, Field
 
@@ -36,7 +35,7 @@ def served(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(served):
-    with openai.OpenAI(base_url=f"http://{served.http}/v1", api_key="unused", max_retries=0, timeout=300) as c:
+    with served.openai_client() as c:
         yield c
 
 

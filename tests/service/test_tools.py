@@ -31,14 +31,10 @@ HISTORY = [*ASK, {"role": "assistant", "content": None, "tool_calls": [CALL]},
            {"role": "tool", "tool_call_id": "call_abc", "content": "18 degrees and sunny"}]
 
 
-def client_of(service) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"http://{service.http}/v1", api_key="unused", max_retries=0, timeout=300)
-
-
 # -- the tiny model, no --tool-call-parser ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def client(service):
-    with client_of(service) as c:
+    with service.openai_client() as c:
         yield c
 
 
@@ -99,7 +95,7 @@ def arguments_of(call, tool: dict) -> dict:
 
 
 def test_required_makes_the_default_model_call_a_tool_with_valid_arguments(model_service):
-    with client_of(model_service) as client:
+    with model_service.openai_client() as client:
         out = client.chat.completions.create(model=model_service.model_dir, messages=ASK, tools=[WEATHER, TIME],
                                              tool_choice="required", max_tokens=120, temperature=0)
     choice = out.choices[0]
@@ -112,7 +108,7 @@ def test_required_makes_the_default_model_call_a_tool_with_valid_arguments(model
 
 def test_a_named_function_streamed_is_one_call_of_it_with_valid_arguments(model_service):
     named = {"type": "function", "function": {"name": "get_weather"}}
-    with client_of(model_service) as client:
+    with model_service.openai_client() as client:
         state = ChatCompletionStreamState(input_tools=[WEATHER, TIME])
         for chunk in client.chat.completions.create(model=model_service.model_dir, messages=ASK, tools=[WEATHER, TIME],
                                                     tool_choice=named, max_tokens=120, temperature=0, stream=True):
@@ -126,7 +122,7 @@ def test_a_named_function_streamed_is_one_call_of_it_with_valid_arguments(model_
 def test_auto_with_the_hermes_parser_answers_text_or_tool_calls(model_service):
     """The model's own choice (a 135M model rarely calls): only the answer's shape is checked here;
     test_tools_scripted checks the parsing on scripted answers."""
-    with client_of(model_service) as client:
+    with model_service.openai_client() as client:
         out = client.chat.completions.create(model=model_service.model_dir, messages=HISTORY, tools=[WEATHER],
                                              max_tokens=20, temperature=0)
     choice = out.choices[0]

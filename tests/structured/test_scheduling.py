@@ -87,17 +87,6 @@ def test_a_step_lost_with_its_worker_is_never_consumed(compile_, tokenizer):
     assert a.num_constrained == 0 and b.num_constrained == 0
 
 
-def test_a_rebuilt_matcher_equals_the_one_that_lived(compile_, tokenizer):
-    g = compile_(StructuredOutput("regex", PATTERN))
-    s, w = make(), MaskedWorker()
-    r = constrained(g)
-    s.add_request(r)
-    for _ in range(3):
-        s.update(*step(s, w))
-    rebuilt = r.constraint.rebuilt(r.output_token_ids)
-    assert fill_bitmasks([rebuilt], VOCAB) == fill_bitmasks([r.constraint], VOCAB)
-
-
 def test_a_token_outside_its_bitmask_is_a_wrong_result_naming_the_sequence():
     mask = bytearray(VOCAB // 8)
     mask[0] = 0b100  # only token 2
