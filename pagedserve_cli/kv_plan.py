@@ -8,7 +8,8 @@ import json
 from pagedserve_common.defaults import DEFAULT_BLOCK_SIZE
 from pagedserve_common.model_spec import MODEL_HELP
 from pagedserve_common.units import parse_bytes
-from pagedserve_common.kv_geometry import DTYPE_BYTES, KVGeometry
+from pagedserve_common.config import KV_CACHE_DTYPES
+from pagedserve_common.kv_geometry import DTYPE_BYTES, SCALE_BYTES, KVGeometry
 from scheduler_svc.kv.capacity import max_model_len_of, plan, read_config
 
 
@@ -16,7 +17,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("kv-plan", help="KV-cache capacity planning from a model's config.json")
     p.add_argument("--model", required=True, help=MODEL_HELP + " (at its default branch)")
     p.add_argument("--seq-len", type=int, required=True, help="sequence length S (prompt + output tokens)")
-    p.add_argument("--dtype", choices=sorted(DTYPE_BYTES), help="KV element type (default: the model's)")
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"),
+                   help="the model's dtype, which --kv-cache-dtype auto follows (default: the checkpoint's)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="the KV cache's element type (default auto: --dtype); int8 and fp8 add one float32 scale "
+                        "per token and kv head")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--memory", type=parse_bytes, help="KV memory budget: bytes, or e.g. 80GiB")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -33,14 +38,17 @@ def _model_dir(spec: str) -> str:
 
 def run(args: argparse.Namespace) -> int:
     config = read_config(_model_dir(args.model))
-    kv = plan(KVGeometry.from_config(config, args.dtype, args.block_size), args.seq_len, args.memory,
+    cache_dtype = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    kv = plan(KVGeometry.from_config(config, cache_dtype or args.dtype, args.block_size), args.seq_len, args.memory,
               max_model_len_of(config))
     if args.json:
         print(json.dumps(kv.to_dict()))
         return 0
     print(f"model: {kv.num_layers} layers x {kv.num_kv_heads} kv heads x head_dim {kv.head_dim}, {kv.dtype}")
+    scales = f" + 2 x {kv.num_layers} x {kv.num_kv_heads} x {SCALE_BYTES} scale bytes" if kv.scale_bytes_per_token \
+        else ""
     print(f"KV bytes per token:    {kv.bytes_per_token:,}  (2 x {kv.num_layers} x {kv.num_kv_heads} x "
-          f"{kv.head_dim} x {DTYPE_BYTES[kv.dtype]})")
+          f"{kv.head_dim} x {DTYPE_BYTES[kv.dtype]}{scales})")
     print(f"bytes per block:       {kv.bytes_per_block:,}  ({kv.block_size} tokens)")
     print(f"bytes per sequence:    {kv.bytes_per_sequence:,}  ({kv.blocks_per_sequence} blocks for "
           f"S={kv.seq_len})")

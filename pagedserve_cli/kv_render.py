@@ -73,6 +73,14 @@ def _pct(x: float) -> str:
     return f"{100 * x:.1f}%"
 
 
+def _cache(f: dict) -> str:
+    """'int8 cache, 12,240 B/token · ' (nothing from a server that does not say)."""
+    if not f.get("kv_cache_dtype"):
+        return ""
+    per_token = f" ({f['bytes_per_token']:,} B/token)" if f.get("bytes_per_token") else ""
+    return f"{f['kv_cache_dtype']} cache{per_token} · "
+
+
 def figure_lines(f: dict, s: KVSnapshot, source: str, group: int) -> list[str]:
     cell = "1 cell = 1 block" if group == 1 else f"1 cell = {group} blocks (the pool is larger than the map)"
     paged = " (paged: any free block serves, so it costs nothing)" if f["kv_allocation"] == "paged" else ""
@@ -80,7 +88,7 @@ def figure_lines(f: dict, s: KVSnapshot, source: str, group: int) -> list[str]:
     return [
         f"pagedserve kv-map  {source}  {s.worker_id}  kv allocation {f['kv_allocation']}  step {f['num_steps']}  "
         f"{clock}",
-        f"block size {f['block_size']} tokens · {f['num_blocks']} blocks · {cell}",
+        f"block size {f['block_size']} tokens · {f['num_blocks']} blocks · {_cache(f)}{cell}",
         f"blocks: used {f['num_used_blocks']} ({f['num_shared_blocks']} shared) · free {f['num_free_blocks']} "
         f"({f['num_cached_free_blocks']} cached)    sequences: running {f['num_running']} · waiting "
         f"{f['num_waiting']}{' (the first for free blocks)' if f['waiting_for_blocks'] else ''}",

@@ -57,6 +57,8 @@ class KVSnapshot:
     num_prefill_tokens: int = 0
     time: float = 0.0  # the server's wall clock, seconds since the epoch
     waiting_for_blocks: bool = False  # the last step left the queue head waiting for free blocks
+    kv_cache_dtype: str = ""  # the worker's cache element type ('' from a server that does not say)
+    bytes_per_token: int = 0  # KV bytes per token, an 8-bit cache's scales included (0: not said)
 
     @classmethod
     def build(cls, worker_id: str, block_size: int, ref_counts: list[int], cached: list[int],
@@ -101,7 +103,8 @@ class KVSnapshot:
                          num_waiting=pb.num_waiting, prefix_query_tokens=pb.prefix_query_tokens,
                          prefix_hit_tokens=pb.prefix_hit_tokens, num_evictions=pb.num_evictions,
                          num_preemptions=pb.num_preemptions, num_prefill_tokens=pb.num_prefill_tokens,
-                         time=pb.time, waiting_for_blocks=pb.waiting_for_blocks)
+                         time=pb.time, waiting_for_blocks=pb.waiting_for_blocks,
+                         kv_cache_dtype=pb.kv_cache_dtype, bytes_per_token=pb.bytes_per_token)
 
 
 def largest_free_run(ref_counts: list[int]) -> int:
@@ -120,7 +123,7 @@ def _share(part: int, whole: int) -> float:
 
 def figures(s: KVSnapshot) -> dict:
     """The numbers beside the map, by key:
-      block_size, num_blocks, kv_allocation, num_steps;
+      block_size, num_blocks, kv_allocation, num_steps, kv_cache_dtype, bytes_per_token;
       num_used_blocks (ref count >= 1), num_shared_blocks (ref count >= 2), num_free_blocks (ref count 0, cached
         ones included: what an allocation can take), num_cached_free_blocks (of those, in the prefix cache);
       num_running (listed sequences), num_waiting, waiting_for_blocks (the queue head waited for free blocks at
@@ -144,6 +147,7 @@ def figures(s: KVSnapshot) -> dict:
     utilization = _share(filled_slots, allocated)
     return {
         "block_size": bs, "num_blocks": s.num_blocks, "kv_allocation": s.kv_allocation, "num_steps": s.num_steps,
+        "kv_cache_dtype": s.kv_cache_dtype, "bytes_per_token": s.bytes_per_token,
         "num_used_blocks": num_used, "num_shared_blocks": sum(1 for r in rc if r > 1),
         "num_free_blocks": num_free,
         "num_cached_free_blocks": sum(1 for r, c in zip(rc, s.cached) if not r and c),

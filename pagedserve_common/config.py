@@ -17,6 +17,7 @@ TOOL_CALL_PARSERS = ("none", "hermes", "llama3_json")  # scheduler_svc.frontend.
 # min(prompt + max_tokens, max_model_len).
 KV_ALLOCATIONS = ("paged", "static-max-model-len", "static-request")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")  # kv_geometry
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "cupy")
 
 # Tokens per step when not set. NOTE: a step is one forward, so its token budget bounds the inter-token latency
@@ -198,8 +199,12 @@ class RunnerOptions:
                                   up=GIVEN)
     device: str = option("cpu", "cpu, cuda (= cuda:0), cuda:N, or cuda:auto (the first GPU no other worker sharing "
                                 "$PAGEDSERVE_CACHE has claimed: one GPU per compose replica)", type=parse_device)
-    dtype: str = option("auto", "weights and KV cache: auto is float32 on the CPU, the checkpoint's dtype on a GPU",
-                        choices=DTYPES, up=ALWAYS)
+    dtype: str = option("auto", "the weights' (and the KV cache's, under --kv-cache-dtype auto): auto is float32 on "
+                                "the CPU, the checkpoint's dtype on a GPU", choices=DTYPES, up=ALWAYS)
+    kv_cache_dtype: str = option("auto", "the KV cache's element type, whatever --dtype is: auto (the model's "
+                                         "dtype), a float type, or 8 bits with one float32 scale per token and kv "
+                                         "head (int8, fp8_e4m3, fp8_e5m2: about 3.8x the tokens of a float32 "
+                                         "cache in the same --kv-memory)", choices=KV_CACHE_DTYPES, up=GIVEN)
     kv_memory: int | None = option(None, "bytes for the KV pool, e.g. 1GiB", type=byte_size(), metavar="BYTES",
                                    show=format_bytes, default_text=f"{format_bytes(CPU_KV_MEMORY)} on the CPU; on a "
                                                                     f"GPU, what its free memory allows", up=GIVEN)

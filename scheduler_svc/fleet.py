@@ -134,7 +134,7 @@ class Fleet:
         self.metrics.kv_blocks_total.labels(w.worker_id).set(reg.num_blocks)
         w.task = asyncio.get_running_loop().create_task(self._serve(w))
         log.info("worker attached", worker=w.worker_id, name=reg.name, num_blocks=reg.num_blocks,
-                 block_size=reg.block_size, dtype=reg.dtype, device=reg.device, **(origin or {}))
+                 block_size=reg.block_size, kv_cache_dtype=reg.dtype, device=reg.device, **(origin or {}))
         self._workers_changed()
         for request_id in list(self.unplaced):  # requests that waited for a worker
             req, _ = self.unplaced.pop(request_id)

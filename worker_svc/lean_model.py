@@ -104,7 +104,7 @@ class LeanModel:
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(x[None], positions[None])
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, hd]: broadcast over heads
-        kv, meta, backend = step.kv, step.meta, step.backend
+        kv, scales, meta, backend = step.kv, step.kv_scales, step.meta, step.backend
         for i, layer in enumerate(self.layers):
             h = _norm(x, layer.input_norm, eps)
             qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
@@ -114,8 +114,9 @@ class LeanModel:
             if layer.q_norm is not None:
                 q, k = _norm(q, layer.q_norm, eps), _norm(k, layer.k_norm, eps)
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-            backend.write_kv(kv[i], k, v, meta.slot_mapping)
-            o = backend.forward(q, kv[i], meta, self.scaling)
+            layer_scales = None if scales is None else scales[i]
+            backend.write_kv(kv[i], k, v, meta.slot_mapping, layer_scales)
+            o = backend.forward(q, kv[i], meta, self.scaling, layer_scales)
             x = x + F.linear(o.reshape(t, nq), layer.o_weight, layer.o_bias)
             h = _norm(x, layer.post_norm, eps)
             gu = F.linear(h, layer.gate_up_weight, layer.gate_up_bias)

@@ -27,11 +27,12 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     if paged_step is None:
         raise RuntimeError("the pagedserve attention needs paged_step=StepContext(...) in the forward call")
     kv_layer = paged_step.kv[module.layer_idx]
+    kv_scales = None if paged_step.kv_scales is None else paged_step.kv_scales[module.layer_idx]
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    paged_step.backend.write_kv(kv_layer, k, v, paged_step.meta.slot_mapping)
-    out = paged_step.backend.forward(q, kv_layer, paged_step.meta, scaling)
+    paged_step.backend.write_kv(kv_layer, k, v, paged_step.meta.slot_mapping, kv_scales)
+    out = paged_step.backend.forward(q, kv_layer, paged_step.meta, scaling, kv_scales)
     return out.unsqueeze(0), None
 
 
@@ -48,8 +49,10 @@ class LoadedModel:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
 
-    def kv_geometry(self, block_size: int, kv_dtype: torch.dtype | None = None) -> KVGeometry:
-        return KVGeometry.from_config(self.model.config.to_dict(), str(kv_dtype or self.dtype), block_size)
+    def kv_geometry(self, block_size: int, kv_cache_dtype: str = "auto") -> KVGeometry:
+        """The pool's shape; kv_cache_dtype "auto" is the model's dtype."""
+        dtype = str(self.dtype).removeprefix("torch.") if kv_cache_dtype == "auto" else kv_cache_dtype
+        return KVGeometry.from_config(self.model.config.to_dict(), dtype, block_size)
 
 
 def resolve_dtype(dtype: str, device: str, config: dict) -> torch.dtype:

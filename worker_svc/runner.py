@@ -25,6 +25,7 @@ class StepContext:
     kv: torch.Tensor  # the whole pool: [layers, 2, num_blocks, block_size, kv_heads, head_dim]
     meta: AttentionMetadata
     backend: AttentionBackend
+    kv_scales: torch.Tensor | None = None  # an 8-bit cache's [layers, 2, num_blocks, block_size, kv_heads]
 
 
 class ModelRunner:
@@ -70,7 +71,7 @@ class ModelRunner:
         # NOTE: order matters: blocks swapped out this step may be reused as swap-in or copy targets.
         self.pool.swap_out(plan.swap_out)
         self.pool.swap_in(plan.swap_in)
-        self.backend.copy_blocks(self.pool.kv, plan.copies)
+        self.pool.copy_blocks(plan.copies, self.backend)
         if not scheduled:
             return StepResult(plan.step_id, step_seconds=time.perf_counter() - t0)
         bs = self.pool.geometry.block_size
@@ -86,7 +87,7 @@ class ModelRunner:
         with torch.inference_mode():
             logits = self._logits(torch.from_numpy(input_ids).to(self.device, torch.long),
                                   torch.from_numpy(meta.positions_host).to(self.device, torch.long),
-                                  StepContext(self.pool.kv, meta, self.backend), keep)
+                                  StepContext(self.pool.kv, meta, self.backend, self.pool.scales), keep)
             sampled = [scheduled[i] for i in sampling_rows]
             # NOTE: a sampled token's randomness depends only on (seed, position = tokens known so far): the same
             # whatever else is batched, and a preempted or migrated sequence redraws exactly what it drew before.

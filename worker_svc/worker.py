@@ -13,7 +13,8 @@ from worker_svc.attention import AttentionBackend, TorchAttentionBackend
 from pagedserve_common.kv_geometry import KVGeometry
 from pagedserve_common.registration import WorkerRegistration
 from pagedserve_common.startup import USAGE, StartupError, one_line
-from worker_svc.kv_pool import DTYPES, KVPool
+from worker_svc.attention.quant import STORAGE
+from worker_svc.kv_pool import KVPool
 from worker_svc.model_store import resolve_model
 from worker_svc.models import ATTN_IMPLEMENTATION, load_model
 from worker_svc.runner import ModelRunner
@@ -81,7 +82,7 @@ def make_backend(name: str, device: str, geometry: KVGeometry) -> AttentionBacke
     if name == "torch" or device != "cpu":
         return TorchAttentionBackend()
     from worker_svc.attention.cpu_backend import CpuAttentionBackend
-    if not CpuAttentionBackend.supports(DTYPES[geometry.dtype], geometry.head_dim, geometry.block_size):
+    if not CpuAttentionBackend.supports(STORAGE[geometry.dtype], geometry.head_dim, geometry.block_size):
         if name == "cpu":
             raise ValueError(f"the CPU kernel has no {geometry.dtype} / head_dim {geometry.head_dim} / block_size "
                              f"{geometry.block_size} instance")
@@ -106,7 +107,7 @@ def create_runner(cfg: WorkerConfig, backend: AttentionBackend | None = None) ->
         loaded = load_model(model_dir, cfg.dtype, cfg.device, model_id=cfg.model)
     except (OSError, ValueError) as e:  # NOTE: a missing or broken weights file, an unsupported architecture
         raise StartupError(f"--model {cfg.model}: cannot load it from {model_dir}: {one_line(e)}") from None
-    geometry = loaded.kv_geometry(cfg.block_size)
+    geometry = loaded.kv_geometry(cfg.block_size, cfg.kv_cache_dtype)
     kv_memory = cfg.kv_memory
     if kv_memory is None:
         if cfg.device.startswith("cuda"):

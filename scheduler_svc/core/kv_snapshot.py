@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from pagedserve_common.kv_geometry import KVGeometry
     from scheduler_svc.core.scheduler import Scheduler
 
 
@@ -46,6 +47,8 @@ class KVPoolSnapshot:
     num_prefill_tokens: int
     time: float  # wall clock, seconds since the epoch
     waiting_for_blocks: bool = False  # the last step left the queue head waiting for free blocks
+    kv_cache_dtype: str = ""  # the worker's cache element type ("int8", ...), as it registered
+    bytes_per_token: int = 0  # KV bytes per token, an 8-bit cache's scales included
 
 
 def ref_count_bytes(ref_cnt: list[int]) -> bytes:
@@ -62,7 +65,7 @@ def cached_bytes(block_key: list) -> bytes:
     return bytes(map(operator.is_not, block_key, itertools.repeat(None)))
 
 
-def snapshot(worker_id: str, scheduler: Scheduler) -> KVPoolSnapshot:
+def snapshot(worker_id: str, scheduler: Scheduler, geometry: KVGeometry | None = None) -> KVPoolSnapshot:
     """The pool of `scheduler` as it is now. NOTE: call it on the scheduler's event loop: schedule() and update()
     run synchronously there, so the picture is always between two of them (a step may be in flight: its
     tokens count in num_tokens, as they do in the block tables the worker was sent)."""
@@ -81,4 +84,5 @@ def snapshot(worker_id: str, scheduler: Scheduler) -> KVPoolSnapshot:
         num_waiting=scheduler.num_waiting, prefix_query_tokens=kv.prefix_query_tokens,
         prefix_hit_tokens=kv.prefix_hit_tokens, num_evictions=pool.num_evictions,
         num_preemptions=scheduler.num_preemptions, num_prefill_tokens=scheduler.num_prefill_tokens,
-        time=time.time(), waiting_for_blocks=scheduler.waiting_for_blocks)
+        time=time.time(), waiting_for_blocks=scheduler.waiting_for_blocks,
+        kv_cache_dtype=geometry.dtype if geometry else "", bytes_per_token=geometry.bytes_per_token if geometry else 0)

@@ -242,7 +242,7 @@ class FrontEnd:
             raise EngineError(ErrorCode.FAILED_PRECONDITION, f"{w.worker_id} has {num_blocks:,} KV blocks; GetKVState "
                               f"describes pools of up to {MAX_SNAPSHOT_BLOCKS:,} (two bytes each, every call, on the "
                               "scheduler's event loop)")
-        return snapshot(w.worker_id, w.scheduler)
+        return snapshot(w.worker_id, w.scheduler, w.registration.kv_geometry)
 
     def abort(self, request_id: str) -> None:
         """The client went away (cancel, deadline, disconnect): its blocks go back to the pool at the next step."""

@@ -153,8 +153,10 @@ def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None, tool_call_pa
         return JSONResponse({"status": "ok"}) if ok else error(503, why)
 
     def model_object() -> dict:
+        # NOTE: kv_cache_dtypes: the attached workers' cache element types (workers may differ), [] with none
+        dtypes = sorted({w.registration.dtype for w in frontend.engine.workers.values()})
         return {"id": frontend.model_id, "object": "model", "created": started, "owned_by": "pagedserve",
-                "max_model_len": frontend.max_model_len}
+                "max_model_len": frontend.max_model_len, "kv_cache_dtypes": dtypes}
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -28,7 +28,8 @@ class KVPlan:
     dtype: str
     block_size: int
     seq_len: int
-    bytes_per_token: int
+    bytes_per_token: int  # the scales of an 8-bit cache included
+    scale_bytes_per_token: int  # of which scales (0 for a float cache)
     bytes_per_block: int
     blocks_per_sequence: int
     bytes_per_sequence: int  # whole blocks: what paging reserves for one sequence of seq_len tokens
@@ -60,5 +61,6 @@ def plan(geometry: KVGeometry, seq_len: int, memory: int | None = None, max_mode
                    contiguous_num_sequences=memory // (max_len * per_token))
     return KVPlan(num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,
                   dtype=geometry.dtype, block_size=block_size, seq_len=seq_len, bytes_per_token=per_token,
+                  scale_bytes_per_token=geometry.scale_bytes_per_token,
                   bytes_per_block=per_block, blocks_per_sequence=blocks_per_seq,
                   bytes_per_sequence=blocks_per_seq * per_block, **fit)

@@ -152,8 +152,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return kv_dtype in POOL_DTYPES and head_dim <= 256 and block_size <= 256
 
     def forward(
-        self, query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        if kv_scales is not None:  # TODO(issue 25): the kernel's 8-bit paths
+            return super().forward(query, kv_layer, meta, scale, kv_scales)
         num_heads, num_kv_heads, head_dim = check_shapes(query, kv_layer)
         if query.shape[0] != meta.num_tokens:
             raise ValueError(f"query has {query.shape[0]} tokens, metadata {meta.num_tokens}")

@@ -160,8 +160,11 @@ class CupyAttentionBackend(AttentionBackend):
 
     # ---- write_kv ------------------------------------------------------------------------------------------
     def write_kv(
-        self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+        self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
+        if kv_scales is not None:  # TODO(issue 25): the quantising write
+            raise NotImplementedError("8-bit KV caches on the CuPy backend")
         _, _, block_size, kvh, hd = kv_layer.shape
         if kv_layer.stride(-1) != 1:
             raise ValueError("kv_layer's head_dim must be contiguous")
@@ -191,9 +194,12 @@ class CupyAttentionBackend(AttentionBackend):
         kv_layer: torch.Tensor,
         meta: AttentionMetadata,
         scale: float,
+        kv_scales: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As AttentionBackend.forward; `out` (optional, [T, H, hd] in the pool's dtype) receives the result."""
+        if kv_scales is not None:  # TODO(issue 25): the dequantising kernels
+            raise NotImplementedError("8-bit KV caches on the CuPy backend")
         num_heads, num_kv_heads, hd = check_shapes(query, kv_layer)
         if query.shape[0] != meta.num_tokens:
             raise ValueError(f"query has {query.shape[0]} tokens, metadata {meta.num_tokens}")

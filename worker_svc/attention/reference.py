@@ -9,15 +9,19 @@ from worker_svc.attention.metadata import AttentionMetadata
 
 
 def reference_attention(
-    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+    query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [T, H, hd], kv_layer [2, num_blocks, block_size, kvh, hd] -> float64 [T, H, hd] on the CPU.
 
+    An 8-bit pool (kv_scales [2, num_blocks, block_size, kvh]) is read as codes x scales, in float64.
     NOTE: deliberately shares no code with any backend: plain numpy, token by token through the block tables.
     """
-    # float64 via torch first: numpy has no bfloat16.
+    # float64 via torch first: numpy has no bfloat16 or float8.
     q_all = query.detach().to("cpu", torch.float64).numpy()
     pool = kv_layer.detach().to("cpu", torch.float64).numpy()
+    if kv_scales is not None:
+        pool = pool * kv_scales.detach().to("cpu", torch.float64).numpy()[..., None]
     qsl = meta.query_start_loc.to("cpu").numpy().astype(np.int64)
     seq_lens = meta.seq_lens.to("cpu").numpy().astype(np.int64)
     tables = meta.block_tables.to("cpu").numpy().astype(np.int64)

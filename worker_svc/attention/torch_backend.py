@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from worker_svc.attention.backend import AttentionBackend, check_shapes
 from worker_svc.attention.metadata import AttentionMetadata
+from worker_svc.attention.quant import dequantize, quantize, raw
 
 _UPCAST = (torch.float16, torch.bfloat16)
 
@@ -20,7 +21,8 @@ class TorchAttentionBackend(AttentionBackend):
     sequence's keys in position order.
 
     float32 is computed in float32; float16/bfloat16 are upcast to float32 for the matmuls and softmax, and the
-    output is cast back to the query dtype.
+    output is cast back to the query dtype. An 8-bit cache's blocks are dequantised (codes x scales, in float32)
+    as they are gathered, then attended like a float32 pool.
     """
 
     name = "torch"
@@ -39,26 +41,44 @@ class TorchAttentionBackend(AttentionBackend):
             buf = self._gather_buf = torch.empty(numel, dtype=kv_layer.dtype, device=kv_layer.device)
         return torch.index_select(kv_layer, 1, ids, out=buf[:numel].view(shape))
 
+    def _gather_values(self, kv_layer: torch.Tensor, ids: torch.Tensor, kv_scales: torch.Tensor | None) -> torch.Tensor:
+        """_gather, and for an 8-bit cache the dequantised float32 values of those blocks."""
+        if kv_scales is None:
+            return self._gather(kv_layer, ids)
+        codes = torch.index_select(raw(kv_layer), 1, ids).view(kv_layer.dtype)
+        return dequantize(codes, torch.index_select(kv_scales, 1, ids))
+
     def write_kv(
-        self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor
+        self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
         two, num_blocks, block_size, kvh, hd = kv_layer.shape
         # NOTE: view (not reshape/flatten) so a non-viewable pool raises instead of writing into a copy.
-        flat = kv_layer.view(two, num_blocks * block_size, kvh, hd)
+        flat = raw(kv_layer).view(two, num_blocks * block_size, kvh, hd)
         slots = slot_mapping.to(device=kv_layer.device, dtype=torch.int64)
-        flat[0].index_copy_(0, slots, key.to(kv_layer.dtype))
-        flat[1].index_copy_(0, slots, value.to(kv_layer.dtype))
+        if kv_scales is None:
+            flat[0].index_copy_(0, slots, key.to(kv_layer.dtype))
+            flat[1].index_copy_(0, slots, value.to(kv_layer.dtype))
+            return
+        # Quantised on the way in: only this step's rows are ever converted, never the cache.
+        flat_scales = kv_scales.view(two, num_blocks * block_size, kvh)
+        for i, x in enumerate((key, value)):
+            codes, scales = quantize(x, kv_layer.dtype)
+            flat[i].index_copy_(0, slots, raw(codes))
+            flat_scales[i].index_copy_(0, slots, scales)
 
     def forward(
-        self, query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float
+        self, query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        check_shapes(query, kv_layer)
+        check_shapes(query, kv_layer, kv_scales)
         if query.shape[0] != meta.num_tokens:
             raise ValueError(f"query has {query.shape[0]} tokens, metadata {meta.num_tokens}")
         if meta.is_all_decode:
             # Decode row i is sequence i: no query gather, no output scatter.
             return self._decode(
-                query, kv_layer, meta.block_tables, meta.seq_lens, meta.seq_lens_host, meta.max_decode_seq_len, scale
+                query, kv_layer, meta.block_tables, meta.seq_lens, meta.seq_lens_host, meta.max_decode_seq_len, scale,
+                kv_scales,
             )
         out = torch.empty_like(query)
         if meta.num_decodes:
@@ -73,8 +93,9 @@ class TorchAttentionBackend(AttentionBackend):
                 meta.seq_lens_host[host_idx],
                 meta.max_decode_seq_len,
                 scale,
+                kv_scales,
             )
-        self._prefills(query, kv_layer, meta, scale, out)
+        self._prefills(query, kv_layer, meta, scale, out, kv_scales=kv_scales)
         return out
 
     def _decode(
@@ -86,6 +107,7 @@ class TorchAttentionBackend(AttentionBackend):
         seq_lens_host: np.ndarray,
         max_seq_len: int,
         scale: float,
+        kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One query token per sequence: query [B, H, hd] -> [B, H, hd]."""
         _, _, block_size, kvh, hd = kv_layer.shape
@@ -95,7 +117,7 @@ class TorchAttentionBackend(AttentionBackend):
         length = nb * block_size
         # One gather for all sequences: [2, B*nb, bs, kvh, hd] -> [2, B, L, kvh, hd] (a fresh copy).
         ids = block_tables[:, :nb].reshape(-1).long()
-        kv = self._gather(kv_layer, ids).view(2, b, length, kvh, hd)
+        kv = self._gather_values(kv_layer, ids, kv_scales).view(2, b, length, kvh, hd)
         if kv.dtype in _UPCAST:
             kv = kv.float()
         # NOTE: zero V past seq_len: there 0 * NaN would still poison the output even with probability 0.
@@ -120,7 +142,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _prefills(
         self, query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor,
-        min_q_len: int = 2,
+        min_q_len: int = 2, kv_scales: torch.Tensor | None = None,
     ) -> None:
         """Sequences with q_len >= min_q_len, one SDPA call each; writes their rows of `out`."""
         _, _, block_size, kvh, hd = kv_layer.shape
@@ -133,7 +155,7 @@ class TorchAttentionBackend(AttentionBackend):
             nb = -(-s // block_size)
             ids = meta.block_tables[i, :nb].long()
             # Slicing to :s drops the garbage past seq_len, so nothing needs masking for NaN here.
-            kv = self._gather(kv_layer, ids).view(2, nb * block_size, kvh, hd)[:, :s]
+            kv = self._gather_values(kv_layer, ids, kv_scales).view(2, nb * block_size, kvh, hd)[:, :s]
             q = query[start:end]
             if q.dtype in _UPCAST or kv.dtype != q.dtype:  # NOTE: the CPU backend passes a float32 query
                 q, kv = q.float(), kv.float()
