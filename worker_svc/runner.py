@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -60,34 +61,60 @@ class ModelRunner:
         again: the scheduler's new block tables start from nothing)."""
         self.batch = PersistentBatch()
 
-    def step(self, plan: StepPlan) -> StepResult:
-        """Runs one plan; raises BadPlan (and changes nothing) when the plan does not fit this worker. The
-        result's step_seconds is this call's wall time."""
-        t0 = time.perf_counter()
+    def _apply(self, plan: StepPlan) -> list:
+        """Checks and applies a plan (block moves included); returns its scheduled sequences."""
         pool = self.pool
         check_plan(plan, self.batch.seqs, pool.num_blocks, pool.num_cpu_blocks, pool.geometry.block_size,
                    self.loaded.vocab_size)
         scheduled = self.batch.apply(plan)
         # NOTE: order matters: blocks swapped out this step may be reused as swap-in or copy targets.
-        self.pool.swap_out(plan.swap_out)
-        self.pool.swap_in(plan.swap_in)
-        self.pool.copy_blocks(plan.copies, self.backend)
-        if not scheduled:
-            return StepResult(plan.step_id, step_seconds=time.perf_counter() - t0)
+        pool.swap_out(plan.swap_out)
+        pool.swap_in(plan.swap_in)
+        pool.copy_blocks(plan.copies, self.backend)
+        return scheduled
+
+    def _forward(self, scheduled: list, rows: Callable[[np.ndarray], np.ndarray]) -> torch.Tensor:
+        """One packed forward of the scheduled tokens (their KV written into the pool): the logits of the packed
+        rows rows(query_start_loc) picks."""
         bs = self.pool.geometry.block_size
         q_lens = np.fromiter((s.num_scheduled_tokens for s in scheduled), np.int64, len(scheduled))
         starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, len(scheduled))
-        seq_lens = starts + q_lens
-        meta = AttentionMetadata.build(q_lens, seq_lens, [s.block_ids for s in scheduled], bs, self.device)
-        qsl = meta.query_start_loc_host
+        meta = AttentionMetadata.build(q_lens, starts + q_lens, [s.block_ids for s in scheduled], bs, self.device)
         input_ids = np.concatenate([np.asarray(s.token_ids[s.num_computed_tokens:s.num_computed_tokens
                                                           + s.num_scheduled_tokens]) for s in scheduled])
-        sampling_rows = [i for i, s in enumerate(scheduled) if s.samples_this_step]
-        keep = torch.from_numpy(qsl[1:][sampling_rows] - 1).to(self.device)
+        keep = torch.from_numpy(rows(meta.query_start_loc_host)).to(self.device)
+        return self._logits(torch.from_numpy(input_ids).to(self.device, torch.long),
+                            torch.from_numpy(meta.positions_host).to(self.device, torch.long),
+                            StepContext(self.pool.kv, meta, self.backend, self.pool.scales), keep)
+
+    @staticmethod
+    def _advance(scheduled: list) -> None:
+        for s in scheduled:
+            s.num_computed_tokens += s.num_scheduled_tokens
+            s.num_scheduled_tokens = 0
+
+    def score(self, plan: StepPlan) -> torch.Tensor:
+        """Teacher forcing: runs a plan like step() but samples nothing and returns EVERY scheduled token's
+        next-token logits, float32 [plan.num_scheduled_tokens, vocab], packed in the plan's order (new_seqs, then
+        running). Perplexity and KL measurements read the model through this, on the real pool and backend."""
+        scheduled = self._apply(plan)
+        if not scheduled:
+            return torch.empty((0, self.loaded.vocab_size))
         with torch.inference_mode():
-            logits = self._logits(torch.from_numpy(input_ids).to(self.device, torch.long),
-                                  torch.from_numpy(meta.positions_host).to(self.device, torch.long),
-                                  StepContext(self.pool.kv, meta, self.backend, self.pool.scales), keep)
+            logits = self._forward(scheduled, lambda qsl: np.arange(qsl[-1])).float()
+        self._advance(scheduled)
+        return logits
+
+    def step(self, plan: StepPlan) -> StepResult:
+        """Runs one plan; raises BadPlan (and changes nothing) when the plan does not fit this worker. The
+        result's step_seconds is this call's wall time."""
+        t0 = time.perf_counter()
+        scheduled = self._apply(plan)
+        if not scheduled:
+            return StepResult(plan.step_id, step_seconds=time.perf_counter() - t0)
+        sampling_rows = [i for i, s in enumerate(scheduled) if s.samples_this_step]
+        with torch.inference_mode():
+            logits = self._forward(scheduled, lambda qsl: qsl[1:][sampling_rows] - 1)
             sampled = [scheduled[i] for i in sampling_rows]
             # NOTE: a sampled token's randomness depends only on (seed, position = tokens known so far): the same
             # whatever else is batched, and a preempted or migrated sequence redraws exactly what it drew before.
@@ -97,9 +124,7 @@ class ModelRunner:
                 (lambda x: self.logits_processor(x, sampled, masks))
             result = self.sampler.sample(logits.float(), [s.sampling for s in sampled],
                                          [len(s.token_ids) for s in sampled], process)
-        for s in scheduled:
-            s.num_computed_tokens += s.num_scheduled_tokens
-            s.num_scheduled_tokens = 0
+        self._advance(scheduled)
         for s, tok in zip(sampled, result.token_ids):
             s.token_ids.append(tok)
         logprobs = {s.seq_id: lp for s, lp in zip(sampled, result.logprobs) if lp is not None}
