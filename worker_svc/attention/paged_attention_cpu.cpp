@@ -120,20 +120,32 @@ inline void widen_row(const int8_t* src, float s, float* dst, int64_t D) {
   for (; d < D; ++d) dst[d] = static_cast<float>(src[d]) * s;
 }
 
+// NOTE: no table gather on the vector paths: vpgatherdd is microcoded (and slowed further by the Gather Data
+// Sampling mitigation), measured 50x slower than this. An e4m3 code S.EEEE.MMM placed as the float16
+// S.0EEEE.MMM0000000 reads as 2^(E-15) * 1.M (subnormals too), so value = half * 2^8; S.1111.111 is NaN.
+// half * (256 * s) == (half * 256) * s exactly: both scale by a power of two that neither under- nor overflows.
 inline void widen_row(const E4M3* src, float s, float* dst, int64_t D) {
   const uint8_t* c8 = reinterpret_cast<const uint8_t*>(src);
   int64_t d = 0;
 #if defined(PS_AVX512)
-  const __m512 sv = _mm512_set1_ps(s);
+  const __m512 sv = _mm512_set1_ps(256.0f * s), nan = _mm512_set1_ps(NAN);
+  const __m256i m7f = _mm256_set1_epi16(0x7f), m80 = _mm256_set1_epi16(0x80);
   for (; d + 16 <= D; d += 16) {
-    const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c8 + d)));
-    _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_i32gather_ps(idx, kE4M3Table.v, 4), sv));
+    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c8 + d)));
+    const __m256i mag = _mm256_and_si256(x, m7f);
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, m80), 8), _mm256_slli_epi16(mag, 7));
+    const __mmask16 is_nan = _mm256_cmpeq_epi16_mask(mag, m7f);
+    _mm512_storeu_ps(dst + d, _mm512_mask_blend_ps(is_nan, _mm512_mul_ps(_mm512_cvtph_ps(h), sv), nan));
   }
-#elif defined(__AVX2__)
-  const __m256 sv = _mm256_set1_ps(s);
+#elif defined(__AVX2__) && defined(__F16C__)
+  const __m256 sv = _mm256_set1_ps(256.0f * s), nan = _mm256_set1_ps(NAN);
+  const __m128i m7f = _mm_set1_epi16(0x7f), m80 = _mm_set1_epi16(0x80);
   for (; d + 8 <= D; d += 8) {
-    const __m256i idx = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c8 + d)));
-    _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_i32gather_ps(kE4M3Table.v, idx, 4), sv));
+    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c8 + d)));
+    const __m128i mag = _mm_and_si128(x, m7f);
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, m80), 8), _mm_slli_epi16(mag, 7));
+    const __m256 is_nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, m7f)));
+    _mm256_storeu_ps(dst + d, _mm256_blendv_ps(_mm256_mul_ps(_mm256_cvtph_ps(h), sv), nan, is_nan));
   }
 #endif
   for (; d < D; ++d) dst[d] = kE4M3Table.v[c8[d]] * s;
@@ -333,6 +345,107 @@ inline void int8_scores(const uint8_t* u, const float* qs, int64_t rows, const i
   }
 }
 
+#if defined(PS_AVX512)
+// A block's int8 keys transposed 16 at a time, so that one vector holds the same dims of 16 keys and a score
+// row needs no horizontal sums (the reductions dominated the per-key dot products).
+// Keys 0..n-1 (n <= 16) of one 64-byte chunk, `stride` bytes apart: col[c] lane i = key i's bytes 4c..4c+3
+// (zero for i >= n: rows past n are never loaded).
+inline void load_transposed(const int8_t* keys, int64_t stride, int64_t n, __m512i col[16]) {
+  __m512i r[16], t[16], u[4][4];
+  for (int i = 0; i < 16; ++i) r[i] = i < n ? _mm512_loadu_si512(keys + i * stride) : _mm512_setzero_si512();
+  for (int i = 0; i < 16; i += 2) {  // 128-bit lane L: [a(4L) b(4L) a(4L+1) b(4L+1)], [a(4L+2) b(4L+2) ...]
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // u[g][j] lane L = dword column 4L+j of rows 4g..4g+3
+    const __m512i* tg = t + 4 * g;
+    u[g][0] = _mm512_unpacklo_epi64(tg[0], tg[2]);
+    u[g][1] = _mm512_unpackhi_epi64(tg[0], tg[2]);
+    u[g][2] = _mm512_unpacklo_epi64(tg[1], tg[3]);
+    u[g][3] = _mm512_unpackhi_epi64(tg[1], tg[3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // a 4x4 transpose of 128-bit lanes across the groups
+    const __m512i s0 = _mm512_shuffle_i32x4(u[0][j], u[1][j], 0x44), s1 = _mm512_shuffle_i32x4(u[0][j], u[1][j], 0xEE);
+    const __m512i s2 = _mm512_shuffle_i32x4(u[2][j], u[3][j], 0x44), s3 = _mm512_shuffle_i32x4(u[2][j], u[3][j], 0xEE);
+    col[j] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+    col[4 + j] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+    col[8 + j] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+    col[12 + j] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+  }
+}
+
+// The scales of keys 0..cnt-1 (zero past them) as one vector.
+inline __m512 key_scales(const float* ks, int64_t ks_stride, int64_t cnt) {
+  alignas(64) float v[16];
+  for (int i = 0; i < 16; ++i) v[i] = i < cnt ? ks[i * ks_stride] : 0.0f;
+  return _mm512_load_ps(v);
+}
+
+// Dequantise-then-float Q.K for an int8 block, D % 64 == 0: sc[r * ld + k] = (q_r . codes_k) * ks[k] for k < n.
+// kt: scratch of 16 * D floats (the group's keys as floats, dim-major).
+inline void dequant_scores_t(const float* q, int64_t rows, const int64_t* nr, const int8_t* keys, int64_t stride,
+                             const float* ks, int64_t ks_stride, int64_t n, int64_t D, float* kt, float* sc,
+                             int64_t ld) {
+  __m512i col[16];
+  for (int64_t k0 = 0; k0 < n; k0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, n - k0);
+    for (int64_t c = 0; c < D / 64; ++c) {
+      load_transposed(keys + k0 * stride + 64 * c, stride, cnt, col);
+      for (int j = 0; j < 16; ++j) {  // the 4 bytes of each dword: 4 consecutive dims, sign-extended
+        float* dst = kt + (64 * c + 4 * j) * 16;
+        _mm512_store_ps(dst, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(col[j], 24), 24)));
+        _mm512_store_ps(dst + 16, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(col[j], 16), 24)));
+        _mm512_store_ps(dst + 32, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(col[j], 8), 24)));
+        _mm512_store_ps(dst + 48, _mm512_cvtepi32_ps(_mm512_srai_epi32(col[j], 24)));
+      }
+    }
+    const __m512 kscale = key_scales(ks + k0 * ks_stride, ks_stride, cnt);
+    const __mmask16 keep = static_cast<__mmask16>((1u << cnt) - 1);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (nr[r] <= k0) continue;
+      const float* qr = q + r * D;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+      for (int64_t d = 0; d < D; d += 2) {
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d]), _mm512_load_ps(kt + d * 16), a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 1]), _mm512_load_ps(kt + (d + 1) * 16), a1);
+      }
+      _mm512_mask_storeu_ps(sc + r * ld + k0, keep, _mm512_mul_ps(_mm512_add_ps(a0, a1), kscale));
+    }
+  }
+}
+#endif
+
+#if PS_INT8_QK == 512
+// int8_scores for D % 64 == 0 on 16 transposed keys at a time: one vpdpbusd per 4 dims gives 16 keys' partial
+// dots, the query's 4 codes broadcast.
+inline void int8_scores_t(const uint8_t* u, const float* qs, int64_t rows, const int64_t* nr, const int8_t* keys,
+                          int64_t stride, const float* ks, int64_t ks_stride, int64_t n, int64_t D, float* sc,
+                          int64_t ld) {
+  __m512i col[kMaxHeadDim / 4];
+  const __m512i b128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t k0 = 0; k0 < n; k0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, n - k0);
+    for (int64_t c = 0; c < D / 64; ++c) load_transposed(keys + k0 * stride + 64 * c, stride, cnt, col + 16 * c);
+    __m512i bias = _mm512_setzero_si512();  // 128 * sum of each key's codes
+    for (int64_t i = 0; i < D / 4; ++i) bias = _mm512_dpbusd_epi32(bias, b128, col[i]);
+    const __m512 kscale = key_scales(ks + k0 * ks_stride, ks_stride, cnt);
+    const __mmask16 keep = static_cast<__mmask16>((1u << cnt) - 1);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (nr[r] <= k0) continue;
+      const uint8_t* ur = u + r * D;
+      __m512i acc = _mm512_sub_epi32(_mm512_setzero_si512(), bias);
+      for (int64_t i = 0; i < D / 4; ++i) {
+        int32_t w;
+        std::memcpy(&w, ur + 4 * i, 4);
+        acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(w), col[i]);
+      }
+      const __m512 s = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc), kscale), _mm512_set1_ps(qs[r]));
+      _mm512_mask_storeu_ps(sc + r * ld + k0, keep, s);
+    }
+  }
+}
+#endif
+
 struct Args {
   const float* q;
   int64_t q_stride_t, q_stride_h;
@@ -362,16 +475,25 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1) {
   const float* KS = a.scales;
   const float* VS = KS ? KS + a.num_blocks * BS * a.num_kv_heads : nullptr;
   const bool int8_qk = std::is_same_v<T, int8_t> && a.int8_qk;
+  // int8 keys are read transposed (no float copy of K per row; see load_transposed) where AVX-512 has it.
+#if defined(PS_AVX512)
+  const bool k_transposed = std::is_same_v<T, int8_t> && D % 64 == 0;
+#else
+  const bool k_transposed = false;
+#endif
+  const bool k_scored = int8_qk || k_transposed;  // scores of the whole block come from one call
 
   // NOTE: per-thread scratch on the heap (kept across calls): a few hundred KB is too much for a stack.
   thread_local std::vector<float> scratch;
   thread_local std::vector<uint8_t> qcodes;
-  scratch.resize(2 * kMaxRows * D + 2 * BS * D + kMaxRows * BS);
+  scratch.resize(2 * kMaxRows * D + 2 * BS * D + kMaxRows * BS + 16 * D + 16);
   float* const qbuf = scratch.data();
   float* const abuf = qbuf + kMaxRows * D;
   float* const kf = abuf + kMaxRows * D;
   float* const vf = kf + BS * D;
   float* const sc = vf + BS * D;  // [rows, BS] scores, then probabilities
+  // 64-byte aligned [D, 16] scratch for transposed keys
+  float* const kt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sc + kMaxRows * BS) + 63) & ~uintptr_t{63});
   float m[kMaxRows], l[kMaxRows], qs[kMaxRows];
   int64_t pos[kMaxRows], nr[kMaxRows];
   if (int8_qk) qcodes.resize(kMaxRows * D);
@@ -407,7 +529,7 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1) {
     } else {
       for (int64_t k = 0; k < n_in_block; ++k) {
         const int64_t so = soff + k * a.num_kv_heads;
-        if (!int8_qk) widen_row(K + off + k * tok_stride, kQuantized<T> ? KS[so] : 1.0f, kf + k * D, D);
+        if (!k_scored) widen_row(K + off + k * tok_stride, kQuantized<T> ? KS[so] : 1.0f, kf + k * D, D);
         widen_row(V + off + k * tok_stride, kQuantized<T> ? VS[so] : 1.0f, vf + k * D, D);
       }
       kb = kf;
@@ -415,15 +537,26 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1) {
       stride = D;
     }
     if constexpr (std::is_same_v<T, int8_t>) {
-      if (int8_qk)
-        int8_scores(qcodes.data(), qs, rows, nr, K + off, tok_stride, KS + soff, a.num_kv_heads, n_in_block, D, sc,
-                    BS);
+      const int8_t* kc = K + off;
+      const float* ks = KS + soff;
+      const int64_t kh = a.num_kv_heads;
+      if (int8_qk) {
+#if PS_INT8_QK == 512
+        if (D % 64 == 0) int8_scores_t(qcodes.data(), qs, rows, nr, kc, tok_stride, ks, kh, n_in_block, D, sc, BS);
+        else
+#endif
+        int8_scores(qcodes.data(), qs, rows, nr, kc, tok_stride, ks, kh, n_in_block, D, sc, BS);
+      } else if (k_transposed) {
+#if defined(PS_AVX512)
+        dequant_scores_t(qbuf, rows, nr, kc, tok_stride, ks, kh, n_in_block, D, kt, sc, BS);
+#endif
+      }
     }
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t n = nr[r];
       if (n <= 0) continue;
       float* const p = sc + r * BS;
-      if (!int8_qk) scores(qbuf + r * D, kb, stride, n, D, p);
+      if (!k_scored) scores(qbuf + r * D, kb, stride, n, D, p);
       float bmax = -INFINITY;
       for (int64_t k = 0; k < n; ++k) bmax = p[k] > bmax ? p[k] : bmax;
       // Online softmax: rescale what was accumulated under the old running max.
