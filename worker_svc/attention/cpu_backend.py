@@ -30,6 +30,11 @@ Q_TILE = 16  # prefill query tokens per work item (x group heads = rows sharing 
 # 1 thread: q_len 128 about even for a fresh prompt, SDPA 1.7x faster for 128 after a 128-token prefix).
 MAX_KERNEL_Q_LEN = 64
 
+# `--int8-qk auto`: whether an int8 cache takes the int8 Q.K path where the kernel has one (VNNI). Decided by
+# measurement (README "### Kernels"): bench/kv_attention_long.py for speed against dequantise-then-float, and the
+# default model's perplexity on 4096 tokens of the corpus (the bound: within 1% of the float32 cache).
+INT8_QK_AUTO = False
+
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
