@@ -91,8 +91,9 @@ def make_backend(name: str, device: str, geometry: KVGeometry, int8_qk: str = "a
         from worker_svc.attention.cpu_backend import INT8_QK_AUTO, int8_qk_width
         if int8_qk_width(backend.lib) == 0:
             if int8_qk == "on":
-                raise StartupError("--int8-qk on: this CPU has neither AVX-512 VNNI nor AVX-VNNI (the attention "
-                                   "kernel has no int8 dot product here); use --int8-qk auto or off", USAGE)
+                raise StartupError("--int8-qk on: the attention kernel here has no int8 dot product (this CPU has "
+                                   "neither AVX-512 VNNI nor AVX-VNNI, or the kernel is a portable prebuilt build "
+                                   "without them); use --int8-qk auto or off", USAGE)
         elif int8_qk == "on" or INT8_QK_AUTO:
             backend.int8_qk = True
     return backend
