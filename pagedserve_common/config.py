@@ -19,6 +19,7 @@ KV_ALLOCATIONS = ("paged", "static-max-model-len", "static-request")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")  # kv_geometry
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "cupy")
+INT8_QK = ("auto", "on", "off")
 
 # Tokens per step when not set. NOTE: a step is one forward, so its token budget bounds the inter-token latency
 # of every running stream while a long prompt is prefilled. Measured on a 2-core CPU with the default model
@@ -215,6 +216,12 @@ class RunnerOptions:
                                  up=GIVEN)
     attention_backend: str = option("auto", "auto: the C++ kernel on the CPU, CuPy kernels on a GPU",
                                     choices=ATTENTION_BACKENDS)
+    int8_qk: str = option("auto", "an int8 cache's Q.K on the cpu backend in int8 (queries quantised per head per "
+                                  "step, VNNI dot products, 32-bit sums; softmax and P.V in float): on needs a CPU "
+                                  "with AVX-512 VNNI or AVX-VNNI; auto: on where the CPU has VNNI (measured: about 7% "
+                                  "faster than dequantise-then-float at 4k-32k contexts, perplexity +0.14% against "
+                                  "a float32 cache, +0.13% dequantised)",
+                          choices=INT8_QK)
     transformers_forward: bool = option(False, "run the model through the transformers modules instead of the "
                                                "lean forward")
     swap_space: int = option(0, "host memory for swapped-out KV blocks, e.g. 4GiB (0: preemption recomputes)",

@@ -109,7 +109,8 @@ def run_worker(scheduler: str, cfg: WorkerConfig, shutdown: Shutdown | None = No
              dtype=str(runner.loaded.dtype).removeprefix("torch."), kv_cache_dtype=reg.dtype, device=reg.device,
              kv_bytes=runner.pool.nbytes, threads=torch.get_num_threads(),
              cores=available_cores(), adaptive_threads=bool(governor and governor.enabled),
-             attention=runner.backend.name, forward=runner.forward_path, warm_up_steps=warm_up_steps,
+             attention=runner.backend.name, int8_qk=bool(getattr(runner.backend, "int8_qk", False)),
+             forward=runner.forward_path, warm_up_steps=warm_up_steps,
              warm_up_s=round(warm_up_s, 3))
     backoff, last_warning = Backoff(), float("-inf")
     while not shutdown.requested:

@@ -73,9 +73,33 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def make_backend(name: str, device: str, geometry: KVGeometry) -> AttentionBackend:
+def make_backend(name: str, device: str, geometry: KVGeometry, int8_qk: str = "auto") -> AttentionBackend:
+    """The attention backend `--attention-backend name` picks for `device` and the pool's geometry; int8_qk is
+    `--int8-qk` (auto|on|off): on is refused (StartupError) wherever the int8 Q.K path cannot run."""
     if name not in ("auto", "cpu", "torch", "cupy"):
         raise ValueError(f"attention backend must be auto, cpu, torch or cupy, got {name!r}")
+    if int8_qk not in ("auto", "on", "off"):
+        raise ValueError(f"int8_qk must be auto, on or off, got {int8_qk!r}")
+    backend = _pick_backend(name, device, geometry)
+    if int8_qk == "on":
+        if geometry.dtype != "int8":
+            raise StartupError(f"--int8-qk on: needs --kv-cache-dtype int8 (this cache is {geometry.dtype})", USAGE)
+        if backend.name != "cpu":
+            raise StartupError(f"--int8-qk on: needs the cpu attention backend (this worker uses {backend.name})",
+                               USAGE)
+    if backend.name == "cpu" and geometry.dtype == "int8" and int8_qk != "off":
+        from worker_svc.attention.cpu_backend import INT8_QK_AUTO, int8_qk_width
+        if int8_qk_width(backend.lib) == 0:
+            if int8_qk == "on":
+                raise StartupError("--int8-qk on: the attention kernel here has no int8 dot product (this CPU has "
+                                   "neither AVX-512 VNNI nor AVX-VNNI, or the kernel is a portable prebuilt build "
+                                   "without them); use --int8-qk auto or off", USAGE)
+        elif int8_qk == "on" or INT8_QK_AUTO:
+            backend.int8_qk = True
+    return backend
+
+
+def _pick_backend(name: str, device: str, geometry: KVGeometry) -> AttentionBackend:
     if name == "cupy" or (name == "auto" and device.startswith("cuda")):
         from worker_svc.attention.cupy_backend import CupyAttentionBackend  # NOTE: cupy only on a GPU
         return CupyAttentionBackend()
@@ -118,7 +142,7 @@ def create_runner(cfg: WorkerConfig, backend: AttentionBackend | None = None) ->
         else:
             kv_memory = CPU_KV_MEMORY
     pool = KVPool(geometry, geometry.num_blocks_for(kv_memory), cfg.device, geometry.num_blocks_for(cfg.swap_space))
-    runner = ModelRunner(loaded, pool, backend or make_backend(cfg.attention_backend, cfg.device, geometry),
+    runner = ModelRunner(loaded, pool, backend or make_backend(cfg.attention_backend, cfg.device, geometry, cfg.int8_qk),
                          lean=not cfg.transformers_forward)
     reg = WorkerRegistration(model_id=cfg.model, max_model_len=loaded.max_model_len, device=cfg.device,
                              kv_geometry=geometry, num_blocks=pool.num_blocks, num_cpu_blocks=pool.num_cpu_blocks)

@@ -79,6 +79,7 @@ def test_up_logs_one_line_per_request_and_stops_without_a_traceback(tiny_served_
     ready = [e for e in events if e["event"] == "worker ready"]
     assert sorted(e["process"] for e in ready) == [f"worker-{i}" for i in range(workers)]
     assert all(e["warm_up_steps"] >= 4 and e["warm_up_s"] >= 0 for e in ready), ready  # warmed before attaching
+    assert all(e["attention"] == "cpu" and e["int8_qk"] is False for e in ready), ready  # a float32 cache: no int8 Q.K
 
     ends: dict[str, list[dict]] = {}
     for e in events:

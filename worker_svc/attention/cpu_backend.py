@@ -23,11 +23,17 @@ log = structlog.get_logger("pagedserve.worker")
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")
-POOL_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# The kernel's dtype codes (paged_attention_cpu.cpp's Dtype): float pools, and 8-bit caches (codes + scales).
+POOL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 Q_TILE = 16  # prefill query tokens per work item (x group heads = rows sharing each K/V block read)
 # Prefill chunks longer than this go to SDPA (GEMM-shaped work, where ATen's kernel is faster than ours; measured
 # 1 thread: q_len 128 about even for a fresh prompt, SDPA 1.7x faster for 128 after a 128-token prefix).
 MAX_KERNEL_Q_LEN = 64
+
+# `--int8-qk auto`: whether an int8 cache takes the int8 Q.K path where the kernel has one (VNNI). Decided by
+# measurement (README "### Kernels"): bench/kv_attention_long.py for speed against dequantise-then-float, and the
+# default model's perplexity on 4096 tokens of the corpus (the bound: within 1% of the float32 cache).
+INT8_QK_AUTO = True  # measured faster on 7 of 9 points (geometric mean 0.93x) at +0.14% perplexity
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
@@ -47,10 +53,14 @@ def cache_dir() -> Path:
 
 
 # Portable builds for machines without a compiler (the container image), best first, with the /proc/cpuinfo
-# flags each needs. NOTE: the kernel only branches on AVX2 + FMA, which x86-64-v3 implies.
+# flags each needs. NOTE: the kernel branches on AVX-512 f/bw/vl (x86-64-v4) and AVX2 + FMA + F16C (x86-64-v3);
+# its int8 Q.K path needs VNNI, which neither level implies: only a native build on such a CPU has it.
+_V2 = ("sse4_1", "sse4_2", "ssse3", "popcnt", "cx16")
+_V3 = (*_V2, "avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe")
 PORTABLE_TARGETS = {
-    "x86-64-v3": ("avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe"),
-    "x86-64-v2": ("sse4_1", "sse4_2", "ssse3", "popcnt", "cx16"),
+    "x86-64-v4": (*_V3, "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"),
+    "x86-64-v3": _V3,
+    "x86-64-v2": _V2,
 }
 
 
@@ -127,25 +137,53 @@ def load_library(path: Path | None = None) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path or build_library()))
     fn = lib.ps_paged_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _i64, _i64, _i64, _i64,
-                   _i64, _i64, ctypes.c_float, _i64, _i64]
+    fn.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int, _ptr, ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
+                   _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64, _i64]
+    lib.ps_dequantize.restype = ctypes.c_int
+    lib.ps_dequantize.argtypes = [_ptr, ctypes.c_int, _ptr, _i64, _i64, _ptr]
     return lib
+
+
+def int8_qk_width(lib: ctypes.CDLL) -> int:
+    """The library's int8 Q.K path: 512 (AVX-512 VNNI), 256 (AVX-VNNI) or 0 (built for a CPU without VNNI)."""
+    return int(lib.ps_int8_qk_width())
+
+
+def simd_width(lib: ctypes.CDLL) -> int:
+    """The library's float path: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (scalar)."""
+    return int(lib.ps_simd_width())
+
+
+def dequantize(lib: ctypes.CDLL, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """codes [..., D] (an 8-bit dtype) x scales [...] through the kernel's own widening code, as float32 (tests)."""
+    codes, scales = codes.contiguous(), scales.contiguous().float()
+    out = torch.empty(codes.shape, dtype=torch.float32)
+    rc = lib.ps_dequantize(codes.data_ptr(), POOL_DTYPES[codes.dtype], scales.data_ptr(), scales.numel(),
+                           codes.shape[-1], out.data_ptr())
+    if rc != 0:
+        raise ValueError(f"ps_dequantize rejected {codes.dtype} (code {rc})")
+    return out
 
 
 class CpuAttentionBackend(TorchAttentionBackend):
     """Decodes and prefill chunks of a step in ONE kernel call per layer, reading K/V in place from the pool.
 
     No gather: each (sequence, kv head, query tile) work item walks its block table and keeps a running max
-    and sum per query row (online softmax), so K/V are read once per item and never copied. KV writes and
-    copy-on-write copies stay the torch backend's (index_copy_ is already one vectorised op per layer).
+    and sum per query row (online softmax), so K/V are read once per item and never copied. An 8-bit cache's
+    blocks are dequantised (codes x scales) into per-thread scratch as they are read; with int8_qk an int8
+    cache's Q.K runs in int8 (VNNI). KV writes (quantise() for 8-bit caches) and copy-on-write copies stay the
+    torch backend's (index_copy_ is already one vectorised op per layer).
     """
 
     name = "cpu"
 
-    def __init__(self, lib: ctypes.CDLL | None = None) -> None:
+    def __init__(self, lib: ctypes.CDLL | None = None, int8_qk: bool = False) -> None:
         super().__init__()
         self.lib = lib or load_library()
         self._fn = self.lib.ps_paged_attention
+        if int8_qk and int8_qk_width(self.lib) == 0:
+            raise ValueError("the int8 Q.K path needs a kernel built for a CPU with AVX-512 VNNI or AVX-VNNI")
+        self.int8_qk = int8_qk  # int8 caches only: Q.K in int8 with 32-bit accumulation
 
     @staticmethod
     def supports(kv_dtype: torch.dtype, head_dim: int, block_size: int) -> bool:
@@ -155,18 +193,20 @@ class CpuAttentionBackend(TorchAttentionBackend):
         self, query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
         kv_scales: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        if kv_scales is not None:  # TODO(issue 25): the kernel's 8-bit paths
-            return super().forward(query, kv_layer, meta, scale, kv_scales)
-        num_heads, num_kv_heads, head_dim = check_shapes(query, kv_layer)
+        num_heads, num_kv_heads, head_dim = check_shapes(query, kv_layer, kv_scales)
         if query.shape[0] != meta.num_tokens:
             raise ValueError(f"query has {query.shape[0]} tokens, metadata {meta.num_tokens}")
         if not kv_layer.is_contiguous() or kv_layer.dtype not in POOL_DTYPES:
-            raise ValueError("the CPU kernel needs a contiguous float32 or bfloat16 pool layer")
+            raise ValueError("the CPU kernel needs a contiguous float32, bfloat16, int8 or float8 pool layer")
+        if kv_scales is not None and not kv_scales.is_contiguous():
+            raise ValueError("the CPU kernel needs contiguous kv_scales")
         q = query if query.dtype == torch.float32 and query.stride(2) == 1 else query.float().contiguous()
         out = torch.empty((q.shape[0], num_heads, head_dim), dtype=torch.float32)
         bt = meta.block_tables
         qsl, lens = np.ascontiguousarray(meta.query_start_loc_host), np.ascontiguousarray(meta.seq_lens_host)
+        int8_qk = self.int8_qk and kv_layer.dtype == torch.int8
         rc = self._fn(q.data_ptr(), q.stride(0), q.stride(1), kv_layer.data_ptr(), POOL_DTYPES[kv_layer.dtype],
+                      None if kv_scales is None else kv_scales.data_ptr(), int(int8_qk),
                       out.data_ptr(), qsl.ctypes.data, lens.ctypes.data,
                       bt.data_ptr(), bt.stride(0) if bt.dim() == 2 else 0, meta.num_seqs, num_heads,
                       num_kv_heads, head_dim, kv_layer.shape[1], kv_layer.shape[2], float(scale), Q_TILE,
@@ -174,7 +214,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if rc != 0:
             raise ValueError(f"paged_attention_cpu rejected the shapes (code {rc})")
         if meta.max_query_len > MAX_KERNEL_Q_LEN:
-            self._prefills(q, kv_layer, meta, scale, out, min_q_len=MAX_KERNEL_Q_LEN + 1)
+            self._prefills(q, kv_layer, meta, scale, out, min_q_len=MAX_KERNEL_Q_LEN + 1, kv_scales=kv_scales)
         return out if query.dtype == torch.float32 else out.to(query.dtype)
 
 

@@ -8,6 +8,14 @@
 // Layout (see worker_svc/attention/backend.py): kv_layer is [2, num_blocks, block_size, kv_heads, head_dim];
 // query/out rows are the step's packed new tokens, [T, heads, head_dim]; sequence b owns rows
 // qsl[b]..qsl[b+1]-1, which sit at positions seq_len - q_len .. seq_len - 1; row at position p sees keys 0..p.
+//
+// 8-bit caches (int8, fp8 e4m3 / e5m2): kv holds codes and `scales` the layer's float32 [2, num_blocks,
+// block_size, kv_heads], one per (token, kv head) row of K and of V: value = code * scale. Each block's valid rows
+// are dequantised into per-thread scratch as they are read (never a float copy of the cache). With int8_qk (an
+// int8 cache, built with AVX-512 VNNI or AVX-VNNI) Q.K runs in int8: each query row is quantised to int8 with its
+// own scale and score = q_scale * k_scale * int32 dot; softmax and P.V stay float.
+//
+// ISA paths, chosen at compile time by the -march macros: AVX-512 (f/bw/vl), AVX2 + FMA (+ F16C), scalar.
 #include <cmath>
 #include <cstdint>
 #include <algorithm>
@@ -16,6 +24,9 @@
 #include <vector>
 
 #include <omp.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace {
 
@@ -30,6 +41,29 @@ inline float to_f32(uint16_t x) {  // bfloat16: the high half of a float32
   std::memcpy(&f, &u, 4);
   return f;
 }
+
+// The fp8 formats as torch defines them (float8_e4m3fn: bias 7, no infinities, S.1111.111 is NaN;
+// float8_e5m2: bias 15, IEEE-like, the high byte of a float16). One 256-entry table per format (1 KB, in L1).
+struct E4M3 { uint8_t bits; };
+struct E5M2 { uint8_t bits; };
+
+struct Fp8Table {
+  float v[256];
+  Fp8Table(int exp_bits, int man_bits) {
+    const int bias = (1 << (exp_bits - 1)) - 1, emax = (1 << exp_bits) - 1;
+    for (int c = 0; c < 256; ++c) {
+      const int e = (c >> man_bits) & emax, m = c & ((1 << man_bits) - 1);
+      float x;
+      if (exp_bits == 4 && e == emax && m == (1 << man_bits) - 1) x = NAN;   // e4m3fn: only NaN, no inf
+      else if (exp_bits == 5 && e == emax) x = m ? NAN : INFINITY;
+      else if (e == 0) x = std::ldexp(static_cast<float>(m), 1 - bias - man_bits);  // subnormal
+      else x = std::ldexp(static_cast<float>(m + (1 << man_bits)), e - bias - man_bits);
+      v[c] = (c & 0x80) ? -x : x;
+    }
+  }
+};
+const Fp8Table kE4M3Table(4, 3);
+const Fp8Table kE5M2Table(5, 2);
 
 // exp(x) for x <= 0 in float: 2^(x log2 e) as 2^n * p(f); rel. error < 2e-7, vectorizes (no libm call).
 inline float fast_exp(float x) {
@@ -51,7 +85,6 @@ inline float fast_exp(float x) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
 inline float hsum8(__m256 v) {
   __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   x = _mm_add_ps(x, _mm_movehl_ps(x, x));
@@ -59,10 +92,111 @@ inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(x);
 }
 #endif
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define PS_AVX512 1
+#endif
+
+// Widening one row of D codes into floats: dst[d] = decode(src[d]) * s (bf16: no scale).
+inline void widen_row(const uint16_t* src, float, float* dst, int64_t D) {
+#pragma omp simd
+  for (int64_t d = 0; d < D; ++d) dst[d] = to_f32(src[d]);
+}
+
+inline void widen_row(const int8_t* src, float s, float* dst, int64_t D) {
+  int64_t d = 0;
+#if defined(PS_AVX512)
+  const __m512 sv = _mm512_set1_ps(s);
+  for (; d + 16 <= D; d += 16) {
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d));
+    _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(c)), sv));
+  }
+#elif defined(__AVX2__)
+  const __m256 sv = _mm256_set1_ps(s);
+  for (; d + 8 <= D; d += 8) {
+    const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + d));
+    _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(c)), sv));
+  }
+#endif
+  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]) * s;
+}
+
+// NOTE: no table gather on the vector paths: vpgatherdd is microcoded (and slowed further by the Gather Data
+// Sampling mitigation), measured 50x slower than this. An e4m3 code S.EEEE.MMM placed as the float16
+// S.0EEEE.MMM0000000 reads as 2^(E-15) * 1.M (subnormals too), so value = half * 2^8; S.1111.111 is NaN.
+// half * (256 * s) == (half * 256) * s exactly: both scale by a power of two that neither under- nor overflows.
+inline void widen_row(const E4M3* src, float s, float* dst, int64_t D) {
+  const uint8_t* c8 = reinterpret_cast<const uint8_t*>(src);
+  int64_t d = 0;
+#if defined(PS_AVX512)
+  const __m512 sv = _mm512_set1_ps(256.0f * s), nan = _mm512_set1_ps(NAN);
+  const __m256i m7f = _mm256_set1_epi16(0x7f), m80 = _mm256_set1_epi16(0x80);
+  for (; d + 16 <= D; d += 16) {
+    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c8 + d)));
+    const __m256i mag = _mm256_and_si256(x, m7f);
+    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, m80), 8), _mm256_slli_epi16(mag, 7));
+    const __mmask16 is_nan = _mm256_cmpeq_epi16_mask(mag, m7f);
+    _mm512_storeu_ps(dst + d, _mm512_mask_blend_ps(is_nan, _mm512_mul_ps(_mm512_cvtph_ps(h), sv), nan));
+  }
+#elif defined(__AVX2__) && defined(__F16C__)
+  const __m256 sv = _mm256_set1_ps(256.0f * s), nan = _mm256_set1_ps(NAN);
+  const __m128i m7f = _mm_set1_epi16(0x7f), m80 = _mm_set1_epi16(0x80);
+  for (; d + 8 <= D; d += 8) {
+    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c8 + d)));
+    const __m128i mag = _mm_and_si128(x, m7f);
+    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, m80), 8), _mm_slli_epi16(mag, 7));
+    const __m256 is_nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, m7f)));
+    _mm256_storeu_ps(dst + d, _mm256_blendv_ps(_mm256_mul_ps(_mm256_cvtph_ps(h), sv), nan, is_nan));
+  }
+#endif
+  for (; d < D; ++d) dst[d] = kE4M3Table.v[c8[d]] * s;
+}
+
+inline void widen_row(const E5M2* src, float s, float* dst, int64_t D) {
+  const uint8_t* c8 = reinterpret_cast<const uint8_t*>(src);
+  int64_t d = 0;
+  // NOTE: an e5m2 code is the high byte of a float16: the hardware half -> float conversion decodes it exactly.
+#if defined(PS_AVX512)
+  const __m512 sv = _mm512_set1_ps(s);
+  for (; d + 16 <= D; d += 16) {
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(c8 + d));
+    const __m256i h = _mm256_slli_epi16(_mm256_cvtepu8_epi16(c), 8);
+    _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtph_ps(h), sv));
+  }
+#elif defined(__AVX2__) && defined(__F16C__)
+  const __m256 sv = _mm256_set1_ps(s);
+  for (; d + 8 <= D; d += 8) {
+    const __m128i c = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(c8 + d));
+    const __m128i h = _mm_slli_epi16(_mm_cvtepu8_epi16(c), 8);
+    _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtph_ps(h), sv));
+  }
+#endif
+  for (; d < D; ++d) dst[d] = kE5M2Table.v[c8[d]] * s;
+}
+
+template <typename T> constexpr bool kQuantized = !std::is_same_v<T, float> && !std::is_same_v<T, uint16_t>;
 
 // out[k] = q . keys[k] for n keys of D floats, `stride` floats apart.
 inline void scores(const float* q, const float* keys, int64_t stride, int64_t n, int64_t D, float* out) {
   int64_t k = 0;
+#if defined(PS_AVX512)
+  if (D % 16 == 0) {
+    for (; k + 4 <= n; k += 4) {  // 4 keys share each load of q
+      const float *k0 = keys + k * stride, *k1 = k0 + stride, *k2 = k1 + stride, *k3 = k2 + stride;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+      for (int64_t d = 0; d < D; d += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + d);
+        a0 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k0 + d), a0);
+        a1 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k1 + d), a1);
+        a2 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k2 + d), a2);
+        a3 = _mm512_fmadd_ps(qv, _mm512_loadu_ps(k3 + d), a3);
+      }
+      out[k] = _mm512_reduce_add_ps(a0);
+      out[k + 1] = _mm512_reduce_add_ps(a1);
+      out[k + 2] = _mm512_reduce_add_ps(a2);
+      out[k + 3] = _mm512_reduce_add_ps(a3);
+    }
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (D % 8 == 0) {
     for (; k + 4 <= n; k += 4) {  // 4 keys share each load of q
@@ -94,6 +228,20 @@ inline void scores(const float* q, const float* keys, int64_t stride, int64_t n,
 // acc = acc * corr + sum_k p[k] * values[k]
 inline void accumulate(float* acc, float corr, const float* p, const float* values, int64_t stride, int64_t n,
                        int64_t D) {
+#if defined(PS_AVX512)
+  if (D % 16 == 0 && D <= kMaxHeadDim) {
+    __m512 a[kMaxHeadDim / 16];
+    const __m512 c = _mm512_set1_ps(corr);
+    for (int64_t i = 0; i < D / 16; ++i) a[i] = _mm512_mul_ps(_mm512_loadu_ps(acc + 16 * i), c);
+    for (int64_t k = 0; k < n; ++k) {
+      const __m512 pk = _mm512_set1_ps(p[k]);
+      const float* v = values + k * stride;
+      for (int64_t i = 0; i < D / 16; ++i) a[i] = _mm512_fmadd_ps(pk, _mm512_loadu_ps(v + 16 * i), a[i]);
+    }
+    for (int64_t i = 0; i < D / 16; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
+    return;
+  }
+#endif
 #if defined(__AVX2__) && defined(__FMA__)
   if (D % 8 == 0 && D <= 128) {
     __m256 a[16];
@@ -118,10 +266,191 @@ inline void accumulate(float* acc, float corr, const float* p, const float* valu
   }
 }
 
+// The int8 Q.K path: vpdpbusd multiplies u8 by s8, so a query row goes in as u = q + 128 (1..255) and
+// u . k = q . k + 128 * sum(k): the bias is subtracted lane-wise (one more vpdpbusd per key, shared by all rows).
+#if defined(__AVX512VNNI__) && defined(PS_AVX512)
+#define PS_INT8_QK 512
+#elif defined(__AVXVNNI__) && defined(__AVX2__)
+#define PS_INT8_QK 256
+#else
+#define PS_INT8_QK 0
+#endif
+
+// Quantises one query row: u[d] = round_half_even(q[d] / qs) + 128 with qs = absmax / 127; returns qs.
+inline float quantize_query(const float* q, int64_t D, uint8_t* u) {
+  float amax = 0.0f;
+  for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(q[d]));
+  const float qs = std::max(amax / 127.0f, 1e-30f);
+  const float inv = 1.0f / qs;
+  for (int64_t d = 0; d < D; ++d) {
+    const float c = std::min(127.0f, std::max(-127.0f, std::nearbyint(q[d] * inv)));
+    u[d] = static_cast<uint8_t>(static_cast<int32_t>(c) + 128);
+  }
+  return qs;
+}
+
+// sc[r * ld + k] = qs[r] * ks[k] * (q_r . key_k) for keys k < nr[r] of row r (u: the rows' biased codes).
+inline void int8_scores(const uint8_t* u, const float* qs, int64_t rows, const int64_t* nr, const int8_t* keys,
+                        int64_t stride, const float* ks, int64_t ks_stride, int64_t n, int64_t D, float* sc,
+                        int64_t ld) {
+  for (int64_t k = 0; k < n; ++k) {
+    const int8_t* key = keys + k * stride;
+    int64_t d = 0;
+    int32_t tail_sum = 0;
+#if PS_INT8_QK == 512
+    __m512i kv[kMaxHeadDim / 64];
+    __m512i bias = _mm512_setzero_si512();
+    const __m512i b128 = _mm512_set1_epi8(static_cast<char>(128));
+    const int64_t nv = D / 64;
+    for (int64_t i = 0; i < nv; ++i) {
+      kv[i] = _mm512_loadu_si512(key + 64 * i);
+      bias = _mm512_dpbusd_epi32(bias, b128, kv[i]);
+    }
+    d = nv * 64;
+#elif PS_INT8_QK == 256
+    __m256i kv[kMaxHeadDim / 32];
+    __m256i bias = _mm256_setzero_si256();
+    const __m256i b128 = _mm256_set1_epi8(static_cast<char>(128));
+    const int64_t nv = D / 32;
+    for (int64_t i = 0; i < nv; ++i) {
+      kv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(key + 32 * i));
+      bias = _mm256_dpbusd_avx_epi32(bias, b128, kv[i]);
+    }
+    d = nv * 32;
+#endif
+    const int64_t d_vec = d;
+    for (; d < D; ++d) tail_sum += key[d];
+    const float kscale = ks[k * ks_stride];
+    for (int64_t r = 0; r < rows; ++r) {
+      if (k >= nr[r]) continue;
+      const uint8_t* ur = u + r * D;
+      int32_t dot = 0;
+#if PS_INT8_QK == 512
+      __m512i acc = _mm512_sub_epi32(_mm512_setzero_si512(), bias);
+      for (int64_t i = 0; i < nv; ++i) acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(ur + 64 * i), kv[i]);
+      dot = _mm512_reduce_add_epi32(acc);
+#elif PS_INT8_QK == 256
+      __m256i acc = _mm256_sub_epi32(_mm256_setzero_si256(), bias);
+      for (int64_t i = 0; i < nv; ++i)
+        acc = _mm256_dpbusd_avx_epi32(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ur + 32 * i)), kv[i]);
+      __m128i x = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
+      x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4e));
+      x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xb1));
+      dot = _mm_cvtsi128_si32(x);
+#endif
+      for (int64_t e = d_vec; e < D; ++e) dot += static_cast<int32_t>(ur[e]) * key[e];
+      dot -= 128 * tail_sum;
+      sc[r * ld + k] = qs[r] * kscale * static_cast<float>(dot);
+    }
+  }
+}
+
+#if defined(PS_AVX512)
+// A block's int8 keys transposed 16 at a time, so that one vector holds the same dims of 16 keys and a score
+// row needs no horizontal sums (the reductions dominated the per-key dot products).
+// Keys 0..n-1 (n <= 16) of one 64-byte chunk, `stride` bytes apart: col[c] lane i = key i's bytes 4c..4c+3
+// (zero for i >= n: rows past n are never loaded).
+inline void load_transposed(const int8_t* keys, int64_t stride, int64_t n, __m512i col[16]) {
+  __m512i r[16], t[16], u[4][4];
+  for (int i = 0; i < 16; ++i) r[i] = i < n ? _mm512_loadu_si512(keys + i * stride) : _mm512_setzero_si512();
+  for (int i = 0; i < 16; i += 2) {  // 128-bit lane L: [a(4L) b(4L) a(4L+1) b(4L+1)], [a(4L+2) b(4L+2) ...]
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int g = 0; g < 4; ++g) {  // u[g][j] lane L = dword column 4L+j of rows 4g..4g+3
+    const __m512i* tg = t + 4 * g;
+    u[g][0] = _mm512_unpacklo_epi64(tg[0], tg[2]);
+    u[g][1] = _mm512_unpackhi_epi64(tg[0], tg[2]);
+    u[g][2] = _mm512_unpacklo_epi64(tg[1], tg[3]);
+    u[g][3] = _mm512_unpackhi_epi64(tg[1], tg[3]);
+  }
+  for (int j = 0; j < 4; ++j) {  // a 4x4 transpose of 128-bit lanes across the groups
+    const __m512i s0 = _mm512_shuffle_i32x4(u[0][j], u[1][j], 0x44), s1 = _mm512_shuffle_i32x4(u[0][j], u[1][j], 0xEE);
+    const __m512i s2 = _mm512_shuffle_i32x4(u[2][j], u[3][j], 0x44), s3 = _mm512_shuffle_i32x4(u[2][j], u[3][j], 0xEE);
+    col[j] = _mm512_shuffle_i32x4(s0, s2, 0x88);
+    col[4 + j] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
+    col[8 + j] = _mm512_shuffle_i32x4(s1, s3, 0x88);
+    col[12 + j] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
+  }
+}
+
+// The scales of keys 0..cnt-1 (zero past them) as one vector.
+inline __m512 key_scales(const float* ks, int64_t ks_stride, int64_t cnt) {
+  alignas(64) float v[16];
+  for (int i = 0; i < 16; ++i) v[i] = i < cnt ? ks[i * ks_stride] : 0.0f;
+  return _mm512_load_ps(v);
+}
+
+// Dequantise-then-float Q.K for an int8 block, D % 64 == 0: sc[r * ld + k] = (q_r . codes_k) * ks[k] for k < n.
+// kt: scratch of 16 * D floats (the group's keys as floats, dim-major).
+inline void dequant_scores_t(const float* q, int64_t rows, const int64_t* nr, const int8_t* keys, int64_t stride,
+                             const float* ks, int64_t ks_stride, int64_t n, int64_t D, float* kt, float* sc,
+                             int64_t ld) {
+  __m512i col[16];
+  for (int64_t k0 = 0; k0 < n; k0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, n - k0);
+    for (int64_t c = 0; c < D / 64; ++c) {
+      load_transposed(keys + k0 * stride + 64 * c, stride, cnt, col);
+      for (int j = 0; j < 16; ++j) {  // the 4 bytes of each dword: 4 consecutive dims, sign-extended
+        float* dst = kt + (64 * c + 4 * j) * 16;
+        _mm512_store_ps(dst, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(col[j], 24), 24)));
+        _mm512_store_ps(dst + 16, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(col[j], 16), 24)));
+        _mm512_store_ps(dst + 32, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(col[j], 8), 24)));
+        _mm512_store_ps(dst + 48, _mm512_cvtepi32_ps(_mm512_srai_epi32(col[j], 24)));
+      }
+    }
+    const __m512 kscale = key_scales(ks + k0 * ks_stride, ks_stride, cnt);
+    const __mmask16 keep = static_cast<__mmask16>((1u << cnt) - 1);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (nr[r] <= k0) continue;
+      const float* qr = q + r * D;
+      __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+      for (int64_t d = 0; d < D; d += 2) {
+        a0 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d]), _mm512_load_ps(kt + d * 16), a0);
+        a1 = _mm512_fmadd_ps(_mm512_set1_ps(qr[d + 1]), _mm512_load_ps(kt + (d + 1) * 16), a1);
+      }
+      _mm512_mask_storeu_ps(sc + r * ld + k0, keep, _mm512_mul_ps(_mm512_add_ps(a0, a1), kscale));
+    }
+  }
+}
+#endif
+
+#if PS_INT8_QK == 512
+// int8_scores for D % 64 == 0 on 16 transposed keys at a time: one vpdpbusd per 4 dims gives 16 keys' partial
+// dots, the query's 4 codes broadcast.
+inline void int8_scores_t(const uint8_t* u, const float* qs, int64_t rows, const int64_t* nr, const int8_t* keys,
+                          int64_t stride, const float* ks, int64_t ks_stride, int64_t n, int64_t D, float* sc,
+                          int64_t ld) {
+  __m512i col[kMaxHeadDim / 4];
+  const __m512i b128 = _mm512_set1_epi8(static_cast<char>(0x80));
+  for (int64_t k0 = 0; k0 < n; k0 += 16) {
+    const int64_t cnt = std::min<int64_t>(16, n - k0);
+    for (int64_t c = 0; c < D / 64; ++c) load_transposed(keys + k0 * stride + 64 * c, stride, cnt, col + 16 * c);
+    __m512i bias = _mm512_setzero_si512();  // 128 * sum of each key's codes
+    for (int64_t i = 0; i < D / 4; ++i) bias = _mm512_dpbusd_epi32(bias, b128, col[i]);
+    const __m512 kscale = key_scales(ks + k0 * ks_stride, ks_stride, cnt);
+    const __mmask16 keep = static_cast<__mmask16>((1u << cnt) - 1);
+    for (int64_t r = 0; r < rows; ++r) {
+      if (nr[r] <= k0) continue;
+      const uint8_t* ur = u + r * D;
+      __m512i acc = _mm512_sub_epi32(_mm512_setzero_si512(), bias);
+      for (int64_t i = 0; i < D / 4; ++i) {
+        int32_t w;
+        std::memcpy(&w, ur + 4 * i, 4);
+        acc = _mm512_dpbusd_epi32(acc, _mm512_set1_epi32(w), col[i]);
+      }
+      const __m512 s = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(acc), kscale), _mm512_set1_ps(qs[r]));
+      _mm512_mask_storeu_ps(sc + r * ld + k0, keep, s);
+    }
+  }
+}
+#endif
+
 struct Args {
   const float* q;
   int64_t q_stride_t, q_stride_h;
   const void* kv;
+  const float* scales;  // 8-bit caches: [2, num_blocks, block_size, kv_heads]; else null
   float* out;  // contiguous [T, H, D]
   const int64_t* qsl;
   const int64_t* seq_lens;
@@ -129,6 +458,7 @@ struct Args {
   int64_t bt_stride;
   int64_t num_heads, num_kv_heads, head_dim, num_blocks, block_size, q_tile, max_q_len;
   float scale;
+  bool int8_qk;
 };
 
 // One work item: sequence b, kv head h, query tokens [t0, t1) of the sequence's chunk, all `group` query
@@ -142,22 +472,37 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1) {
   const T* K = static_cast<const T*>(a.kv);
   const T* V = K + a.num_blocks * BS * a.num_kv_heads * D;
   const int64_t tok_stride = a.num_kv_heads * D;
+  const float* KS = a.scales;
+  const float* VS = KS ? KS + a.num_blocks * BS * a.num_kv_heads : nullptr;
+  const bool int8_qk = std::is_same_v<T, int8_t> && a.int8_qk;
+  // int8 keys are read transposed (no float copy of K per row; see load_transposed) where AVX-512 has it.
+#if defined(PS_AVX512)
+  const bool k_transposed = std::is_same_v<T, int8_t> && D % 64 == 0;
+#else
+  const bool k_transposed = false;
+#endif
+  const bool k_scored = int8_qk || k_transposed;  // scores of the whole block come from one call
 
   // NOTE: per-thread scratch on the heap (kept across calls): a few hundred KB is too much for a stack.
   thread_local std::vector<float> scratch;
-  scratch.resize(2 * kMaxRows * D + 2 * BS * D + BS);
+  thread_local std::vector<uint8_t> qcodes;
+  scratch.resize(2 * kMaxRows * D + 2 * BS * D + kMaxRows * BS + 16 * D + 16);
   float* const qbuf = scratch.data();
   float* const abuf = qbuf + kMaxRows * D;
   float* const kf = abuf + kMaxRows * D;
   float* const vf = kf + BS * D;
-  float* const sc = vf + BS * D;
-  float m[kMaxRows], l[kMaxRows];
-  int64_t pos[kMaxRows];
+  float* const sc = vf + BS * D;  // [rows, BS] scores, then probabilities
+  // 64-byte aligned [D, 16] scratch for transposed keys
+  float* const kt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sc + kMaxRows * BS) + 63) & ~uintptr_t{63});
+  float m[kMaxRows], l[kMaxRows], qs[kMaxRows];
+  int64_t pos[kMaxRows], nr[kMaxRows];
+  if (int8_qk) qcodes.resize(kMaxRows * D);
 
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = t0 + r / G, head = h * G + r % G;
     const float* src = a.q + (q_begin + t) * a.q_stride_t + head * a.q_stride_h;
     for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = src[d] * a.scale;  // scale the query, not every score
+    if (int8_qk) qs[r] = quantize_query(qbuf + r * D, D, qcodes.data() + r * D);
     std::memset(abuf + r * D, 0, sizeof(float) * D);
     m[r] = -INFINITY;
     l[r] = 0.0f;
@@ -169,8 +514,12 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1) {
   for (int64_t j = 0; j < num_kv_blocks; ++j) {
     const int64_t base = j * BS;
     const int64_t n_in_block = std::min(BS, last + 1 - base);
-    const int64_t off = (static_cast<int64_t>(table[j]) * BS) * tok_stride + h * D;
-    // float32 pools are read in place; other dtypes are widened once per block into kf/vf.
+    const int64_t row0 = static_cast<int64_t>(table[j]) * BS;  // the block's first token row in the pool
+    const int64_t off = row0 * tok_stride + h * D;
+    const int64_t soff = row0 * a.num_kv_heads + h;  // its first (token, kv head) scale
+    for (int64_t r = 0; r < rows; ++r) nr[r] = std::min(n_in_block, pos[r] + 1 - base);  // causal: keys 0..pos[r]
+    // float32 pools are read in place; other dtypes are widened (8-bit: dequantised) once per block into kf/vf.
+    // NOTE: slots past `last` are garbage (NaN codes and scales included): never read.
     const float *kb, *vb;
     int64_t stride;
     if constexpr (std::is_same_v<T, float>) {
@@ -178,37 +527,50 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1) {
       vb = V + off;
       stride = tok_stride;
     } else {
-      for (int64_t k = 0; k < n_in_block; ++k) {  // NOTE: slots past `last` are garbage: never read
-        const T* kr = K + off + k * tok_stride;
-        const T* vr = V + off + k * tok_stride;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) {
-          kf[k * D + d] = to_f32(kr[d]);
-          vf[k * D + d] = to_f32(vr[d]);
-        }
+      for (int64_t k = 0; k < n_in_block; ++k) {
+        const int64_t so = soff + k * a.num_kv_heads;
+        if (!k_scored) widen_row(K + off + k * tok_stride, kQuantized<T> ? KS[so] : 1.0f, kf + k * D, D);
+        widen_row(V + off + k * tok_stride, kQuantized<T> ? VS[so] : 1.0f, vf + k * D, D);
       }
       kb = kf;
       vb = vf;
       stride = D;
     }
+    if constexpr (std::is_same_v<T, int8_t>) {
+      const int8_t* kc = K + off;
+      const float* ks = KS + soff;
+      const int64_t kh = a.num_kv_heads;
+      if (int8_qk) {
+#if PS_INT8_QK == 512
+        if (D % 64 == 0) int8_scores_t(qcodes.data(), qs, rows, nr, kc, tok_stride, ks, kh, n_in_block, D, sc, BS);
+        else
+#endif
+        int8_scores(qcodes.data(), qs, rows, nr, kc, tok_stride, ks, kh, n_in_block, D, sc, BS);
+      } else if (k_transposed) {
+#if defined(PS_AVX512)
+        dequant_scores_t(qbuf, rows, nr, kc, tok_stride, ks, kh, n_in_block, D, kt, sc, BS);
+#endif
+      }
+    }
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t n = std::min(n_in_block, pos[r] + 1 - base);  // causal: keys 0..pos[r]; never past it
+      const int64_t n = nr[r];
       if (n <= 0) continue;
-      scores(qbuf + r * D, kb, stride, n, D, sc);
+      float* const p = sc + r * BS;
+      if (!k_scored) scores(qbuf + r * D, kb, stride, n, D, p);
       float bmax = -INFINITY;
-      for (int64_t k = 0; k < n; ++k) bmax = sc[k] > bmax ? sc[k] : bmax;
+      for (int64_t k = 0; k < n; ++k) bmax = p[k] > bmax ? p[k] : bmax;
       // Online softmax: rescale what was accumulated under the old running max.
       const float m_new = bmax > m[r] ? bmax : m[r];
       const float corr = fast_exp(m[r] - m_new);  // m[r] = -inf on the first block: corr = 0
       float psum = 0.0f;
 #pragma omp simd reduction(+ : psum)
       for (int64_t k = 0; k < n; ++k) {
-        sc[k] = fast_exp(sc[k] - m_new);
-        psum += sc[k];
+        p[k] = fast_exp(p[k] - m_new);
+        psum += p[k];
       }
       l[r] = l[r] * corr + psum;
       m[r] = m_new;
-      accumulate(abuf + r * D, corr, sc, vb, stride, n, D);
+      accumulate(abuf + r * D, corr, p, vb, stride, n, D);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
@@ -253,23 +615,60 @@ extern "C" {
 int ps_max_head_dim() { return kMaxHeadDim; }
 int ps_max_block_size() { return kMaxBlock; }
 int ps_max_group() { return kMaxRows; }
+// The int8 Q.K path this build has: 512 (AVX-512 VNNI), 256 (AVX-VNNI) or 0 (none).
+int ps_int8_qk_width() { return PS_INT8_QK; }
+// The widest float path this build has: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (scalar).
+int ps_simd_width() {
+#if defined(PS_AVX512)
+  return 512;
+#elif defined(__AVX2__) && defined(__FMA__)
+  return 256;
+#else
+  return 0;
+#endif
+}
 
-// dtype: 0 = float32 pool, 1 = bfloat16 pool. The query and output are float32. Sequences whose q_len exceeds
-// max_q_len are skipped (their rows of `out` are left as they are): long prefill chunks are GEMM-shaped work
-// that the caller hands to a matmul-based attention instead.
+enum Dtype { kFloat32 = 0, kBFloat16 = 1, kInt8 = 2, kE4M3 = 3, kE5M2 = 4 };
+
+// Dequantises n rows of D codes of an 8-bit dtype (2, 3, 4) through the kernel's own widening path:
+// out[i, d] = decode(codes[i, d]) * scales[i]. For tests (bit-exactness against torch).
+int ps_dequantize(const void* codes, int dtype, const float* scales, int64_t n, int64_t D, float* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    const uint8_t* row = static_cast<const uint8_t*>(codes) + i * D;
+    if (dtype == kInt8) widen_row(reinterpret_cast<const int8_t*>(row), scales[i], out + i * D, D);
+    else if (dtype == kE4M3) widen_row(reinterpret_cast<const E4M3*>(row), scales[i], out + i * D, D);
+    else if (dtype == kE5M2) widen_row(reinterpret_cast<const E5M2*>(row), scales[i], out + i * D, D);
+    else return 2;
+  }
+  return 0;
+}
+
+// dtype: a Dtype. The query and output are float32. scales: an 8-bit cache's float32 scales (see the top), null
+// for float pools. int8_qk: Q.K in int8 (an int8 cache, a build with ps_int8_qk_width() > 0). Sequences whose
+// q_len exceeds max_q_len are skipped (their rows of `out` are left as they are): long prefill chunks are
+// GEMM-shaped work that the caller hands to a matmul-based attention instead.
+// Returns 0, or 1 (shapes the kernel has no instance for), 2 (unknown dtype), 3 (scales missing or given to a
+// float pool), 4 (int8_qk for another dtype or in a build without it).
 int ps_paged_attention(const float* q, int64_t q_stride_t, int64_t q_stride_h, const void* kv, int dtype,
-                       float* out, const int64_t* qsl, const int64_t* seq_lens, const int32_t* block_tables,
-                       int64_t bt_stride, int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                       int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale, int64_t q_tile,
-                       int64_t max_q_len) {
+                       const float* scales, int int8_qk, float* out, const int64_t* qsl, const int64_t* seq_lens,
+                       const int32_t* block_tables, int64_t bt_stride, int64_t num_seqs, int64_t num_heads,
+                       int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale,
+                       int64_t q_tile, int64_t max_q_len) {
   if (head_dim > kMaxHeadDim || block_size > kMaxBlock || num_heads % num_kv_heads ||
       num_heads / num_kv_heads > kMaxRows)
     return 1;
-  Args a{q, q_stride_t, q_stride_h, kv, out, qsl, seq_lens, block_tables, bt_stride, num_heads, num_kv_heads,
-         head_dim, num_blocks, block_size, q_tile, max_q_len, scale};
-  if (dtype == 0) run<float>(a, num_seqs);
-  else if (dtype == 1) run<uint16_t>(a, num_seqs);
-  else return 2;
+  if (dtype < kFloat32 || dtype > kE5M2) return 2;
+  if ((dtype >= kInt8) != (scales != nullptr)) return 3;
+  if (int8_qk && (dtype != kInt8 || PS_INT8_QK == 0)) return 4;
+  Args a{q, q_stride_t, q_stride_h, kv, scales, out, qsl, seq_lens, block_tables, bt_stride, num_heads,
+         num_kv_heads, head_dim, num_blocks, block_size, q_tile, max_q_len, scale, int8_qk != 0};
+  switch (dtype) {
+    case kFloat32: run<float>(a, num_seqs); break;
+    case kBFloat16: run<uint16_t>(a, num_seqs); break;
+    case kInt8: run<int8_t>(a, num_seqs); break;
+    case kE4M3: run<E4M3>(a, num_seqs); break;
+    default: run<E5M2>(a, num_seqs); break;
+  }
   return 0;
 }
 

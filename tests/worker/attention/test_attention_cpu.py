@@ -55,7 +55,7 @@ def test_long_chunks_go_to_sdpa_and_short_ones_to_the_kernel(backend, monkeypatc
     meta = AttentionMetadata.build(q_lens, lens, tables, 16)
     query = torch.randn(sum(q_lens), 6, 64)
     check(backend, query, pool, meta, torch.float32)
-    def poison(q, kv, m, scale, out, min_q_len):  # stands in for the SDPA path: marks the rows it was given
+    def poison(q, kv, m, scale, out, min_q_len, kv_scales=None):  # stands in for the SDPA path: marks the rows it was given
         qsl = m.query_start_loc_host
         for i in range(m.num_seqs):
             if qsl[i + 1] - qsl[i] >= min_q_len:
@@ -116,21 +116,26 @@ def test_build_failure_is_an_error_naming_the_compiler(tmp_path, monkeypatch):
 
 def test_prebuild_compiles_every_portable_target_named_by_source_hash(tmp_path):
     built = cpu_backend.prebuild(tmp_path)
-    assert [p.name.split("-")[1:4] for p in built] == [["x86", "64", "v3"], ["x86", "64", "v2"]]
+    assert [p.name.split("-")[1:4] for p in built] == [["x86", "64", "v4"], ["x86", "64", "v3"], ["x86", "64", "v2"]]
     assert all(p.parent == tmp_path and p.stat().st_size > 0 for p in built)
 
 
 def test_without_a_compiler_the_best_prebuilt_build_this_cpu_runs_is_used(tmp_path, monkeypatch):
-    v3, v2 = cpu_backend.prebuild(tmp_path)
+    v4, v3, v2 = cpu_backend.prebuild(tmp_path)
     monkeypatch.setenv("PAGEDSERVE_KERNEL_DIR", str(tmp_path))
+    avx512 = set(cpu_backend.PORTABLE_TARGETS["x86-64-v4"])
     avx2 = set(cpu_backend.PORTABLE_TARGETS["x86-64-v3"]) | set(cpu_backend.PORTABLE_TARGETS["x86-64-v2"])
+    assert cpu_backend.prebuilt_library(avx512) == v4
+    assert cpu_backend.prebuilt_library(avx512 - {"avx512vl"}) == v3  # every AVX-512 flag v4 needs, or v3
     assert cpu_backend.prebuilt_library(avx2) == v3
     assert cpu_backend.prebuilt_library(set(cpu_backend.PORTABLE_TARGETS["x86-64-v2"])) == v2
     assert cpu_backend.prebuilt_library({"sse2"}) is None
-    v3.unlink()  # stale or missing builds are never picked
+    v4.unlink()  # stale or missing builds are never picked
+    assert cpu_backend.prebuilt_library(avx512) == v3
+    v3.unlink()
     assert cpu_backend.prebuilt_library(avx2) == v2
     monkeypatch.setattr(cpu_backend.shutil, "which", lambda _: None)
-    assert cpu_backend.build_library() in (v2, v3)
+    assert cpu_backend.build_library() in (v2, v3, v4)
 
 
 def test_without_a_compiler_or_a_prebuilt_build_the_error_says_both(tmp_path, monkeypatch):
@@ -140,7 +145,7 @@ def test_without_a_compiler_or_a_prebuilt_build_the_error_says_both(tmp_path, mo
         cpu_backend.build_library()
 
 
-@pytest.mark.parametrize("target", ["x86-64-v3", "x86-64-v2"])
+@pytest.mark.parametrize("target", ["x86-64-v4", "x86-64-v3", "x86-64-v2"])
 def test_prebuilt_libraries_match_the_float64_reference(tmp_path, target):
     built = dict(zip(cpu_backend.PORTABLE_TARGETS, cpu_backend.prebuild(tmp_path)))
     needed = set(cpu_backend.PORTABLE_TARGETS[target])

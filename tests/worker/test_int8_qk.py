@@ -1,0 +1,83 @@
+"""--int8-qk and the cpu backend on an 8-bit cache at the worker level: make_backend's choice, its refusals, and the
+default model's greedy tokens through the C++ kernel against the torch backend on the same int8 codes."""
+
+import pytest
+import torch
+
+from pagedserve_common.kv_geometry import KVGeometry
+from pagedserve_common.startup import USAGE, StartupError
+from tests.support.driver import LocalDriver
+from worker_svc.attention import cpu_backend
+from worker_svc.kv_pool import KVPool
+from worker_svc.model_store import resolve_model
+from worker_svc.models import load_model
+from worker_svc.runner import ModelRunner
+from worker_svc.worker import make_backend
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
+NEW = 32
+
+
+def geometry(dtype: str) -> KVGeometry:
+    return KVGeometry(num_layers=2, num_kv_heads=3, head_dim=64, block_size=16, dtype=dtype)
+
+
+def has_vnni() -> bool:
+    return cpu_backend.int8_qk_width(cpu_backend.load_library()) > 0
+
+
+def test_the_cpu_backend_takes_8bit_caches():
+    for dtype in ("int8", "fp8_e4m3", "fp8_e5m2"):
+        assert make_backend("auto", "cpu", geometry(dtype)).name == "cpu"
+
+
+def test_off_never_uses_the_int8_path_and_auto_follows_the_measured_default():
+    assert make_backend("cpu", "cpu", geometry("int8"), "off").int8_qk is False
+    assert make_backend("cpu", "cpu", geometry("int8"), "auto").int8_qk is (cpu_backend.INT8_QK_AUTO and has_vnni())
+    for dtype in ("float32", "fp8_e4m3"):  # only an int8 cache has int8 keys
+        assert make_backend("cpu", "cpu", geometry(dtype), "auto").int8_qk is False
+
+
+def test_on_is_refused_where_the_int8_path_cannot_run(monkeypatch):
+    with pytest.raises(StartupError, match="--int8-qk on: needs --kv-cache-dtype int8") as e:
+        make_backend("cpu", "cpu", geometry("float32"), "on")
+    assert e.value.exit_code == USAGE
+    with pytest.raises(StartupError, match="--int8-qk on: needs the cpu attention backend"):
+        make_backend("torch", "cpu", geometry("int8"), "on")
+    # A CPU without VNNI, as the kernel library reports it (isolated from this machine's CPU).
+    monkeypatch.setattr(cpu_backend, "int8_qk_width", lambda lib: 0)
+    no_vnni = "--int8-qk on: the attention kernel here has no int8 dot product \\(this CPU has neither AVX-512 VNNI"
+    with pytest.raises(StartupError, match=no_vnni):
+        make_backend("cpu", "cpu", geometry("int8"), "on")
+    assert make_backend("cpu", "cpu", geometry("int8"), "auto").int8_qk is False
+
+
+def test_on_with_vnni_uses_the_int8_path():
+    if not has_vnni():
+        pytest.skip("this CPU has neither AVX-512 VNNI nor AVX-VNNI")
+    assert make_backend("cpu", "cpu", geometry("int8"), "on").int8_qk is True
+
+
+def greedy(loaded, backend: str, tokenizer_prompts: list[list[int]]) -> dict[int, list[int]]:
+    pool = KVPool(loaded.kv_geometry(16, "int8"), 64)
+    runner = ModelRunner(loaded, pool, make_backend(backend, "cpu", pool.geometry, "off"))
+    assert runner.backend.name == backend and pool.scales is not None
+    driver = LocalDriver(runner, max_num_batched_tokens=6)  # chunked prefills batched with decodes
+    ids = [driver.add(p, NEW, arrival_step=3 * i) for i, p in enumerate(tokenizer_prompts)]
+    out = driver.run()
+    return [out[i][0] for i in ids]
+
+
+def test_default_model_greedy_tokens_with_an_int8_cache_match_the_torch_backend():
+    # Both backends read the same int8 codes x scales (the write is quant.quantize in both): the kernel's
+    # in-block dequantisation must give the same 32 greedy tokens as the torch backend's gather-and-dequantise.
+    from transformers import AutoTokenizer
+
+    torch.set_num_threads(1)
+    model_dir = str(resolve_model("smollm2-135m-instruct"))
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    prompts = [tok(t)["input_ids"] for t in PROMPTS]
+    loaded = load_model(model_dir, dtype="float32")
+    cpu, ref = greedy(loaded, "cpu", prompts), greedy(loaded, "torch", prompts)
+    assert cpu == ref, (cpu, ref)
+    assert sum(map(len, cpu)) > 2 * NEW, cpu  # an end-of-text may stop one early: most of them run on
