@@ -10,7 +10,12 @@
 //   paged_decode_TN_dHD             grid (num_heads/heads_per_cta, num_seqs, num_splits)   block: NT threads
 //   paged_decode_reduce_TN_dHD      grid (num_heads, num_seqs)                      any block size
 //   paged_prefill_TN_dHD            grid (num_heads/heads_per_cta, num_seqs, num_q_tiles)  block: NT threads
-//   copy_blocks_u16/u32/u128        grid (num_pairs, num_layers * 2)                any block size
+//   copy_blocks_u8/u16/u32/u128     grid (num_pairs, num_layers * 2)                any block size
+// 8-bit caches (issue 25; CN in i8/e4m3/e5m2: int8, float8_e4m3fn, float8_e5m2 codes, plus float32 scales
+// [2][num_blocks][block_size][num_kv_heads] with their own strides, one per (token, kv head) row of K or V):
+//   write_kv_TN_CN                  grid (num_tokens)                               block: a multiple of 32
+//   paged_decode_TN_CN_dHD, paged_prefill_TN_CN_dHD: as above, the scales' pointer and 4 strides after the
+//   pool's; the split decode reuses paged_decode_reduce_TN_dHD. Rows are dequantised as they are loaded.
 // NT: a multiple of 32 and of HD/4, at most 256 (the backend uses 128, the host tests 64).
 //
 // Attention design (one device function, attend_rows, shared by decode and prefill):
