@@ -26,6 +26,7 @@ from tests.kernels.cases import GQA, POISON_CODE, assert_written_as_quantize, ch
 from worker_svc.attention.cupy_backend import CupyAttentionBackend
 from worker_svc.attention.quant import CACHE_DTYPE, raw
 from worker_svc.kv_pool import KVPool
+from worker_svc.worker import make_backend
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -189,7 +190,8 @@ def test_quant_head_dim_128_matches_reference(launcher, dtype, cache):
     c = make_quant_case(rng, be, ["chunk", "decode", "prefill"], 16, 6, 2, 128, dtype, cache, max_blocks=2)
     check_forward(be, c.query, c.kv_layer, c.meta, seed, kv_scales=c.kv_scales)
     names = {name for name, _, _ in launcher.launches}
-    assert {f"paged_decode_{TAGS[dtype]}_{TAGS[cache]}_d128", f"paged_prefill_{TAGS[dtype]}_{TAGS[cache]}_d128"} <= names
+    tag = f"{TAGS[dtype]}_{TAGS[cache]}_d128"
+    assert {f"paged_decode_{tag}", f"paged_prefill_{tag}"} <= names, names
 
 
 def test_quant_head_dim_256_matches_reference(launcher):
@@ -225,3 +227,9 @@ def test_quant_kv_pool_copy_blocks_moves_codes_and_scales(launcher, cache_dtype,
     pool.copy_blocks(copies, backend(launcher))
     assert torch.equal(raw(pool.kv), want_kv) and torch.equal(pool.scales, want_scales)
     assert tuple(name for name, _, _ in launcher.launches) == tuple(f"copy_blocks_{w}" for w in words)
+
+
+@pytest.mark.parametrize("cache_dtype", ["int8", "fp8_e4m3", "fp8_e5m2"])
+def test_quant_worker_picks_the_cupy_backend_on_a_gpu_for_8bit_caches(cache_dtype):
+    geometry = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=64, dtype=cache_dtype)
+    assert isinstance(make_backend("auto", "cuda:0", geometry), CupyAttentionBackend)  # cupy is imported lazily

@@ -132,6 +132,9 @@ class CupyAttentionBackend(AttentionBackend):
     Decode sequences (q_len 1) run paged_decode (split over the context across CTAs when the batch alone
     cannot fill the GPU, then paged_decode_reduce); the other sequences run paged_prefill in the same step.
     Head dims without a kernel instantiation fall back to TorchAttentionBackend.
+    8-bit pools (int8 / float8_e4m3fn / float8_e5m2 codes with kv_scales) run the kernels instantiated for
+    (query dtype, cache dtype): write_kv quantises as quant.quantize does, bit for bit, and attention dequantises
+    each K/V row with its scale as it loads it.
 
     launcher: default CupyLauncher() (GPU). num_threads: threads per attention CTA (multiple of 32, <= 256).
     partition_size: force the decode split size in keys (tests); default sized from the SM count.
