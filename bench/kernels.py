@@ -241,7 +241,7 @@ def quant_section(be, rng, float16_times: dict) -> int:
             print(f"{cache:9s} write FAILED: {type(exc).__name__}: {exc}")
             failed += 1
         torch.cuda.empty_cache()
-    print(f"\n8-bit decode: achieved bandwidth = bytes of codes + scales read / time; vs the float16 cache's time")
+    print("\n8-bit decode: achieved bandwidth = bytes of codes + scales read / time; vs the float16 cache's time")
     print(f"{'cache':9s} {'batch':>5s} {'ctx':>6s} {'us':>9s} {'GB/s':>7s} {'f16 us':>9s} {'speedup':>7s} "
           f"{'rel.err':>8s}")  # fmt: skip
     for cache in CACHES:

@@ -233,3 +233,14 @@ def test_quant_kv_pool_copy_blocks_moves_codes_and_scales(launcher, cache_dtype,
 def test_quant_worker_picks_the_cupy_backend_on_a_gpu_for_8bit_caches(cache_dtype):
     geometry = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=64, dtype=cache_dtype)
     assert isinstance(make_backend("auto", "cuda:0", geometry), CupyAttentionBackend)  # cupy is imported lazily
+
+
+def test_quant_forward_rejects_a_misaligned_1_byte_pool(launcher):
+    rng, seed = fresh_rng()
+    be = backend(launcher)
+    c = make_quant_case(rng, be, ["decode"], 8, 2, 1, 64, torch.float32, torch.int8)
+    wide = torch.zeros(*c.kv_layer.shape[:-1], 80, dtype=torch.int8)
+    wide[..., 1:65] = c.kv_layer
+    with pytest.raises(ValueError, match="16-byte aligned"):  # the codes are read in 16-byte vectors
+        be.forward(c.query, wide[..., 1:65], c.meta, 0.125, kv_scales=c.kv_scales)
+    assert not any(name.startswith("paged_") for name, _, _ in launcher.launches)
