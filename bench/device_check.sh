@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The one prepared run for a lent GPU (about 5 minutes): GPU kernel and token tests, then bench/kernels.py.
+# The one prepared run for a lent GPU (about 6 minutes): GPU kernel and token tests (float and 8-bit caches), then
+# bench/kernels.py (float16/bfloat16 decode and prefill vs SDPA, then the 8-bit caches' quantising write, decode at
+# 4k/32k contexts and prefill, each with its achieved bandwidth in bytes of codes + scales per second).
 # Run on the device machine from the repo root: `bash bench/device_check.sh` (its output lands in $OUT).
 # That machine has python3 with torch, cupy, transformers and pytest but no registry: carry anything missing
 # as wheels in .whl/ (protobuf >= 7.35 for pagedserve.v1 when its own is older); they are installed first.
@@ -17,5 +19,5 @@ export PYTHONPATH="${site:+$site:}$PWD${PYTHONPATH:+:$PYTHONPATH}"
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   python3 -c "import torch, cupy, google.protobuf as p; print('torch', torch.__version__, 'cupy', cupy.__version__, 'protobuf', p.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
-timeout 170 python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt"
-timeout 170 python3 bench/kernels.py 2>&1 | tee "$OUT/kernels.txt"
+timeout 220 python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt"
+timeout 240 python3 bench/kernels.py 2>&1 | tee "$OUT/kernels.txt"

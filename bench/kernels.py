@@ -11,7 +11,12 @@ Targets: >= 80% of copy bandwidth at context >= 4k; faster than SDPA at every de
 Prefill: a 512-token chunk over 4k cached tokens, TFLOP/s vs SDPA with a bottom-right causal mask.
 Then a sweep of the decode split size (CupyAttentionBackend's min_partition) at batch 1 and 32, contexts 4k and
 32k, float16, so that one GPU run also tells how to tune the default.
-Notes: ptxas registers/spills for sm_90 (nvcc -Xptxas -v), when nvcc is on PATH.
+8-bit caches (issue 25; int8, fp8_e4m3, fp8_e5m2, float16 queries): the quantising write (4096 tokens), decode at
+batch {1, 32, 128} x context {4k, 32k} and the same prefill, each with its achieved bandwidth = bytes of codes +
+scales read (written, for the write) per second, the decode next to the float16 cache's time at the same point
+(the 8-bit cache reads ~half the bytes, so at long contexts it should be faster), and the relative error against
+SDPA over the dequantised cache.
+Notes: ptxas registers/spills for sm_90 (nvcc -Xptxas -v), when nvcc is on PATH (also without a GPU).
 """
 
 from __future__ import annotations
@@ -33,12 +38,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from worker_svc.attention import AttentionMetadata  # noqa: E402
 from worker_svc.attention.cupy_backend import CUDA_DIR, KERNEL_SOURCE, CupyAttentionBackend  # noqa: E402
+from pagedserve_common.kv_geometry import QUANT_MAX  # noqa: E402
+from worker_svc.attention.quant import STORAGE, dequantize, raw  # noqa: E402
 
 H, KVH, HD, BLOCK = 32, 8, 128, 16
 BATCHES, CONTEXTS = (1, 32, 128), (512, 4096, 32768)
 SWEEP_POINTS = ((1, 4096), (1, 32768), (32, 4096), (32, 32768))
 PREFILL_CHUNK, PREFILL_CACHED = 512, 4096
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+CACHES = ("int8", "fp8_e4m3", "fp8_e5m2")
+QUANT_CONTEXTS = (4096, 32768)
+WRITE_TOKENS = 4096
 
 
 def timed(fn, iters: int, warmup: int = 3) -> float:
@@ -86,7 +96,7 @@ def ptxas_notes() -> None:
         if m:
             entry = m.group(1)
         elif entry and ("spill" in line or "registers" in line):
-            if "_d128" in entry or entry.startswith(("write_kv", "copy_blocks")):
+            if ("_d128" in entry and "_f32" not in entry) or entry.startswith(("write_kv", "copy_blocks")):
                 print(f"  {entry:32s} {line.strip()}")
 
 
@@ -144,9 +154,125 @@ def prefill_case(be, dtype, rng, batch=1):
     return flops / t / 1e12, flops / t_sdpa / 1e12, err
 
 
+def cache_bytes(num_tokens: int, cache: str) -> int:
+    """Bytes of an 8-bit cache's K and V for num_tokens tokens: codes plus one float32 scale per (token, kv head)."""
+    return 2 * num_tokens * KVH * (HD * torch.tensor([], dtype=STORAGE[cache]).element_size() + 4)
+
+
+def random_quant_pool(cache: str, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [2, nb, BLOCK, KVH, HD] (what quantising N(0, 1) rows gives, no NaN codes) and scales ~ 1/QUANT_MAX."""
+    shape = (2, num_blocks, BLOCK, KVH)
+    if cache == "int8":
+        codes = torch.randint(-127, 128, (*shape, HD), dtype=torch.int8, device="cuda")
+    else:
+        codes = torch.empty((*shape, HD), dtype=STORAGE[cache], device="cuda")
+        qmax = QUANT_MAX[cache]  # NOTE: torch turns a float past the fp8 max into NaN, not the max
+        for i in range(2):  # NOTE: one half at a time: the float16 staging is twice the codes' size
+            x = torch.randn(shape[1:] + (HD,), dtype=torch.float16, device="cuda") * 64
+            codes[i] = x.clamp_(-qmax, qmax).to(STORAGE[cache])
+    scales = torch.rand(shape, device="cuda") * 0.01 + 0.005
+    return codes, scales
+
+
+def quant_write_case(be, cache):
+    """The quantising write of WRITE_TOKENS float16 tokens: (seconds, GB/s of codes + scales written, GB/s all)."""
+    nb = WRITE_TOKENS // BLOCK
+    codes, scales = random_quant_pool(cache, nb)
+    key = torch.randn(WRITE_TOKENS, KVH, HD, dtype=torch.float16, device="cuda")
+    value = torch.randn_like(key)
+    slots = torch.randperm(nb * BLOCK, device="cuda")
+    t = timed(lambda: be.write_kv(codes, key, value, slots, kv_scales=scales), 50)
+    written = cache_bytes(WRITE_TOKENS, cache)
+    return t, written / t, (written + 2 * key.numel() * key.element_size()) / t
+
+
+def quant_decode_case(be, cache, batch, ctx, rng):
+    """(seconds, GB/s of codes + scales read, rel. error vs SDPA over the dequantised cache, NaN past 1M tokens:
+    the float staging of the check would not fit beside the pool)."""
+    nb = batch * ctx // BLOCK
+    codes, scales = random_quant_pool(cache, nb)
+    ids = rng.permutation(nb).reshape(batch, ctx // BLOCK)
+    meta = AttentionMetadata.build([1] * batch, [ctx] * batch, ids.tolist(), BLOCK, device="cuda")
+    q = torch.randn(batch, H, HD, device="cuda", dtype=torch.float16)
+    out = torch.empty_like(q)
+    scale = 1 / math.sqrt(HD)
+    small = ctx * batch <= 1 << 20
+    t = timed(lambda: be.forward(q, codes, meta, scale, kv_scales=scales, out=out), 50 if small else 20)
+    if not small:
+        del codes, scales
+        torch.cuda.empty_cache()
+        return t, cache_bytes(batch * ctx, cache) / t, float("nan")
+    idx = torch.from_numpy(ids).cuda()
+    # NOTE: float8 gathers go as bytes (raw), as everywhere in the project.
+    kv = dequantize(raw(codes)[:, idx].view(codes.dtype), scales[:, idx], torch.float16)
+    del codes, scales
+    k, v = (kv[i].reshape(batch, ctx, KVH, HD).transpose(1, 2).contiguous() for i in range(2))
+    del kv
+    ref = F.scaled_dot_product_attention(q.view(batch, KVH, H // KVH, HD), k, v, scale=scale).reshape(batch, H, HD)
+    err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    del k, v
+    torch.cuda.empty_cache()
+    return t, cache_bytes(batch * ctx, cache) / t, err
+
+
+def quant_prefill_case(be, cache, rng):
+    """Chunk PREFILL_CHUNK over PREFILL_CACHED tokens: (TFLOP/s, GB/s of the cache's codes + scales per call)."""
+    s = PREFILL_CACHED + PREFILL_CHUNK
+    nb = -(-s // BLOCK)
+    codes, scales = random_quant_pool(cache, nb)
+    meta = AttentionMetadata.build([PREFILL_CHUNK], [s], [rng.permutation(nb).tolist()], BLOCK, device="cuda")
+    q = torch.randn(PREFILL_CHUNK, H, HD, device="cuda", dtype=torch.float16)
+    out = torch.empty_like(q)
+    t = timed(lambda: be.forward(q, codes, meta, 1 / math.sqrt(HD), kv_scales=scales, out=out), 10)
+    flops = 4 * H * HD * sum(PREFILL_CACHED + j + 1 for j in range(PREFILL_CHUNK))
+    return flops / t / 1e12, cache_bytes(s, cache) / t
+
+
+def quant_section(be, rng, float16_times: dict) -> int:
+    """The 8-bit caches' write, decode and prefill; returns the number of failed points."""
+    failed = 0
+    print(f"\n8-bit caches (float16 queries): the quantising write of {WRITE_TOKENS} tokens")
+    for cache in CACHES:
+        try:
+            t, bw_codes, bw_all = quant_write_case(be, cache)
+            print(f"{cache:9s} write {t * 1e6:8.1f} us   codes+scales written {bw_codes / 1e9:6.0f} GB/s   "
+                  f"(with the float16 K/V read: {bw_all / 1e9:6.0f} GB/s)")  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - report and go on
+            print(f"{cache:9s} write FAILED: {type(exc).__name__}: {exc}")
+            failed += 1
+        torch.cuda.empty_cache()
+    print("\n8-bit decode: achieved bandwidth = bytes of codes + scales read / time; vs the float16 cache's time")
+    print(f"{'cache':9s} {'batch':>5s} {'ctx':>6s} {'us':>9s} {'GB/s':>7s} {'f16 us':>9s} {'speedup':>7s} "
+          f"{'rel.err':>8s}")  # fmt: skip
+    for cache in CACHES:
+        for batch in BATCHES:
+            for ctx in QUANT_CONTEXTS:
+                try:
+                    t, bw, err = quant_decode_case(be, cache, batch, ctx, rng)
+                except Exception as exc:  # noqa: BLE001
+                    print(f"{cache:9s} {batch:5d} {ctx:6d}  FAILED: {type(exc).__name__}: {exc}")
+                    failed += 1
+                    torch.cuda.empty_cache()
+                    continue
+                t16 = float16_times.get((batch, ctx))
+                ref = f"{t16 * 1e6:9.1f} {t16 / t:7.2f}" if t16 else f"{'-':>9s} {'-':>7s}"
+                print(f"{cache:9s} {batch:5d} {ctx:6d} {t * 1e6:9.1f} {bw / 1e9:7.0f} {ref} {err:8.1e}")
+    print(f"\n8-bit prefill: chunk {PREFILL_CHUNK} over {PREFILL_CACHED} cached tokens, batch 1")
+    for cache in CACHES:
+        try:
+            tflops, bw = quant_prefill_case(be, cache, rng)
+            print(f"{cache:9s} {tflops:6.1f} TFLOP/s   codes+scales {bw / 1e9:6.0f} GB/s (once per call)")
+        except Exception as exc:  # noqa: BLE001
+            print(f"{cache:9s} FAILED: {type(exc).__name__}: {exc}")
+            failed += 1
+        torch.cuda.empty_cache()
+    return failed
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("bench/kernels.py needs a CUDA device (torch.cuda.is_available() is False); nothing to measure.")
+        ptxas_notes()  # the one part that runs without a GPU
         return 2
     try:
         import cupy  # noqa: F401
@@ -162,6 +288,7 @@ def main() -> int:
     print(f"{'dtype':9s} {'batch':>5s} {'ctx':>6s} {'ours us':>9s} {'GB/s':>7s} {'%copy':>6s} {'sdpa us':>9s} "
           f"{'speedup':>7s} {'rel.err':>8s}  targets")  # fmt: skip
     misses = 0
+    float16_times = {}
     for name, dtype in DTYPES.items():
         for batch in BATCHES:
             for ctx in CONTEXTS:
@@ -172,6 +299,8 @@ def main() -> int:
                     misses += 1
                     torch.cuda.empty_cache()
                     continue
+                if dtype == torch.float16:
+                    float16_times[(batch, ctx)] = t
                 ok = (frac >= 0.8 or ctx < 4096) and t < t_sdpa
                 misses += not ok
                 print(f"{name:9s} {batch:5d} {ctx:6d} {t * 1e6:9.1f} {bw / 1e9:7.0f} {frac:6.1%} {t_sdpa * 1e6:9.1f} "
@@ -183,6 +312,7 @@ def main() -> int:
             print(f"{name:9s} ours {ours:6.1f} TFLOP/s   sdpa {theirs:6.1f} TFLOP/s   rel.err {err:.1e}")
         except Exception as exc:  # noqa: BLE001
             print(f"{name:9s} FAILED: {type(exc).__name__}: {exc}")
+    quant_failed = quant_section(be, rng, float16_times)
     print("\ndecode split sweep (float16): us per call by min_partition (keys per split, at least)")
     sweep = (128, 256, 512, 1024)
     print(f"{'batch':>5s} {'ctx':>6s} " + " ".join(f"{m:>8d}" for m in sweep))
@@ -199,7 +329,7 @@ def main() -> int:
         print(f"{batch:5d} {ctx:6d} " + " ".join(cells))
     print()
     ptxas_notes()
-    print(f"\n{misses} decode point(s) missed a target")
+    print(f"\n{misses} decode point(s) missed a target; {quant_failed} 8-bit point(s) failed")
     return 0
 
 

@@ -50,6 +50,27 @@ EXPORT_ATTN(f16, 256)
 EXPORT_ATTN(bf16, 64)
 EXPORT_ATTN(bf16, 128)
 EXPORT_ATTN(bf16, 256)
+#define EXPORT_QUANT(TN, CN) EXPORT(write_kv_##TN##_##CN) EXPORT(paged_decode_##TN##_##CN##_d64) \
+    EXPORT(paged_prefill_##TN##_##CN##_d64) EXPORT(paged_decode_##TN##_##CN##_d128) \
+    EXPORT(paged_prefill_##TN##_##CN##_d128) EXPORT(paged_decode_##TN##_##CN##_d256) \
+    EXPORT(paged_prefill_##TN##_##CN##_d256)
+#define EXPORT_QUANT_CACHES(TN) EXPORT_QUANT(TN, i8) EXPORT_QUANT(TN, e4m3) EXPORT_QUANT(TN, e5m2)
+EXPORT_QUANT_CACHES(f32)
+EXPORT_QUANT_CACHES(f16)
+EXPORT_QUANT_CACHES(bf16)
+EXPORT(copy_blocks_u8)
 EXPORT(copy_blocks_u16)
 EXPORT(copy_blocks_u32)
 EXPORT(copy_blocks_u128)
+
+// The fp8 conversions of common.cuh, element-wise over arrays, for the tests' comparison with torch.
+// fmt: 0 = e4m3, 1 = e5m2.
+extern "C" void host_fp8_decode(int fmt, const unsigned char* codes, float* out, long long n) {
+    for (long long i = 0; i < n; ++i)
+        out[i] = fmt ? paged::fp8_to_float<paged::fp8_e5m2>(codes[i]) : paged::fp8_to_float<paged::fp8_e4m3>(codes[i]);
+}
+
+extern "C" void host_fp8_encode(int fmt, const float* x, unsigned char* out, long long n) {
+    for (long long i = 0; i < n; ++i)
+        out[i] = fmt ? paged::float_to_fp8<paged::fp8_e5m2>(x[i]) : paged::float_to_fp8<paged::fp8_e4m3>(x[i]);
+}

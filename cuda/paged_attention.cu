@@ -10,7 +10,12 @@
 //   paged_decode_TN_dHD             grid (num_heads/heads_per_cta, num_seqs, num_splits)   block: NT threads
 //   paged_decode_reduce_TN_dHD      grid (num_heads, num_seqs)                      any block size
 //   paged_prefill_TN_dHD            grid (num_heads/heads_per_cta, num_seqs, num_q_tiles)  block: NT threads
-//   copy_blocks_u16/u32/u128        grid (num_pairs, num_layers * 2)                any block size
+//   copy_blocks_u8/u16/u32/u128     grid (num_pairs, num_layers * 2)                any block size
+// 8-bit caches (issue 25; CN in i8/e4m3/e5m2: int8, float8_e4m3fn, float8_e5m2 codes, plus float32 scales
+// [2][num_blocks][block_size][num_kv_heads] with their own strides, one per (token, kv head) row of K or V):
+//   write_kv_TN_CN                  grid (num_tokens)                               block: a multiple of 32
+//   paged_decode_TN_CN_dHD, paged_prefill_TN_CN_dHD: as above, the scales' pointer and 4 strides after the
+//   pool's; the split decode reuses paged_decode_reduce_TN_dHD. Rows are dequantised as they are loaded.
 // NT: a multiple of 32 and of HD/4, at most 256 (the backend uses 128, the host tests 64).
 //
 // Attention design (one device function, attend_rows, shared by decode and prefill):
@@ -34,8 +39,23 @@ namespace paged {
 constexpr int TILE = 64;  // keys per tile
 constexpr int PV_VEC = 4;  // dims per thread in P @ V
 
-template <int HD, int MAXR>
-struct AttnSmem {
+// Per-key scales of an 8-bit cache's tile (K and V), looked up with the block table; nothing for a float cache.
+template <bool QUANT>
+struct TileScales {
+    float k_scale[TILE], v_scale[TILE];
+};
+template <>
+struct TileScales<false> {};
+
+// Where an 8-bit cache's scales of one kv head live: [2][num_blocks][block_size] floats through element strides.
+struct ScaleView {
+    const float* __restrict__ p;  // the kv head's scale of (K, block 0, slot 0); nullptr for a float cache
+    i64 stride_kv, stride_block, stride_slot;
+};
+
+// NOTE: the scales are a base class so that a float cache's (empty) one takes no shared memory.
+template <int HD, int MAXR, bool QUANT = false>
+struct AttnSmem : TileScales<QUANT> {
     float q[MAXR][HD];     // queries, pre-scaled by scale * log2(e)
     float s[MAXR][TILE];   // scores, then probabilities
     float red[MAXR][HD];   // sum of the P @ V parts
@@ -48,11 +68,15 @@ struct AttnSmem {
 
 // Runs the online softmax over keys [k_begin, k_end) for rows 0..R-1 of sm.q/sm.lim; leaves the unnormalized
 // output in sm.red and (m, l) in sm.m/sm.l. All threads of the CTA must call it.
+// T is the CACHE element type: float/__half/__nv_bfloat16, or an 8-bit code type (signed char, fp8_e4m3,
+// fp8_e5m2) whose rows are dequantised with their scale (sv) as they are loaded.
 template <class T, int HD, int MAXR>
-__device__ __forceinline__ void attend_rows(AttnSmem<HD, MAXR>& sm, const int R, const T* __restrict__ k_base,
-                                            const i64 stride_kv, const i64 stride_block, const i64 stride_slot,
+__device__ __forceinline__ void attend_rows(AttnSmem<HD, MAXR, Quant<T>::ENABLED>& sm, const int R,
+                                            const T* __restrict__ k_base, const i64 stride_kv,
+                                            const i64 stride_block, const i64 stride_slot,
                                             const int* __restrict__ bt, const int block_size, const int k_begin,
-                                            const int k_end) {
+                                            const int k_end, const ScaleView sv) {
+    constexpr bool QUANT = Quant<T>::ENABLED;
     constexpr int EK = 16 / (int)sizeof(T);                  // elements per 16-byte vector
     constexpr int LPT = (HD / EK) < 32 ? (HD / EK) : 32;     // lanes per key in the score phase
     constexpr int EPL = HD / LPT;                            // elements per lane
@@ -78,7 +102,13 @@ __device__ __forceinline__ void attend_rows(AttnSmem<HD, MAXR>& sm, const int R,
         // 0. block-table lookups for the tile.
         for (int t = tid; t < tile_len; t += nt) {
             const int pos = k0 + t;
-            sm.off[t] = (i64)bt[pos / block_size] * stride_block + (i64)(pos % block_size) * stride_slot;
+            const i64 blk = bt[pos / block_size], slot = pos % block_size;
+            sm.off[t] = blk * stride_block + slot * stride_slot;
+            if constexpr (QUANT) {
+                const i64 so = blk * sv.stride_block + slot * sv.stride_slot;
+                sm.k_scale[t] = sv.p[so];
+                sm.v_scale[t] = sv.p[sv.stride_kv + so];
+            }
         }
         __syncthreads();
 
@@ -88,7 +118,10 @@ __device__ __forceinline__ void attend_rows(AttnSmem<HD, MAXR>& sm, const int R,
             const bool valid = t < tile_len;
             float kf[EPL];
             if (valid) {
-                load_float<T, EPL>(k_base + sm.off[t] + sub * EPL, kf);
+                if constexpr (QUANT)
+                    load_dequant<T, EPL>(k_base + sm.off[t] + sub * EPL, sm.k_scale[t], kf);
+                else
+                    load_float<T, EPL>(k_base + sm.off[t] + sub * EPL, kf);
             } else {
 #pragma unroll
                 for (int e = 0; e < EPL; ++e) kf[e] = 0.f;
@@ -142,7 +175,10 @@ __device__ __forceinline__ void attend_rows(AttnSmem<HD, MAXR>& sm, const int R,
                 }
             for (int t = part; t < tile_len; t += nparts) {
                 float vf[PV_VEC];
-                load_float<T, PV_VEC>(v_base + sm.off[t] + d0, vf);
+                if constexpr (QUANT)
+                    load_dequant<T, PV_VEC>(v_base + sm.off[t] + d0, sm.v_scale[t], vf);
+                else
+                    load_float<T, PV_VEC>(v_base + sm.off[t] + d0, vf);
 #pragma unroll
                 for (int r = 0; r < MAXR; ++r)
                     if (r < R) {
@@ -180,8 +216,8 @@ __device__ __forceinline__ void init_rows(float* m, float* l, int* lim, int R, i
 }
 
 // Load rows' queries: row r = (token tok0 + r / hpc, head h0 + r % hpc), scaled into the log2 domain.
-template <class T, int HD, int MAXR>
-__device__ __forceinline__ void load_queries(AttnSmem<HD, MAXR>& sm, const T* __restrict__ q, i64 q_stride_t,
+template <class T, int HD, int MAXR, bool QUANT>
+__device__ __forceinline__ void load_queries(AttnSmem<HD, MAXR, QUANT>& sm, const T* __restrict__ q, i64 q_stride_t,
                                              i64 q_stride_h, int tok0, int h0, int hpc, int R, float scale) {
     const float qs = scale * PAGED_LOG2E;
     for (int i = threadIdx.x; i < R * HD; i += blockDim.x) {
@@ -191,26 +227,37 @@ __device__ __forceinline__ void load_queries(AttnSmem<HD, MAXR>& sm, const T* __
     }
 }
 
-// What both attention passes read and write: the packed queries and outputs, the pool, the block tables.
+// What both attention passes read and write: the packed queries and outputs (T), the pool (cache type C; an
+// 8-bit cache's scales [2][num_blocks][block_size][kv_heads] beside it, nullptr for a float cache), the block
+// tables.
 // NOTE: built by value in each entry point from its flat arguments (the launch ABI CuPy binds stays flat).
-template <class T>
+template <class T, class C>
 struct PagedArgs {
     T* __restrict__ out;
     i64 out_stride_t, out_stride_h;
     const T* __restrict__ q;
     i64 q_stride_t, q_stride_h;
-    const T* __restrict__ kv;
+    const C* __restrict__ kv;
     i64 stride_kv, stride_block, stride_slot, stride_head;
+    const float* __restrict__ scales;
+    i64 sc_stride_kv, sc_stride_block, sc_stride_slot, sc_stride_head;
     const int* __restrict__ block_tables;
     i64 bt_stride;
     const int* __restrict__ seq_lens;
     const int* __restrict__ query_start_loc;
     int num_heads, num_kv_heads, heads_per_cta, block_size;
     float scale;
+
+    __device__ __forceinline__ ScaleView scale_view(const int kvh) const {
+        if constexpr (Quant<C>::ENABLED)
+            return {scales + (i64)kvh * sc_stride_head, sc_stride_kv, sc_stride_block, sc_stride_slot};
+        else
+            return {nullptr, 0, 0, 0};
+    }
 };
 
-template <class T, int HD>
-__device__ __forceinline__ void paged_decode_impl(const PagedArgs<T>& a, const i64* __restrict__ seq_index,
+template <class T, class C, int HD>
+__device__ __forceinline__ void paged_decode_impl(const PagedArgs<T, C>& a, const i64* __restrict__ seq_index,
                                                   float* __restrict__ part_out, float* __restrict__ part_ml,
                                                   const int partition_size) {
     T* __restrict__ out = a.out;
@@ -219,7 +266,7 @@ __device__ __forceinline__ void paged_decode_impl(const PagedArgs<T>& a, const i
     const int* __restrict__ query_start_loc = a.query_start_loc;
     const int num_heads = a.num_heads, num_kv_heads = a.num_kv_heads, heads_per_cta = a.heads_per_cta;
     constexpr int MAXR = 8;
-    __shared__ AttnSmem<HD, MAXR> sm;
+    __shared__ AttnSmem<HD, MAXR, Quant<C>::ENABLED> sm;
     const int h0 = blockIdx.x * heads_per_cta;
     const int row = blockIdx.y;  // index among the decode sequences
     const int seq = seq_index ? (int)seq_index[row] : row;
@@ -236,8 +283,9 @@ __device__ __forceinline__ void paged_decode_impl(const PagedArgs<T>& a, const i
     init_rows<MAXR>(sm.m, sm.l, sm.lim, R, ctx, 1 << 30);
     load_queries<T, HD, MAXR>(sm, a.q, a.q_stride_t, a.q_stride_h, tok, h0, R, R, a.scale);
     __syncthreads();
-    attend_rows<T, HD, MAXR>(sm, R, a.kv + (i64)kvh * a.stride_head, a.stride_kv, a.stride_block, a.stride_slot,
-                             a.block_tables + (i64)seq * a.bt_stride, a.block_size, k_begin, k_end);
+    attend_rows<C, HD, MAXR>(sm, R, a.kv + (i64)kvh * a.stride_head, a.stride_kv, a.stride_block, a.stride_slot,
+                             a.block_tables + (i64)seq * a.bt_stride, a.block_size, k_begin, k_end,
+                             a.scale_view(kvh));
     // attend_rows ends with a barrier: sm.red/m/l are complete.
     for (int i = threadIdx.x; i < R * HD; i += blockDim.x) {
         const int r = i / HD, d = i % HD;
@@ -279,12 +327,13 @@ __device__ __forceinline__ void paged_decode_reduce_impl(
     }
 }
 
-template <class T, int HD>
-__device__ __forceinline__ void paged_prefill_impl(const PagedArgs<T>& a, const int q_tile, const int min_q_len) {
+template <class T, class C, int HD>
+__device__ __forceinline__ void paged_prefill_impl(const PagedArgs<T, C>& a, const int q_tile,
+                                                   const int min_q_len) {
     const int* __restrict__ query_start_loc = a.query_start_loc;
     const int heads_per_cta = a.heads_per_cta;
     constexpr int MAXR = 16;
-    __shared__ AttnSmem<HD, MAXR> sm;
+    __shared__ AttnSmem<HD, MAXR, Quant<C>::ENABLED> sm;
     const int h0 = blockIdx.x * heads_per_cta;
     const int seq = blockIdx.y;
     const int start = query_start_loc[seq];
@@ -300,8 +349,9 @@ __device__ __forceinline__ void paged_prefill_impl(const PagedArgs<T>& a, const 
     init_rows<MAXR>(sm.m, sm.l, sm.lim, R, first_pos + 1, heads_per_cta);
     load_queries<T, HD, MAXR>(sm, a.q, a.q_stride_t, a.q_stride_h, start + j0, h0, heads_per_cta, R, a.scale);
     __syncthreads();
-    attend_rows<T, HD, MAXR>(sm, R, a.kv + (i64)kvh * a.stride_head, a.stride_kv, a.stride_block, a.stride_slot,
-                             a.block_tables + (i64)seq * a.bt_stride, a.block_size, 0, first_pos + nq);
+    attend_rows<C, HD, MAXR>(sm, R, a.kv + (i64)kvh * a.stride_head, a.stride_kv, a.stride_block, a.stride_slot,
+                             a.block_tables + (i64)seq * a.bt_stride, a.block_size, 0, first_pos + nq,
+                             a.scale_view(kvh));
     for (int i = threadIdx.x; i < R * HD; i += blockDim.x) {
         const int r = i / HD, d = i % HD;
         const i64 tok = start + j0 + r / heads_per_cta;
@@ -328,6 +378,36 @@ __device__ __forceinline__ void write_kv_impl(T* __restrict__ kv, const i64 stri
     }
 }
 
+// The quantising write into an 8-bit cache (codes C, scales float), from keys/values of type T. One warp per
+// (K or V, kv head) row of token blockIdx.x: absmax over head_dim (warp reduction), scale = max(absmax /
+// QUANT_MAX, 1e-30), code = encode(x / scale): bit-identical to worker_svc/attention/quant.py::quantize.
+// blockDim.x must be a multiple of 32.
+template <class T, class C>
+__device__ __forceinline__ void write_kv_quant_impl(
+    C* __restrict__ kv, const i64 stride_kv, const i64 stride_block, const i64 stride_slot, const i64 stride_head,
+    float* __restrict__ scales, const i64 sc_stride_kv, const i64 sc_stride_block, const i64 sc_stride_slot,
+    const i64 sc_stride_head, const T* __restrict__ key, const i64 k_stride_t, const i64 k_stride_h,
+    const T* __restrict__ value, const i64 v_stride_t, const i64 v_stride_h, const i64* __restrict__ slot_mapping,
+    const int num_kv_heads, const int head_dim, const int block_size) {
+    const i64 t = blockIdx.x;
+    const i64 slot = slot_mapping[t];
+    if (slot < 0) return;  // padding token (uniform over the CTA)
+    const i64 blk = slot / block_size, off = slot % block_size;
+    const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, nwarps = blockDim.x / 32;
+    for (int row = warp; row < 2 * num_kv_heads; row += nwarps) {  // uniform over the warp: all lanes reduce
+        const int which = row / num_kv_heads, h = row % num_kv_heads;
+        const T* src = which ? value + t * v_stride_t + h * v_stride_h : key + t * k_stride_t + h * k_stride_h;
+        float amax = 0.f;
+        for (int d = lane; d < head_dim; d += 32) amax = fmaxf(amax, fabsf(to_float(src[d])));
+        amax = warp_max(amax);
+        const float s = fmaxf(div_rn(amax, Quant<C>::MAX), 1e-30f);
+        C* dst = kv + which * stride_kv + blk * stride_block + off * stride_slot + h * stride_head;
+        for (int d = lane; d < head_dim; d += 32) dst[d] = encode<C>(div_rn(to_float(src[d]), s));
+        if (lane == 0)
+            scales[which * sc_stride_kv + blk * sc_stride_block + off * sc_stride_slot + h * sc_stride_head] = s;
+    }
+}
+
 // Whole-block copies in every layer, K and V: pool viewed as words W; strides in words.
 template <class W>
 __device__ __forceinline__ void copy_blocks_impl(W* __restrict__ pool, const i64 layer_stride, const i64 kv_stride,
@@ -344,35 +424,69 @@ __device__ __forceinline__ void copy_blocks_impl(W* __restrict__ pool, const i64
 }  // namespace paged
 
 // ---- extern "C" entry points --------------------------------------------------------------------------------
-#define PAGED_ATTN_ENTRIES(TN, T, HD)                                                                              \
-    extern "C" __global__ void __launch_bounds__(256) paged_decode_##TN##_d##HD(                                   \
-        T* out, long long out_stride_t, long long out_stride_h, const T* q, long long q_stride_t,                  \
-        long long q_stride_h, const T* kv, long long stride_kv, long long stride_block, long long stride_slot,     \
-        long long stride_head, const int* block_tables, long long bt_stride, const int* seq_lens,                  \
+// Parameter lists shared by the float and the 8-bit entries; an 8-bit entry has the scales' pointer and strides
+// right after the pool's (PAGED_SCALE_PARAMS), a float one passes PagedArgs no scales.
+#define PAGED_HEAD_PARAMS(T, C)                                                                                    \
+    T *out, long long out_stride_t, long long out_stride_h, const T *q, long long q_stride_t,                      \
+        long long q_stride_h, const C *kv, long long stride_kv, long long stride_block, long long stride_slot,     \
+        long long stride_head,
+#define PAGED_SCALE_PARAMS                                                                                         \
+    const float *kv_scales, long long sc_stride_kv, long long sc_stride_block, long long sc_stride_slot,           \
+        long long sc_stride_head,
+#define PAGED_SCALES kv_scales, sc_stride_kv, sc_stride_block, sc_stride_slot, sc_stride_head
+#define PAGED_NO_SCALES nullptr, 0, 0, 0, 0
+// NOTE: variadic, since the scales arrive already expanded into their five comma-separated arguments.
+#define PAGED_ARGS(...)                                                                                            \
+    {out, out_stride_t, out_stride_h, q, q_stride_t, q_stride_h, kv, stride_kv, stride_block, stride_slot,          \
+     stride_head, __VA_ARGS__, block_tables, bt_stride, seq_lens, query_start_loc, num_heads, num_kv_heads,        \
+     heads_per_cta, block_size, scale}
+
+// paged_decode_<TAG>_d<HD> and paged_prefill_<TAG>_d<HD> (TAG: the query type, then the cache type if 8-bit).
+#define PAGED_ATTN_KERNELS(TAG, T, C, SCALE_PARAMS, SCALES, HD)                                                    \
+    extern "C" __global__ void __launch_bounds__(256) paged_decode_##TAG##_d##HD(                                  \
+        PAGED_HEAD_PARAMS(T, C) SCALE_PARAMS const int* block_tables, long long bt_stride, const int* seq_lens,    \
         const int* query_start_loc, const long long* seq_index, float* part_out, float* part_ml, int num_heads,    \
         int num_kv_heads, int heads_per_cta, int block_size, int partition_size, float scale) {                   \
-        const paged::PagedArgs<T> a{out, out_stride_t, out_stride_h, q, q_stride_t, q_stride_h, kv, stride_kv,     \
-                                    stride_block, stride_slot, stride_head, block_tables, bt_stride, seq_lens,     \
-                                    query_start_loc, num_heads, num_kv_heads, heads_per_cta, block_size, scale};   \
-        paged::paged_decode_impl<T, HD>(a, seq_index, part_out, part_ml, partition_size);                          \
+        const paged::PagedArgs<T, C> a PAGED_ARGS(SCALES);                                                         \
+        paged::paged_decode_impl<T, C, HD>(a, seq_index, part_out, part_ml, partition_size);                       \
     }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) paged_prefill_##TAG##_d##HD(                                 \
+        PAGED_HEAD_PARAMS(T, C) SCALE_PARAMS const int* block_tables, long long bt_stride, const int* seq_lens,    \
+        const int* query_start_loc, int num_heads, int num_kv_heads, int heads_per_cta, int q_tile,                \
+        int block_size, int min_q_len, float scale) {                                                              \
+        const paged::PagedArgs<T, C> a PAGED_ARGS(SCALES);                                                         \
+        paged::paged_prefill_impl<T, C, HD>(a, q_tile, min_q_len);                                                 \
+    }
+
+// Float caches: the cache type is the query type; the split-decode reduce (only the output type matters, so
+// 8-bit caches use it too).
+#define PAGED_ATTN_ENTRIES(TN, T, HD)                                                                              \
+    PAGED_ATTN_KERNELS(TN, T, T, , PAGED_NO_SCALES, HD)                                                            \
     extern "C" __global__ void paged_decode_reduce_##TN##_d##HD(                                                   \
         T* out, long long out_stride_t, long long out_stride_h, const float* part_out, const float* part_ml,       \
         const int* seq_lens, const int* query_start_loc, const long long* seq_index, int num_heads,                \
         int num_splits, int partition_size) {                                                                      \
         paged::paged_decode_reduce_impl<T, HD>(out, out_stride_t, out_stride_h, part_out, part_ml, seq_lens,       \
                                                query_start_loc, seq_index, num_heads, num_splits, partition_size); \
-    }                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(256) paged_prefill_##TN##_d##HD(                                  \
-        T* out, long long out_stride_t, long long out_stride_h, const T* q, long long q_stride_t,                  \
-        long long q_stride_h, const T* kv, long long stride_kv, long long stride_block, long long stride_slot,     \
-        long long stride_head, const int* block_tables, long long bt_stride, const int* seq_lens,                  \
-        const int* query_start_loc, int num_heads, int num_kv_heads, int heads_per_cta, int q_tile,                \
-        int block_size, int min_q_len, float scale) {                                                              \
-        const paged::PagedArgs<T> a{out, out_stride_t, out_stride_h, q, q_stride_t, q_stride_h, kv, stride_kv,     \
-                                    stride_block, stride_slot, stride_head, block_tables, bt_stride, seq_lens,     \
-                                    query_start_loc, num_heads, num_kv_heads, heads_per_cta, block_size, scale};   \
-        paged::paged_prefill_impl<T, HD>(a, q_tile, min_q_len);                                                    \
+    }
+
+// 8-bit caches: paged_decode_<TN>_<CN>_d<HD>, paged_prefill_<TN>_<CN>_d<HD> for head dims 64/128/256, and the
+// quantising write write_kv_<TN>_<CN>.
+#define PAGED_QUANT_ATTN(TAG, T, C, HD) PAGED_ATTN_KERNELS(TAG, T, C, PAGED_SCALE_PARAMS, PAGED_SCALES, HD)
+#define PAGED_QUANT_ENTRIES(TN, T, CN, C)                                                                          \
+    PAGED_QUANT_ATTN(TN##_##CN, T, C, 64)                                                                          \
+    PAGED_QUANT_ATTN(TN##_##CN, T, C, 128)                                                                         \
+    PAGED_QUANT_ATTN(TN##_##CN, T, C, 256)                                                                         \
+    extern "C" __global__ void write_kv_##TN##_##CN(                                                               \
+        C* kv, long long stride_kv, long long stride_block, long long stride_slot, long long stride_head,          \
+        float* kv_scales, long long sc_stride_kv, long long sc_stride_block, long long sc_stride_slot,             \
+        long long sc_stride_head, const T* key, long long k_stride_t, long long k_stride_h, const T* value,        \
+        long long v_stride_t, long long v_stride_h, const long long* slot_mapping, int num_kv_heads,               \
+        int head_dim, int block_size) {                                                                            \
+        paged::write_kv_quant_impl<T, C>(kv, stride_kv, stride_block, stride_slot, stride_head, kv_scales,         \
+                                         sc_stride_kv, sc_stride_block, sc_stride_slot, sc_stride_head, key,       \
+                                         k_stride_t, k_stride_h, value, v_stride_t, v_stride_h, slot_mapping,      \
+                                         num_kv_heads, head_dim, block_size);                                      \
     }
 
 #define PAGED_WRITE_ENTRY(TN, T)                                                                                   \
@@ -408,6 +522,17 @@ PAGED_ATTN_ENTRIES(bf16, __nv_bfloat16, 64)
 PAGED_ATTN_ENTRIES(bf16, __nv_bfloat16, 128)
 PAGED_ATTN_ENTRIES(bf16, __nv_bfloat16, 256)
 
+PAGED_QUANT_ENTRIES(f32, float, i8, signed char)
+PAGED_QUANT_ENTRIES(f32, float, e4m3, paged::fp8_e4m3)
+PAGED_QUANT_ENTRIES(f32, float, e5m2, paged::fp8_e5m2)
+PAGED_QUANT_ENTRIES(f16, __half, i8, signed char)
+PAGED_QUANT_ENTRIES(f16, __half, e4m3, paged::fp8_e4m3)
+PAGED_QUANT_ENTRIES(f16, __half, e5m2, paged::fp8_e5m2)
+PAGED_QUANT_ENTRIES(bf16, __nv_bfloat16, i8, signed char)
+PAGED_QUANT_ENTRIES(bf16, __nv_bfloat16, e4m3, paged::fp8_e4m3)
+PAGED_QUANT_ENTRIES(bf16, __nv_bfloat16, e5m2, paged::fp8_e5m2)
+
+PAGED_COPY_ENTRY(u8, unsigned char)
 PAGED_COPY_ENTRY(u16, unsigned short)
 PAGED_COPY_ENTRY(u32, unsigned int)
 PAGED_COPY_ENTRY(u128, uint4)

@@ -8,11 +8,12 @@ import numpy as np
 import pytest
 import torch
 
-from tests.kernels.cases import GQA, check_forward, make_case
+from tests.kernels.cases import GQA, check_forward, make_case, make_quant_case
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+CACHE_DTYPES = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]  # 8-bit caches (issue 25)
 
 
 @pytest.fixture(scope="module")
@@ -89,3 +90,38 @@ def test_kernel_gpu_write_kv_and_copy_blocks(gpu_backend_cls, dtype):
     be.copy_blocks(pool, copies)
     torch.cuda.synchronize()
     assert torch.equal(pool, expected)
+
+
+# ---- 8-bit caches: the write is bit-identical to quant.quantize (checked inside make_quant_case) ---------------
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("cache", CACHE_DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernel_gpu_quant_mixed_batch(gpu_backend_cls, dtype, cache, head_dim):
+    rng, seed = fresh_rng()
+    heads = GQA[int(rng.integers(len(GQA)))]
+    kinds = list(rng.permutation(["decode", "chunk", "decode", "prefill", "chunk", "decode"]))
+    for be in (gpu_backend_cls(), gpu_backend_cls(partition_size=int(rng.integers(20, 80)))):
+        c = make_quant_case(rng, be, kinds, int(rng.choice([8, 16, 32])), *heads, head_dim, dtype, cache,
+                            device="cuda", max_blocks=6)  # fmt: skip
+        check_forward(be, c.query, c.kv_layer, c.meta, seed, kv_scales=c.kv_scales)
+
+
+@pytest.mark.parametrize("cache", CACHE_DTYPES)
+def test_kernel_gpu_quant_long_context_decode(gpu_backend_cls, cache):
+    rng, seed = fresh_rng()
+    be = gpu_backend_cls()
+    c = make_quant_case(rng, be, ["decode"] * 2, 16, 32, 8, 128, torch.float16, cache, device="cuda",
+                        max_blocks=300)  # fmt: skip
+    check_forward(be, c.query, c.kv_layer, c.meta, seed, kv_scales=c.kv_scales)
+
+
+def test_kernel_gpu_quant_copy_blocks_of_scales(gpu_backend_cls):
+    be = gpu_backend_cls()
+    for t in (torch.rand(3, 2, 10, 16, 8, device="cuda"),  # the scales tensor
+              torch.randint(-127, 128, (3, 2, 10, 16, 8, 64), dtype=torch.int8, device="cuda")):  # int8 codes
+        copies = [(1, 7), (4, 2), (4, 9), (0, 5)]
+        expected = t.clone()
+        expected[:, :, [d for _, d in copies]] = expected[:, :, [s for s, _ in copies]]
+        be.copy_blocks(t, copies)
+        torch.cuda.synchronize()
+        assert torch.equal(t, expected)

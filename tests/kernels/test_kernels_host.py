@@ -48,12 +48,16 @@ def test_kernel_nvcc_builds_without_spills(builds, arch, capsys):
         for hd in (64, 128, 256):
             for kind in ("paged_decode", "paged_decode_reduce", "paged_prefill"):
                 assert f"{kind}_{tag}_d{hd}" in names
-    assert {"copy_blocks_u16", "copy_blocks_u32", "copy_blocks_u128"} <= names
+        for cache in ("i8", "e4m3", "e5m2"):  # 8-bit caches (issue 25)
+            assert f"write_kv_{tag}_{cache}" in names
+            for hd in (64, 128, 256):
+                assert {f"paged_decode_{tag}_{cache}_d{hd}", f"paged_prefill_{tag}_{cache}_d{hd}"} <= names
+    assert {"copy_blocks_u8", "copy_blocks_u16", "copy_blocks_u32", "copy_blocks_u128"} <= names
     assert len(regs) == len(entries) == len(spills)
     with capsys.disabled():
         print(f"\n[{arch}] ptxas:")
         for (name, _), r, (st, ld) in zip(entries, regs, spills):
-            if "_f16_" in name or name.startswith(("write_kv", "copy")):
+            if "_f16_" in name or name.startswith(("write_kv_f16", "copy")):
                 print(f"  {name:32s} {r:>4s} registers, spill stores {st} B, loads {ld} B")
     assert all(st == "0" and ld == "0" for st, ld in spills), "register spills"
 

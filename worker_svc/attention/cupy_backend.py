@@ -3,7 +3,9 @@
 The kernels are compiled at first use with CuPy's RawModule (NVRTC) and launched on torch's current stream, with
 raw device pointers of the torch tensors (zero-copy: the kernels read and write the very memory torch allocated,
 the pool included; no DLPack capsule is needed per launch) plus element strides, so a per-layer view of the one
-[layers, 2, num_blocks, block_size, kv_heads, head_dim] pool tensor works as is.
+[layers, 2, num_blocks, block_size, kv_heads, head_dim] pool tensor works as is. An 8-bit pool (int8 / fp8 codes,
+worker_svc/attention/quant.py) runs the kernels instantiated for its cache type, which quantise on write and
+dequantise each K/V row with its float32 scale as they load it; queries and outputs stay in the query's dtype.
 
 Everything but the launch itself is plain torch/numpy: `CupyAttentionBackend` takes a launcher object with
 `launch(name, grid, block, args)`. The default `CupyLauncher` needs cupy and a GPU; the CPU tests pass a launcher
@@ -30,6 +32,8 @@ CUDA_DIR = Path(os.environ.get("PAGEDSERVE_CUDA_DIR") or Path(__file__).resolve(
 KERNEL_SOURCE = CUDA_DIR / "paged_attention.cu"
 
 DTYPE_TAGS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
+# 8-bit caches: kernel names are <kind>_<query tag>_<cache tag>_d<HD> and write_kv_<query tag>_<cache tag>.
+CACHE_TAGS = {torch.int8: "i8", torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 HEAD_DIMS = (64, 128, 256)  # instantiated in paged_attention.cu
 TILE = 64  # keys per tile in the kernels (paged_attention.cu)
 DECODE_MAX_ROWS = 8  # MAXR of paged_decode: heads per CTA
@@ -128,6 +132,9 @@ class CupyAttentionBackend(AttentionBackend):
     Decode sequences (q_len 1) run paged_decode (split over the context across CTAs when the batch alone
     cannot fill the GPU, then paged_decode_reduce); the other sequences run paged_prefill in the same step.
     Head dims without a kernel instantiation fall back to TorchAttentionBackend.
+    8-bit pools (int8 / float8_e4m3fn / float8_e5m2 codes with kv_scales) run the kernels instantiated for
+    (query dtype, cache dtype): write_kv quantises as quant.quantize does, bit for bit, and attention dequantises
+    each K/V row with its scale as it loads it.
 
     launcher: default CupyLauncher() (GPU). num_threads: threads per attention CTA (multiple of 32, <= 256).
     partition_size: force the decode split size in keys (tests); default sized from the SM count.
@@ -163,11 +170,14 @@ class CupyAttentionBackend(AttentionBackend):
         self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
         kv_scales: torch.Tensor | None = None,
     ) -> None:
-        if kv_scales is not None:  # TODO(issue 25): the quantising write
-            raise NotImplementedError("8-bit KV caches on the CuPy backend")
         _, _, block_size, kvh, hd = kv_layer.shape
         if kv_layer.stride(-1) != 1:
             raise ValueError("kv_layer's head_dim must be contiguous")
+        if (kv_layer.dtype in CACHE_TAGS) != (kv_scales is not None):
+            raise ValueError(f"a {kv_layer.dtype} pool layer {'needs' if kv_scales is None else 'has no'} kv_scales")
+        if kv_scales is not None:
+            self._write_kv_quantized(kv_layer, kv_scales, key, value, slot_mapping)
+            return
         key = _last_dim_contiguous(key.to(kv_layer.dtype))
         value = _last_dim_contiguous(value.to(kv_layer.dtype))
         slots = slot_mapping.to(device=kv_layer.device, dtype=torch.int64).contiguous()
@@ -187,6 +197,33 @@ class CupyAttentionBackend(AttentionBackend):
             ],
         )
 
+    def _write_kv_quantized(
+        self, kv_layer: torch.Tensor, kv_scales: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+        slot_mapping: torch.Tensor,
+    ) -> None:
+        """One pass: each (token, kv head) row of K and V -> codes + its scale (write_kv_<T>_<C>)."""
+        _, _, block_size, kvh, hd = kv_layer.shape
+        check_shapes(key, kv_layer, kv_scales)
+        in_dtype = key.dtype if key.dtype in DTYPE_TAGS else torch.float32
+        key = _last_dim_contiguous(key.to(in_dtype))
+        value = _last_dim_contiguous(value.to(in_dtype))
+        slots = slot_mapping.to(device=kv_layer.device, dtype=torch.int64).contiguous()
+        if slots.shape[0] == 0:
+            return
+        s = kv_layer.stride()
+        self.launcher.launch(
+            f"write_kv_{DTYPE_TAGS[in_dtype]}_{CACHE_TAGS[kv_layer.dtype]}",
+            (slots.shape[0], 1, 1),
+            min(self.num_threads, 32 * 2 * kvh),  # one warp per (K or V, kv head) row
+            [
+                ptr(kv_layer), i64(s[0]), i64(s[1]), i64(s[2]), i64(s[3]),
+                *_scale_args(kv_scales),
+                ptr(key), i64(key.stride(0)), i64(key.stride(1)),
+                ptr(value), i64(value.stride(0)), i64(value.stride(1)),
+                ptr(slots), i32(kvh), i32(hd), i32(block_size),
+            ],
+        )  # fmt: skip
+
     # ---- forward ---------------------------------------------------------------------------------------------
     def forward(
         self,
@@ -197,26 +234,31 @@ class CupyAttentionBackend(AttentionBackend):
         kv_scales: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """As AttentionBackend.forward; `out` (optional, [T, H, hd] in the pool's dtype) receives the result."""
-        if kv_scales is not None:  # TODO(issue 25): the dequantising kernels
-            raise NotImplementedError("8-bit KV caches on the CuPy backend")
-        num_heads, num_kv_heads, hd = check_shapes(query, kv_layer)
+        """As AttentionBackend.forward; `out` (optional, [T, H, hd] in the compute dtype: the pool's for a float
+        cache, the query's (float32 unless float16/bfloat16) for an 8-bit one) receives the result."""
+        num_heads, num_kv_heads, hd = check_shapes(query, kv_layer, kv_scales)
         if query.shape[0] != meta.num_tokens:
             raise ValueError(f"query has {query.shape[0]} tokens, metadata {meta.num_tokens}")
-        if hd not in HEAD_DIMS or kv_layer.dtype not in DTYPE_TAGS:
-            result = self._torch_fallback().forward(query, kv_layer, meta, scale)
+        quantized = kv_scales is not None
+        if hd not in HEAD_DIMS or not (quantized or kv_layer.dtype in DTYPE_TAGS):
+            result = self._torch_fallback().forward(query, kv_layer, meta, scale, kv_scales=kv_scales)
             return result if out is None else out.copy_(result)
         if kv_layer.stride(-1) != 1:
             raise ValueError("kv_layer's head_dim must be contiguous")
-        query = _last_dim_contiguous(query.to(kv_layer.dtype))
+        if quantized:
+            compute = query.dtype if query.dtype in DTYPE_TAGS else torch.float32
+        else:
+            compute = kv_layer.dtype
+        query = _last_dim_contiguous(query.to(compute))
         _check_alignment(kv_layer, query)
         if out is None:
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
         elif out.shape != query.shape or out.dtype != query.dtype or out.stride(-1) != 1:
-            raise ValueError("out must be [T, num_heads, head_dim] in the pool's dtype, head_dim contiguous")
+            raise ValueError(f"out must be [T, num_heads, head_dim] in {compute}, head_dim contiguous")
         if meta.num_seqs == 0:
             return out
-        tag = f"{DTYPE_TAGS[kv_layer.dtype]}_d{hd}"
+        reduce_tag = f"{DTYPE_TAGS[compute]}_d{hd}"  # the split reduce depends on the output type only
+        tag = f"{DTYPE_TAGS[compute]}_{CACHE_TAGS[kv_layer.dtype]}_d{hd}" if quantized else reduce_tag
         block_size = kv_layer.shape[2]
         s = kv_layer.stride()
         tables = meta.block_tables.to(torch.int32).contiguous()
@@ -227,6 +269,7 @@ class CupyAttentionBackend(AttentionBackend):
             ptr(out), i64(out.stride(0)), i64(out.stride(1)),
             ptr(query), i64(query.stride(0)), i64(query.stride(1)),
             ptr(kv_layer), i64(s[0]), i64(s[1]), i64(s[2]), i64(s[3]),
+            *_scale_args(kv_scales),
             ptr(tables), i64(tables.stride(0) if tables.dim() == 2 and tables.shape[1] else 0),
             ptr(seq_lens), ptr(qsl),
         ]  # fmt: skip
@@ -256,7 +299,7 @@ class CupyAttentionBackend(AttentionBackend):
             )  # fmt: skip
             if splits > 1:
                 self.launcher.launch(
-                    f"paged_decode_reduce_{tag}",
+                    f"paged_decode_reduce_{reduce_tag}",
                     (num_heads, n_dec, 1),
                     min(hd, self.num_threads),
                     [
@@ -300,25 +343,26 @@ class CupyAttentionBackend(AttentionBackend):
 
     # ---- copy_blocks -----------------------------------------------------------------------------------------
     def copy_blocks(self, kv_pool: torch.Tensor, copies: Sequence[tuple[int, int]]) -> None:
-        """Copy whole blocks src -> dst in every layer, K and V, of the [layers, 2, nb, bs, kvh, hd] pool.
+        """Copy whole blocks src -> dst in every layer, K and V, of a [layers, 2, num_blocks, ...] tensor: the
+        [layers, 2, nb, bs, kvh, hd] pool (any element type, 8-bit codes included) or an 8-bit cache's
+        [layers, 2, nb, bs, kvh] float32 scales.
 
         NOTE: all pairs run concurrently: no dst may also be a src of the same call (true for copy-on-write,
         whose dst is a freshly allocated block).
         """
         if not copies:
             return
-        if kv_pool.dim() != 6 or kv_pool.shape[1] != 2:
-            raise ValueError(f"kv_pool must be [layers, 2, num_blocks, block_size, kvh, hd], got {kv_pool.shape}")
+        if kv_pool.dim() < 3 or kv_pool.shape[1] != 2:
+            raise ValueError(f"kv_pool must be [layers, 2, num_blocks, ...], got {tuple(kv_pool.shape)}")
         if not kv_pool[0, 0, 0].is_contiguous():
-            raise ValueError("a block's [block_size, kvh, hd] tile must be contiguous")
+            raise ValueError("a block's tile (kv_pool[layer, k/v, block]) must be contiguous")
         item = kv_pool.element_size()
         block_bytes = kv_pool[0, 0, 0].numel() * item
         strides = [kv_pool.stride(i) * item for i in range(3)]
-        for width, name in ((16, "u128"), (4, "u32"), (2, "u16")):
-            if all(x % width == 0 for x in (block_bytes, *strides, kv_pool.data_ptr())):
-                break
-        else:
-            raise ValueError("pool is not 2-byte aligned")
+        # The widest word that divides the block, the strides and the base address (bytes, for a 1-byte pool
+        # whose block is an odd number of bytes).
+        width, name = next((w, n) for w, n in ((16, "u128"), (4, "u32"), (2, "u16"), (1, "u8"))
+                           if all(x % w == 0 for x in (block_bytes, *strides, kv_pool.data_ptr())))
         pairs = torch.tensor(list(copies), dtype=torch.int64).T.contiguous().to(kv_pool.device)
         src, dst = pairs[0], pairs[1]
         self.launcher.launch(
@@ -336,10 +380,21 @@ def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
 
+def _scale_args(kv_scales: torch.Tensor | None) -> list:
+    """An 8-bit cache's scales pointer and element strides (kv, block, slot, head); nothing for a float cache."""
+    if kv_scales is None:
+        return []
+    return [ptr(kv_scales), *(i64(st) for st in kv_scales.stride())]
+
+
 def _check_alignment(kv_layer: torch.Tensor, query: torch.Tensor) -> None:
-    """K/V rows are loaded in 16-byte vectors (8 bytes in P @ V)."""
+    """K/V rows are loaded in 16-byte vectors (8 bytes in P @ V; 4 bytes for a 1-byte cache's codes).
+
+    NOTE: a 1-byte pool needs head_dim a multiple of 16 (true of 64/128/256) and 16-byte strides: the pool's
+    own layout gives them. Its scales are read one float at a time (any strides).
+    """
     item = kv_layer.element_size()
     if kv_layer.data_ptr() % 16 or any((st * item) % 16 for st in kv_layer.stride()[:4]):
         raise ValueError("kv_layer must be 16-byte aligned (data pointer and strides)")
-    if math.prod(query.shape) and query.data_ptr() % item:
+    if math.prod(query.shape) and query.data_ptr() % query.element_size():
         raise ValueError("query is misaligned")
