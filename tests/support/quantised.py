@@ -6,8 +6,8 @@ bits (measured on SmolLM2: 76% of a float32 cache's elements differ, by <= 2.6e-
 prefilled copy of one sequence). A float cache keeps that difference invisible; an 8-bit code sitting on a rounding
 boundary flips by one step (1% of the int8 codes), and the next layers carry it on: the sampled tokens' logprobs
 differ by up to 0.021 nats between such runs. So the check is exact where it can be: the same tokens, with the
-same distribution at every position (each token's probability within PROB_NOISE; a lost or stale scale moves
-logits by whole nats), and a divergence only where the draw sits on a tie: greedy, the two best within NOISE;
+same distribution at every position (each token's probability within PROB_NOISE, where stale scales move it by
+far more), and a divergence only where the draw sits on a tie: greedy, the two best within NOISE;
 seeded, the uniform between two nearly equal cumulative sums (observable only as both runs agreeing there).
 """
 
@@ -15,8 +15,11 @@ from __future__ import annotations
 
 import math
 
-NOISE = 0.1  # nats, between the two best logprobs: a greedy tie (5x the worst difference measured, 0.021)
-PROB_NOISE = 0.03  # the most one token's probability may differ between two runs of one stream
+# NOTE: measured over tests/worker/test_kv_quant_tokens.py and tests/service/test_kv_quant_failover.py: two runs
+# of one stream differ by <= 0.021 nats in a sampled token's logprob and <= 0.018 in any token's probability; a
+# swap-in that drops the scales moves a probability by 0.61.
+NOISE = 0.1  # nats, between the two best logprobs: a greedy tie
+PROB_NOISE = 0.1  # the most one token's probability may differ between two runs of one stream
 
 
 def assert_close(position: int, got, want) -> None:
