@@ -113,6 +113,14 @@ def test_preemption_changes_no_int8_stream(runner, prompts, undisturbed, sp, num
     same_streams(preempted(runner, prompts, sp, num_cpu_blocks), undisturbed[sp], sp)
 
 
+def stale_scales(runner: ModelRunner) -> None:
+    """Every scale in the pool set to what no write of this model's K/V makes (real ones are about absmax / 127):
+    so a block whose scales stay behind reads wrong whatever ran before. NOTE: else a block that an earlier run
+    filled with the same tokens would still hold the right ones."""
+    runner.pool.scales.fill_(1.0)
+    runner.pool.cpu_scales.fill_(1.0)
+
+
 def test_a_swap_in_that_drops_the_scales_changes_the_streams(runner, prompts, undisturbed, monkeypatch):
     """The check above has teeth: swapped-in blocks read with the stale scales their device blocks held."""
     swap_in = KVPool.swap_in
@@ -123,6 +131,7 @@ def test_a_swap_in_that_drops_the_scales_changes_the_streams(runner, prompts, un
         self.scales.copy_(scales)
 
     monkeypatch.setattr(KVPool, "swap_in", codes_only)
+    stale_scales(runner)
     with pytest.raises(AssertionError, match="differ"):
         same_streams(preempted(runner, prompts, GREEDY, 32), undisturbed[GREEDY], GREEDY)
 
@@ -154,3 +163,15 @@ def test_parallel_samples_share_and_copy_their_partial_block(runner, prompts, un
     for sample in (0, 1):
         same_stream(forked, "r1", alone, f"r{sample}", SEEDED, got_index=sample)
     assert forked.outputs["r1"][0] != forked.outputs["r1"][1]
+
+
+def test_a_copy_on_write_that_drops_the_scales_changes_a_forked_sample(runner, prompts, undisturbed, monkeypatch):
+    """The check above has teeth: the copied partial block keeps the scales its device block held before."""
+    monkeypatch.setattr(KVPool, "copy_blocks", lambda self, copies, backend: backend.copy_blocks(self.kv, copies))
+    prompt = next(p for p in prompts if len(p) % BLOCK_SIZE)
+    stale_scales(runner)
+    forked = drive(runner, [(prompt, GREEDY, 2, 0)])
+    assert forked.num_copies == 1
+    with pytest.raises(AssertionError, match="differ"):
+        for sample in (0, 1):
+            same_stream(forked, "r0", undisturbed[GREEDY], f"r{prompts.index(prompt)}", GREEDY, got_index=sample)
