@@ -5,10 +5,10 @@ a swap, beside a fork) computes its K/V through GEMMs of other shapes, whose flo
 bits (measured on SmolLM2: 76% of a float32 cache's elements differ, by <= 2.6e-5, between a decoded and a
 prefilled copy of one sequence). A float cache keeps that difference invisible; an 8-bit code sitting on a rounding
 boundary flips by one step (1% of the int8 codes), and the next layers carry it on: the sampled tokens' logprobs
-differ by up to 0.021 nats between such runs. So the check is exact where it can be: the same tokens, with the
-same distribution at every position (each token's probability within PROB_NOISE, where stale scales move it by
-far more), and a divergence only where the draw sits on a tie: greedy, the two best within NOISE;
-seeded, the uniform between two nearly equal cumulative sums (observable only as both runs agreeing there).
+differ by up to 0.021 nats between such runs (torch backend). So the check is exact where it can be: the same
+tokens, with the same distribution at every position (each token's probability within PROB_NOISE, where stale
+scales move it by far more), and a divergence only where the draw sits on a tie: greedy, the two best within
+NOISE; seeded, the uniform between two nearly equal cumulative sums (observable only as both runs agreeing there).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ from __future__ import annotations
 import math
 
 # NOTE: measured over tests/worker/test_kv_quant_tokens.py and tests/service/test_kv_quant_failover.py: two runs
-# of one stream differ by <= 0.021 nats in a sampled token's logprob and <= 0.018 in any token's probability; a
-# swap-in that drops the scales moves a probability by 0.61.
-NOISE = 0.1  # nats, between the two best logprobs: a greedy tie
-PROB_NOISE = 0.1  # the most one token's probability may differ between two runs of one stream
+# of one stream differ by <= 0.018 in any token's probability on the torch backend, <= 0.060 on the CPU kernel's
+# int8 paths (its Q.K in int8 quantises the queries too); a copy-on-write or swap-in that drops the scales moves
+# one by 0.57 to 0.62. The bounds sit about 3x from both.
+NOISE = 0.25  # nats, between the two best logprobs: a greedy tie
+PROB_NOISE = 0.2  # the most one token's probability may differ between two runs of one stream
 
 
 def assert_close(position: int, got, want) -> None:
