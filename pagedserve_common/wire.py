@@ -4,7 +4,7 @@ result, a step error or a registration into protobuf or back. Both ends import i
 from __future__ import annotations
 
 from pagedserve.v1 import generate_pb2, worker_pb2
-from pagedserve_common.kv_geometry import KVGeometry
+from pagedserve_common.kv_geometry import DTYPE_BYTES, KVGeometry
 from pagedserve_common.step import (NewSequence, PositionLogprobs, SequenceDelta, StepError, StepErrorKind, StepPlan,
                                     StepResult, TokenLogprob)
 from pagedserve_common.registration import WorkerRegistration
@@ -195,10 +195,13 @@ def registration_to_pb(reg: WorkerRegistration) -> worker_pb2.WorkerRegistration
 
 
 def registration_from_pb(pb: worker_pb2.WorkerRegistration) -> WorkerRegistration:
-    """Raises ValueError when the geometry is not one a pool can have (an unknown dtype, a zero size)."""
+    """Raises ValueError naming the field when the geometry is not one a pool can have (an unknown dtype, a zero
+    size)."""
     g = pb.kv_geometry
     if min(g.num_layers, g.num_kv_heads, g.head_dim, g.block_size) < 1:
         raise ValueError("kv_geometry: num_layers, num_kv_heads, head_dim and block_size must be >= 1")
+    if g.dtype not in DTYPE_BYTES:  # NOTE: what a peer sent: quoted short, whatever its length
+        raise ValueError(f"kv_geometry.dtype must be one of {', '.join(DTYPE_BYTES)}, got {g.dtype[:40]!r}")
     return WorkerRegistration(
         model_id=pb.model_id, max_model_len=pb.max_model_len, device=pb.device,
         kv_geometry=KVGeometry(g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, g.block_size),

@@ -73,7 +73,12 @@ def test_a_registration_and_its_kv_geometry_come_back_equal():
 
 
 @pytest.mark.parametrize("geometry, match", [
-    (worker_pb2.KVGeometry(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float64", block_size=16), "dtype"),
+    (worker_pb2.KVGeometry(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float64", block_size=16),
+     "kv_geometry.dtype must be one of float32, float16, bfloat16, int8, fp8_e4m3, fp8_e5m2, got 'float64'"),
+    (worker_pb2.KVGeometry(num_layers=1, num_kv_heads=1, head_dim=8, dtype="int4", block_size=16),
+     "kv_geometry.dtype .* got 'int4'"),
+    (worker_pb2.KVGeometry(num_layers=1, num_kv_heads=1, head_dim=8, dtype="x" * 100_000, block_size=16),
+     "kv_geometry.dtype .* got 'x{40}'$"),
     (worker_pb2.KVGeometry(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float16", block_size=0), "block_size"),
     (None, "num_layers"),
 ])

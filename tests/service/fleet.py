@@ -26,8 +26,9 @@ STEP_TIMEOUT = 10  # seconds; the stopped worker's requests move after this (and
 
 
 class Fleet:
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, worker_args: tuple[str, ...] = ()) -> None:
         self.model = model
+        self.worker_args = worker_args  # every worker's extra flags
         self.listen, self.worker_listen, self.metrics = (f"127.0.0.1:{free_port()}" for _ in range(3))
         self.scheduler = self.start_scheduler()
         self.workers: list[subprocess.Popen] = []
@@ -39,7 +40,7 @@ class Fleet:
 
     def add_worker(self) -> subprocess.Popen:
         p = subprocess.Popen([*EXE, "worker", "--scheduler", self.worker_listen, "--model", self.model,
-                              "--kv-memory", "2MiB", "--threads", "1"])
+                              "--kv-memory", "2MiB", "--threads", "1", *self.worker_args])
         self.workers.append(p)
         return p
 
@@ -82,6 +83,7 @@ class Streams:
     def __init__(self, fleet: Fleet, prompts, **sampling) -> None:
         self.sampling = pb.SamplingParams(**{"max_tokens": NEW, "temperature": 0, "ignore_eos": True, **sampling})
         self.tokens = [[] for _ in prompts]
+        self.logprobs = [[] for _ in prompts]  # each token's PositionLogprobs, when `sampling` asks for them
         self.errors: list = []
         self.threads = [threading.Thread(target=self._run, args=(fleet.listen, i, p)) for i, p in enumerate(prompts)]
         for t in self.threads:
@@ -93,6 +95,7 @@ class Streams:
                 for msg in generate_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
                         prompt_token_ids=prompt, sampling=self.sampling), timeout=300):
                     self.tokens[i].extend(msg.token_ids)
+                    self.logprobs[i].extend(msg.logprobs)
         except grpc.RpcError as e:
             self.errors.append((i, e.code(), e.details()))
 
@@ -108,9 +111,9 @@ class Streams:
 
 
 @contextmanager
-def fleet_of(model: str, num_workers: int) -> Iterator[Fleet]:
-    """A scheduler and `num_workers` workers, all attached; stopped on exit."""
-    f = Fleet(model)
+def fleet_of(model: str, num_workers: int, *worker_args: str) -> Iterator[Fleet]:
+    """A scheduler and `num_workers` workers (with `worker_args`), all attached; stopped on exit."""
+    f = Fleet(model, worker_args)
     try:
         for _ in range(num_workers):
             f.add_worker()

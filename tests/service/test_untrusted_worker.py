@@ -88,6 +88,7 @@ def assert_still_serving(svc: Service, reference) -> None:
     (dict(block_size=2**31), ("kv_geometry.block_size 2,147,483,648", "power of two from 8 to 256")),
     (dict(block_size=12), ("kv_geometry.block_size 12", "power of two from 8 to 256")),
     (dict(max_model_len=0), ("max_model_len 0", ">= 1")),
+    (dict(dtype="int4"), ("kv_geometry.dtype", "int8, fp8_e4m3, fp8_e5m2", "got 'int4'")),
 ])
 def test_an_oversized_registration_is_refused_naming_the_field_and_bound(svc, reference, fields, words):
     fake = FakeWorker(svc.worker_listen, registration(svc.model_dir, **fields))

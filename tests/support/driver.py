@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from pagedserve.v1 import worker_pb2
+from pagedserve_common.step import PositionLogprobs
 from pagedserve_common.wire import plan_to_pb, result_from_pb
 from scheduler_svc.core.request import Request
 from pagedserve_common.sampling import SamplingParams
@@ -32,6 +33,8 @@ class LocalDriver:
             num_cpu_blocks=num_cpu_blocks))
         self.pending: list[tuple[int, Request]] = []  # (arrival step, request) not yet submitted
         self.outputs: dict[str, list[list[int]]] = {}
+        # Each generated token's logprobs, for the requests whose sampling asks for them (logprobs not None).
+        self.logprobs: dict[str, list[list[PositionLogprobs]]] = {}
         self.step_id = 0
         self.num_copies = 0
 
@@ -41,6 +44,7 @@ class LocalDriver:
         sampling = dataclasses.replace(sampling, max_tokens=max_new_tokens, n=n)
         self.pending.append((arrival_step, Request(request_id, list(prompt), sampling)))
         self.outputs[request_id] = [[] for _ in range(n)]
+        self.logprobs[request_id] = [[] for _ in range(n)]
         return request_id
 
     def run(self, max_steps: int = 1_000_000) -> dict[str, list[list[int]]]:
@@ -55,8 +59,10 @@ class LocalDriver:
             if plan is None:
                 continue  # nothing runnable until a later arrival
             self.num_copies += len(plan.copies)
-            result = self.runner.step(plan_from_pb(worker_pb2.StepPlan.FromString(
-                plan_to_pb(plan).SerializeToString())))
-            for out in sched.update(plan, result_from_pb(result_to_pb(result)).sampled):
+            result = result_from_pb(result_to_pb(self.runner.step(plan_from_pb(worker_pb2.StepPlan.FromString(
+                plan_to_pb(plan).SerializeToString())))))
+            for out in sched.update(plan, result.sampled):
                 self.outputs[out.request_id][out.index].extend(out.new_token_ids)
+                if out.new_token_ids and out.seq_id in result.logprobs:
+                    self.logprobs[out.request_id][out.index].append(result.logprobs[out.seq_id])
         return self.outputs

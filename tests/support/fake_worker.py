@@ -13,11 +13,12 @@ from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 WAIT = 120  # seconds; a hang guard only
 
 
-def registration(model_id: str, *, block_size: int = 16, **fields) -> worker_pb2.WorkerRegistration:
+def registration(model_id: str, *, block_size: int = 16, dtype: str = "float32",
+                 **fields) -> worker_pb2.WorkerRegistration:
     """A registration like a real CPU worker's of the tiny test model, with `fields` overriding it."""
     reg = {**dict(model_id=model_id, max_model_len=512, device="cpu", num_blocks=64, name="fake:666"), **fields}
     return worker_pb2.WorkerRegistration(kv_geometry=worker_pb2.KVGeometry(
-        num_layers=2, num_kv_heads=2, head_dim=16, dtype="float32", block_size=block_size), **reg)
+        num_layers=2, num_kv_heads=2, head_dim=16, dtype=dtype, block_size=block_size), **reg)
 
 
 class FakeWorker:
