@@ -49,17 +49,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--compare", choices=COMPARISON_NAMES,
                    help="static-prealloc: paging vs contiguous preallocation of max_model_len (and of prompt + "
                         "max_tokens) slots per sequence, same KV budget; no-prefix-cache: prefix caching on vs off; "
-                        "kv-int8: a float32 KV cache vs an int8 one in the same --kv-memory (default workload: 256 "
+                        "kv-int8: a float32 KV cache vs an int8 one in the same --kv-memory (defaults: 128MiB, 96 "
                         "requests at once, prompts 160:224, outputs 64:96 with EOS ignored, --max-num-seqs 256, "
-                        "--max-model-len 512, so that the float32 pool, not max-num-seqs, bounds the batch), then "
-                        "both caches' perplexity (--ppl-tokens)")
+                        "--max-model-len 512, so that the float32 pool, not max-num-seqs, bounds the batch: ~11 "
+                        "sequences fit in float32, ~40 in int8), then both caches' perplexity (--ppl-tokens)")
     s.add_argument("--ppl-tokens", type=int, metavar="N",
                    help="with --compare kv-int8: the tokens of the corpus (Newton's Opticks) whose teacher-forced "
                         "perplexity is measured with each cache, after the servers stop (default 8192)")
     s.add_argument("--spawn", action="store_true", help="bench a private server instead of --server")
     s.add_argument("--dtype", default="auto", help="the worker's dtype (default auto)")
     s.add_argument("--kv-memory", help=f"the worker's KV pool, e.g. 512MiB (default: auto; with --compare "
-                                       f"{COMPARE_KV_MEMORY}, so that memory, not max-num-seqs, bounds the batch)")
+                                       f"{COMPARE_KV_MEMORY}, kv-int8 128MiB, so that memory, not max-num-seqs, bounds the batch)")
     s.add_argument("--max-model-len", type=int,
                    help=f"the scheduler's max_model_len (default: the model's; with --compare {COMPARE_MAX_MODEL_LEN}, "
                         "kv-int8: 512)")

@@ -38,15 +38,15 @@ COMPARISONS = {
         Side("prefix-cache", []),
         Side("no-prefix-cache", ["--no-prefix-caching"])]),
     # The float32 side first: the ratios are int8 / float32. NOTE: a workload whose float32 pool is the
-    # bottleneck: 256 requests at once of 160-224 prompt + 64-96 output tokens (~17 blocks each at the end) in
-    # 512 MiB: 728 float32 blocks hold ~43 of them, 2,741 int8 blocks ~160, both under --max-num-seqs 256, so
-    # both sides run memory-bound and the int8 one runs ~3.7x the sequences. EOS ignored: both sides generate
-    # exactly the same number of tokens.
+    # bottleneck, small enough for a 2-core CPU: 96 requests at once of 160-224 prompt + 64-96 output tokens (~17
+    # blocks each at the end) in 128 MiB: 182 float32 blocks hold ~11 of them, 685 int8 blocks ~40, both under
+    # --max-num-seqs 256, so both sides run memory-bound and the int8 one runs ~3.7x the sequences. EOS ignored:
+    # both sides generate exactly the same tokens' count.
     "kv-int8": Comparison("mixed", [
         Side("float32", ["--kv-cache-dtype", "float32"]),
         Side("int8", ["--kv-cache-dtype", "int8"])],
-        {"num_requests": 256, "prompt_len": (160, 224), "output_len": (64, 96), "ignore_eos": True,
-         "max_num_seqs": 256, "max_model_len": 512, "ppl_tokens": 8192}),
+        {"num_requests": 96, "prompt_len": (160, 224), "output_len": (64, 96), "ignore_eos": True,
+         "kv_memory": "128MiB", "max_num_seqs": 256, "max_model_len": 512, "ppl_tokens": 8192}),
 }
 
 

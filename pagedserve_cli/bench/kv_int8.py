@@ -13,7 +13,7 @@ from pagedserve_common.kv_geometry import KVGeometry
 # The cache dtypes whose capacity the comparison prints (issue 25's "Capacity" figures).
 CAPACITY_DTYPES = ("float32", "bfloat16", "int8", "fp8_e4m3")
 BASE, QUANT = "float32", "int8"  # the two sides, as --kv-cache-dtype spells them
-DEFAULT_PPL_TOKENS = 8192
+CAPACITY_KV_MEMORY = 512 << 20  # the issue's capacity figures are at --kv-memory 512MiB, whatever the run's
 
 
 @dataclass(slots=True, frozen=True)
@@ -43,13 +43,15 @@ def model_capacities(model_dir: str, kv_memory: int) -> list[Capacity]:
     return capacities(json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")), kv_memory)
 
 
-def capacity_lines(caps: list[Capacity], kv_memory_text: str) -> list[str]:
-    base = next(c for c in caps if c.dtype == BASE)
-    rows = [f"| KV cache at {kv_memory_text} | bytes per token | blocks | token slots | x float32 |",
-            "| --- | --- | --- | --- | --- |"]
-    for c in caps:
-        rows.append(f"| {c.dtype} | {c.bytes_per_token:,} | {c.num_blocks:,} | {c.num_slots:,} | "
-                    f"{_ratio(c.num_blocks, base.num_blocks):.2f} |")
+def capacity_lines(budgets: dict[str, list[Capacity]]) -> list[str]:
+    """One row per cache dtype: bytes per token, then blocks (and x float32's) at each budget (name -> capacities)."""
+    head = "| KV cache | bytes per token |" + "".join(f" blocks at {b} | x float32 |" for b in budgets)
+    rows = [head, "|" + " --- |" * (2 + 2 * len(budgets))]
+    columns = list(budgets.values())
+    for i, c in enumerate(columns[0]):
+        cells = "".join(f" {caps[i].num_blocks:,} | {_ratio(caps[i].num_blocks, caps[0].num_blocks):.2f} |"
+                        for caps in columns)
+        rows.append(f"| {c.dtype} | {c.bytes_per_token:,} |{cells}")
     return rows
 
 
@@ -114,10 +116,12 @@ def report(args, model_dir: str, results: list) -> tuple[list[str], str, dict]:
 
     ppl = measure_perplexity(model_dir, args.ppl_tokens, args.threads)
     kv_memory = parse_bytes(args.kv_memory)
-    caps = model_capacities(model_dir, kv_memory)
+    budgets = {format_bytes(b): model_capacities(model_dir, b)
+               for b in dict.fromkeys((CAPACITY_KV_MEMORY, kv_memory))}
     table, last = side_lines(results, ppl)
     ppl_note = (f"perplexity: {ppl['num_tokens']:,} tokens of {ppl['corpus']}, teacher-forced through the worker's "
                 f"runner (1,024-token windows)")
-    extra = {"perplexity": ppl, "capacity": [{"dtype": c.dtype, "bytes_per_token": c.bytes_per_token,
-                                              "num_blocks": c.num_blocks} for c in caps]}
-    return capacity_lines(caps, format_bytes(kv_memory)) + [""] + table + ["", ppl_note], last, extra
+    extra = {"perplexity": ppl, "capacity": {name: [{"dtype": c.dtype, "bytes_per_token": c.bytes_per_token,
+                                                     "num_blocks": c.num_blocks} for c in caps]
+                                              for name, caps in budgets.items()}}
+    return capacity_lines(budgets) + [""] + table + ["", ppl_note], last, extra

@@ -121,9 +121,11 @@ def test_kv_int8_registers_the_pool_bytes_blocks_of_each_cache_and_scores_both(t
     ppl = doc["perplexity"]
     assert ppl["num_tokens"] == 200 and ppl["float32"] > 1 and ppl["int8"] > 1
     assert m[4] == f"{100 * (ppl['int8'] / ppl['float32'] - 1):.2f}"
-    assert [(c["dtype"], c["num_blocks"]) for c in doc["capacity"]] == [
+    # The capacity table: at 512 MiB (the budget) and at the run's
+    assert list(doc["capacity"]) == ["512MiB", "640KiB"]
+    assert [(c["dtype"], c["num_blocks"]) for c in doc["capacity"]["640KiB"]] == [
         ("float32", 80), ("bfloat16", 160), ("int8", 256), ("fp8_e4m3", 256)]
-    assert "| KV cache at 640KiB |" in out.stdout and "| int8 | 160 | 256 | 4,096 | 3.20 |" in out.stdout
+    assert "| int8 | 160 | 209,715 | 3.20 | 256 | 3.20 |" in out.stdout
 
 
 def test_ppl_tokens_belongs_to_kv_int8_only(tmp_path):
