@@ -81,7 +81,8 @@ out = Path(sys.argv[1])
 doc = json.loads((out / "pagedserve" / "compare.json").read_text())
 rows = []
 for s in doc["sides"]:
-    rows.append((f"pagedserve {s['name']}", s["num_blocks"] * 16, s["usage"]["mean_running"],
+    slots = sum(w["num_blocks"] * w.get("block_size", 16) for w in s["workers"])
+    rows.append((f"pagedserve {s['name']}", slots, s["usage"]["mean_running"],
                  s["summary"]["output_tok_s"], s["summary"]["completed"]))
 for cache in ("auto", "fp8"):
     log = (out / f"vllm-{cache}.log").read_text(errors="replace")

@@ -50,7 +50,7 @@ class GrpcClient:
         self._channel = self._stub = None
 
     async def start(self, timeout: float = 30.0) -> dict:
-        """Connects; returns {'max_model_len': N, 'model': ID, 'workers': [{worker_id, num_blocks, dtype}]}.
+        """Connects; returns {'max_model_len': N, 'model': ID, 'workers': [{worker_id, num_blocks, block_size, dtype}]}.
         Raises ConnectionError when the server can't be reached."""
         import grpc
 
@@ -66,8 +66,8 @@ class GrpcClient:
             await self.close()
             raise ConnectionError(f"{self.server}: {e.code().name}: {e.details()}") from None
         return {"max_model_len": info.max_model_len or None, "model": info.model_id,
-                "workers": [{"worker_id": w.worker_id, "num_blocks": w.num_blocks, "dtype": w.dtype}
-                            for w in info.workers]}
+                "workers": [{"worker_id": w.worker_id, "num_blocks": w.num_blocks, "block_size": w.block_size,
+                             "dtype": w.dtype} for w in info.workers]}
 
     async def generate(self, index: int, req: BenchRequest) -> RequestRecord:
         import grpc

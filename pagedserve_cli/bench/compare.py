@@ -72,7 +72,7 @@ class SideResult:
     records: list = field(default_factory=list)
     metrics: list = field(default_factory=list)
     states: list = field(default_factory=list)  # (t, pagedserve.v1.KVState) every 0.25 s
-    workers: list = field(default_factory=list)  # GetModelInfo's workers: {worker_id, num_blocks, dtype}
+    workers: list = field(default_factory=list)  # GetModelInfo's workers: {worker_id, num_blocks, block_size, dtype}
 
     @property
     def num_blocks(self) -> int | None:

@@ -83,7 +83,7 @@ def measure_perplexity(model_dir: str, num_tokens: int, threads: int | None) -> 
     token_ids = corpus_token_ids(model_dir, num_tokens)
     out = {"corpus": NAME, "num_tokens": len(token_ids)}
     for dtype in (BASE, QUANT):
-        print(f"pagedserve bench: perplexity with a {dtype} cache over {len(token_ids):,} tokens",
+        print(f"pagedserve bench: perplexity with the {dtype} cache over {len(token_ids):,} tokens",
               file=sys.stderr, flush=True)
         runner = scoring_runner(model_dir, dtype, threads=threads)
         out[dtype] = perplexity(runner, token_ids).perplexity
