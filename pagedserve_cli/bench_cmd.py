@@ -10,7 +10,7 @@ from pathlib import Path
 
 from pagedserve_cli.bench.workloads import WORKLOADS, build_requests, parse_range
 from pagedserve_common.defaults import DEFAULT_LISTEN, DEFAULT_MODEL, METRICS_PORT, metrics_url
-COMPARISON_NAMES = ("static-prealloc", "no-prefix-cache")
+COMPARISON_NAMES = ("static-prealloc", "no-prefix-cache", "kv-int8")
 # NOTE: a comparison needs a pool that memory, not --max-num-seqs, fills: 512 MiB holds 11,650 tokens of the
 # default model in float32 (46,080 bytes each), 5 sequences of 2,048 slots, or about 45 of the mixed workload's.
 COMPARE_KV_MEMORY = "512MiB"
@@ -48,14 +48,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                                 "one per side, one after another")
     s.add_argument("--compare", choices=COMPARISON_NAMES,
                    help="static-prealloc: paging vs contiguous preallocation of max_model_len (and of prompt + "
-                        "max_tokens) slots per sequence, same KV budget; no-prefix-cache: prefix caching on vs off")
+                        "max_tokens) slots per sequence, same KV budget; no-prefix-cache: prefix caching on vs off; "
+                        "kv-int8: a float32 KV cache vs an int8 one in the same --kv-memory (defaults: 128MiB, 96 "
+                        "requests at once, prompts 160:224, outputs 64:96 with EOS ignored, --max-num-seqs 256, "
+                        "--max-model-len 512, so that the float32 pool, not max-num-seqs, bounds the batch: ~11 "
+                        "sequences fit in float32, ~40 in int8), then both caches' perplexity (--ppl-tokens)")
+    s.add_argument("--ppl-tokens", type=int, metavar="N",
+                   help="with --compare kv-int8: the tokens of the corpus (Newton's Opticks) whose teacher-forced "
+                        "perplexity is measured with each cache, after the servers stop (default 8192)")
     s.add_argument("--spawn", action="store_true", help="bench a private server instead of --server")
     s.add_argument("--dtype", default="auto", help="the worker's dtype (default auto)")
     s.add_argument("--kv-memory", help=f"the worker's KV pool, e.g. 512MiB (default: auto; with --compare "
-                                       f"{COMPARE_KV_MEMORY}, so that memory, not max-num-seqs, bounds the batch)")
+                                       f"{COMPARE_KV_MEMORY}, kv-int8 128MiB, so that memory, not max-num-seqs, bounds the batch)")
     s.add_argument("--max-model-len", type=int,
-                   help=f"the scheduler's max_model_len (default: the model's; with --compare {COMPARE_MAX_MODEL_LEN})")
-    s.add_argument("--max-num-seqs", type=int, help="the scheduler's --max-num-seqs (default: its own)")
+                   help=f"the scheduler's max_model_len (default: the model's; with --compare {COMPARE_MAX_MODEL_LEN}, "
+                        "kv-int8: 512)")
+    s.add_argument("--max-num-seqs", type=int, help="the scheduler's --max-num-seqs (default: its own; with --compare kv-int8 256)")
     s.add_argument("--max-num-batched-tokens", type=int, help="the scheduler's token budget per step")
     s.add_argument("--threads", type=int, help="the worker's compute threads")
     p.set_defaults(func=run)
@@ -93,11 +101,12 @@ async def _bench(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> int:
     if args.compare:
-        from pagedserve_cli.bench.compare import run as run_compare
+        from pagedserve_cli.bench.compare import apply_defaults, run as run_compare
 
-        args.kv_memory = args.kv_memory or COMPARE_KV_MEMORY
-        args.max_model_len = args.max_model_len or COMPARE_MAX_MODEL_LEN
+        apply_defaults(args, COMPARE_KV_MEMORY, COMPARE_MAX_MODEL_LEN)
         return run_compare(args)
+    if args.ppl_tokens is not None:
+        raise ValueError("--ppl-tokens: only --compare kv-int8 measures perplexity")
     args.workload = args.workload or "mixed"
     if not args.spawn:
         return bench(args)

@@ -50,7 +50,8 @@ class GrpcClient:
         self._channel = self._stub = None
 
     async def start(self, timeout: float = 30.0) -> dict:
-        """Connects; returns {'max_model_len': N}. Raises ConnectionError when the server can't be reached."""
+        """Connects; returns {'max_model_len': N, 'model': ID, 'workers': [{worker_id, num_blocks, block_size, dtype}]}.
+        Raises ConnectionError when the server can't be reached."""
         import grpc
 
         from pagedserve.v1 import generate_pb2, generate_pb2_grpc
@@ -64,7 +65,9 @@ class GrpcClient:
         except grpc.aio.AioRpcError as e:
             await self.close()
             raise ConnectionError(f"{self.server}: {e.code().name}: {e.details()}") from None
-        return {"max_model_len": info.max_model_len or None, "model": info.model_id}
+        return {"max_model_len": info.max_model_len or None, "model": info.model_id,
+                "workers": [{"worker_id": w.worker_id, "num_blocks": w.num_blocks, "block_size": w.block_size,
+                             "dtype": w.dtype} for w in info.workers]}
 
     async def generate(self, index: int, req: BenchRequest) -> RequestRecord:
         import grpc

@@ -25,6 +25,7 @@ class Side:
 class Comparison:
     workload: str  # the default workload: the one that shows the effect
     sides: list[Side]
+    defaults: dict = field(default_factory=dict)  # bench flags (argparse dests) the comparison sets unless given
 
 
 COMPARISONS = {
@@ -36,7 +37,31 @@ COMPARISONS = {
     "no-prefix-cache": Comparison("shared-prefix", [
         Side("prefix-cache", []),
         Side("no-prefix-cache", ["--no-prefix-caching"])]),
+    # The float32 side first: the ratios are int8 / float32. NOTE: a workload whose float32 pool is the
+    # bottleneck, small enough for a 2-core CPU: 96 requests at once of 160-224 prompt + 64-96 output tokens (~17
+    # blocks each at the end) in 128 MiB: 182 float32 blocks hold ~11 of them, 685 int8 blocks ~40, both under
+    # --max-num-seqs 256, so both sides run memory-bound and the int8 one runs ~3.7x the sequences. EOS ignored:
+    # both sides generate exactly the same tokens' count.
+    "kv-int8": Comparison("mixed", [
+        Side("float32", ["--kv-cache-dtype", "float32"]),
+        Side("int8", ["--kv-cache-dtype", "int8"])],
+        {"num_requests": 96, "prompt_len": (160, 224), "output_len": (64, 96), "ignore_eos": True,
+         "kv_memory": "128MiB", "max_num_seqs": 256, "max_model_len": 512, "ppl_tokens": 8192}),
 }
+
+
+def apply_defaults(args: argparse.Namespace, kv_memory: str, max_model_len: int) -> None:
+    """The comparison's own defaults for the flags not given, then every comparison's KV budget and max_model_len."""
+    comparison = COMPARISONS[args.compare]
+    if args.ppl_tokens is not None and "ppl_tokens" not in comparison.defaults:
+        raise ValueError(f"--ppl-tokens: only --compare kv-int8 measures perplexity, not {args.compare}")
+    for name, value in comparison.defaults.items():
+        if getattr(args, name) in (None, False):
+            setattr(args, name, value)
+    if args.ppl_tokens is not None and args.ppl_tokens < 2:
+        raise ValueError(f"--ppl-tokens must be at least 2, got {args.ppl_tokens}")
+    args.kv_memory = args.kv_memory or kv_memory
+    args.max_model_len = args.max_model_len or max_model_len
 
 
 @dataclass(slots=True)
@@ -47,6 +72,12 @@ class SideResult:
     records: list = field(default_factory=list)
     metrics: list = field(default_factory=list)
     states: list = field(default_factory=list)  # (t, pagedserve.v1.KVState) every 0.25 s
+    workers: list = field(default_factory=list)  # GetModelInfo's workers: {worker_id, num_blocks, block_size, dtype}
+
+    @property
+    def num_blocks(self) -> int | None:
+        """The KV blocks the side's workers registered (their pools at --kv-memory)."""
+        return sum(w["num_blocks"] for w in self.workers) if self.workers else None
 
     @property
     def num_prefill_tokens(self) -> int | None:
@@ -60,7 +91,7 @@ async def run_side(side: Side, server: Spawned, requests: list, args: argparse.N
     from pagedserve_cli.bench.runner import run_workload
 
     client = GrpcClient(server.address, args.temperature, args.ignore_eos)
-    await client.start(timeout=60.0)
+    info = await client.start(timeout=60.0)
     try:
         async with sampling(server.address, args.kv_sample_period) as sampler:
             result = await run_workload(client, requests, args.rate, args.max_concurrency, args.seed,
@@ -69,7 +100,7 @@ async def run_side(side: Side, server: Spawned, requests: list, args: argparse.N
         await client.close()
     summary = report.summarize(result.records, result.metrics)
     return SideResult(side, summary, summarize_usage(sampler.usages()), result.records, result.metrics,
-                      sampler.states)
+                      sampler.states, info.get("workers", []))
 
 
 def spawn_config(args: argparse.Namespace, model: str) -> SpawnConfig:
@@ -137,7 +168,7 @@ def no_prefix_cache_lines(results: list[SideResult]) -> tuple[list[str], str]:
 
 
 def write_outputs(out: Path, args: argparse.Namespace, config: dict, results: list[SideResult],
-                  table: list[str], last: str) -> list[str]:
+                  table: list[str], last: str, extra: dict | None = None) -> list[str]:
     """Each side's usual bench files in out/SIDE/, then compare.md, compare.json and the pictures; returns the
     names written at the top level."""
     from pagedserve_cli.bench import kv_frames, report
@@ -148,8 +179,9 @@ def write_outputs(out: Path, args: argparse.Namespace, config: dict, results: li
                              r.records, r.metrics)
         report.write_plots(side_out, r.records, f"{args.compare}: {r.side.name}")
     doc = {"config": config, "sides": [{"name": r.side.name, "flags": r.side.extra, "usage": r.usage,
-                                        "prefill_tokens": r.num_prefill_tokens, "summary": r.summary}
-                                       for r in results], "last_line": last}
+                                        "prefill_tokens": r.num_prefill_tokens, "workers": r.workers,
+                                        "num_blocks": r.num_blocks, "summary": r.summary}
+                                       for r in results], **(extra or {}), "last_line": last}
     (out / "compare.json").write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
     head = [f"# pagedserve bench --compare {args.compare}", "",
             f"workload `{config['workload']}`, {config['num_requests']} requests, seed {args.seed}, model "
@@ -182,9 +214,15 @@ def run(args: argparse.Namespace) -> int:
     config = {k: v for k, v in vars(args).items() if k != "func"} | resolved | \
         {"started": started, "num_requests": len(requests), "spawn": {"model": model, "dtype": cfg.dtype,
                                                                       "kv_memory": cfg.kv_memory}}
-    lines = static_prealloc_lines if args.compare == "static-prealloc" else no_prefix_cache_lines
-    table, last = lines(results)
-    names = write_outputs(out, args, config, results, table, last)
+    extra = None
+    if args.compare == "kv-int8":
+        from pagedserve_cli.bench import kv_int8
+
+        table, last, extra = kv_int8.report(args, model, results)
+    else:
+        lines = static_prealloc_lines if args.compare == "static-prealloc" else no_prefix_cache_lines
+        table, last = lines(results)
+    names = write_outputs(out, args, config, results, table, last, extra)
     print("\n".join(table))
     print(f"wrote {out}/: {', '.join(names)}, workload.jsonl, and each side's bench files in "
           f"{', '.join(r.side.name + '/' for r in results)}")

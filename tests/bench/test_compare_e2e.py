@@ -92,3 +92,42 @@ def _read(path: Path) -> bytes:
 def test_compare_refuses_a_server_of_its_own(tmp_path):
     out = compare("unused", tmp_path, "--compare", "no-prefix-cache", "--server", "127.0.0.1:1")
     assert out.returncode == 2 and "--compare starts its own servers" in out.stderr
+
+
+KV_INT8_LAST = re.compile(r"^blocks_ratio=(\d+\.\d{4}) concurrency_ratio=(\d+\.\d\d) throughput_ratio=(\d+\.\d\d) "
+                          r"ppl_delta_pct=(-?\d+\.\d\d)$")
+
+
+def test_kv_int8_registers_the_pool_bytes_blocks_of_each_cache_and_scores_both(tiny_served_model, tmp_path):
+    # The tiny model's float32 cache takes 512 bytes a token (8 KiB a block: 80 blocks); int8 2 x 2 x 2 x (16 + 4)
+    # = 160 (2,560 bytes a block: 256 blocks in the same bytes).
+    out = compare(tiny_served_model, tmp_path, "--compare", "kv-int8", "--num-requests", "8", "--prompt-len",
+                  "16:32", "--output-len", "8:16", "--max-num-seqs", "8", "--ppl-tokens", "200")
+    assert out.returncode == 0, out.stderr[-4000:]
+    print(out.stdout)
+    m = KV_INT8_LAST.match(out.stdout.splitlines()[-1])
+    assert m, out.stdout.splitlines()[-1]
+    doc = json.loads((tmp_path / "compare.json").read_text())
+    base, quant = doc["sides"]
+    assert (base["name"], base["flags"]) == ("float32", ["--kv-cache-dtype", "float32"])
+    assert (quant["name"], quant["flags"]) == ("int8", ["--kv-cache-dtype", "int8"])
+    assert [(w["dtype"], w["num_blocks"]) for w in base["workers"]] == [("float32", 80)]
+    assert [(w["dtype"], w["num_blocks"]) for w in quant["workers"]] == [("int8", 256)]
+    assert m[1] == f"{256 / 80:.4f}"
+    for side in (base, quant):  # the same workload on both, EOS ignored by default
+        assert (side["summary"]["completed"], side["summary"]["failed"]) == (8, 0)
+        assert side["summary"]["output_tokens"] == doc["sides"][0]["summary"]["output_tokens"]
+    assert doc["config"]["ignore_eos"] is True and doc["config"]["max_num_seqs"] == 8
+    ppl = doc["perplexity"]
+    assert ppl["num_tokens"] == 200 and ppl["float32"] > 1 and ppl["int8"] > 1
+    assert m[4] == f"{100 * (ppl['int8'] / ppl['float32'] - 1):.2f}"
+    # The capacity table: at 512 MiB (the budget) and at the run's
+    assert list(doc["capacity"]) == ["512MiB", "640KiB"]
+    assert [(c["dtype"], c["num_blocks"]) for c in doc["capacity"]["640KiB"]] == [
+        ("float32", 80), ("bfloat16", 160), ("int8", 256), ("fp8_e4m3", 256)]
+    assert "| int8 | 160 | 209,715 | 3.20 | 256 | 3.20 |" in out.stdout
+
+
+def test_ppl_tokens_belongs_to_kv_int8_only(tmp_path):
+    out = compare("unused", tmp_path, "--compare", "no-prefix-cache", "--ppl-tokens", "100")
+    assert out.returncode == 2 and "--ppl-tokens: only --compare kv-int8" in out.stderr

@@ -8,11 +8,13 @@ import numpy as np
 from PIL import Image
 
 from pagedserve.v1 import generate_pb2 as pb
-from pagedserve_cli.bench import kv_frames
+from pagedserve_cli.bench import kv_frames, kv_int8
 from pagedserve_cli.bench.compare import COMPARISONS, Side, SideResult, no_prefix_cache_lines, \
     static_prealloc_lines
 from pagedserve_cli.bench.kv_sampler import KVUsage, summarize_usage, usage_of
 from pagedserve_cli.bench.spawn import SpawnConfig, up_argv
+from pagedserve_common.defaults import DEFAULT_MODEL
+from worker_svc.model_store import resolve_model
 
 
 def state(num_blocks: int, seqs: list[tuple[str, list[int], int]], mode: str = "paged", num_waiting: int = 0,
@@ -113,9 +115,46 @@ def test_each_side_changes_one_up_flag_and_shares_the_rest():
     assert [s.extra for s in COMPARISONS["static-prealloc"].sides] == [
         [], ["--kv-allocation", "static-max-model-len"], ["--kv-allocation", "static-request"]]
     assert [s.extra for s in COMPARISONS["no-prefix-cache"].sides] == [[], ["--no-prefix-caching"]]
+    assert [s.extra for s in COMPARISONS["kv-int8"].sides] == [["--kv-cache-dtype", "float32"],
+                                                               ["--kv-cache-dtype", "int8"]]
     argv = up_argv(SpawnConfig("M", "float32", "512MiB", 2048), "127.0.0.1:1", "127.0.0.1:2", "127.0.0.1:3",
                    ["--no-prefix-caching"])
     assert argv[argv.index("up") + 1:] == [
         "--model", "M", "--dtype", "float32", "--listen", "127.0.0.1:1", "--worker-listen", "127.0.0.1:2",
         "--metrics", "127.0.0.1:3", "--http", "", "--startup-timeout", "600.0", "--kv-memory", "512MiB",
         "--max-model-len", "2048", "--no-prefix-caching"]
+
+
+def test_capacity_at_512mib_gives_int8_at_least_3_7_times_the_float32_blocks():
+    # The default model's config.json (SmolLM2-135M: 30 layers, 3 kv heads, head_dim 64), as the bench reads it.
+    caps = kv_int8.model_capacities(str(resolve_model(DEFAULT_MODEL)), 512 << 20)
+    # bytes per token: 2 x 30 x 3 x 64 x dtype bytes, plus 2 x 30 x 3 x 4 of scales for the 8-bit caches
+    assert [(c.dtype, c.bytes_per_token, c.num_blocks) for c in caps] == [
+        ("float32", 46_080, 728), ("bfloat16", 23_040, 1456), ("int8", 12_240, 2741), ("fp8_e4m3", 12_240, 2741)]
+    assert caps[2].num_blocks >= 3.7 * caps[0].num_blocks
+    rows = kv_int8.capacity_lines({"512MiB": caps, "128MiB": kv_int8.model_capacities(
+        str(resolve_model(DEFAULT_MODEL)), 128 << 20)})
+    assert rows[0] == ("| KV cache | bytes per token | blocks at 512MiB | x float32 | blocks at 128MiB | "
+                       "x float32 |")
+    assert rows[2] == "| float32 | 46,080 | 728 | 1.00 | 182 | 1.00 |"
+    assert rows[4] == "| int8 | 12,240 | 2,741 | 3.77 | 685 | 3.76 |"
+
+
+def test_kv_int8_last_line_is_int8_over_float32_and_the_perplexity_change_in_percent():
+    last = kv_int8.last_line((728, 2741), (40.0, 150.0), (100.0, 160.0), (20.0, 20.1))
+    assert last == "blocks_ratio=3.7651 concurrency_ratio=3.75 throughput_ratio=1.60 ppl_delta_pct=0.50"
+    assert kv_int8.last_line((728, 2741), (40.0, 30.0), (100.0, 90.0), (20.0, 19.9)).endswith(
+        "concurrency_ratio=0.75 throughput_ratio=0.90 ppl_delta_pct=-0.50")
+    # no samples (a side that ran nothing) or no perplexity: nan, never a division error
+    assert kv_int8.last_line((728, 2741), (None, 1.0), (0.0, 1.0), (float("nan"), 20.0)) == (
+        "blocks_ratio=3.7651 concurrency_ratio=nan throughput_ratio=nan ppl_delta_pct=nan")
+
+
+def test_kv_int8_table_shows_each_sides_registered_cache_and_blocks():
+    base, quant = _result("float32", 0.0, 40.0, 100.0), _result("int8", 0.0, 150.0, 160.0)
+    base.workers = [{"worker_id": "worker-0", "num_blocks": 728, "dtype": "float32"}]
+    quant.workers = [{"worker_id": "worker-0", "num_blocks": 2741, "dtype": "int8"}]
+    table, last = kv_int8.side_lines([base, quant], {"float32": 20.0, "int8": 20.1})
+    assert table[2].startswith("| float32 | float32 | 728 | 40.0 | 9 |")
+    assert table[3].startswith("| int8 | int8 | 2,741 | 150.0 | 9 |") and table[3].endswith("| 20.100 |")
+    assert last.startswith("blocks_ratio=3.7651 concurrency_ratio=3.75 throughput_ratio=1.60 ")
