@@ -50,12 +50,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="static-prealloc: paging vs contiguous preallocation of max_model_len (and of prompt + "
                         "max_tokens) slots per sequence, same KV budget; no-prefix-cache: prefix caching on vs off; "
                         "kv-int8: a float32 KV cache vs an int8 one in the same --kv-memory (defaults: 128MiB, 96 "
-                        "requests at once, prompts 160:224, outputs 64:96 with EOS ignored, --max-num-seqs 256, "
-                        "--max-model-len 512, so that the float32 pool, not max-num-seqs, bounds the batch: ~11 "
-                        "sequences fit in float32, ~40 in int8), then both caches' perplexity (--ppl-tokens)")
+                        "requests at once, prompts 32:64, outputs 192:256 with EOS ignored, --max-num-seqs 256, "
+                        "--max-model-len 512, so that the float32 pool, not max-num-seqs, bounds the batch: ~10 "
+                        "sequences fit in float32, ~38 in int8), then both caches' perplexity (--ppl-tokens)")
     s.add_argument("--ppl-tokens", type=int, metavar="N",
                    help="with --compare kv-int8: the tokens of the corpus (Newton's Opticks) whose teacher-forced "
-                        "perplexity is measured with each cache, after the servers stop (default 8192)")
+                        "perplexity is measured with each cache, after the servers stop (default 4096)")
     s.add_argument("--spawn", action="store_true", help="bench a private server instead of --server")
     s.add_argument("--dtype", default="auto", help="the worker's dtype (default auto)")
     s.add_argument("--kv-memory", help=f"the worker's KV pool, e.g. 512MiB (default: auto; with --compare "
