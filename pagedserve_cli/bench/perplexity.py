@@ -40,9 +40,11 @@ def scoring_runner(model_dir: str, kv_cache_dtype: str = "auto", attention_backe
     return runner
 
 
-def sibling_runner(runner, kv_cache_dtype: str, attention_backend: str = "auto", num_blocks: int | None = None):
+def sibling_runner(runner, kv_cache_dtype: str, attention_backend: str = "auto", num_blocks: int | None = None,
+                   backend=None):
     """A runner on `runner`'s model with its own pool (of `kv_cache_dtype`, num_blocks blocks, as many as
-    runner's by default) and backend, built as create_runner builds them.
+    runner's by default) and backend (`backend`, else make_backend(attention_backend)), built as create_runner
+    builds them.
 
     NOTE: the weights (and the lean forward's fused copies) are shared, not loaded again: six cache dtypes side by
     side would otherwise hold six copies of the model. A runner's cache dtype lives only in its pool and backend.
@@ -53,8 +55,8 @@ def sibling_runner(runner, kv_cache_dtype: str, attention_backend: str = "auto",
 
     geometry = runner.loaded.kv_geometry(runner.pool.geometry.block_size, kv_cache_dtype)
     pool = KVPool(geometry, num_blocks or runner.pool.num_blocks, str(runner.device))
-    sibling = ModelRunner(runner.loaded, pool, make_backend(attention_backend, str(runner.device), geometry),
-                          lean=False)
+    backend = backend or make_backend(attention_backend, str(runner.device), geometry)
+    sibling = ModelRunner(runner.loaded, pool, backend, lean=False)
     sibling.lean, sibling.lean_skip_reason = runner.lean, runner.lean_skip_reason
     return sibling
 
