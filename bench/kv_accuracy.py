@@ -1,0 +1,119 @@
+"""Accuracy of each KV cache dtype against the float32 cache, on Newton's Opticks, through the worker's runner.
+
+    python bench/kv_accuracy.py --threads 2                      # every dtype, 50,000 tokens (tens of minutes)
+    python bench/kv_accuracy.py --dtypes float32,int8 --num-tokens 4096
+
+For each cache dtype, on the default model (SmolLM2-135M-Instruct, float32 weights) with one paged pool per dtype
+(the weights shared): teacher-forced perplexity of the first --num-tokens tokens of the corpus (windows of
+--window tokens, each one sequence prefilled --chunk tokens per step, so every chunk attends to the KV the
+earlier ones left in the pool), its change against float32, the mean KL(p_float32 || p_dtype) of the next-token
+distributions over the same tokens, and greedy agreement: 64 held-out prompts of 64 tokens (spread over the text
+past the scored slice) decoded 128 tokens each through ModelRunner.step, the share of the 64 x 128 positions whose
+token equals float32's and the mean number of tokens before the first difference.
+
+Bounds the default choice must meet (issue 25): int8 perplexity within 1% of float32, fp8_e4m3 within 3%; the
+other dtypes are reported without a bound. Prints a markdown table, then one `kv_accuracy dtype=...` line each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagedserve_cli.bench.corpus import NAME, corpus_token_ids  # noqa: E402
+from pagedserve_cli.bench.greedy import agreement, greedy_tokens, held_out_prompts  # noqa: E402
+from pagedserve_cli.bench.perplexity import compare, scoring_runner, sibling_runner  # noqa: E402
+from worker_svc.model_store import resolve_model  # noqa: E402
+
+DTYPES = ("float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
+REFERENCE = "float32"
+BOUNDS_PCT = {"int8": 1.0, "fp8_e4m3": 3.0}  # perplexity within this % of float32's
+
+
+def verdict(dtype: str, delta_pct: float) -> str:
+    bound = BOUNDS_PCT.get(dtype)
+    if bound is None:
+        return "-"
+    return f"{'PASS' if abs(delta_pct) <= bound else 'FAIL'} (<= {bound:g}%)"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated cache dtypes (float32 is added)")
+    ap.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "torch", "cupy"))
+    ap.add_argument("--num-tokens", type=int, default=50_000, help="tokens scored for perplexity and KL")
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (tokens per step)")
+    ap.add_argument("--num-prompts", type=int, default=64, help="0: perplexity and KL only")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--num-new", type=int, default=128, help="greedy tokens per prompt")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--kv-memory", type=int, default=640, metavar="MIB", help="the float32 pool's size")
+    args = ap.parse_args(argv)
+    dtypes = [REFERENCE] + [d for d in args.dtypes.split(",") if d and d != REFERENCE]
+    unknown = [d for d in dtypes if d not in DTYPES]
+    if unknown:
+        ap.error(f"--dtypes: unknown {unknown}; choose from {','.join(DTYPES)}")
+
+    model_dir = str(resolve_model(args.model))
+    t0 = time.perf_counter()
+    text = corpus_token_ids(model_dir)
+    if args.num_tokens >= len(text):
+        ap.error(f"--num-tokens {args.num_tokens}: the corpus has {len(text)} tokens, some must be held out")
+    # NOTE: every pool gets the float32 pool's block count (--kv-memory of float32: 640 MiB holds 910 blocks of
+    # the default model), enough for a window or all the prompts decoded at once; both say so if it is not.
+    ref = scoring_runner(model_dir, REFERENCE, args.attention_backend, kv_memory=args.kv_memory << 20,
+                         threads=args.threads)
+    runners = {REFERENCE: ref, **{d: sibling_runner(ref, d, args.attention_backend) for d in dtypes[1:]}}
+    backends = ", ".join(f"{d}: {r.backend.name}" for d, r in runners.items())
+    print(f"# {NAME}: tokens 0..{args.num_tokens} of {len(text)}; window {args.window}, chunk {args.chunk}; "
+          f"threads {torch.get_num_threads()}; backends {backends}; {platform.processor() or platform.machine()}",
+          flush=True)
+
+    # NOTE: greedy first (the shorter part), and perplexity's running figures after every window, so a run cut
+    # short still tells something.
+    prompts = held_out_prompts(text, args.num_tokens, args.num_prompts, args.prompt_len) if args.num_prompts else []
+    runs = {d: greedy_tokens(r, prompts, args.num_new, batch=max(1, len(prompts))) for d, r in runners.items()}
+    agreements = {d: agreement(runs[REFERENCE], runs[d]) for d in dtypes}
+    print(f"# greedy done at {time.perf_counter() - t0:.0f} s: " + " ".join(
+        f"{d}={a.share:.4f}/first_divergence={a.mean_first_divergence:.2f}" for d, a in agreements.items()),
+        flush=True)
+
+    def progress(so_far: dict) -> None:
+        print(f"# {time.perf_counter() - t0:.0f} s, {so_far[REFERENCE].num_tokens} tokens: " + " ".join(
+            f"{d}={s.perplexity:.4f}/kl={s.mean_kl:.3e}" for d, s in so_far.items()), flush=True)
+
+    scored = compare(runners, REFERENCE, text[:args.num_tokens], args.window, args.chunk, progress)
+    print(f"# scored at {time.perf_counter() - t0:.0f} s", flush=True)
+
+    base = scored[REFERENCE].perplexity
+    rows, lines = [], []
+    for d in dtypes:
+        s, a = scored[d], agreements[d]
+        delta = 100.0 * (s.perplexity / base - 1.0)
+        rows.append(f"| {d} | {s.perplexity:.4f} | {delta:+.3f}% | {s.mean_kl:.3e} | {a.share:.4f} | "
+                    f"{a.mean_first_divergence:.2f} | {verdict(d, delta)} |")
+        lines.append(f"kv_accuracy dtype={d} ppl={s.perplexity:.4f} ppl_delta_pct={delta:.3f} kl={s.mean_kl:.4e} "
+                     f"greedy_agreement={a.share:.4f} first_divergence_mean={a.mean_first_divergence:.2f} "
+                     f"tokens={s.num_tokens} positions={a.num_positions} "
+                     f"bound={verdict(d, delta).split(' ')[0]}")
+    print(f"\n| cache dtype | perplexity | vs float32 | mean KL vs float32 | greedy agreement "
+          f"({args.num_prompts} x {args.num_new}) | tokens before first divergence (mean) | bound |")
+    print("|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    print()
+    print("\n".join(lines))
+    failed = [d for d in dtypes if verdict(d, 100.0 * (scored[d].perplexity / base - 1.0)).startswith("FAIL")]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
