@@ -247,7 +247,7 @@ def test_kv_map_once_prints_the_figures_and_one_cell_per_block(service, kv):
     assert done.returncode == 0, done.stderr
     out = done.stdout
     assert "\x1b" not in out  # not a terminal: no colours
-    for words in ("worker-0", "kv allocation paged", "block size 16 tokens · 40 blocks · 1 cell = 1 block",
+    for words in ("worker-0", "kv allocation paged", "block size 16 tokens · 40 blocks · float32 cache (512 B/token) · 1 cell = 1 block",
                   "used 0 (0 shared) · free 40", "running 0 · waiting 0", "internal fragmentation 0.0%",
                   "external fragmentation 0.0%: largest free run 40 of 40 free blocks", "prefix cache: hit",
                   "evictions", "preemptions"):
