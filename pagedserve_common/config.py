@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from pagedserve_common.defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_HTTP, DEFAULT_LISTEN, DEFAULT_METRICS,
                                         DEFAULT_MODEL, DEFAULT_WORKER_LISTEN)
+from pagedserve_common.kv_geometry import DTYPE_BYTES
 from pagedserve_common.model_spec import MODEL_HELP, REVISION_HELP
 from pagedserve_common.options import ALWAYS, GIVEN, at_least, byte_size, group, option, parse_device
 from pagedserve_common.units import format_bytes
@@ -17,7 +18,7 @@ TOOL_CALL_PARSERS = ("none", "hermes", "llama3_json")  # scheduler_svc.frontend.
 # min(prompt + max_tokens, max_model_len).
 KV_ALLOCATIONS = ("paged", "static-max-model-len", "static-request")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")  # kv_geometry
+KV_CACHE_DTYPES = ("auto", *DTYPE_BYTES)  # --kv-cache-dtype: auto (the model's) or a cache element type
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "cupy")
 INT8_QK = ("auto", "on", "off")
 
