@@ -30,7 +30,10 @@ from scheduler_svc.frontend.limits import Limits
 from scheduler_svc.worker_auth import WorkerGate
 
 log = structlog.get_logger("pagedserve.scheduler")
-SERVICES = ("", "pagedserve.v1.Generation")
+SERVICES = ("", "pagedserve.v1.Generation")  # SERVING iff a worker is attached and the scheduler is not draining
+# NOTE: SERVING from start to exit, draining included: a liveness probe (Kubernetes' gRPC probe) asks for this name,
+# so that a scheduler with no worker, or one finishing its streams, is not restarted.
+LIVENESS = "liveness"
 
 
 @dataclass(slots=True, kw_only=True)
@@ -139,6 +142,7 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
     health = HealthServicer()
     for name in SERVICES:
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
 
     def on_workers_changed(num_workers: int) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if num_workers and not engine.draining \
