@@ -144,13 +144,15 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
 
-    def on_workers_changed(num_workers: int) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if num_workers and not engine.draining \
+    async def publish_serving() -> None:
+        # NOTE: the status is read when this runs, not when it was scheduled: one scheduled before the drain began
+        # must not set SERVING after it.
+        status = health_pb2.HealthCheckResponse.SERVING if engine.workers and not engine.draining \
             else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in SERVICES:
-            asyncio.get_running_loop().create_task(health.set(name, status))
+            await health.set(name, status)
 
-    engine.on_workers_changed = on_workers_changed
+    engine.on_workers_changed = lambda num_workers: asyncio.get_running_loop().create_task(publish_serving())
     # NOTE: grpc refuses a larger message with RESOURCE_EXHAUSTED before the servicer (or the parser) sees it.
     pending = pending_call_options(cfg.engine.max_queued_requests)
     clients = grpc.aio.server(options=(*NO_PORT_SHARING, ("grpc.max_receive_message_length", limits.max_message_size),
@@ -211,7 +213,9 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
     await stop.wait()
     # Drain: refuse new requests (UNAVAILABLE), let running ones finish, then stop.
     engine.draining = True
-    await health.enter_graceful_shutdown()
+    # NOTE: not health.enter_graceful_shutdown(), which would set LIVENESS to NOT_SERVING too: a liveness probe
+    # would then restart a scheduler that is finishing its streams.
+    await publish_serving()
     log.info("draining", unfinished=engine.num_unfinished, timeout_s=cfg.engine.drain_timeout)
     deadline = loop.time() + cfg.engine.drain_timeout
     while engine.num_unfinished and loop.time() < deadline:
