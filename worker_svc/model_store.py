@@ -3,6 +3,7 @@ once, Hub repos downloaded once (model_hub), all into a local cache."""
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
@@ -13,7 +14,8 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,30 +93,46 @@ def convert_gguf_file(gguf_path: Path, cache_dir: str | os.PathLike | None = Non
 
 def _build_once(target: Path, what: str, build: Callable[[Path, Path], None]) -> Path:
     """`target` if complete; else build(tmp, out) writes the model dir `out` inside a temp dir beside `target`,
-    which is then moved into place (another process may have finished meanwhile: its copy stays). A
-    ModelFetchError of build() gets `--model WHAT: ` in front."""
+    which is then moved into place. One process builds at a time (build_lock): the others wait, then find it
+    complete. A ModelFetchError of build() gets `--model WHAT: ` in front."""
     if is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    started = time.monotonic()
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.tmp-") as tmp:
-        out = Path(tmp) / "model"
-        try:
-            build(Path(tmp), out)
-        except ModelFetchError as e:
-            raise ModelFetchError(f"--model {what}: {e}") from None
-        for f in out.iterdir():
-            f.chmod(0o644)  # safetensors writes 0600; the cache may be shared with a worker running as another user
-        if not is_complete(target):  # another process may have finished meanwhile
-            if target.exists():
-                shutil.rmtree(target)  # a half-written dir left by something non-atomic
+    with build_lock(target, what):
+        if is_complete(target):  # another process built it while this one waited
+            return target
+        started = time.monotonic()
+        with tempfile.TemporaryDirectory(dir=target.parent, prefix=f".{target.name}.tmp-") as tmp:
+            out = Path(tmp) / "model"
             try:
-                out.rename(target)
-            except OSError:
-                if not is_complete(target):
-                    raise
+                build(Path(tmp), out)
+            except ModelFetchError as e:
+                raise ModelFetchError(f"--model {what}: {e}") from None
+            # safetensors writes 0600; the cache may be shared with a worker running as another user
+            for f in out.iterdir():
+                f.chmod(0o644)
+            # NOTE: safe under the lock: only a lock holder makes `target` complete, so this removes a half-written
+            # dir left by an interrupted build, never a complete one that another process may be reading.
+            if target.exists():
+                shutil.rmtree(target)
+            out.rename(target)
     log.info("pulled model", model=what, path=str(target), seconds=round(time.monotonic() - started, 1))
     return target
+
+
+@contextmanager
+def build_lock(target: Path, what: str) -> Iterator[None]:
+    """Holds an exclusive lock on `.TARGET.lock` beside `target` (waiting for it, said in the log), so that pods and
+    processes sharing a cache (a Kubernetes volume, `--scale worker=N`) build a model once, not each a copy over
+    the others'. NOTE: flock, which Linux's NFS client maps to a POSIX lock that the server holds for all clients;
+    the lock file stays (unlinking a lock file others may hold open would let two holders in)."""
+    with open(target.parent / f".{target.name}.lock", "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process pulling the model", model=what, path=str(target))
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # NOTE: closing the file releases the lock
 
 
 def _convert_logged(gguf_path: Path, out_dir: Path) -> None:

