@@ -356,6 +356,8 @@ def test_ports_agree_between_the_scheduler_its_services_and_its_workers(renders,
         if d is not scheduler.deployment:
             pod_labels = d["spec"]["template"]["metadata"]["labels"]
             assert not any(s["spec"]["selector"].items() <= pod_labels.items() for s in services.values())
+    annotations = services["pagedserve-metrics"]["metadata"]["annotations"]
+    assert (annotations["prometheus.io/port"], annotations["prometheus.io/path"]) == (str(ports["metrics"]), "/metrics")
     worker = main_container(render, overlay, "pagedserve-worker")
     assert worker.args().scheduler == f"pagedserve-workers:{ports['worker']}"
 
@@ -432,6 +434,15 @@ def test_workers_roll_without_losing_capacity_and_are_evicted_one_at_a_time(rend
     assert render.one("Deployment", "pagedserve-scheduler")["spec"]["strategy"] == {"type": "Recreate"}
     [budget] = render.of_kind("PodDisruptionBudget")
     assert budget["spec"]["selector"] == worker["spec"]["selector"] and budget["spec"]["maxUnavailable"] == 1
+
+
+@OVERLAYS
+def test_worker_pods_are_guaranteed_whole_cores(renders, overlay):
+    # NOTE: every container's requests = its limits (init containers included), or the pod is Burstable
+    for c in containers(renders[overlay], overlay):
+        if c.deployment["metadata"]["name"] == "pagedserve-worker":
+            requests, limits = c.spec["resources"]["requests"], c.spec["resources"]["limits"]
+            assert requests == limits and cpu_cores(limits["cpu"]).is_integer(), c.name
 
 
 # -- NetworkPolicy and security --------------------------------------------------------------------------------------
