@@ -303,6 +303,7 @@ def test_every_pagedserve_variable_is_a_flag_of_the_command_it_reaches(renders, 
         variables = {n for n in manifest_variables(renders[overlay], c.spec) if n.startswith(PREFIX)}
         referenced = set(re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", " ".join(c.spec["command"])))
         assert variables - flag_variables(command_parser(c.argv)) - referenced == set(), c.name
+        # NOTE: nor any other name (a misspelt PAGEDSERVE_ one would be ignored without a word)
         assert not [n for n in manifest_variables(renders[overlay], c.spec) if not n.startswith(PREFIX)], c.name
         c.args()  # and every value parses (a bad one is a usage error naming the variable)
 
