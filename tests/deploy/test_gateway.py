@@ -27,6 +27,7 @@ DEPRECATED_EPP_FLAGS = ("--total-queued-requests-metric", "--total-running-reque
                         "--kv-cache-usage-percentage-metric", "--lora-info-metric", "--cache-info-metric")
 CELL = "app.kubernetes.io/instance"
 SCHEDULER, WORKER = ["pagedserve", "scheduler"], ["pagedserve", "worker"]
+PROBES = {"startupProbe", "readinessProbe", "livenessProbe"}
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +95,7 @@ def cell_problems(docs: list[dict]) -> list[str]:
         if port != host_port(listen)[1]:
             problems.append(f"{worker['metadata']['name']} dials port {port}, its scheduler listens on {listen}")
         problems += service_port_to(docs, host, port, [scheduler])
-        for probe in ("startupProbe", "readinessProbe"):
+        for probe in PROBES & container(worker, "worker").keys():
             command = container(worker, "worker")[probe]["exec"]["command"][-1]
             server = re.search(r"--server (\S+)", command).group(1)
             problems += service_port_to(docs, *host_port(server), [scheduler])
@@ -207,12 +208,20 @@ def test_every_cell_is_a_scheduler_and_its_workers_with_names_of_their_own(docs)
         spec = deployment["spec"]["template"]["spec"]
         assert {v["persistentVolumeClaim"]["claimName"] for v in spec["volumes"] if "persistentVolumeClaim" in v} \
             == {f"pagedserve-model-cache{suffix}"}
-        assert {c["configMapRef"]["name"] for k in spec["containers"] + spec["initContainers"]
-                for c in k.get("envFrom", [])} == {f"pagedserve-config{suffix}"}
+        refs = {c["configMapRef"]["name"] for k in spec["containers"] + spec["initContainers"]
+                for c in k.get("envFrom", [])}
+        assert "pagedserve-config" + suffix in refs
+        for ref in refs:
+            assert ref.endswith(suffix) and named(docs, "ConfigMap", ref), ref
     # One model behind the pool: every cell's configuration is the same.
-    configs = [named(docs, "ConfigMap", f"pagedserve-config{cell.removeprefix('pagedserve')}")["data"]
-               for cell in cells]
-    assert all(c == configs[0] for c in configs)
+    configs = {}
+    for config in of_kind(docs, "ConfigMap"):
+        name = config["metadata"]["name"]
+        if name.startswith("pagedserve-") and name.endswith(("-a", "-b")):
+            configs.setdefault(name[:-2], []).append(config["data"])
+    assert "pagedserve-config" in configs
+    for name, data in configs.items():
+        assert len(data) == 2 and data[0] == data[1], name
 
 
 def test_each_cells_workers_dial_their_own_cells_worker_service(docs):
@@ -233,16 +242,16 @@ def test_the_cell_check_catches_a_worker_dialling_another_cell(docs):
     assert "no Service pagedserve" in cell_problems(crossed)
 
 
-def test_the_workers_probes_are_the_bases_with_the_cells_service(docs):
-    # NOTE: the cells restate the base's probe commands with their own Service name; this keeps them the base's.
+def test_the_workers_readiness_is_the_bases_with_the_cells_service_and_nothing_kills_them(docs):
+    # NOTE: the cells restate the base's readiness command with their own Service name; this keeps it the base's.
     base = container(named(render(KUBERNETES / "base"), "Deployment", "pagedserve-worker"), "worker")
     for cell in ("a", "b"):
         worker = container(named(docs, "Deployment", f"pagedserve-worker-{cell}"), "worker")
-        for probe in ("startupProbe", "readinessProbe"):
-            expected = copy.deepcopy(base[probe])
-            expected["exec"]["command"][-1] = expected["exec"]["command"][-1].replace(
-                "--server pagedserve:", f"--server pagedserve-{cell}:")
-            assert worker[probe] == expected, (cell, probe)
+        expected = copy.deepcopy(base["readinessProbe"])
+        expected["exec"]["command"][-1] = expected["exec"]["command"][-1].replace(
+            "--server pagedserve:", f"--server pagedserve-{cell}:")
+        assert worker["readinessProbe"] == expected, cell
+        assert PROBES & worker.keys() == {"readinessProbe"}, cell  # a probe of a worker asks the scheduler
 
 
 def test_the_pool_selects_exactly_every_cells_scheduler_on_its_http_port(docs):
