@@ -346,13 +346,16 @@ def test_the_endpoint_picker_may_watch_its_pool_and_pods_and_runs_locked_down(do
     assert security["allowPrivilegeEscalation"] is False
 
 
-def admits(policy: dict, to_labels: dict, from_labels: dict, port: int) -> bool:
-    """Whether a NetworkPolicy lets a pod with from_labels (same namespace) reach port on a pod with to_labels."""
-    if not selects(policy["spec"]["podSelector"].get("matchLabels", {}), to_labels):
+def admits(policy: dict, to: dict, from_labels: dict, port: int) -> bool:
+    """Whether a NetworkPolicy lets a pod with from_labels (same namespace) reach `port` on Deployment `to`'s pods:
+    a rule without `from` admits every source, a named port is the pod's container port of that name."""
+    if not selects(policy["spec"]["podSelector"].get("matchLabels", {}), pod_labels(to)):
         return False
-    return any(any(p["port"] == port for p in rule.get("ports", [])) and
-               any(selects(peer.get("podSelector", {}).get("matchLabels", {}), from_labels)
-                   for peer in rule.get("from", []) if "namespaceSelector" not in peer)
+    named_ports = {p.get("name"): p["containerPort"] for c in to["spec"]["template"]["spec"]["containers"]
+                   for p in c.get("ports", [])}
+    return any(any(named_ports.get(p["port"], p["port"]) == port for p in rule.get("ports", [])) and
+               ("from" not in rule or any(selects(peer.get("podSelector", {}).get("matchLabels", {}), from_labels)
+                                          for peer in rule["from"] if "namespaceSelector" not in peer))
                for rule in policy["spec"].get("ingress", []))
 
 
@@ -361,33 +364,20 @@ def test_network_policies_let_the_picker_reach_metrics_and_the_gateway_reach_the
     [gateway] = of_kind(docs, "Gateway")
     gateway_pod = {"gateway.networking.k8s.io/gateway-name": gateway["metadata"]["name"]}
     epp_pod = pod_labels(named(docs, "Deployment", "pagedserve-epp"))
+    assert all(p["spec"]["policyTypes"] == ["Ingress"] for p in policies)  # egress stays open (the API server)
     for scheduler in by_command(docs, SCHEDULER):
-        to = pod_labels(scheduler)
-        assert any(admits(p, to, epp_pod, 9464) for p in policies), scheduler["metadata"]["name"]
-        assert any(admits(p, to, gateway_pod, 8000) for p in policies), scheduler["metadata"]["name"]
-        assert not any(admits(p, to, gateway_pod, 9464) for p in policies)
-    assert any(admits(p, epp_pod, gateway_pod, 9002) for p in policies)
-    for worker in by_command(docs, WORKER):
-        assert not any(admits(p, pod_labels(worker), gateway_pod, 8000) for p in policies)
+        assert any(admits(p, scheduler, epp_pod, 9464) for p in policies), scheduler["metadata"]["name"]
+        assert any(admits(p, scheduler, gateway_pod, 8000) for p in policies), scheduler["metadata"]["name"]
+        assert not any(admits(p, scheduler, gateway_pod, 9464) for p in policies)
+    epp = named(docs, "Deployment", "pagedserve-epp")
+    assert any(admits(p, epp, gateway_pod, 9002) for p in policies)
+    assert not any(admits(p, epp, gateway_pod, 9090) for p in policies)  # its metrics: the monitoring namespace
 
 
-def readme_add_a_cell() -> str:
-    """The README's "Add a cell" commands (the fenced block that makes cells/c), as written there."""
-    readme = (KUBERNETES.parents[1] / "README.md").read_text()
-    section = readme.split("### A fleet behind the Gateway API Inference Extension", 1)[1].split("\n## ", 1)[0]
-    [block] = [b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if "cells/c" in b]
-    return textwrap.dedent(block)
-
-
-def test_the_readmes_recipe_adds_a_third_cell_that_passes_the_same_checks(tmp_path):
-    shutil.copytree(KUBERNETES, tmp_path / "deploy" / "kubernetes")
-    out = subprocess.run(["bash", "-euo", "pipefail", "-c", readme_add_a_cell()], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0, out.stderr
-    grown = render(tmp_path / GATEWAY_OVERLAY.relative_to(KUBERNETES.parents[1]))
-    assert sorted(pod_labels(d)[CELL] for d in by_command(grown, SCHEDULER)) == \
-        ["pagedserve-a", "pagedserve-b", "pagedserve-c"]
-    assert cell_problems(grown) == [] and pool_problems(grown) == []
-    worker = container(named(grown, "Deployment", "pagedserve-worker-c"), "worker")
-    assert env(worker)["PAGEDSERVE_SCHEDULER"] == "pagedserve-workers-c:50052"
-    assert "--server pagedserve-c:50051" in worker["readinessProbe"]["exec"]["command"][-1]
+def test_the_policy_check_sees_the_picker_shut_out_without_the_overlays_policies(docs):
+    ours = {"pagedserve-epp", "pagedserve-scheduler-from-gateway"}
+    others = [p for p in of_kind(docs, "NetworkPolicy") if p["metadata"]["name"] not in ours]
+    epp_pod = pod_labels(named(docs, "Deployment", "pagedserve-epp"))
+    for scheduler in by_command(docs, SCHEDULER):
+        assert not any(admits(p, scheduler, epp_pod, 9464) for p in others)
+        assert any(admits(p, scheduler, epp_pod, 9464) for p in of_kind(docs, "NetworkPolicy"))
