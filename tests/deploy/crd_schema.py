@@ -147,7 +147,8 @@ def cel_failures(crd: dict, doc: dict) -> list[str]:
         if "oldSelf" in r.rule:
             continue
         try:
-            result = env.program(env.compile(r.rule)).evaluate({"self": celpy.json_to_cel(cel_value(_at(full, r.path)))})
+            value = celpy.json_to_cel(cel_value(_at(full, r.path)))
+            result = env.program(env.compile(r.rule)).evaluate({"self": value})
         except Exception as e:  # NOTE: a rule CEL cannot evaluate here is reported, never passed
             result = e
         if not isinstance(result, celpy.celtypes.BoolType) or not result:

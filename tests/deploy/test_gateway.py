@@ -299,7 +299,8 @@ def test_the_endpoint_picker_scrapes_each_schedulers_metrics_port(docs):
     for scheduler in by_command(docs, SCHEDULER):
         ports = {p["name"]: p["containerPort"] for p in container(scheduler, "scheduler")["ports"]}
         assert source["parameters"]["port"] == ports["metrics"]
-        assert host_port(env(container(scheduler, "scheduler"))["PAGEDSERVE_METRICS"]) == ("0.0.0.0", ports["metrics"])
+        metrics = env(container(scheduler, "scheduler"))["PAGEDSERVE_METRICS"]
+        assert host_port(metrics) == ("0.0.0.0", ports["metrics"])
     assert source["parameters"]["path"] == "/metrics" and source["parameters"]["scheme"] == "http"
 
 
