@@ -1,6 +1,7 @@
 """A CustomResourceDefinition's published schema as a strict JSON-schema validator, and its CEL rules evaluated."""
 
 import copy
+import functools
 import pathlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +28,9 @@ class Rule:
     message: str
 
 
+@functools.cache
 def load(file: str) -> dict:
+    """NOTE: shared between callers: read it, never change it."""
     return yaml.safe_load((CRDS / file).read_text())
 
 
@@ -136,19 +139,24 @@ def _at(value, path: str):
     return value
 
 
+@functools.cache
+def _program(rule: str):
+    env = celpy.Environment()
+    return env.program(env.compile(rule))
+
+
 def cel_failures(crd: dict, doc: dict) -> list[str]:
     """Every CEL rule on a field `doc` sets that does not evaluate to true on create (an evaluation error included).
     NOTE: transition rules (oldSelf) run on update only."""
     schema = version_schema(crd, doc["apiVersion"], doc["kind"])
     full = defaulted(schema, doc)
-    env = celpy.Environment()
     failures = []
     for r in rules(schema, full):
         if "oldSelf" in r.rule:
             continue
         try:
             value = celpy.json_to_cel(cel_value(_at(full, r.path)))
-            result = env.program(env.compile(r.rule)).evaluate({"self": value})
+            result = _program(r.rule).evaluate({"self": value})
         except Exception as e:  # NOTE: a rule CEL cannot evaluate here is reported, never passed
             result = e
         if not isinstance(result, celpy.celtypes.BoolType) or not result:
