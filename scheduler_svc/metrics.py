@@ -2,17 +2,43 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from collections.abc import Iterator
 
-_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+from prometheus_client import (CollectorRegistry, Counter, GCCollector, Gauge, Histogram,
+                               PlatformCollector, ProcessCollector)
+from prometheus_client.metrics_core import Metric
+
+from scheduler_svc.metrics_protocol import ProtocolMetrics
+
+# NOTE: up to 30 minutes and past it: the README's own CPU run has a 160 s TTFT.
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+_CREATED_SUFFIXES = ("_created", "_gcreated")
+
+
+class Registry(CollectorRegistry):
+    """A registry without the *_created twin of each counter and histogram (a time series per label set that
+    dashboards never read). NOTE: dropped here, at collection, not by prometheus_client's process-wide
+    disable_created_metrics(), which would change every other registry in the process too."""
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in super().collect():
+            created = tuple(metric.name + suffix for suffix in _CREATED_SUFFIXES)
+            if any(s.name in created for s in metric.samples):
+                metric.samples = [s for s in metric.samples if s.name not in created]
+            yield metric
 
 
 class Metrics:
-    """One registry per service, so that tests can run several in one process. Per-worker series carry
-    a `worker` label (the scheduler's id for it, e.g. worker-0)."""
+    """One registry per service, so that tests can run several in one process: the pagedserve_* series, the
+    model-server protocol's vllm:* ones (`protocol`), and the process, platform and GC collectors. Per-worker
+    series carry a `worker` label: the name the worker registered with (HOST:PID, WorkerHandle.label), so that a
+    worker's series keep their meaning across scheduler restarts."""
 
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+    def __init__(self, model_name: str = "", max_model_len: int = 2048) -> None:
+        r = self.registry = Registry()
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         self.requests_running = Gauge("pagedserve_requests_running", "Sequences holding KV blocks", registry=r)
         self.requests_waiting = Gauge("pagedserve_requests_waiting", "Sequences waiting to be admitted",
                                       registry=r)
@@ -48,6 +74,7 @@ class Metrics:
             ["worker"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
         self.batch_size = Histogram("pagedserve_batch_size", "Sequences per step", ["worker"],
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
+        self.protocol = ProtocolMetrics(r, model_name, max_model_len)
 
     # NOTE: only gauges go when a worker does; its counters and histograms stay, so totals never drop.
     PER_WORKER_GAUGES = ("kv_blocks_used", "kv_blocks_cached", "kv_blocks_total")
