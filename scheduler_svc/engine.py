@@ -301,8 +301,8 @@ class Engine(Fleet):
     def abort(self, request_id: str) -> None:
         """Client cancel or deadline: its blocks go back to the pool at the next step."""
         stream = self.streams.pop(request_id, None)
-        self.unplaced.pop(request_id, None)
-        self.router.prefilled(request_id)
+        if self.unplaced.pop(request_id, None) is not None:
+            export_fleet(self)
         w = self.placement.pop(request_id, None)
         if w is not None:
             w.scheduler.abort(request_id)
