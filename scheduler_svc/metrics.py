@@ -13,6 +13,7 @@ from scheduler_svc.metrics_protocol import ProtocolMetrics
 # NOTE: up to 30 minutes and past it: the README's own CPU run has a 160 s TTFT.
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 _CREATED_SUFFIXES = ("_created", "_gcreated")
+LOST_KINDS = ("stream", "deadline", "failed_step", "bad_result", "leave_timeout")  # fleet.Lost.kind
 
 
 class Registry(CollectorRegistry):
@@ -60,6 +61,8 @@ class Metrics:
         self.workers = Gauge("pagedserve_workers", "Workers attached (leaving ones included)", registry=r)
         self.workers_lost = Counter("pagedserve_workers_lost", "Workers lost: their stream broke, they missed a step "
                                     "deadline, a step failed, or they answered one wrongly", ["reason"], registry=r)
+        for kind in LOST_KINDS:  # NOTE: present (0) before the first loss, so that queries on them return data
+            self.workers_lost.labels(kind)
         self.migrations = Counter("pagedserve_migrations", "Requests moved to another worker and recomputed there "
                                   "(their worker was lost, or left with them queued)", registry=r)
         self.ttft = Histogram("pagedserve_ttft_seconds", "Time to first token", buckets=_LATENCY, registry=r)
