@@ -137,3 +137,14 @@ def test_metrics_of_a_real_scheduler_match_an_openai_request_and_name_the_worker
         out.usage.completion_tokens == 5
     usage = metric_value(after, "vllm:kv_cache_usage_perc", **m)
     assert 0 <= usage <= 1
+
+
+def test_the_protocol_names_keep_their_colon_whatever_format_the_scraper_asks_for(service):
+    # NOTE: Prometheus asks for OpenMetrics first; prometheus_client 0.26 would write vllm_num_requests_waiting there
+    accept = "application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75," \
+             "text/plain;version=0.0.4;q=0.5,*/*;q=0.1"  # Prometheus 2.42's Accept header
+    r = httpx.get(f"http://{service.metrics}/metrics", headers={"Accept": accept}, timeout=60)
+    assert r.headers["content-type"].startswith("text/plain; version=0.0.4")
+    lines = r.text.splitlines()
+    assert any(line.startswith("vllm:num_requests_waiting{") for line in lines)
+    assert not any(line.startswith("vllm_") for line in lines)
