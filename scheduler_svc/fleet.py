@@ -104,7 +104,9 @@ def export_fleet(engine) -> None:
     m.requests_waiting.set(waiting)
     m.protocol.running.set(running)
     m.protocol.waiting.set(waiting)
-    m.protocol.usage(workers)
+    used = sum(x.scheduler.kv.pool.num_used_blocks for x in workers)
+    total = sum(x.registration.num_blocks for x in workers)
+    m.protocol.kv_usage.set(used / total if total else 0.0)  # NOTE: cached-but-evictable blocks count as free
 
 
 def unique_label(name: str, taken: set[str]) -> str:
@@ -254,6 +256,6 @@ class Fleet:
 
     def _workers_changed(self) -> None:
         self.metrics.workers.set(len(self.workers))
-        self.metrics.protocol.fleet(self.workers.values(), self.config.no_prefix_caching)
+        self.metrics.protocol.fleet([w.registration for w in self.workers.values()], self.config.no_prefix_caching)
         export_fleet(self)
         self.on_workers_changed(len(self.workers))

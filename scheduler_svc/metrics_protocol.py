@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from pagedserve_common.registration import WorkerRegistration
 from scheduler_svc.core.request import FinishReason
-
-if TYPE_CHECKING:
-    from scheduler_svc.fleet import WorkerHandle
-    from scheduler_svc.frontend.stream import RequestStream
 
 # NOTE: vLLM's boundaries (vllm/v1/metrics/loggers.py), each list reaching past 30 minutes: the README's own CPU run
 # has a 160 s TTFT, and a request that waits for a worker or is migrated twice can take far longer.
@@ -107,11 +103,11 @@ class ProtocolMetrics:
         self.params_max_tokens = histogram("vllm:request_params_max_tokens", "The max_tokens request parameter",
                                            token_buckets)
 
-    def fleet(self, workers: Iterable[WorkerHandle], no_prefix_caching: bool) -> None:
-        """vllm:cache_config_info from the attached workers (a change of fleet redraws it; none: no series)."""
+    def fleet(self, registrations: Iterable[WorkerRegistration], no_prefix_caching: bool) -> None:
+        """vllm:cache_config_info from the attached workers' registrations (redrawn when one comes or goes; no
+        worker: no series)."""
         groups: dict[tuple[int, str], list[int]] = {}
-        for w in workers:
-            reg = w.registration
+        for reg in registrations:
             totals = groups.setdefault((reg.block_size, reg.dtype), [0, 0])
             totals[0] += reg.num_blocks
             totals[1] += reg.num_cpu_blocks
@@ -120,20 +116,12 @@ class ProtocolMetrics:
             self.cache_config.labels(self.model_name, str(block_size), str(num_blocks), str(num_cpu_blocks), dtype,
                                      str(not no_prefix_caching)).set(1)
 
-    def usage(self, workers: Iterable[WorkerHandle]) -> None:
-        """vllm:kv_cache_usage_perc: used over total blocks of the attached workers (0 with none)."""
-        used = total = 0
-        for w in workers:
-            pool = w.scheduler.kv.pool
-            used += pool.num_used_blocks
-            total += w.registration.num_blocks
-        self.kv_usage.set(used / total if total else 0.0)
-
-    def first_token(self, stream: RequestStream, now: float) -> None:
+    # NOTE: `stream` is a scheduler_svc.frontend.stream.RequestStream (not imported: it imports this module)
+    def first_token(self, stream, now: float) -> None:
         self.ttft.observe(now - stream.arrival)
         self.prompt_tokens.inc(len(stream.request.prompt_token_ids))
 
-    def ended(self, stream: RequestStream, failed: bool) -> None:
+    def ended(self, stream, failed: bool) -> None:
         """A request's end (once, from scheduler_svc.request_log): its samples by reason and its timings."""
         req, now = stream.request, time.monotonic()
         for s in stream.samples:
