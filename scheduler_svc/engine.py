@@ -21,7 +21,8 @@ from scheduler_svc.core.result_check import check_result
 from scheduler_svc.errors import DRAINING, EngineError, ErrorCode
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.routing import Router
-from scheduler_svc.fleet import FIRST_STEP_TIMEOUT_FACTOR, Fleet, Lost, WorkerHandle, bad_result, export
+from scheduler_svc.fleet import (FIRST_STEP_TIMEOUT_FACTOR, Fleet, Lost, WorkerHandle, bad_result, export,
+                                 export_fleet)
 from scheduler_svc.structured.matcher import fill_bitmasks
 
 if TYPE_CHECKING:  # NOTE: the front end makes the streams; the engine only feeds them
@@ -54,7 +55,7 @@ class Engine(Fleet):
 
     def __init__(self, config: EngineConfig, metrics: Metrics | None = None) -> None:
         self.config = config
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or Metrics(config.model_id, config.max_model_len)
         self.router = Router(config.routing)
         self.workers: dict[str, WorkerHandle] = {}
         self.streams: dict[str, RequestStream] = {}  # unfinished client requests
@@ -163,7 +164,7 @@ class Engine(Fleet):
                 del self.streams[out.request_id]
                 self.placement.pop(out.request_id, None)
                 request_log.finished(stream, w.worker_id)
-        m, wid = self.metrics, w.worker_id
+        m, wid = self.metrics, w.label
         m.step.labels(wid).observe(time.perf_counter() - t0)
         if w.back_to_back:
             m.worker_idle.labels(wid).observe(result.idle_seconds)
@@ -172,9 +173,8 @@ class Engine(Fleet):
             log.info("preempted", worker=wid, seq_ids=list(plan.preempted_seq_ids),
                      total=w.scheduler.num_preemptions)
         m.batch_size.labels(wid).observe(plan.num_seqs)
-        m.requests_running.set(sum(x.scheduler.num_running for x in self.workers.values()))
-        m.requests_waiting.set(sum(x.scheduler.num_waiting for x in self.workers.values()) + len(self.unplaced))
         export(w, m)
+        export_fleet(self)
 
     # -- requests -----------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str = "",
@@ -271,6 +271,7 @@ class Engine(Fleet):
             self._fail(req.request_id, ErrorCode.UNAVAILABLE, self.no_worker_reason())
             return
         self.unplaced[req.request_id] = (req, time.monotonic() + timeout)
+        export_fleet(self)  # NOTE: no step runs while no worker is attached: the queue gauges move here
         asyncio.get_running_loop().call_later(timeout, self._expire_unplaced)
 
     def _expire_unplaced(self) -> None:
@@ -280,6 +281,7 @@ class Engine(Fleet):
                 del self.unplaced[request_id]
                 self._fail(request_id, ErrorCode.UNAVAILABLE,
                            f"no worker was attached for {self.config.no_worker_timeout:g} s")
+        export_fleet(self)
 
     def no_worker_reason(self) -> str:
         """Why no worker takes a new request now; honest about the past (none yet, or the last one left)."""
@@ -299,8 +301,8 @@ class Engine(Fleet):
     def abort(self, request_id: str) -> None:
         """Client cancel or deadline: its blocks go back to the pool at the next step."""
         stream = self.streams.pop(request_id, None)
-        self.unplaced.pop(request_id, None)
-        self.router.prefilled(request_id)
+        if self.unplaced.pop(request_id, None) is not None:
+            export_fleet(self)
         w = self.placement.pop(request_id, None)
         if w is not None:
             w.scheduler.abort(request_id)

@@ -61,6 +61,12 @@ class WorkerHandle:
     num_prefix_hits: int = 0
     num_preemptions: int = 0
     num_prefill_tokens: int = 0
+    # NOTE: its per-worker series' `worker` label: the name it registered with (HOST:PID), stable across scheduler
+    # restarts; "" takes the name (or the worker id for a nameless one). Engine.attach_worker makes it unique.
+    label: str = ""
+
+    def __post_init__(self) -> None:
+        self.label = self.label or self.registration.name or self.worker_id
 
     def fail(self, lost: Lost) -> None:
         """The stream broke (or was refused): the step loop ends on `lost`, now or when its step returns."""
@@ -72,16 +78,45 @@ class WorkerHandle:
 
 def export(w: WorkerHandle, m: Metrics) -> None:
     """The worker's pool gauges and counters, after a step."""
-    kv, wid = w.scheduler.kv, w.worker_id
+    kv, wid, p = w.scheduler.kv, w.label, m.protocol
     # NOTE: pool counters, not a walk over every sequence: this runs every step.
     m.kv_blocks_used.labels(wid).set(kv.pool.num_used_blocks)
     m.kv_blocks_cached.labels(wid).set(kv.pool.num_cached_free_blocks)
-    m.prefix_queries.labels(wid).inc(kv.prefix_query_tokens - w.num_prefix_queries)
-    m.prefix_hits.labels(wid).inc(kv.prefix_hit_tokens - w.num_prefix_hits)
-    m.preemptions.labels(wid).inc(w.scheduler.num_preemptions - w.num_preemptions)
+    queries, hits = kv.prefix_query_tokens - w.num_prefix_queries, kv.prefix_hit_tokens - w.num_prefix_hits
+    preemptions = w.scheduler.num_preemptions - w.num_preemptions
+    m.prefix_queries.labels(wid).inc(queries)
+    m.prefix_hits.labels(wid).inc(hits)
+    m.preemptions.labels(wid).inc(preemptions)
+    p.prefix_queries.inc(queries)
+    p.prefix_hits.inc(hits)
+    p.preemptions.inc(preemptions)
     m.prefill_tokens.labels(wid).inc(w.scheduler.num_prefill_tokens - w.num_prefill_tokens)
     w.num_prefix_queries, w.num_prefix_hits = kv.prefix_query_tokens, kv.prefix_hit_tokens
     w.num_preemptions, w.num_prefill_tokens = w.scheduler.num_preemptions, w.scheduler.num_prefill_tokens
+
+
+def export_fleet(engine) -> None:
+    """The fleet-wide gauges: requests running and waiting, KV usage over the attached workers."""
+    m, workers = engine.metrics, engine.workers.values()
+    running = sum(x.scheduler.num_running for x in workers)
+    waiting = sum(x.scheduler.num_waiting for x in workers) + len(engine.unplaced)
+    m.requests_running.set(running)
+    m.requests_waiting.set(waiting)
+    m.protocol.running.set(running)
+    m.protocol.waiting.set(waiting)
+    used = sum(x.scheduler.kv.pool.num_used_blocks for x in workers)
+    total = sum(x.registration.num_blocks for x in workers)
+    m.protocol.kv_usage.set(used / total if total else 0.0)  # NOTE: cached-but-evictable blocks count as free
+
+
+def unique_label(name: str, taken: set[str]) -> str:
+    """`name`, or name#2, name#3, ... while an attached worker holds it. NOTE: a restarted worker process can
+    register with its old name (a container's PID is 1 again) before the scheduler has seen the old stream break:
+    both are attached for a while, and their gauges must not overwrite each other's."""
+    label, k = name, 2
+    while label in taken:
+        label, k = f"{name}#{k}", k + 1
+    return label
 
 
 def check_registration(reg: WorkerRegistration, max_blocks: int) -> None:
@@ -130,10 +165,11 @@ class Fleet:
         except ValueError as e:  # e.g. swap space under a static kv_allocation
             raise EngineError(ErrorCode.FAILED_PRECONDITION, str(e)) from None
         w = WorkerHandle(f"worker-{next(self._worker_ids)}", reg, sched)
+        w.label = unique_label(w.label, {x.label for x in self.workers.values()})
         self.workers[w.worker_id] = w
-        self.metrics.kv_blocks_total.labels(w.worker_id).set(reg.num_blocks)
+        self.metrics.kv_blocks_total.labels(w.label).set(reg.num_blocks)
         w.task = asyncio.get_running_loop().create_task(self._serve(w))
-        log.info("worker attached", worker=w.worker_id, name=reg.name, num_blocks=reg.num_blocks,
+        log.info("worker attached", worker=w.worker_id, name=reg.name, metrics_label=w.label, num_blocks=reg.num_blocks,
                  block_size=reg.block_size, kv_cache_dtype=reg.dtype, device=reg.device, **(origin or {}))
         self._workers_changed()
         for request_id in list(self.unplaced):  # requests that waited for a worker
@@ -213,11 +249,13 @@ class Fleet:
         w.wakeup.set()
         for name in self.metrics.PER_WORKER_GAUGES:
             try:
-                getattr(self.metrics, name).remove(w.worker_id)
+                getattr(self.metrics, name).remove(w.label)
             except KeyError:
                 pass
         self._workers_changed()
 
     def _workers_changed(self) -> None:
         self.metrics.workers.set(len(self.workers))
+        self.metrics.protocol.fleet([w.registration for w in self.workers.values()], self.config.no_prefix_caching)
+        export_fleet(self)
         self.on_workers_changed(len(self.workers))

@@ -2,17 +2,71 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import socket
+import threading
+from collections.abc import Iterator
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+from prometheus_client import (CollectorRegistry, Counter, GCCollector, Gauge, Histogram, PlatformCollector,
+                               ProcessCollector, make_wsgi_app)
+from prometheus_client.exposition import ThreadingWSGIServer
+from prometheus_client.metrics_core import Metric
+
+from scheduler_svc.metrics_protocol import ProtocolMetrics
+
+# NOTE: up to 30 minutes and past it: the README's own CPU run has a 160 s TTFT.
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
+_CREATED_SUFFIXES = ("_created", "_gcreated")
+LOST_KINDS = ("stream", "deadline", "failed_step", "bad_result", "leave_timeout")  # fleet.Lost.kind
+
+
+class Registry(CollectorRegistry):
+    """A registry without the *_created twin of each counter and histogram (a time series per label set that
+    dashboards never read). NOTE: dropped here, at collection, not by prometheus_client's process-wide
+    disable_created_metrics(), which would change every other registry in the process too."""
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in super().collect():
+            created = tuple(metric.name + suffix for suffix in _CREATED_SUFFIXES)
+            if any(s.name in created for s in metric.samples):
+                metric.samples = [s for s in metric.samples if s.name not in created]
+            yield metric
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's signature
+        pass
+
+
+def serve(host: str, port: int, registry: CollectorRegistry) -> None:
+    """Serves `registry` on HOST:PORT from a daemon thread, as prometheus_client's start_http_server does, but in
+    the classic text format whatever the scraper asks for. NOTE: prometheus_client 0.26's OpenMetrics output (what
+    Prometheus asks for first) writes vllm:num_requests_waiting's samples as vllm_num_requests_waiting while its
+    TYPE line keeps the colon (prometheus/client_python#1177): Prometheus would store every vllm: series under
+    another name than the endpoint picker and vLLM's dashboards read. Raises OSError when the port is taken."""
+    app = make_wsgi_app(registry)
+
+    def classic(environ, start_response):
+        environ.pop("HTTP_ACCEPT", None)
+        return app(environ, start_response)
+
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+    server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+    httpd = make_server(host, port, classic, server_class, handler_class=_Quiet)
+    threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()
 
 
 class Metrics:
-    """One registry per service, so that tests can run several in one process. Per-worker series carry
-    a `worker` label (the scheduler's id for it, e.g. worker-0)."""
+    """One registry per service, so that tests can run several in one process: the pagedserve_* series, the
+    model-server protocol's vllm:* ones (`protocol`), and the process, platform and GC collectors. Per-worker
+    series carry a `worker` label: the name the worker registered with (HOST:PID, WorkerHandle.label), so that a
+    worker's series keep their meaning across scheduler restarts."""
 
-    def __init__(self) -> None:
-        r = self.registry = CollectorRegistry()
+    def __init__(self, model_name: str = "", max_model_len: int = 2048) -> None:
+        r = self.registry = Registry()
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
         self.requests_running = Gauge("pagedserve_requests_running", "Sequences holding KV blocks", registry=r)
         self.requests_waiting = Gauge("pagedserve_requests_waiting", "Sequences waiting to be admitted",
                                       registry=r)
@@ -34,6 +88,8 @@ class Metrics:
         self.workers = Gauge("pagedserve_workers", "Workers attached (leaving ones included)", registry=r)
         self.workers_lost = Counter("pagedserve_workers_lost", "Workers lost: their stream broke, they missed a step "
                                     "deadline, a step failed, or they answered one wrongly", ["reason"], registry=r)
+        for kind in LOST_KINDS:  # NOTE: present (0) before the first loss, so that queries on them return data
+            self.workers_lost.labels(kind)
         self.migrations = Counter("pagedserve_migrations", "Requests moved to another worker and recomputed there "
                                   "(their worker was lost, or left with them queued)", registry=r)
         self.ttft = Histogram("pagedserve_ttft_seconds", "Time to first token", buckets=_LATENCY, registry=r)
@@ -48,6 +104,7 @@ class Metrics:
             ["worker"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
         self.batch_size = Histogram("pagedserve_batch_size", "Sequences per step", ["worker"],
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
+        self.protocol = ProtocolMetrics(r, model_name, max_model_len)
 
     # NOTE: only gauges go when a worker does; its counters and histograms stay, so totals never drop.
     PER_WORKER_GAUGES = ("kv_blocks_used", "kv_blocks_cached", "kv_blocks_total")

@@ -30,13 +30,15 @@ def aborted(stream: RequestStream, worker: str | None) -> None:
 def failed(stream: RequestStream, worker: str | None, code: ErrorCode, message: str) -> None:
     """The request ended with an error status after it was admitted (its workers failed, none was attached,
     the server shut down)."""
-    _end(stream, "request failed", worker, level="warning", status=code.value, message=message)
+    _end(stream, "request failed", worker, level="warning", failed=True, status=code.value, message=message)
 
 
-def _end(stream: RequestStream, event: str, worker: str | None, level: str = "info", **outcome) -> None:
+def _end(stream: RequestStream, event: str, worker: str | None, level: str = "info", failed: bool = False,
+         **outcome) -> None:
     if stream.end_logged:  # NOTE: exactly one end line per request, whichever path ends it
         return
     stream.end_logged = True
+    stream.metrics.protocol.ended(stream, failed)  # NOTE: here, as every request's end comes here once
     req, now = stream.request, time.monotonic()
     ttft = None if stream.first_token_time is None else round(stream.first_token_time - stream.arrival, 4)
     fields = dict(request_id=req.request_id, worker=worker, prompt_tokens=len(req.prompt_token_ids),

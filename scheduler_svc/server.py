@@ -13,14 +13,13 @@ import structlog
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import start_http_server
 
 from pagedserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from pagedserve_common.config import DEFAULT_MAX_CONNECTIONS, ConnectionOptions, SchedulerOptions
 from pagedserve_common.descriptors import AcceptErrors, raise_open_files_limit
 from pagedserve_common.options import values
 from pagedserve_common.startup import StartupError, bind_failure, host_port, one_line
-from scheduler_svc import gc_policy
+from scheduler_svc import gc_policy, metrics
 from scheduler_svc.auth import Access, add_port
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.errors import ErrorCode
@@ -176,7 +175,7 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
     if net.metrics:
         host, port = host_port("--metrics", net.metrics)
         try:
-            start_http_server(port, addr=host or "0.0.0.0", registry=engine.metrics.registry)
+            metrics.serve(host or "0.0.0.0", port, engine.metrics.registry)
         except OSError as e:
             raise bind_failure("--metrics", net.metrics, e, off=True) from None
     http = None

@@ -68,6 +68,7 @@ class Request:
     num_preemptions: int = 0
     num_migrations: int = 0  # workers lost while this request was in their step (see Engine, --max-migrations)
     num_cached_prompt_tokens: int = 0  # prefix-cache hit at first admission
+    first_scheduled_time: float = 0.0  # monotonic, at its first admission on a worker (its queue time ends); 0: not yet
     finish_reason: FinishReason | None = None
     index: int = 0  # which of the n samples this sequence is
     # NOTE: set on the children of a forked request until the parent finishes; then None, so that a finished

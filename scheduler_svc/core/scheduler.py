@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -271,6 +272,7 @@ class Scheduler(Handover):
             waiting.popleft()
             if req.status is RequestStatus.WAITING:
                 req.num_cached_prompt_tokens = hit.num_tokens
+                req.first_scheduled_time = req.first_scheduled_time or time.monotonic()
             req.status, req.num_computed_tokens = _RUNNING, hit.num_tokens
             running.append(req)
             self._num_seq_slots += width

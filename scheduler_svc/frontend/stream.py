@@ -31,6 +31,7 @@ class StreamItem:
 class _Sample:
     detok: IncrementalDetokenizer
     num_tokens: int = 0
+    first_token_time: float = 0.0
     last_token_time: float = 0.0
     finished: bool = False
     finish_reason: FinishReason | None = None
@@ -68,14 +69,18 @@ class RequestStream:
         s = self.samples[out.index]
         if s.finished:
             return None
-        m = self.metrics
+        m, p = self.metrics, self.metrics.protocol
         if s.num_tokens == 0:
             m.ttft.observe(now - self.arrival)
+            s.first_token_time = now
             if self.first_token_time is None:
                 self.first_token_time = now
+                p.first_token(self, now)
         else:
             m.itl.observe(now - s.last_token_time)
+            p.itl.observe(now - s.last_token_time)
         s.num_tokens += len(out.new_token_ids)
+        p.generation_tokens.inc(len(out.new_token_ids))
         s.last_token_time = now
         res = s.detok.push(out.new_token_ids)
         text, reason = res.text_delta, out.finish_reason

@@ -57,7 +57,7 @@ def metrics(url: str) -> dict[str, float]:
 
 
 def per_worker(samples: dict[str, float], name: str) -> dict[str, float]:
-    """{worker id: value} of a per-worker series."""
+    """{worker name: value} of a per-worker series (its `worker` label: the name the worker registered with)."""
     out = {}
     for key, value in samples.items():
         if key.startswith(name + "{") and 'worker="' in key:
@@ -142,7 +142,7 @@ def step_scale(args) -> None:
     before = per_worker(metrics(args.metrics), "pagedserve_step_seconds_count")
     Streams(args.server, 2 * args.workers, "scale").join_complete("scale")
     after = per_worker(metrics(args.metrics), "pagedserve_step_seconds_count")
-    steps = {w.worker_id: after.get(w.worker_id, 0) - before.get(w.worker_id, 0) for w in attached}
+    steps = {w.name: after.get(w.name, 0) - before.get(w.name, 0) for w in attached}
     log(f"steps run per worker: {steps}")
     if not all(n > 0 for n in steps.values()):
         fail(f"requests did not reach every worker: {steps}")
@@ -206,20 +206,20 @@ def docker_logs(docker: str, name: str) -> str:
 
 def step_kill(args) -> None:
     """Kills the worker container holding the most KV blocks mid-stream; every stream must still complete."""
-    attached = {w.worker_id: w for w in workers(args.server)}
+    attached = {w.name: w for w in workers(args.server)}  # NOTE: the metrics' worker label
     migrations_before = metrics(args.metrics).get("pagedserve_migrations_total", 0)
     streams = Streams(args.server, 2 * len(attached), "kill")
     streams.wait_started(min_tokens=4)
     used = per_worker(metrics(args.metrics), "pagedserve_kv_blocks_used")
     victim_id = max((w for w in used if w in attached), key=lambda w: used[w])
-    container = attached[victim_id].name.rpartition(":")[0]  # the container's hostname: its short id
+    container = victim_id.rpartition(":")[0]  # the container's hostname: its short id
     log(f"killing worker {victim_id} (container {container}, {used[victim_id]:.0f} KV blocks in use)")
     subprocess.run([args.docker, "kill", container], check=True, stdout=subprocess.DEVNULL)
     streams.join_complete("after docker kill")
     migrations = metrics(args.metrics).get("pagedserve_migrations_total", 0) - migrations_before
     if migrations < 1:
         fail("no request migrated off the killed worker")
-    left = [w.worker_id for w in workers(args.server)]
+    left = [w.name for w in workers(args.server)]
     if victim_id in left:
         fail(f"the killed worker {victim_id} is still listed: {left}")
     log(f"{migrations:.0f} request(s) migrated; workers left: {left}")

@@ -67,6 +67,15 @@ class Service:
         with self.channel() as ch:
             return generate_pb2_grpc.GenerationStub(ch).GetKVState(pb.GetKVStateRequest(), timeout=60)
 
+    def worker_name(self, worker_id: str) -> str:
+        """The name the worker registered with (HOST:PID): its per-worker metrics' `worker` label."""
+        from pagedserve.v1 import generate_pb2 as pb
+        from pagedserve.v1 import generate_pb2_grpc
+
+        with self.channel() as ch:
+            info = generate_pb2_grpc.GenerationStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=60)
+        return next(w.name for w in info.workers if w.worker_id == worker_id)
+
     def live_request_ids(self) -> list[str]:
         """The requests holding blocks on the (first) worker."""
         return [s.request_id for s in self.kv_state().sequences]
@@ -76,7 +85,7 @@ class Service:
         goes out after the last request ends, to tell the worker so)."""
         before = self.scrape()
         state = self.kv_state()  # NOTE: read after the scrape: answered then <= answered now <= planned now
-        answered = metric_value(before, "pagedserve_step_seconds_count", worker=state.worker_id)
+        answered = metric_value(before, "pagedserve_step_seconds_count", worker=self.worker_name(state.worker_id))
         return not state.sequences and not state.num_waiting and answered == state.num_steps
 
     @contextmanager

@@ -51,6 +51,10 @@ class Fleet:
     def pid_of(self, worker_id: str) -> int:
         return next(int(w.name.rsplit(":", 1)[1]) for w in self.info().workers if w.worker_id == worker_id)
 
+    def name_of(self, worker_id: str) -> str:
+        """The name the worker registered with (HOST:PID): its per-worker series' `worker` label."""
+        return next(w.name for w in self.info().workers if w.worker_id == worker_id)
+
     def metric(self, name: str, **labels: str) -> float:
         return metric_value(scrape(self.metrics), name, **labels)
 
@@ -124,7 +128,8 @@ def fleet_of(model: str, num_workers: int, *worker_args: str) -> Iterator[Fleet]
 
 
 def busiest_worker(fleet: Fleet, worker_ids: list[str]) -> str:
-    return max(worker_ids, key=lambda w: fleet.metric("pagedserve_kv_blocks_used", worker=w))
+    names = {w.worker_id: w.name for w in fleet.info().workers}
+    return max(worker_ids, key=lambda w: fleet.metric("pagedserve_kv_blocks_used", worker=names[w]))
 
 
 def kill_busiest(fleet: Fleet, worker_ids: list[str]) -> str:
@@ -136,7 +141,8 @@ def kill_busiest(fleet: Fleet, worker_ids: list[str]) -> str:
         os.kill(p.pid, signal.SIGSTOP)
     try:
         victim = busiest_worker(fleet, worker_ids)
-        assert fleet.metric("pagedserve_kv_blocks_used", worker=victim) > 0  # it holds requests mid-generation
+        held = fleet.metric("pagedserve_kv_blocks_used", worker=fleet.name_of(victim))
+        assert held > 0  # it holds requests mid-generation
         os.kill(fleet.pid_of(victim), signal.SIGKILL)
     finally:
         for p in frozen:

@@ -63,10 +63,11 @@ class ScriptedWorker:
     """Registers over the real Attach stream. With `answer`, it answers every plan, sampling TOKEN for every
     sequence that finished its known tokens (reply); otherwise it stays silent. Every plan it receives is kept."""
 
-    def __init__(self, channel, model_id: str = "m", answer: bool = False, num_blocks: int = 64) -> None:
+    def __init__(self, channel, model_id: str = "m", answer: bool = False, num_blocks: int = 64,
+                 name: str = "") -> None:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.queue.put_nowait(worker_pb2.WorkerMessage(registration=worker_pb2.WorkerRegistration(
-            model_id=model_id, max_model_len=128, device="cpu", num_blocks=num_blocks,
+            model_id=model_id, max_model_len=128, device="cpu", num_blocks=num_blocks, name=name,
             kv_geometry=worker_pb2.KVGeometry(num_layers=1, num_kv_heads=1, head_dim=8, dtype="float32",
                                               block_size=16))))
         self.answer = answer

@@ -7,6 +7,7 @@ import signal
 
 import pytest
 
+from tests.service.conftest import metric_value, scrape
 from tests.service.fleet import NEW, PROMPTS, Streams, busiest_worker, fleet_of, kill_busiest
 from tests.support.worker import assert_same_greedy, reference_greedy, reference_model
 
@@ -25,6 +26,7 @@ def reference(tiny_served_model):
 
 def test_kill_9_of_a_worker_mid_generation_loses_no_stream(fleet, reference):
     ids = fleet.wait_workers(3)
+    names = {w.worker_id: w.name for w in fleet.info().workers}
     streams = Streams(fleet, PROMPTS)
     streams.wait_started()
     victim = kill_busiest(fleet, ids)
@@ -34,8 +36,9 @@ def test_kill_9_of_a_worker_mid_generation_loses_no_stream(fleet, reference):
         assert_same_greedy(got, *ref)
     assert fleet.metric("pagedserve_migrations_total") > 0
     assert len(fleet.wait_workers(2)) == 2
-    # Per-worker series carry the worker's id.
-    assert all(fleet.metric("pagedserve_step_seconds_count", worker=w) > 0 for w in ids if w != victim)
+    # Per-worker series carry the name each worker registered with; the lost one's gauges are gone.
+    assert all(fleet.metric("pagedserve_step_seconds_count", worker=names[w]) > 0 for w in ids if w != victim)
+    assert 'pagedserve_kv_blocks_total{worker="%s"}' % names[victim] not in scrape(fleet.metrics)
 
 
 def test_a_stopped_worker_loses_its_requests_after_the_step_timeout_then_comes_back(fleet, reference):
@@ -63,17 +66,21 @@ def test_a_worker_attached_later_takes_traffic(fleet, reference):
     before = set(fleet.wait_workers(2))
     fleet.add_worker()
     late = sorted(set(fleet.wait_workers(3)) - before)
-    assert len(late) == 1 and fleet.metric("pagedserve_step_seconds_count", worker=late[0]) == 0
+    assert len(late) == 1
+    late_name = fleet.name_of(late[0])
+    assert fleet.metric("pagedserve_kv_blocks_total", worker=late_name) > 0  # its series exist, under its name
+    assert fleet.metric("pagedserve_step_seconds_count", worker=late_name) == 0
     streams = Streams(fleet, PROMPTS)
     streams.join()
     assert streams.errors == []
     for got, ref in zip(streams.tokens, reference):
         assert_same_greedy(got, *ref)
-    assert fleet.metric("pagedserve_step_seconds_count", worker=late[0]) > 0
+    assert fleet.metric("pagedserve_step_seconds_count", worker=late_name) > 0
 
 
 def test_workers_dial_in_again_to_a_restarted_scheduler(fleet, reference):
     fleet.wait_workers(3)
+    names = sorted(w.name for w in fleet.info().workers)
     fleet.scheduler.kill()
     fleet.scheduler.wait()
     fleet.scheduler = fleet.start_scheduler()
@@ -85,6 +92,10 @@ def test_workers_dial_in_again_to_a_restarted_scheduler(fleet, reference):
     assert streams.errors == []
     for got, ref in zip(streams.tokens, reference[:3]):
         assert_same_greedy(got, *ref)
+    # the new scheduler's per-worker series carry the same names as the old one's: they keep their meaning
+    text = scrape(fleet.metrics)
+    assert sorted(w.name for w in fleet.info().workers) == names
+    assert all(metric_value(text, "pagedserve_kv_blocks_total", worker=n) > 0 for n in names)
 
 
 def test_sigterm_to_a_worker_hands_its_work_over_and_it_exits_0(fleet, reference):

@@ -141,8 +141,9 @@ def test_a_constrained_stream_whose_worker_is_killed_mid_way_equals_the_undistur
     for p in fleet.workers:
         os.kill(p.pid, signal.SIGSTOP)
     try:
-        victim = max(ids, key=lambda w: fleet.metric("pagedserve_kv_blocks_used", worker=w))
-        assert fleet.metric("pagedserve_kv_blocks_used", worker=victim) > 0
+        names = {w.worker_id: w.name for w in fleet.info().workers}  # NOTE: the metrics' worker label
+        victim = max(ids, key=lambda w: fleet.metric("pagedserve_kv_blocks_used", worker=names[w]))
+        assert fleet.metric("pagedserve_kv_blocks_used", worker=names[victim]) > 0
         os.kill(fleet.pid_of(victim), signal.SIGKILL)
     finally:
         for p in fleet.workers:

@@ -1,0 +1,154 @@
+"""A real Prometheus (Debian's `prometheus`) scrapes `pagedserve up` every second while a short load runs; then
+every query of the Grafana dashboard, the autoscaler's and the endpoint picker's metrics return data through its
+HTTP API. Without the binary it skips, unless PAGEDSERVE_REQUIRE_PROMETHEUS=1 (.ci/run sets it), then it fails."""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import subprocess
+import threading
+import time
+
+import grpc
+import httpx
+import pytest
+
+from pagedserve.v1 import generate_pb2 as pb
+from pagedserve.v1 import generate_pb2_grpc
+from tests.service.conftest import free_port, wait_until
+from tests.support import promql
+from tests.support.processes import stop_all, up
+
+NUM_REQUESTS = 36
+# NOTE: the labels a Kubernetes scrape (a ServiceMonitor on Service pagedserve-metrics) would put on the series, so
+# that queries written for the cluster select them here too.
+TARGET_LABELS = {"namespace": "pagedserve", "service": "pagedserve-metrics", "pod": "pagedserve-scheduler-0",
+                 "container": "scheduler"}
+
+
+def prometheus_binary() -> str:
+    exe = shutil.which("prometheus")
+    if exe is None:
+        reason = "Debian's `prometheus` is not installed (apt-get install -y prometheus; .ci/run installs it)"
+        if os.environ.get("PAGEDSERVE_REQUIRE_PROMETHEUS") == "1":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    return exe
+
+
+class Prometheus:
+    """A prometheus process scraping `target` (HOST:PORT) every second, its storage in `tmp`."""
+
+    def __init__(self, exe: str, target: str, tmp) -> None:
+        self.address = f"127.0.0.1:{free_port()}"
+        labels = "".join(f"\n          {k}: {v}" for k, v in TARGET_LABELS.items())
+        config = tmp / "prometheus.yml"
+        config.write_text(f"""global:
+  scrape_interval: 1s
+  evaluation_interval: 1s
+scrape_configs:
+  - job_name: pagedserve
+    static_configs:
+      - targets: ["{target}"]
+        labels:{labels}
+""")
+        self.log = tmp / "prometheus.log"
+        with open(self.log, "wb") as err:
+            self.proc = subprocess.Popen([exe, f"--config.file={config}", f"--storage.tsdb.path={tmp / 'data'}",
+                                          f"--web.listen-address={self.address}", "--log.level=warn"],
+                                         stdout=subprocess.DEVNULL, stderr=err)
+
+    def ready(self) -> bool:
+        assert self.proc.poll() is None, self.log.read_text()[-2000:]
+        try:
+            return httpx.get(f"http://{self.address}/-/ready", timeout=10).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    def query(self, expr: str) -> list[dict]:
+        """The instant vector (or scalar, as one sample) of `expr` now; fails on a PromQL error."""
+        r = httpx.get(f"http://{self.address}/api/v1/query", params={"query": expr}, timeout=60)
+        body = r.json()
+        assert r.status_code == 200 and body["status"] == "success", (expr, body)
+        data = body["data"]
+        return data["result"] if data["resultType"] == "vector" else [{"metric": {}, "value": data["result"]}]
+
+    def total(self, expr: str) -> float:
+        return sum(float(s["value"][1]) for s in self.query(expr))
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def load(listen: str) -> None:
+    """NUM_REQUESTS streamed requests, 6 at a time: a shared prefix (prefix-cache hits), n = 2 now and then, one
+    ended by a stop token; each waits for its stream's end."""
+    prefix = "You are a helpful assistant. Answer in one short sentence, and never more than that. "
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        sampling = pb.SamplingParams(max_tokens=8 + i % 5 * 6, temperature=0, ignore_eos=True, n=2 if i % 6 == 0
+                                     else 1)
+        try:
+            with grpc.insecure_channel(listen) as ch:
+                list(generate_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+                    prompt=f"{prefix}Question {i}: what is {i} plus {i}?", sampling=sampling), timeout=300))
+        except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
+            errors.append(e)
+
+    for start in range(0, NUM_REQUESTS, 6):
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(start, min(start + 6, NUM_REQUESTS))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors[0]
+
+
+def test_every_dashboard_autoscaler_and_endpoint_picker_query_returns_data(tiny_served_model, tmp_path):
+    exe = prometheus_binary()
+    autoscale, epp = promql.autoscale_queries(), promql.epp_metrics()
+    if promql.OVERLAYS_REQUIRED:
+        assert autoscale, f"no ScaledObject query in {promql.OVERLAYS / promql.AUTOSCALE}"
+        assert epp, f"no vllm: metric in the endpoint picker's config in {promql.OVERLAYS / promql.GATEWAY}"
+    listen, metrics = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    with open(tmp_path / "up.log", "w") as err:
+        proc = up(tiny_served_model, listen, "--metrics", metrics, "--workers", "2", stderr=err)
+    prom = None
+    try:
+        line = proc.stdout.readline()
+        assert line.startswith(f"pagedserve is up: {listen}"), line + (tmp_path / "up.log").read_text()[-2000:]
+        prom = Prometheus(exe, metrics, tmp_path)
+        wait_until(prom.ready, timeout=120, interval=0.5)
+        wait_until(lambda: prom.total('up{job="pagedserve"}') == 1, timeout=120, interval=0.5)
+        wait_until(lambda: prom.total("sum(pagedserve_workers)") == 2, timeout=120, interval=0.5)
+        load(listen)
+        # every request's end scraped: 6 of the 36 have two samples
+        samples = NUM_REQUESTS + NUM_REQUESTS // 6
+        wait_until(lambda: prom.total("sum(vllm:request_success_total)") == samples, timeout=120, interval=0.5)
+        time.sleep(3)  # NOTE: a few more scrapes, so that every rate() window holds the last observations
+
+        with grpc.insecure_channel(listen) as ch:  # NOTE: the id /v1/models lists, the model_name label
+            model = generate_pb2_grpc.GenerationStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=60).model_id
+        queries = [(f"dashboard {title}", expr) for title, expr in promql.dashboard_queries({"model_name": model})]
+        queries += [("autoscaler", q) for q in autoscale or ()]
+        queries += [(f"endpoint picker {name}", name) for name in epp or ()]
+        queries += [("endpoint picker (protocol)", name) for name in ("vllm:num_requests_waiting",
+                    "vllm:num_requests_running", "vllm:kv_cache_usage_perc", "vllm:cache_config_info")]
+        empty = [(what, expr) for what, expr in queries
+                 if not any(math.isfinite(float(s["value"][1])) for s in prom.query(expr))]
+        assert not empty, f"{len(empty)} of {len(queries)} queries returned no data: {empty}"
+        assert prom.total(f'sum(vllm:generation_tokens_total{{model_name="{model}"}})') > 0
+        assert 0 < prom.total("max_over_time(vllm:kv_cache_usage_perc[5m])") <= 1
+        info = prom.query("vllm:cache_config_info")[0]["metric"]
+        assert int(info["num_gpu_blocks"]) == prom.total("sum(pagedserve_kv_blocks_total)")
+    finally:
+        if prom is not None:
+            prom.stop()
+        stop_all(proc)
