@@ -19,7 +19,7 @@ OVERLAYS = REPO / "deploy" / "kubernetes" / "overlays"
 AUTOSCALE, GATEWAY = "autoscale", "gateway-inference-extension"
 # NOTE: False while the autoscale and gateway-inference-extension overlays live on other branches; True once they
 # are merged: then tests/service/test_prometheus.py fails when either is missing instead of skipping its queries.
-OVERLAYS_REQUIRED = False
+OVERLAYS_REQUIRED = True
 
 # What Grafana puts in place of its built-in variables when it runs a panel's query (a 1 s scrape interval).
 GRAFANA_BUILTINS = {"__rate_interval": "1m", "__interval": "15s", "__range": "5m"}
