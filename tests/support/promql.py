@@ -17,8 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "grafana" / "pagedserve.json"
 OVERLAYS = REPO / "deploy" / "kubernetes" / "overlays"
 AUTOSCALE, GATEWAY = "autoscale", "gateway-inference-extension"
-# NOTE: False while the autoscale and gateway-inference-extension overlays live on other branches; True once they
-# are merged: then tests/service/test_prometheus.py fails when either is missing instead of skipping its queries.
+# NOTE: True: tests/service/test_prometheus.py fails when the autoscale or gateway-inference-extension overlay is
+# missing or yields no query, instead of skipping their queries.
 OVERLAYS_REQUIRED = True
 
 # What Grafana puts in place of its built-in variables when it runs a panel's query (a 1 s scrape interval).
