@@ -1,24 +1,34 @@
-"""What traces cost: scheduler throughput with --otlp-endpoint unset against the same scheduler without the tracing
-hooks (the tree before they were added), and with it set, exporting to a local OTLP/gRPC collector.
+"""What traces cost: the scheduler's CPU per request with --otlp-endpoint unset against the same code without the
+tracing hooks (the tree before they were added), and with it set, exporting to a local OTLP/gRPC collector.
 
-    python bench/tracing_overhead.py [--cycles 5] [--round 6] [--clients 32] [--max-tokens 8] [--baseline REV]
+    python bench/tracing_overhead.py [--cycles 8] [--requests 3000] [--concurrency 32] [--max-tokens 8]
+                                     [--baseline REV]
 
-Starts three `pagedserve scheduler`s on loopback, each with one CPU worker over the tests' tiny random Llama (or
---model DIR): `base` runs the code of --baseline (default: the parent of the commit that added scheduler_svc/tracing,
-extracted with git archive), `off` and `on` this tree, `on` with --otlp-endpoint to a collector in this process that
-counts the spans it receives. Then --cycles cycles of one round each, the order rotated every cycle (back to back, the
-same machine, so drift hits all three alike): a round is --clients streaming gRPC clients sending short text prompts
-for --round seconds; its figure is output tokens per second. Prints each round, then the medians and last
+Each measurement is a child process running one tree's scheduler code in process: its Engine and FrontEnd (the
+front end both APIs call), with an in-process worker that answers every step at once (a fixed token for each sample
+due), and --concurrency clients that send --requests requests of 8 prompt tokens and --max-tokens output tokens
+through FrontEnd.generate and read each stream to its end (the detokenizer, stop strings, the request log: all of a
+request's scheduler path but the gRPC/HTTP framing, where the hooks are one attribute read each). Its figure is
+requests per second of the process's CPU time (user + system, all threads: the span exporter's too), i.e. the
+throughput of a CPU-bound scheduler. `base` runs --baseline (default: the parent of the commit that added
+scheduler_svc/tracing, extracted with git archive), `off` and `on` this tree, `on` with scheduler_svc.tracing.start()
+on a collector in this process that counts the spans it receives (each request sends a traceparent). The three run
+back to back, --cycles times, the order rotated each cycle, so that drift weighs on all alike.
 
-    tracing_off_ratio=X.XXX tracing_on_ratio=X.XXX spans_received=N
+NOTE: not real server processes under load: on a shared 2-core machine their wall-clock throughput moved 10-20%
+between rounds, and a closed loop's batches grow with throughput (the faster one also gets cheaper per token).
+Prints each run, the medians, and last
 
-(off/base and on/off medians: 1.000 costs nothing; the target for off is >= 0.98).
+    tracing_off_ratio=X.XXX tracing_on_ratio=X.XXX on_cost_us_per_request=N spans_received=N
+
+(off/base and on/off of the medians of requests per CPU second: 1.000 costs nothing; the target for off is >= 0.98).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import statistics
 import subprocess
@@ -30,16 +40,8 @@ from concurrent import futures
 from io import BytesIO
 from pathlib import Path
 
-import grpc
-
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))  # run from anywhere without installing
-from pagedserve.v1 import generate_pb2 as pb  # noqa: E402
-from pagedserve.v1 import generate_pb2_grpc  # noqa: E402
-from pagedserve_cli.up_cmd import wait_healthy  # noqa: E402
-from pagedserve_common.ports import free_port  # noqa: E402
-
-WORDS = ("the", "sea", "a", "ship", "sails", "north", "under", "grey", "skies", "and", "wind", "calls", "home")
+TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 
 def baseline_tree(rev: str | None, out: Path) -> tuple[str, Path]:
@@ -59,6 +61,7 @@ class Collector:
     """An OTLP/gRPC trace collector that counts the spans it receives."""
 
     def __init__(self) -> None:
+        import grpc
         from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
         collector = self
@@ -68,6 +71,8 @@ class Collector:
                 collector.num_spans += sum(len(ss.spans) for rs in request.resource_spans for ss in rs.scope_spans)
                 return trace_service_pb2.ExportTraceServiceResponse()
 
+        from pagedserve_common.ports import free_port
+
         self.num_spans = 0
         self.port = free_port()
         self.server = grpc.server(futures.ThreadPoolExecutor(2))
@@ -76,92 +81,106 @@ class Collector:
         self.server.start()
 
 
-class Server:
-    """`pagedserve scheduler` from the tree `code` and one worker (from this tree), on loopback."""
+# -- the child: one tree's scheduler code, in process ---------------------------------------------------------------
+async def drive(model_dir: str, endpoint: str, num_requests: int, concurrency: int, max_tokens: int) -> float:
+    """Requests per CPU second of this process through Engine + FrontEnd with an instant in-process worker."""
+    import structlog
 
-    def __init__(self, name: str, code: Path, model: str, log_dir: Path, *scheduler_args: str) -> None:
-        self.name, self.address = name, f"127.0.0.1:{free_port()}"
-        worker_listen = f"127.0.0.1:{free_port()}"
-        exe = [sys.executable, "-m", "pagedserve_cli.main"]
-        with open(log_dir / f"{name}-scheduler.log", "wb") as slog, open(log_dir / f"{name}-worker.log", "wb") as wlog:
-            self.procs = [
-                subprocess.Popen([*exe, "scheduler", "--model", model, "--listen", self.address, "--worker-listen",
-                                  worker_listen, "--metrics", "", "--http", "", "--max-num-seqs", "64",
-                                  *scheduler_args], stderr=slog, cwd=code, env={**os.environ, "PYTHONPATH": str(code)}),
-                subprocess.Popen([*exe, "worker", "--scheduler", worker_listen, "--model", model, "--threads", "1"],
-                                 stderr=wlog, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})]
+    from pagedserve_common.kv_geometry import KVGeometry
+    from pagedserve_common.registration import WorkerRegistration
+    from pagedserve_common.sampling import SamplingParams
+    from pagedserve_common.step import StepResult
+    from scheduler_svc.engine import Engine, EngineConfig
+    from scheduler_svc.frontend import FrontEnd, GenerateInput, Tokenizer
 
-    def stop(self) -> None:
-        for p in self.procs:
-            p.terminate()
-        for p in self.procs:
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
+    # NOTE: the request log's lines are dropped at the level filter (the server writes them: the same for all three)
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
+    engine = Engine(EngineConfig(model_id="m", max_model_len=512, vocab_size=49152, max_num_seqs=64))
+    extra = {}
+    if endpoint:
+        from scheduler_svc import tracing
+
+        extra["tracing"] = tracing.start(endpoint, "m")
+    frontend = FrontEnd(engine, Tokenizer.from_model_dir(model_dir), **extra)
+    w = engine.attach_worker(WorkerRegistration("m", 512, "cpu", KVGeometry(1, 1, 8, "float32", 16), 8192))
+
+    async def answer() -> None:
+        while (plan := await w.outbox.get()) is not None:
+            w.inbox.put_nowait(StepResult(plan.step_id, dict.fromkeys(w.scheduler.due_samples(), 7)))
+
+    async def client(i: int, n: int) -> None:
+        for k in range(n):
+            inp = GenerateInput(prompt_token_ids=[(i * 31 + k + j) % 4000 + 100 for j in range(8)],
+                                sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.8,
+                                                        seed=k))
+            stream = await (frontend.generate(inp, {"traceparent": TRACEPARENT}) if endpoint else
+                            frontend.generate(inp))
+            async for _ in stream:
+                pass
+
+    worker = asyncio.get_running_loop().create_task(answer())
+    per_client = num_requests // concurrency
+    await asyncio.gather(*(client(i, 20) for i in range(concurrency)))  # warm-up: caches, first compiles
+    t0 = time.process_time()
+    await asyncio.gather(*(client(i, per_client) for i in range(concurrency)))
+    if endpoint:
+        frontend.tracing.shutdown()  # NOTE: the export of the last spans counts too
+    cpu = time.process_time() - t0
+    engine.detach(w)
+    await worker
+    frontend.pool.shutdown()
+    return per_client * concurrency / cpu
 
 
-async def one_round(address: str, clients: int, seconds: float, max_tokens: int, seed: int) -> float:
-    """Output tokens per second of `clients` streaming clients for `seconds`."""
-    deadline, tokens = time.monotonic() + seconds, [0]
+def child(argv: list[str]) -> int:
+    model_dir, endpoint, num_requests, concurrency, max_tokens = argv
+    rate = asyncio.run(drive(model_dir, endpoint, int(num_requests), int(concurrency), int(max_tokens)))
+    print(json.dumps({"requests_per_cpu_s": rate}))
+    return 0
 
-    async def client(stub, i: int) -> None:
-        n = 0
-        while time.monotonic() < deadline:
-            words = " ".join(WORDS[(seed + i + n + k) % len(WORDS)] for k in range(6))
-            async for msg in stub.Generate(pb.GenerateRequest(prompt=words, sampling=pb.SamplingParams(
-                    max_tokens=max_tokens, ignore_eos=True, temperature=0.8, seed=n)), timeout=300):
-                tokens[0] += len(msg.token_ids)
-            n += 1
 
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub = generate_pb2_grpc.GenerationStub(channel)
-        t0 = time.monotonic()
-        await asyncio.gather(*(client(stub, i) for i in range(clients)))
-        return tokens[0] / (time.monotonic() - t0)
+# -- the parent -----------------------------------------------------------------------------------------------------
+def measure(tree: Path, model: str, endpoint: str, args) -> float:
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", model, endpoint,
+                          str(args.requests), str(args.concurrency), str(args.max_tokens)], capture_output=True,
+                         text=True, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, timeout=600)
+    if out.returncode != 0:
+        raise RuntimeError(f"the run in {tree} failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])["requests_per_cpu_s"]
 
 
 def main() -> int:
+    if sys.argv[1:2] == ["--child"]:
+        return child(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cycles", type=int, default=5)
-    p.add_argument("--round", type=float, default=6.0, help="seconds per round")
-    p.add_argument("--clients", type=int, default=32)
+    p.add_argument("--cycles", type=int, default=8)
+    p.add_argument("--requests", type=int, default=3000, help="requests per run (after 20 per client to warm up)")
+    p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--baseline", help="git revision without the tracing hooks")
-    p.add_argument("--model", help="a model directory (default: the tests' tiny random Llama)")
     args = p.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from pagedserve_common.defaults import DEFAULT_MODEL
+    from worker_svc.model_store import resolve_model
+
     work = Path(tempfile.mkdtemp(prefix="pagedserve-tracing-bench-"))
     rev, base = baseline_tree(args.baseline, work / "base")
-    if args.model:
-        model = args.model
-    else:
-        from tests.service.conftest import save_tiny_served_model
-
-        model = save_tiny_served_model(work / "tiny-model")
+    model = str(resolve_model(DEFAULT_MODEL))  # NOTE: only its tokenizer is read
     collector = Collector()
-    servers = [Server("base", base, model, work), Server("off", ROOT, model, work),
-               Server("on", ROOT, model, work, "--otlp-endpoint", f"http://127.0.0.1:{collector.port}")]
-    print(f"baseline {rev}; logs in {work}", flush=True)
-    rates: dict[str, list[float]] = {s.name: [] for s in servers}
+    runs = [("base", base, ""), ("off", ROOT, ""), ("on", ROOT, f"http://127.0.0.1:{collector.port}")]
+    print(f"baseline {rev}", flush=True)
+    rates: dict[str, list[float]] = {name: [] for name, _, _ in runs}
     try:
-        for s in servers:
-            wait_healthy(s.address, 180, s.procs)
-            asyncio.run(one_round(s.address, args.clients, 2.0, args.max_tokens, 0))  # warm-up, not counted
         for cycle in range(args.cycles):
-            order = servers[cycle % 3:] + servers[:cycle % 3]
-            for s in order:
-                rate = asyncio.run(one_round(s.address, args.clients, args.round, args.max_tokens, cycle))
-                rates[s.name].append(rate)
-                print(f"cycle {cycle} {s.name:4} tok_s={rate:.1f}", flush=True)
+            for name, tree, endpoint in runs[cycle % 3:] + runs[:cycle % 3]:
+                rates[name].append(measure(tree, model, endpoint, args))
+                print(f"cycle {cycle} {name:4} requests_per_cpu_s={rates[name][-1]:.0f}", flush=True)
     finally:
-        for s in servers:
-            s.stop()
-        time.sleep(1.0)  # NOTE: `on` exports its last batch as it stops
         collector.server.stop(0)
     med = {name: statistics.median(r) for name, r in rates.items()}
-    print(" ".join(f"{name}_median_tok_s={m:.1f}" for name, m in med.items()))
+    print(" ".join(f"{name}_median_requests_per_cpu_s={m:.0f}" for name, m in med.items()))
     print(f"tracing_off_ratio={med['off'] / med['base']:.3f} tracing_on_ratio={med['on'] / med['off']:.3f} "
-          f"spans_received={collector.num_spans}")
+          f"on_cost_us_per_request={1e6 / med['on'] - 1e6 / med['off']:.0f} spans_received={collector.num_spans}")
     return 0
 
 
