@@ -1,7 +1,7 @@
 """What traces cost: the scheduler's CPU per request with --otlp-endpoint unset against the same code without the
 tracing hooks (the tree before they were added), and with it set, exporting to a local OTLP/gRPC collector.
 
-    python bench/tracing_overhead.py [--cycles 8] [--requests 3000] [--concurrency 32] [--max-tokens 8]
+    python bench/tracing_overhead.py [--cycles 8] [--requests 10000] [--concurrency 32] [--max-tokens 8]
                                      [--baseline REV]
 
 Each measurement is a child process running one tree's scheduler code in process: its Engine and FrontEnd (the
@@ -154,7 +154,7 @@ def main() -> int:
         return child(sys.argv[2:])
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cycles", type=int, default=8)
-    p.add_argument("--requests", type=int, default=3000, help="requests per run (after 20 per client to warm up)")
+    p.add_argument("--requests", type=int, default=10000, help="requests per run (after 20 per client to warm up)")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--baseline", help="git revision without the tracing hooks")
