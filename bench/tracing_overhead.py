@@ -1,23 +1,25 @@
 """What traces cost: the scheduler's CPU per request with --otlp-endpoint unset against the same code without the
 tracing hooks (the tree before they were added), and with it set, exporting to a local OTLP/gRPC collector.
 
-    python bench/tracing_overhead.py [--cycles 8] [--requests 10000] [--concurrency 32] [--max-tokens 8]
+    python bench/tracing_overhead.py [--rounds 100] [--requests 960] [--concurrency 32] [--max-tokens 8]
                                      [--baseline REV]
 
-Each measurement is a child process running one tree's scheduler code in process: its Engine and FrontEnd (the
-front end both APIs call), with an in-process worker that answers every step at once (a fixed token for each sample
-due), and --concurrency clients that send --requests requests of 8 prompt tokens and --max-tokens output tokens
-through FrontEnd.generate and read each stream to its end (the detokenizer, stop strings, the request log: all of a
-request's scheduler path but the gRPC/HTTP framing, where the hooks are one attribute read each). Its figure is
-requests per second of the process's CPU time (user + system, all threads: the span exporter's too), i.e. the
-throughput of a CPU-bound scheduler. `base` runs --baseline (default: the parent of the commit that added
-scheduler_svc/tracing, extracted with git archive), `off` and `on` this tree, `on` with scheduler_svc.tracing.start()
-on a collector in this process that counts the spans it receives (each request sends a traceparent). The three run
-back to back, --cycles times, the order rotated each cycle, so that drift weighs on all alike.
+Three child processes, one per variant, each running one tree's scheduler code in process: its Engine and FrontEnd
+(the front end both APIs call) with an in-process worker that answers every step at once (a fixed token for each
+sample due). A round sends --requests requests (8 prompt tokens, --max-tokens output tokens) from --concurrency
+clients through FrontEnd.generate and reads each stream to its end: all of a request's scheduler path (admission,
+scheduling, the step hooks, detokenizing, stop strings, the request log's end) but the gRPC/HTTP framing, where the
+hooks are one attribute read each. Its figure is requests per second of the child's CPU time (user + system, all
+threads: the span exporter's too), i.e. the throughput of a CPU-bound scheduler. `base` runs --baseline (default:
+the parent of the commit that added scheduler_svc/tracing, extracted with git archive), `off` and `on` this tree,
+`on` with scheduler_svc.tracing.start() on a collector in this process that counts the spans it receives (each
+request sends a traceparent). The children take rounds in turn, --rounds times, the order rotated each round, so that
+the machine's load weighs on all three alike; the figures are the medians.
 
-NOTE: not real server processes under load: on a shared 2-core machine their wall-clock throughput moved 10-20%
-between rounds, and a closed loop's batches grow with throughput (the faster one also gets cheaper per token).
-Prints each run, the medians, and last
+NOTE: not server processes under load: on a shared 2-core machine their wall-clock throughput moved 10-20% between
+rounds, a closed loop's batches grow with throughput (the faster server also gets cheaper per token), and a fresh
+process per measurement moved CPU per request by 3-6% between identical trees. Prints every tenth round, the
+medians, and last
 
     tracing_off_ratio=X.XXX tracing_on_ratio=X.XXX on_cost_us_per_request=N spans_received=N
 
@@ -82,8 +84,9 @@ class Collector:
 
 
 # -- the child: one tree's scheduler code, in process ---------------------------------------------------------------
-async def drive(model_dir: str, endpoint: str, num_requests: int, concurrency: int, max_tokens: int) -> float:
-    """Requests per CPU second of this process through Engine + FrontEnd with an instant in-process worker."""
+async def serve_rounds(model_dir: str, endpoint: str, concurrency: int, max_tokens: int) -> None:
+    """Runs Engine + FrontEnd with an instant in-process worker; for each line `N` on stdin, N requests through
+    FrontEnd.generate by `concurrency` clients, answered on stdout with the CPU seconds they took."""
     import structlog
 
     from pagedserve_common.kv_geometry import KVGeometry
@@ -119,42 +122,56 @@ async def drive(model_dir: str, endpoint: str, num_requests: int, concurrency: i
                 pass
 
     worker = asyncio.get_running_loop().create_task(answer())
-    per_client = num_requests // concurrency
-    await asyncio.gather(*(client(i, 20) for i in range(concurrency)))  # warm-up: caches, first compiles
-    t0 = time.process_time()
-    await asyncio.gather(*(client(i, per_client) for i in range(concurrency)))
-    if endpoint:
-        frontend.tracing.shutdown()  # NOTE: the export of the last spans counts too
-    cpu = time.process_time() - t0
+    loop = asyncio.get_running_loop()
+    while line := (await loop.run_in_executor(None, sys.stdin.readline)).strip():
+        per_client = int(line) // concurrency
+        t0 = time.process_time()
+        await asyncio.gather(*(client(i, per_client) for i in range(concurrency)))
+        if endpoint:
+            frontend.tracing.provider.force_flush()  # NOTE: the export of the round's spans counts too
+        print(json.dumps({"requests": per_client * concurrency, "cpu_s": time.process_time() - t0}), flush=True)
     engine.detach(w)
     await worker
     frontend.pool.shutdown()
-    return per_client * concurrency / cpu
-
-
-def child(argv: list[str]) -> int:
-    model_dir, endpoint, num_requests, concurrency, max_tokens = argv
-    rate = asyncio.run(drive(model_dir, endpoint, int(num_requests), int(concurrency), int(max_tokens)))
-    print(json.dumps({"requests_per_cpu_s": rate}))
-    return 0
 
 
 # -- the parent -----------------------------------------------------------------------------------------------------
-def measure(tree: Path, model: str, endpoint: str, args) -> float:
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child", model, endpoint,
-                          str(args.requests), str(args.concurrency), str(args.max_tokens)], capture_output=True,
-                         text=True, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}, timeout=600)
-    if out.returncode != 0:
-        raise RuntimeError(f"the run in {tree} failed: {out.stderr[-2000:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])["requests_per_cpu_s"]
+class Child:
+    """One tree's scheduler code in a process of its own, running rounds when asked."""
+
+    def __init__(self, name: str, tree: Path, model: str, endpoint: str, args) -> None:
+        self.name = name
+        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--child", model, endpoint,
+                                      str(args.concurrency), str(args.max_tokens)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, cwd=tree,
+                                     # NOTE: a round makes spans faster than one exporter thread sends them:
+                                     # a queue that holds them all, so that none is dropped (uncounted)
+                                     env={**os.environ, "PYTHONPATH": str(tree), "PYTHONHASHSEED": "0",
+                                          "OTEL_BSP_MAX_QUEUE_SIZE": str(8 * args.requests)})
+
+    def round(self, num_requests: int) -> float:
+        """Requests per CPU second of a round of `num_requests`."""
+        self.proc.stdin.write(f"{num_requests}\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name}: the child exited ({self.proc.wait()})")
+        out = json.loads(line)
+        return out["requests"] / out["cpu_s"]
+
+    def stop(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=60)
 
 
 def main() -> int:
     if sys.argv[1:2] == ["--child"]:
-        return child(sys.argv[2:])
+        model_dir, endpoint, concurrency, max_tokens = sys.argv[2:]
+        asyncio.run(serve_rounds(model_dir, endpoint, int(concurrency), int(max_tokens)))
+        return 0
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cycles", type=int, default=8)
-    p.add_argument("--requests", type=int, default=10000, help="requests per run (after 20 per client to warm up)")
+    p.add_argument("--rounds", type=int, default=100)
+    p.add_argument("--requests", type=int, default=960, help="requests per round")
     p.add_argument("--concurrency", type=int, default=32)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--baseline", help="git revision without the tracing hooks")
@@ -167,15 +184,21 @@ def main() -> int:
     rev, base = baseline_tree(args.baseline, work / "base")
     model = str(resolve_model(DEFAULT_MODEL))  # NOTE: only its tokenizer is read
     collector = Collector()
-    runs = [("base", base, ""), ("off", ROOT, ""), ("on", ROOT, f"http://127.0.0.1:{collector.port}")]
+    children = [Child("base", base, model, "", args), Child("off", ROOT, model, "", args),
+                Child("on", ROOT, model, f"http://127.0.0.1:{collector.port}", args)]
     print(f"baseline {rev}", flush=True)
-    rates: dict[str, list[float]] = {name: [] for name, _, _ in runs}
+    rates: dict[str, list[float]] = {c.name: [] for c in children}
     try:
-        for cycle in range(args.cycles):
-            for name, tree, endpoint in runs[cycle % 3:] + runs[:cycle % 3]:
-                rates[name].append(measure(tree, model, endpoint, args))
-                print(f"cycle {cycle} {name:4} requests_per_cpu_s={rates[name][-1]:.0f}", flush=True)
+        for c in children:
+            c.round(args.requests)  # warm-up: caches, lazy imports; not counted
+        for r in range(args.rounds):
+            for c in children[r % 3:] + children[:r % 3]:
+                rates[c.name].append(c.round(args.requests))
+            if r % 10 == 9:
+                print(f"round {r + 1}: " + " ".join(f"{name}={v[-1]:.0f}" for name, v in rates.items()), flush=True)
     finally:
+        for c in children:
+            c.stop()
         collector.server.stop(0)
     med = {name: statistics.median(r) for name, r in rates.items()}
     print(" ".join(f"{name}_median_requests_per_cpu_s={m:.0f}" for name, m in med.items()))
