@@ -61,6 +61,7 @@ def run(model_dir: str, body: Callable[[InProcess], Any], *extra: str, traces=No
             return await asyncio.to_thread(body, server)
         finally:
             await asyncio.to_thread(stop_processes, server.workers)  # NOTE: a leaving worker waits on serve()
-            os.kill(os.getpid(), signal.SIGTERM)
+            if not task.done():  # NOTE: else no handler is installed any more, and the signal would end pytest
+                os.kill(os.getpid(), signal.SIGTERM)
             await task
     return asyncio.run(main())
