@@ -172,6 +172,16 @@ class SchedulerAccess:
 
 
 @dataclass(slots=True)
+class ObservabilityOptions:
+    """Traces (scheduler_svc.tracing); metrics are --metrics (network)."""
+
+    otlp_endpoint: str | None = option(
+        None, "send OpenTelemetry traces (a span per request: queued, prefill, decode, migrated) over OTLP/gRPC to "
+              "this collector, e.g. http://localhost:4317 (https:// for TLS); the OTEL_* variables of the SDK and "
+              "exporter apply", metavar="URL", default_text="no traces", up=GIVEN)
+
+
+@dataclass(slots=True)
 class SchedulerOptions:
     """`pagedserve scheduler`."""
 
@@ -189,6 +199,7 @@ class SchedulerOptions:
     limits: LimitOptions = group(LimitOptions, "input bounds")
     connections: ConnectionOptions = group(ConnectionOptions, "connection bounds")
     access: SchedulerAccess = group(SchedulerAccess, "access (TLS, API keys, worker tokens)")
+    observability: ObservabilityOptions = group(ObservabilityOptions, "observability")
 
 
 # -- the worker ---------------------------------------------------------------------------------------------------

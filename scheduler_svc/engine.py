@@ -28,6 +28,7 @@ from scheduler_svc.structured.matcher import fill_bitmasks
 if TYPE_CHECKING:  # NOTE: the front end makes the streams; the engine only feeds them
     from scheduler_svc.frontend.stream import RequestStream
     from scheduler_svc.structured.matcher import Grammar
+    from scheduler_svc.tracing.spans import Tracing
 
 log = structlog.get_logger("pagedserve.scheduler")
 
@@ -66,6 +67,7 @@ class Engine(Fleet):
         self._worker_ids = itertools.count()
         self._seq_ids = itertools.count()
         self.on_workers_changed = lambda num_workers: None  # health: SERVING iff a worker is attached
+        self.tracing: Tracing | None = None  # --otlp-endpoint (scheduler_svc.tracing)
 
     @property
     def num_unfinished(self) -> int:
@@ -84,6 +86,8 @@ class Engine(Fleet):
                 if due := w.scheduler.constrained_due():  # structured output: each sample's allowed tokens
                     plan.token_bitmasks = dict(zip([r.seq_id for r in due], fill_bitmasks(
                         [r.constraint for r in due], self.config.vocab_size)))
+                if self.tracing is not None:
+                    self.tracing.step(w, plan, self.streams)
                 w.outbox.put_nowait(plan)  # send: the Attach stream encodes it
                 result = await self._receive(w, plan)
                 if not isinstance(result, StepResult):

@@ -200,6 +200,8 @@ class Fleet:
                 failed += 1
                 continue
             self.metrics.migrations.inc()
+            if stream.trace is not None:
+                stream.trace.moved(w.worker_id, lost.kind, reason, len(req.all_token_ids))
             self._place_or_wait(req)
             moved += 1
         self.metrics.workers_lost.labels(lost.kind).inc()
@@ -235,6 +237,8 @@ class Fleet:
         for req in w.scheduler.take_queued():
             self.placement.pop(req.request_id, None)
             self.metrics.migrations.inc()
+            if (stream := self.streams.get(req.request_id)) is not None and stream.trace is not None:
+                stream.trace.moved(w.worker_id, "leaving", "the worker leaves", len(req.all_token_ids))
             self._place_or_wait(req)
 
     def detach(self, w: WorkerHandle) -> None:

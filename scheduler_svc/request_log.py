@@ -39,6 +39,9 @@ def _end(stream: RequestStream, event: str, worker: str | None, level: str = "in
         return
     stream.end_logged = True
     stream.metrics.protocol.ended(stream, failed)  # NOTE: here, as every request's end comes here once
+    if stream.trace is not None:  # NOTE: here, so that a request's spans end exactly once, as its end line
+        stream.trace.end(stream, event.removeprefix("request "), (outcome["status"], outcome["message"])
+                         if "message" in outcome else None)
     req, now = stream.request, time.monotonic()
     ttft = None if stream.first_token_time is None else round(stream.first_token_time - stream.arrival, 4)
     fields = dict(request_id=req.request_id, worker=worker, prompt_tokens=len(req.prompt_token_ids),

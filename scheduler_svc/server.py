@@ -19,7 +19,7 @@ from pagedserve_common.config import DEFAULT_MAX_CONNECTIONS, ConnectionOptions,
 from pagedserve_common.descriptors import AcceptErrors, raise_open_files_limit
 from pagedserve_common.options import values
 from pagedserve_common.startup import StartupError, bind_failure, host_port, one_line
-from scheduler_svc import gc_policy, metrics
+from scheduler_svc import gc_policy, metrics, tracing
 from scheduler_svc.auth import Access, add_port
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.errors import ErrorCode
@@ -123,9 +123,11 @@ def input_limits(cfg: ServerConfig, max_model_len: int) -> Limits:
     return Limits.for_model(max_model_len, **values(cfg.limits))
 
 
-async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
+async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None, traces: tracing.Tracing | None = None) -> None:
+    """Runs until SIGINT or SIGTERM, then drains. `traces`: a test's tracing (else --otlp-endpoint's, if given)."""
     a, net = cfg.access, cfg.network
     access = Access.load(a.tls_cert, a.tls_key, a.tls_ca, a.api_key_file)  # first: a bad file fails fast
+    traces = traces or tracing.start(cfg.observability.otlp_endpoint, cfg.model)
     gate = WorkerGate.load(net.worker_listen, a.worker_token_file, access.mutual, a.insecure_workers)
     caps = ConnectionCaps.of(cfg.connections, raise_open_files_limit("scheduler"))
     asyncio.get_running_loop().set_exception_handler(AcceptErrors())
@@ -137,7 +139,7 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
             from None
     engine = Engine(engine_config(cfg, tokenizer))
     limits = input_limits(cfg, engine.config.max_model_len)
-    frontend = FrontEnd(engine, tokenizer, limits)
+    frontend = FrontEnd(engine, tokenizer, limits, tracing=traces)
     health = HealthServicer()
     for name in SERVICES:
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -195,7 +197,7 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
              metrics=net.metrics, model=cfg.model, tls=access.clients is not None, mutual_tls=access.mutual,
              api_keys=len(access.api_keys or ()), worker_auth=gate.auth, worker_tokens=len(gate.tokens or ()),
              max_http_connections=caps.http if net.http else None, max_grpc_connections=caps.grpc,
-             max_worker_connections=caps.workers)
+             max_worker_connections=caps.workers, otlp_endpoint=cfg.observability.otlp_endpoint)
     if gate.insecure:
         log.warning("the worker port is reachable from other hosts and authenticates no worker "
                     "(--insecure-workers): whoever reaches it can attach as a worker and receive prompts",
@@ -236,4 +238,6 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
     loops = [w.task for w in detached if w.task is not None]
     if loops:
         await asyncio.wait(loops, timeout=5)
+    if traces is not None:
+        traces.shutdown()  # NOTE: after the drain: the last requests' spans go out too
     log.info("scheduler stopped")

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+from collections.abc import Coroutine, Mapping
 from typing import TYPE_CHECKING
 
 import jinja2
@@ -20,6 +22,7 @@ from scheduler_svc.structured.matcher import Grammar
 
 if TYPE_CHECKING:
     from scheduler_svc.engine import Engine
+    from scheduler_svc.tracing.spans import RequestTrace, Tracing
 
 def _wrapped(value: int) -> str:
     return " (a negative number sent as uint32?)" if value >= 2**31 else ""
@@ -43,8 +46,9 @@ class FrontEnd:
     """What the gRPC servicer and the HTTP app call: one validation, one tokenization, one stream type."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, limits: Limits | None = None,
-                 pool: TokenizerPool | None = None) -> None:
+                 pool: TokenizerPool | None = None, tracing: Tracing | None = None) -> None:
         self.engine = engine
+        self.tracing = engine.tracing = tracing  # None: no traces, and no work for them (--otlp-endpoint)
         self.tokenizer = tokenizer
         self.limits = limits or Limits.for_model(engine.config.max_model_len)
         self.pool = pool or TokenizerPool(tokenizer)
@@ -149,9 +153,25 @@ class FrontEnd:
                                       f"({_template_failure(e)}); check each message's role, content and "
                                       f"tool_calls") from None
 
-    async def generate(self, inp: GenerateInput) -> RequestStream:
-        """Tokenizes, validates and admits `inp`; iterate the returned stream for its StreamItems.
-        Raises EngineError (INVALID_ARGUMENT names the field)."""
+    def generate(self, inp: GenerateInput, trace_headers: Mapping[str, str] | None = None) -> \
+            Coroutine[None, None, RequestStream]:
+        """Tokenizes, validates and admits `inp` (await it); iterate the returned stream for its StreamItems.
+        Raises EngineError (INVALID_ARGUMENT names the field). With tracing, `trace_headers` (HTTP headers or gRPC
+        metadata) may hold the caller's W3C traceparent: the request's span is then its child. NOTE: a plain function,
+        so that without tracing a request costs no coroutine more than before the hooks."""
+        if self.tracing is None:
+            return self._generate(inp, None)
+        return self._traced(inp, trace_headers)
+
+    async def _traced(self, inp: GenerateInput, trace_headers: Mapping[str, str] | None) -> RequestStream:
+        trace = self.tracing.start(inp, trace_headers)
+        try:
+            return await self._generate(inp, trace)
+        except (EngineError, asyncio.CancelledError) as e:
+            trace.refused(e)
+            raise
+
+    async def _generate(self, inp: GenerateInput, trace: RequestTrace | None) -> RequestStream:
         if self.engine.draining:  # before tokenizing: the engine would refuse it anyway
             raise EngineError(ErrorCode.UNAVAILABLE, DRAINING)
         kind, ids = await self.prompt_token_ids(inp)
@@ -177,8 +197,14 @@ class FrontEnd:
             echo_text = await self._echo_text(inp, ids) if inp.echo else None  # NOTE: after the vocabulary check
             text = {"include_stop_str": inp.include_stop_str_in_output, "skip_special_tokens": inp.skip_special_tokens,
                     "echo_text": echo_text}
+            def open_stream(req):
+                stream = RequestStream(req, tokenizer, stop, metrics, **text)
+                if trace is not None:  # NOTE: before the engine can end it (request_log ends its trace)
+                    stream.trace = trace
+                return stream
+
             return self.engine.submit(inp.request_id, ids, sampling, inp.cache_salt, grammar=grammar,
-                                      open_stream=lambda req: RequestStream(req, tokenizer, stop, metrics, **text))
+                                      open_stream=open_stream)
         except EngineError as e:
             if e.field == "prompt_token_ids" and kind != "prompt_token_ids":
                 e.field = kind  # the ids came from this field

@@ -40,6 +40,8 @@ class _Sample:
 class RequestStream:
     """Fed by the engine's step loop, read by the Generate handler (`async for item in stream`)."""
 
+    trace = None  # NOTE: a class attribute: set per stream only with --otlp-endpoint (scheduler_svc.tracing)
+
     def __init__(self, request: Request, tokenizer, stop: tuple[str, ...], metrics: Metrics, *,
                  include_stop_str: bool = False, skip_special_tokens: bool = True,
                  echo_text: str | None = None) -> None:

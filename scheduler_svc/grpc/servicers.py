@@ -15,6 +15,7 @@ from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend.api import FrontEnd
 from scheduler_svc.grpc import convert
 from scheduler_svc.fleet import Lost, bad_result
+from scheduler_svc.tracing import grpc_trace_headers
 from scheduler_svc.worker_auth import WorkerTokens
 
 log = structlog.get_logger("pagedserve.scheduler")
@@ -70,7 +71,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         await _refuse_undecodable(request, context)
         try:
-            stream = await self.frontend.generate(convert.input_from_pb(request, self.frontend.limits))
+            stream = await self.frontend.generate(convert.input_from_pb(request, self.frontend.limits), None
+                                                  if self.frontend.tracing is None else
+                                                  grpc_trace_headers(context.invocation_metadata()))
         except EngineError as e:
             request_log.rejected("grpc", e, request.request_id)
             await _abort(context, e)

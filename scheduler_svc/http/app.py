@@ -170,11 +170,12 @@ def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None, tool_call_pa
         message = f"The model {model_id[:200]!r} does not exist: this server serves {frontend.model_id!r}"
         return JSONResponse(convert.error_body(404, message, "model", "model_not_found"), status_code=404)
 
-    async def open_streams(job: Job) -> list[RequestStream]:
+    async def open_streams(job: Job, request: Request) -> list[RequestStream]:
         streams: list[RequestStream] = []
+        trace_headers = None if frontend.tracing is None else request.headers  # NOTE: traceparent, tracestate
         try:
             for inp in job.inputs:
-                streams.append(await frontend.generate(inp))
+                streams.append(await frontend.generate(inp, trace_headers))
         except (EngineError, asyncio.CancelledError):
             close(streams)
             raise
@@ -196,7 +197,7 @@ def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None, tool_call_pa
         except EngineError as e:
             return _error_response(e, {}, rid)
         try:
-            streams = await open_streams(job)
+            streams = await open_streams(job, request)
         except EngineError as e:
             return _error_response(e, job.params, rid)
         meta = {"created": int(time.time()), "model": body.model or frontend.model_id}
