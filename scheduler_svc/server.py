@@ -211,10 +211,7 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None) -> None:
     await stop.wait()
     # Drain: refuse new requests (UNAVAILABLE), let running ones finish, then stop.
     engine.draining = True
-    # NOTE: not health.enter_graceful_shutdown(): that sets every name NOT_SERVING, LIVENESS included, and a
-    # liveness probe would then count the drain as a hang
-    for name in SERVICES:
-        await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    await health.enter_graceful_shutdown()
     log.info("draining", unfinished=engine.num_unfinished, timeout_s=cfg.engine.drain_timeout)
     deadline = loop.time() + cfg.engine.drain_timeout
     while engine.num_unfinished and loop.time() < deadline:

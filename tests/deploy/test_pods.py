@@ -63,6 +63,17 @@ data: {MODEL: m1, PORT: "1"}
     assert command_line(container, env) == (["run", "m1", "m1", "l", "$(MODEL)"], None)
 
 
+def test_resource_field_refs_round_up_in_units_of_the_divisor():
+    pod = Pod("p-x-abcde", "ns", "p", {}, {}, {"enableServiceLinks": False, "containers": [
+        {"name": "w", "resources": {"limits": {"cpu": "1500m", "memory": "4Gi"}}}]})
+    container = {"name": "c", "env": [
+        {"name": "THREADS", "valueFrom": {"resourceFieldRef": {"containerName": "w", "resource": "limits.cpu"}}},
+        {"name": "MIB", "valueFrom": {"resourceFieldRef": {"containerName": "w", "resource": "limits.memory",
+                                                           "divisor": "1Mi"}}}]}
+    env = container_env(pod, container, Cluster([]))
+    assert (env["THREADS"], env["MIB"]) == ("2", "4096")
+
+
 def test_service_links_on_are_refused_not_ignored():
     pod = Pod("p-x-abcde", "ns", "p", {}, {}, {})
     with pytest.raises(Unsupported, match="enableServiceLinks"):

@@ -210,7 +210,7 @@ def value_from(source: dict, pod: Pod, container: dict, cluster: Cluster) -> str
     if "fieldRef" in source:
         return field_ref(source["fieldRef"]["fieldPath"], pod)
     if "resourceFieldRef" in source:
-        return resource_field(source["resourceFieldRef"], container)
+        return resource_field(source["resourceFieldRef"], pod, container)
     raise Unsupported(f"valueFrom {source}")
 
 
@@ -240,9 +240,11 @@ def quantity(text: str | int | float) -> Fraction:
     return Fraction(m[1]) * QUANTITY_SUFFIXES[m[2] or ""]
 
 
-def resource_field(ref: dict, container: dict) -> str:
-    """limits.cpu and the like, in units of the divisor, rounded up as the kubelet does it. NOTE: an unset limit
-    would be the node's allocatable amount, which this emulation does not model."""
+def resource_field(ref: dict, pod: Pod, container: dict) -> str:
+    """limits.cpu and the like (of `containerName`, else this container), in units of the divisor, rounded up as the
+    kubelet does it. NOTE: an unset limit would be the node's allocatable amount, which this emulation does not model."""
+    if "containerName" in ref:
+        container = next(c for c in pod.spec["containers"] if c["name"] == ref["containerName"])
     kind, _, resource = ref["resource"].partition(".")
     value = (container.get("resources") or {}).get(kind, {}).get(resource)
     if value is None:
