@@ -110,10 +110,11 @@ stop_up() {  # SIGTERM: `up` drains and stops its children
 serve_reference() {
     local listen
     listen=127.0.0.1:$(free_port)
+    : >"$WORK/up.log"  # NOTE: emptied first: the loop below must not read a previous run's log
     pagedserve up --workers 1 --listen "$listen" --worker-listen "127.0.0.1:$(free_port)" \
         --metrics "127.0.0.1:$(free_port)" --http "127.0.0.1:$(free_port)" >"$WORK/up.log" 2>&1 &
     UP_PID=$!
-    for _ in $(seq 600); do grep -qs "pagedserve is up" "$WORK/up.log" && break; sleep 1; done
+    for _ in $(seq 600); do grep -q "pagedserve is up" "$WORK/up.log" && break; sleep 1; done
     grep -q "pagedserve is up" "$WORK/up.log" || { echo "pagedserve up did not start" >&2; return 1; }
     python tests/compose/check.py reference --server "$listen" --out "$1"
     stop_up
