@@ -233,13 +233,28 @@ def step_down(args) -> None:
 
 def step_drain(args) -> None:
     """`--command` (a pod's deletion, a scale-down) with streams in flight: every stream completes; then
-    GetModelInfo lists `--workers` workers, when given."""
-    drain_during(args.server, shlex.split(args.command), args.command, args.tokens)
+    GetModelInfo lists `--workers` workers, when given. With `--drain-seconds`, the streams are as long as this
+    server decodes in that time (so that they outlast the command's checks, yet end within the drain timeout on a
+    loaded machine too)."""
+    tokens = paced_tokens(args.server, args.drain_seconds) if args.drain_seconds else args.tokens
+    drain_during(args.server, shlex.split(args.command), args.command, tokens)
     if args.workers is not None:
         left = workers(args.server)
         if len(left) != args.workers:
             fail(f"after {args.command}: {len(left)} workers attached, expected {args.workers}: {left}")
         log(f"workers attached after it: {', '.join(w.name for w in left)}")
+
+
+def paced_tokens(server: str, seconds: float, probe_tokens: int = 16) -> int:
+    """How many tokens each of 2 concurrent streams gets in `seconds` here now (decode only, measured)."""
+    pace = Streams(server, 2, "pace", probe_tokens)
+    pace.wait_started(min_tokens=1)
+    started = time.monotonic()
+    pace.join_complete("pace")
+    rate = (probe_tokens - 1) / max(time.monotonic() - started, 1e-3)
+    tokens = max(24, min(512, int(rate * seconds)))
+    log(f"decoding {rate:.1f} tokens/s a stream: {tokens} tokens a stream for {seconds:g} s")
+    return tokens
 
 
 def drain_during(server: str, command: list[str], what: str, max_tokens: int = LONG_TOKENS) -> None:
@@ -269,6 +284,7 @@ def main() -> None:
     p.add_argument("--work", help="a folder for files the step makes")
     p.add_argument("--command", help="drain: the command line to run with streams in flight, one string")
     p.add_argument("--tokens", type=int, default=LONG_TOKENS, help="drain: tokens per stream")
+    p.add_argument("--drain-seconds", type=float, help="drain: streams as long as this many seconds of decoding")
     args = p.parse_args()
     globals()[f"step_{args.step}"](args)
 
