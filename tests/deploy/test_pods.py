@@ -6,9 +6,9 @@ import pathlib
 import pytest
 
 from tests.kubernetes.pods import OFFLINE_VOLUME, without_offline
+from tests.kubernetes.isolation import pod_volumes, projected_files, security_args
 from tests.kubernetes.podspec import (Cluster, Pod, Probe, Unsupported, command_line, container_env,
-                                      container_probes, expand, parse, pod_volumes, projected_files, render,
-                                      security_args, service_aliases, service_ports)
+                                      container_probes, expand, parse, render, service_aliases, service_ports)
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VARS = {"A": "1", "B": "two", "EMPTY": ""}

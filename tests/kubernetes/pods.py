@@ -8,21 +8,21 @@ import json
 import os
 import random
 import shutil
-import socket
 import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.kubernetes.podspec import (Cluster, Pod, Probe, Unsupported, Volume, command_line,  # noqa: E402
-                                      container_env, container_mounts, container_probes, fs_group_mode, parse,
-                                      pod_volumes, resource_args, security_args, selects, service_aliases, service_ports)
+from tests.kubernetes.engine import LABEL, Docker, Failed, container_name, log, sandbox  # noqa: E402
+from tests.kubernetes.isolation import (Volume, container_mounts, fs_group_mode, pod_volumes,  # noqa: E402
+                                        resource_args, security_args)
+from tests.kubernetes.podspec import (Cluster, Pod, Unsupported, command_line, container_env, parse,  # noqa: E402
+                                      selects, service_aliases, service_ports)
+from tests.kubernetes.probing import Prober  # noqa: E402
 
-LABEL = "k8srun"  # every container and volume made here carries it (value: the namespace), and `down` removes them
 POD_NAME_CHARS = "bcdfghjklmnpqrstvwxz2456789"  # the alphabet of a ReplicaSet's pod name suffix
 CONTAINER_FIELDS = {"name", "image", "imagePullPolicy", "command", "args", "env", "envFrom", "ports", "volumeMounts",
                     "securityContext", "resources", "startupProbe", "readinessProbe", "livenessProbe", "lifecycle",
@@ -37,46 +37,6 @@ OFFLINE_ENV = {"PIP_NO_INDEX", "PIP_FIND_LINKS"}
 OFFLINE_VOLUME = "model-wheels"
 
 
-def log(msg: str) -> None:
-    print(f"[pods] {msg}", flush=True)
-
-
-class Failed(RuntimeError):
-    """The pods did not run as the manifests say they should."""
-
-
-class Docker:
-    def __init__(self, binary: str) -> None:
-        self.binary = binary
-
-    def __call__(self, *args: str, check: bool = True, timeout: float | None = None) -> str:
-        out = subprocess.run([self.binary, *args], capture_output=True, text=True, timeout=timeout)
-        if check and out.returncode != 0:
-            raise Failed(f"docker {' '.join(args[:3])} ...: {out.stderr.strip() or out.stdout.strip()}")
-        return out.stdout.strip()
-
-    def inspect(self, name: str, fmt: str) -> str:
-        return self("inspect", "-f", fmt, name)
-
-    def names(self, *filters: str, volumes: bool = False) -> list[str]:
-        flags = [a for f in filters for a in ("--filter", f)]
-        if volumes:
-            return self("volume", "ls", "--quiet", *flags).split()
-        return self("ps", "--all", "--format", "{{.Names}}", *flags).split()
-
-    def logs(self, name: str, tail: int = 40) -> str:
-        out = subprocess.run([self.binary, "logs", "--tail", str(tail), name], capture_output=True, text=True)
-        return (out.stdout + out.stderr).strip()
-
-
-def sandbox(pod: str) -> str:
-    return f"k8s_POD_{pod}"
-
-
-def container_name(pod: str, container: str) -> str:
-    return f"k8s_{container}_{pod}"
-
-
 class Kubelet:
     """Pods of one rendered overlay on one Docker engine; state (the Secrets made out of band) under `state`."""
 
@@ -86,6 +46,7 @@ class Kubelet:
         self.network = f"k8srun-{self.ns}"
         self.state = Path(state)
         self.docker = Docker(docker)
+        self.prober = Prober(self.docker)
         self.users: dict[str, str] = {}
         secrets = self.state / "secrets"
         for d in sorted(secrets.iterdir()) if secrets.is_dir() else []:
@@ -110,7 +71,8 @@ class Kubelet:
         return [p for _, p in sorted(out, key=lambda t: t[0])]
 
     def ip(self, pod: str) -> str:
-        return self.docker.inspect(sandbox(pod), f'{{{{(index .NetworkSettings.Networks "{self.network}").IPAddress}}}}')
+        network = f'(index .NetworkSettings.Networks "{self.network}")'
+        return self.docker.inspect(sandbox(pod), f"{{{{{network}.IPAddress}}}}")
 
     def labels(self, pod: Pod, role: str, container: str) -> list[str]:
         pairs = {LABEL: self.ns, f"{LABEL}.pod": pod.name, f"{LABEL}.deployment": pod.deployment,
@@ -250,81 +212,6 @@ class Kubelet:
             os.chown(d, 0, group)
             d.chmod(fs_group_mode(mode, True, is_dir=True) if fs_group is not None else mode)
 
-    # ---- probes --------------------------------------------------------------------------------------------------
-
-    def probe(self, pod: Pod, container: str, probe: Probe) -> tuple[bool, str]:
-        """One probe as the kubelet runs it: exec in the container, or gRPC/HTTP/TCP to the pod's IP."""
-        try:
-            if probe.kind == "exec":
-                out = subprocess.run([self.docker.binary, "exec", container_name(pod.name, container),
-                                      *probe.command], capture_output=True, text=True, timeout=probe.timeout)
-                return out.returncode == 0, (out.stdout + out.stderr).strip()
-            if probe.kind == "grpc":
-                return grpc_health(f"{pod.ip}:{probe.port}", probe.service, probe.timeout)
-            if probe.kind == "httpGet":
-                with urllib.request.urlopen(f"http://{pod.ip}:{probe.port}{probe.path}", timeout=probe.timeout) as r:
-                    return 200 <= r.status < 400, str(r.status)
-            with socket.create_connection((pod.ip, probe.port), timeout=probe.timeout):
-                return True, "connected"
-        except subprocess.TimeoutExpired:
-            return False, f"timed out after {probe.timeout} s"
-        except OSError as e:
-            return False, str(e)
-
-    def running(self, pod: Pod, container: str) -> None:
-        name = container_name(pod.name, container)
-        state = json.loads(self.docker.inspect(name, "{{json .State}}"))
-        if not state["Running"]:
-            raise Failed(f"{name} exited ({state['ExitCode']}, OOM killed: {state['OOMKilled']}):\n"
-                         f"{self.docker.logs(name)}")
-
-    def until(self, pod: Pod, container: str, kind: str, probe: Probe, deadline: float) -> None:
-        """Probe at its period until it passes (successThreshold in a row). A startup or liveness probe fails the
-        run at failureThreshold failures in a row (the kubelet would restart the container); readiness at
-        `deadline`."""
-        started, ok_run, failures, tries, out = time.monotonic(), 0, 0, 0, ""
-        time.sleep(probe.initial_delay)
-        while True:
-            self.running(pod, container)
-            ok, out = self.probe(pod, container, probe)
-            tries += 1
-            ok_run, failures = (ok_run + 1, 0) if ok else (0, failures + 1)
-            if ok_run >= (probe.success_threshold if kind == "readiness" else 1):
-                log(f"{pod.name}/{container}: {kind} probe ({probe.describe()}) passed after "
-                    f"{time.monotonic() - started:.0f} s, {tries} tr{'y' if tries == 1 else 'ies'}")
-                return
-            if kind != "readiness" and failures >= probe.failure_threshold:
-                raise Failed(f"{pod.name}/{container}: {kind} probe ({probe.describe()}) failed {failures} times in "
-                             f"a row (the kubelet restarts the container): {out}")
-            if time.monotonic() > deadline:
-                raise Failed(f"{pod.name}/{container}: not ready after {time.monotonic() - started:.0f} s: {out}")
-            time.sleep(probe.period)
-
-    def start_probes(self, pods: list[Pod], timeout: float) -> None:
-        """Each container's probes as the kubelet sequences them: startup until it passes, then readiness and
-        liveness; every pod must become ready."""
-        deadline = time.monotonic() + timeout
-        errors: list[str] = []
-
-        def one(pod: Pod, c: dict) -> None:
-            try:
-                probes = container_probes(c, pod)
-                for kind in ("startup", "readiness", "liveness"):
-                    if kind in probes:
-                        self.until(pod, c["name"], kind, probes[kind], deadline)
-                if "readiness" not in probes:
-                    log(f"{pod.name}/{c['name']}: no readiness probe: ready once started")
-            except Exception as e:  # NOTE: reported with the others, after every thread ended
-                errors.append(str(e))
-
-        threads = [threading.Thread(target=one, args=(p, c)) for p in pods for c in p.spec["containers"]]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise Failed("\n".join(errors))
-
     # ---- steps ---------------------------------------------------------------------------------------------------
 
     def up(self, timeout: float) -> None:
@@ -352,7 +239,7 @@ class Kubelet:
             t.join()
         if errors:
             raise Failed("\n".join(errors))
-        self.start_probes(created, timeout)
+        self.prober.start_probes(created, timeout)
 
     def scale(self, deployment: str, replicas: int, timeout: float) -> None:
         pods = self.pods(deployment)
@@ -361,24 +248,6 @@ class Kubelet:
         for pod in reversed(pods[replicas:]):  # NOTE: as a ReplicaSet scales down: the newest pods first
             self.stop(pod, drain_probes=False)
         log(f"{deployment}: {len(self.pods(deployment))} pod(s): {', '.join(p.name for p in self.pods(deployment))}")
-
-    def check_probes(self) -> None:
-        """Every running container still ready and alive: each probe passes within failureThreshold tries."""
-        for pod in self.pods():
-            for c in pod.spec["containers"]:
-                for kind, probe in container_probes(c, pod).items():
-                    if kind == "startup":
-                        continue
-                    for attempt in range(probe.failure_threshold):
-                        self.running(pod, c["name"])
-                        ok, out = self.probe(pod, c["name"], probe)
-                        if ok:
-                            break
-                        time.sleep(probe.period)
-                    else:
-                        raise Failed(f"{pod.name}/{c['name']}: {kind} probe failed {probe.failure_threshold} times: "
-                                     f"{out}")
-                    log(f"{pod.name}/{c['name']}: still {'ready' if kind == 'readiness' else 'alive'}")
 
     def stop(self, pod: Pod, drain_probes: bool) -> None:
         """The kubelet deleting a pod: preStop hooks, SIGTERM to every container, SIGKILL after
@@ -399,7 +268,7 @@ class Kubelet:
         stops = [subprocess.Popen([self.docker.binary, "stop", "--time", str(left), n], stdout=subprocess.DEVNULL)
                  for n in names]
         if drain_probes:
-            self.probe_draining(pod)
+            self.prober.probe_draining(pod)
         for s in stops:
             s.wait()
         took = time.monotonic() - started
@@ -410,23 +279,6 @@ class Kubelet:
                              f"period):\n{self.docker.logs(n)}")
         log(f"pod {pod.name}: every container exited 0 within {took:.0f} s of the {grace} s grace period")
         self.delete(pod)
-
-    def probe_draining(self, pod: Pod) -> None:
-        time.sleep(0.5)  # NOTE: docker stop has sent SIGTERM by then
-        for c in pod.spec["containers"]:
-            probes = container_probes(c, pod)
-            results = {kind: self.probe(pod, c["name"], probes[kind]) for kind in ("liveness", "readiness")
-                       if kind in probes}
-            self.running(pod, c["name"])  # NOTE: else the probes ran after the drain, and prove nothing
-            if "liveness" in results and not results["liveness"][0]:
-                raise Failed(f"{pod.name}/{c['name']}: the liveness probe fails while draining (the kubelet would "
-                             f"kill it mid-drain): {results['liveness'][1]}")
-            if "readiness" in results and results["readiness"][0]:
-                raise Failed(f"{pod.name}/{c['name']}: still ready while draining (its Services keep sending "
-                             f"requests): {results['readiness'][1]}")
-            log(f"{pod.name}/{c['name']}: while draining, " + ", ".join(
-                f"{kind} {'passes' if ok else 'fails'} ({out.splitlines()[-1] if out else ''})"
-                for kind, (ok, out) in results.items()))
 
     def delete(self, pod: Pod) -> None:
         names = self.docker.names(f"label={LABEL}.pod={pod.name}")
@@ -475,20 +327,6 @@ def check_fields(pod: Pod) -> None:
         for kind in ("postStart",):
             if kind in (c.get("lifecycle") or {}):
                 raise Unsupported(f"{c['name']}: lifecycle {kind}")
-
-
-def grpc_health(target: str, service: str, timeout: float) -> tuple[bool, str]:
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)]) as ch:
-        try:
-            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service),
-                                                         timeout=timeout)
-        except grpc.RpcError as e:
-            return False, f"{e.code().name}: {e.details()}"
-    status = health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
-    return reply.status == health_pb2.HealthCheckResponse.SERVING, status
 
 
 def without_offline(docs: list[dict]) -> list[dict]:
@@ -567,7 +405,7 @@ def main() -> None:
         elif args.step == "scale":
             k.scale(args.deployment, args.replicas, args.timeout)
         elif args.step == "probes":
-            k.check_probes()
+            k.prober.check_probes(k.pods())
         elif args.step == "stop":
             for pod in k.pods(args.deployment):
                 k.stop(pod, args.drain_probes)
