@@ -245,15 +245,14 @@ def step_drain(args) -> None:
         log(f"workers attached after it: {', '.join(w.name for w in left)}")
 
 
-def paced_tokens(server: str, seconds: float, probe_tokens: int = 16) -> int:
-    """How many tokens each of 2 concurrent streams gets in `seconds` here now (decode only, measured)."""
-    pace = Streams(server, 2, "pace", probe_tokens)
-    pace.wait_started(min_tokens=1)
+def paced_tokens(server: str, seconds: float, probe_tokens: int = 32) -> int:
+    """How many tokens each of 2 concurrent streams gets in about `seconds` here now: measured over 2 streams of
+    `probe_tokens` from start to end (prefill included, so it errs short), at most 160."""
     started = time.monotonic()
-    pace.join_complete("pace")
-    rate = (probe_tokens - 1) / max(time.monotonic() - started, 1e-3)
-    tokens = max(24, min(512, int(rate * seconds)))
-    log(f"decoding {rate:.1f} tokens/s a stream: {tokens} tokens a stream for {seconds:g} s")
+    Streams(server, 2, "pace", probe_tokens).join_complete("pace")
+    rate = probe_tokens / max(time.monotonic() - started, 1e-3)
+    tokens = max(24, min(160, int(rate * seconds)))
+    log(f"{rate:.1f} tokens/s a stream: {tokens} tokens a stream for about {seconds:g} s")
     return tokens
 
 

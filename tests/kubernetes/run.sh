@@ -100,8 +100,8 @@ step "scale deployment/pagedserve-worker to 1 with streams in flight"
 python tests/compose/check.py drain --server "$grpc" --workers 1 --command "${PODS[*]} scale pagedserve-worker 1"
 
 step "delete the scheduler's pod with streams in flight: it drains within its grace period"
-# NOTE: streams of ~10 s of decoding: long enough for the probes, well within the 30 s drain timeout
-python tests/compose/check.py drain --server "$grpc" --drain-seconds 10 \
+# NOTE: streams of ~8 s of decoding: long enough for the probes, well within the 30 s drain timeout
+python tests/compose/check.py drain --server "$grpc" --drain-seconds 8 \
     --command "${PODS[*]} stop pagedserve-scheduler --drain-probes"
 
 step "delete the worker's pod"
