@@ -247,11 +247,11 @@ def step_drain(args) -> None:
 
 def paced_tokens(server: str, seconds: float, probe_tokens: int = 32) -> int:
     """How many tokens each of 2 concurrent streams gets in about `seconds` here now: measured over 2 streams of
-    `probe_tokens` from start to end (prefill included, so it errs short), at most 160."""
+    `probe_tokens` from start to end (prefill included, so it errs short), at most 96."""
     started = time.monotonic()
     Streams(server, 2, "pace", probe_tokens).join_complete("pace")
     rate = probe_tokens / max(time.monotonic() - started, 1e-3)
-    tokens = max(24, min(160, int(rate * seconds)))
+    tokens = max(24, min(96, int(rate * seconds)))
     log(f"{rate:.1f} tokens/s a stream: {tokens} tokens a stream for about {seconds:g} s")
     return tokens
 
