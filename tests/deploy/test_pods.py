@@ -169,3 +169,10 @@ def test_the_offline_overlay_adds_only_the_wheel_folder():
     mounts = [m["name"] for d in offline if d["kind"] == "Deployment"
               for c in d["spec"]["template"]["spec"]["initContainers"] for m in c["volumeMounts"]]
     assert OFFLINE_VOLUME in mounts
+    # Anything else it changed would be seen: a variable in a (main) container, a label.
+    for change in (lambda d: d["spec"]["template"]["spec"]["containers"][0].setdefault("env", []).append(
+                       {"name": "PIP_NO_INDEX", "value": "1"}),
+                   lambda d: d["metadata"]["labels"].update(other="label")):
+        changed = [dict(d) for d in without_offline(offline)]
+        change(next(d for d in changed if d["kind"] == "Deployment"))
+        assert without_offline(changed) != without_offline(base)

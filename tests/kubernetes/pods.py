@@ -330,7 +330,8 @@ def check_fields(pod: Pod) -> None:
 
 
 def without_offline(docs: list[dict]) -> list[dict]:
-    """The rendered docs less what tests/kubernetes/offline adds (the wheel folder for `model pull`)."""
+    """The rendered docs less what tests/kubernetes/offline adds (the wheel folder, for the init containers'
+    `model pull`)."""
     out = []
     for doc in json.loads(json.dumps(docs)):
         if doc["kind"] == "PersistentVolumeClaim" and doc["metadata"]["name"].endswith(OFFLINE_VOLUME):
@@ -338,7 +339,7 @@ def without_offline(docs: list[dict]) -> list[dict]:
         if doc["kind"] == "Deployment":
             spec = doc["spec"]["template"]["spec"]
             spec["volumes"] = [v for v in spec.get("volumes", []) if v["name"] != OFFLINE_VOLUME]
-            for c in spec.get("initContainers", []) + spec["containers"]:
+            for c in spec.get("initContainers", []):
                 for key, keep in (("env", lambda e: e["name"] not in OFFLINE_ENV),
                                   ("volumeMounts", lambda m: m["name"] != OFFLINE_VOLUME)):
                     if key in c:
