@@ -404,3 +404,27 @@ def test_the_readmes_recipe_adds_a_third_cell_that_passes_the_same_checks(tmp_pa
     worker = container(named(grown, "Deployment", "pagedserve-worker-c"), "worker")
     assert env(worker)["PAGEDSERVE_SCHEDULER"] == "pagedserve-workers-c:50052"
     assert "--server pagedserve-c:50051" in worker["readinessProbe"]["exec"]["command"][-1]
+
+
+def test_every_cells_pagedserve_variables_are_flags_of_their_commands_and_graces_exceed_the_drain():
+    # NOTE: the base's CLI checks (tests/deploy/test_kubernetes.py) over every cell's containers: the overlay's own
+    # patches (each cell's PAGEDSERVE_SCHEDULER, the pool's PAGEDSERVE_HTTP and _METRICS) are flags too
+    from tests.deploy import test_kubernetes as k
+
+    rendered = k.kustomize(GATEWAY_OVERLAY)
+    pods = [k.Container("gateway", d, spec, init, k.resolved_env(rendered, spec))
+            for d in rendered.of_kind("Deployment") for init, key in ((True, "initContainers"), (False, "containers"))
+            for spec in d["spec"]["template"]["spec"].get(key, []) if spec.get("command", [""])[0] == "pagedserve"]
+    assert {c.deployment["metadata"]["name"] for c in pods} == {
+        f"pagedserve-{role}-{cell}" for role in ("scheduler", "worker") for cell in "ab"}
+    drains = {}
+    for c in pods:
+        variables = {n for n in k.manifest_variables(rendered, c.spec) if n.startswith(k.PREFIX)}
+        referenced = set(re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", " ".join(c.spec["command"])))
+        assert variables - k.flag_variables(k.command_parser(c.argv)) - referenced == set(), c.name
+        args = c.args()  # every value parses
+        if c.argv[:2] == SCHEDULER:
+            drains[c.deployment["metadata"]["name"][-1]] = args.drain_timeout
+    for c in pods:
+        grace = c.pod["terminationGracePeriodSeconds"]
+        assert grace >= drains[c.deployment["metadata"]["name"][-1]] + k.AFTER_DRAIN_S, c.name
