@@ -280,22 +280,21 @@ class Kubelet:
         log(f"pod {pod.name}: every container exited 0 within {took:.0f} s of the {grace} s grace period")
         self.delete(pod)
 
-    def delete(self, pod: Pod) -> None:
-        names = self.docker.names(f"label={LABEL}.pod={pod.name}")
+    def remove(self, label: str) -> None:
+        """Removes the containers, then the volumes, that carry `label` (KEY=VALUE)."""
+        names = self.docker.names(f"label={label}")
         if names:
             self.docker("rm", "--force", *names)
-        volumes = self.docker.names(f"label={LABEL}.pod={pod.name}", volumes=True)
+        volumes = self.docker.names(f"label={label}", volumes=True)
         if volumes:
             self.docker("volume", "rm", *volumes)
+
+    def delete(self, pod: Pod) -> None:
+        self.remove(f"{LABEL}.pod={pod.name}")
         shutil.rmtree(self.state / "volumes" / pod.name, ignore_errors=True)
 
     def down(self) -> None:
-        names = self.docker.names(f"label={LABEL}={self.ns}")
-        if names:
-            self.docker("rm", "--force", *names)
-        volumes = self.docker.names(f"label={LABEL}={self.ns}", volumes=True)
-        if volumes:
-            self.docker("volume", "rm", *volumes)
+        self.remove(f"{LABEL}={self.ns}")
         if self.docker("network", "ls", "--quiet", "--filter", f"name=^{self.network}$"):
             self.docker("network", "rm", self.network)
         shutil.rmtree(self.state / "volumes", ignore_errors=True)
