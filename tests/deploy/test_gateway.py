@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import yaml
 
-from tests.deploy import crd_schema
+from tests.deploy import crd_schema, manifests
 from tests.deploy.rendered import (GATEWAY_OVERLAY, KUBERNETES, by_command, container, env, epp_config,
                                    epp_metric_specs, named, of_kind, pod_labels, render, selects, tool)
 
@@ -409,22 +409,20 @@ def test_the_readmes_recipe_adds_a_third_cell_that_passes_the_same_checks(tmp_pa
 def test_every_cells_pagedserve_variables_are_flags_of_their_commands_and_graces_exceed_the_drain():
     # NOTE: the base's CLI checks (tests/deploy/test_kubernetes.py) over every cell's containers: the overlay's own
     # patches (each cell's PAGEDSERVE_SCHEDULER, the pool's PAGEDSERVE_HTTP and _METRICS) are flags too
-    from tests.deploy import test_kubernetes as k
-
-    rendered = k.kustomize(GATEWAY_OVERLAY)
-    pods = [k.Container("gateway", d, spec, init, k.resolved_env(rendered, spec))
+    rendered = manifests.kustomize(GATEWAY_OVERLAY)
+    pods = [manifests.Container("gateway", d, spec, init, manifests.resolved_env(rendered, spec))
             for d in rendered.of_kind("Deployment") for init, key in ((True, "initContainers"), (False, "containers"))
             for spec in d["spec"]["template"]["spec"].get(key, []) if spec.get("command", [""])[0] == "pagedserve"]
     assert {c.deployment["metadata"]["name"] for c in pods} == {
         f"pagedserve-{role}-{cell}" for role in ("scheduler", "worker") for cell in "ab"}
     drains = {}
     for c in pods:
-        variables = {n for n in k.manifest_variables(rendered, c.spec) if n.startswith(k.PREFIX)}
+        variables = {n for n in manifests.manifest_variables(rendered, c.spec) if n.startswith(manifests.PREFIX)}
         referenced = set(re.findall(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", " ".join(c.spec["command"])))
-        assert variables - k.flag_variables(k.command_parser(c.argv)) - referenced == set(), c.name
+        assert variables - manifests.flag_variables(manifests.command_parser(c.argv)) - referenced == set(), c.name
         args = c.args()  # every value parses
         if c.argv[:2] == SCHEDULER:
             drains[c.deployment["metadata"]["name"][-1]] = args.drain_timeout
     for c in pods:
         grace = c.pod["terminationGracePeriodSeconds"]
-        assert grace >= drains[c.deployment["metadata"]["name"][-1]] + k.AFTER_DRAIN_S, c.name
+        assert grace >= drains[c.deployment["metadata"]["name"][-1]] + manifests.AFTER_DRAIN_S, c.name

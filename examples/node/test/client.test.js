@@ -74,7 +74,10 @@ async function liveRequestIds(client) {
 async function workerIdle(client) {
   const text = await scrape();
   const state = await kvState(client);
-  const answered = metric(text.split('\n').filter((l) => l.includes(`worker="${state.worker_id}"`)).join('\n'),
+  // NOTE: per-worker series are labelled with the name the worker registered with (HOST:PID), not its id
+  const {workers} = await getModelInfo(client, {deadline: Date.now() + 60_000});
+  const name = workers.find((w) => w.workerId === state.worker_id)?.name;
+  const answered = metric(text.split('\n').filter((l) => l.includes(`worker="${name}"`)).join('\n'),
     'pagedserve_step_seconds_count');
   return !(state.sequences ?? []).length && !Number(state.num_waiting ?? 0) &&
     answered === Number(state.num_steps ?? 0);
