@@ -168,6 +168,7 @@ class Fleet:
         w.label = unique_label(w.label, {x.label for x in self.workers.values()})
         self.workers[w.worker_id] = w
         self.metrics.kv_blocks_total.labels(w.label).set(reg.num_blocks)
+        self.metrics.worker_attached(w.label)
         w.task = asyncio.get_running_loop().create_task(self._serve(w))
         log.info("worker attached", worker=w.worker_id, name=reg.name, metrics_label=w.label, num_blocks=reg.num_blocks,
                  block_size=reg.block_size, kv_cache_dtype=reg.dtype, device=reg.device, **(origin or {}))

@@ -108,3 +108,11 @@ class Metrics:
 
     # NOTE: only gauges go when a worker does; its counters and histograms stay, so totals never drop.
     PER_WORKER_GAUGES = ("kv_blocks_used", "kv_blocks_cached", "kv_blocks_total")
+    PER_WORKER_SERIES = ("prefix_queries", "prefix_hits", "prefill_tokens", "preemptions", "step", "worker_idle",
+                         "batch_size")
+
+    def worker_attached(self, label: str) -> None:
+        """Makes the worker's counters and histograms at 0. NOTE: a series first scraped after its first increment
+        shows no increase to rate(), so a worker whose admissions all fell between two scrapes would read as idle."""
+        for name in self.PER_WORKER_SERIES:
+            getattr(self, name).labels(label)

@@ -1,4 +1,4 @@
-"""A real Prometheus (Debian's `prometheus`) scrapes `pagedserve up` every second while a short load runs; then
+"""A real Prometheus (Debian's `prometheus`) scrapes `pagedserve up` every 2 s while a short load runs; then
 every query of the Grafana dashboard, the autoscaler's and the endpoint picker's metrics return data through its
 HTTP API. Without the binary it skips, unless PAGEDSERVE_REQUIRE_PROMETHEUS=1 (.ci/run sets it), then it fails."""
 
@@ -22,6 +22,7 @@ from tests.support import promql
 from tests.support.processes import stop_all, up
 
 NUM_REQUESTS = 36
+MIN_LOAD_S = 20  # ten scrapes
 # NOTE: the labels a Kubernetes scrape (a ServiceMonitor on Service pagedserve-metrics) would put on the series, so
 # that queries written for the cluster select them here too.
 TARGET_LABELS = {"namespace": "pagedserve", "service": "pagedserve-metrics", "pod": "pagedserve-scheduler-0",
@@ -39,15 +40,18 @@ def prometheus_binary() -> str:
 
 
 class Prometheus:
-    """A prometheus process scraping `target` (HOST:PORT) every second, its storage in `tmp`."""
+    """A prometheus process scraping `target` (HOST:PORT) every 2 s, its storage in `tmp`."""
 
     def __init__(self, exe: str, target: str, tmp) -> None:
         self.address = f"127.0.0.1:{free_port()}"
         labels = "".join(f"\n          {k}: {v}" for k, v in TARGET_LABELS.items())
         config = tmp / "prometheus.yml"
+        # NOTE: a scrape may take 2 s (its timeout; at 1 s a loaded machine's slow scrapes failed, and a failed
+        # scrape marks every series stale)
         config.write_text(f"""global:
-  scrape_interval: 1s
-  evaluation_interval: 1s
+  scrape_interval: 2s
+  scrape_timeout: 2s
+  evaluation_interval: 2s
 scrape_configs:
   - job_name: pagedserve
     static_configs:
@@ -86,9 +90,10 @@ scrape_configs:
             self.proc.kill()
 
 
-def load(listen: str) -> None:
-    """NUM_REQUESTS streamed requests, 6 at a time: a shared prefix (prefix-cache hits), n = 2 now and then, one
-    ended by a stop token; each waits for its stream's end."""
+def load(listen: str) -> int:
+    """At least NUM_REQUESTS streamed requests, 6 at a time, for at least MIN_LOAD_S (the tiny model answers in
+    milliseconds: a shorter load could fall between two scrapes): a shared prefix (prefix-cache hits), n = 2 now and
+    then, one ended by a stop token; each waits for its stream's end. Returns the number of samples (ends)."""
     prefix = "You are a helpful assistant. Answer in one short sentence, and never more than that. "
     errors: list[BaseException] = []
 
@@ -102,13 +107,16 @@ def load(listen: str) -> None:
         except BaseException as e:  # noqa: BLE001 - re-raised below, in the test's thread
             errors.append(e)
 
-    for start in range(0, NUM_REQUESTS, 6):
-        threads = [threading.Thread(target=one, args=(i,)) for i in range(start, min(start + 6, NUM_REQUESTS))]
+    start, i = time.monotonic(), 0
+    while i < NUM_REQUESTS or time.monotonic() - start < MIN_LOAD_S:
+        threads = [threading.Thread(target=one, args=(j,)) for j in range(i, i + 6)]
         for t in threads:
             t.start()
         for t in threads:
             t.join()
-    assert not errors, errors[0]
+        assert not errors, errors[0]
+        i += 6
+    return i + i // 6  # NOTE: one request in 6 has n = 2
 
 
 def test_every_dashboard_autoscaler_and_endpoint_picker_query_returns_data(tiny_served_model, tmp_path):
@@ -128,11 +136,9 @@ def test_every_dashboard_autoscaler_and_endpoint_picker_query_returns_data(tiny_
         wait_until(prom.ready, timeout=120, interval=0.5)
         wait_until(lambda: prom.total('up{job="pagedserve"}') == 1, timeout=120, interval=0.5)
         wait_until(lambda: prom.total("sum(pagedserve_workers)") == 2, timeout=120, interval=0.5)
-        load(listen)
-        # every request's end scraped: 6 of the 36 have two samples
-        samples = NUM_REQUESTS + NUM_REQUESTS // 6
+        samples = load(listen)  # then every request's end scraped
         wait_until(lambda: prom.total("sum(vllm:request_success_total)") == samples, timeout=120, interval=0.5)
-        time.sleep(3)  # NOTE: a few more scrapes, so that every rate() window holds the last observations
+        time.sleep(5)  # NOTE: a few more scrapes, so that every rate() window holds the last observations
 
         with grpc.insecure_channel(listen) as ch:  # NOTE: the id /v1/models lists, the model_name label
             model = generate_pb2_grpc.GenerationStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=60).model_id

@@ -21,7 +21,7 @@ AUTOSCALE, GATEWAY = "autoscale", "gateway-inference-extension"
 # missing or yields no query, instead of skipping their queries.
 OVERLAYS_REQUIRED = True
 
-# What Grafana puts in place of its built-in variables when it runs a panel's query (a 1 s scrape interval).
+# What Grafana puts in place of its built-in variables when it runs a panel's query (a 2 s scrape interval).
 GRAFANA_BUILTINS = {"__rate_interval": "1m", "__interval": "15s", "__range": "5m"}
 _VARIABLE = re.compile(r"\$\{(\w+)(?::\w+)?\}|\$(\w+)")
 _SERIES = re.compile(r"\b(vllm:[A-Za-z0-9_:]+|pagedserve_[A-Za-z0-9_]+)")
