@@ -11,7 +11,8 @@ clients through FrontEnd.generate and reads each stream to its end: all of a req
 scheduling, the step hooks, detokenizing, stop strings, the request log's end) but the gRPC/HTTP framing, where the
 hooks are one attribute read each. Its figure is requests per second of the child's CPU time (user + system, all
 threads: the span exporter's too), i.e. the throughput of a CPU-bound scheduler. `base` runs --baseline (default:
-the parent of the commit that added scheduler_svc/tracing, extracted with git archive), `off` and `on` this tree,
+main just before scheduler_svc/tracing came in: the first parent of the commit, or merge, that added it, along
+first parents, extracted with git archive), `off` and `on` this tree,
 `on` with scheduler_svc.tracing.start() on a collector in this process that counts the spans it receives (each
 request sends a traceparent). The children take rounds in turn, --rounds times, the order rotated each round, so that
 the machine's load weighs on all three alike; the figures are the medians.
@@ -49,9 +50,11 @@ TRACEPARENT = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 def baseline_tree(rev: str | None, out: Path) -> tuple[str, Path]:
     """(the revision, a directory holding its files): --baseline, else the tree before scheduler_svc/tracing."""
     if rev is None:
-        added = subprocess.run(["git", "-C", str(ROOT), "log", "--format=%H", "--diff-filter=A", "--",
-                                "scheduler_svc/tracing/__init__.py"], capture_output=True, text=True, check=True)
-        rev = added.stdout.split()[-1] + "^"
+        # NOTE: along first parents, so that where the hooks came in by a merge the base is main just before it
+        # (with everything else main had then), not the branch's own start
+        added = subprocess.run(["git", "-C", str(ROOT), "log", "--first-parent", "--format=%H", "--diff-filter=A",
+                                "--", "scheduler_svc/tracing/__init__.py"], capture_output=True, text=True, check=True)
+        rev = added.stdout.split()[-1] + "^1"
     rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", rev], capture_output=True, text=True,
                          check=True).stdout.strip()
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], capture_output=True, check=True).stdout
