@@ -307,6 +307,7 @@ class Engine(Fleet):
         stream = self.streams.pop(request_id, None)
         if self.unplaced.pop(request_id, None) is not None:
             export_fleet(self)
+        self.router.prefilled(request_id)  # NOTE: its prompt no longer counts as pending on its worker
         w = self.placement.pop(request_id, None)
         if w is not None:
             w.scheduler.abort(request_id)

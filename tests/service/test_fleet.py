@@ -143,3 +143,17 @@ async def test_sequence_ids_are_unique_across_workers(engine, channel):
         assert await tokens_of(call) == [[TOKEN] * 4]
     ids = [w.seq_ids() for w in workers]
     assert all(ids) and sum(map(len, ids)) == len(set().union(*ids)) == 12
+
+
+@with_server(routing="kv")
+async def test_a_cancelled_request_no_longer_counts_as_pending_on_its_worker(engine, channel):
+    # NOTE: kv routing counts a placed prompt as held by its worker until its prefill ran (Router.routed); a request
+    # cancelled before that must stop counting, or the router keeps its entry (and its pending chains) forever.
+    ScriptedWorker(channel)  # silent: the request never gets past its first step
+    await wait_for(lambda: len(engine.workers) == 1)
+    call = generate(channel, "r0", list(range(100, 120)))  # one full block of 16, and 4 more
+    await wait_for(lambda: "r0" in engine.placement)
+    assert "r0" in engine.router._routed
+    call.cancel()
+    await wait_for(lambda: "r0" not in engine.streams)
+    assert "r0" not in engine.router._routed
