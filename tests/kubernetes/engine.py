@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import subprocess
+import threading
+from collections.abc import Callable
 
 LABEL = "k8srun"  # every container and volume made here carries it (value: the namespace), and `down` removes them
 
@@ -13,6 +15,28 @@ def log(msg: str) -> None:
 
 class Failed(RuntimeError):
     """The pods did not run as the manifests say they should."""
+
+
+def side_by_side(jobs: list[tuple[str, Callable[[], object]]]) -> list:
+    """Runs each (what, job) in a thread of its own (as the kubelet does pods and probes); returns their results,
+    in order, or, once every one ended, raises Failed with each error, prefixed by its `what` when given."""
+    results: list = [None] * len(jobs)
+    errors: list[str] = []
+
+    def run(i: int, what: str, job: Callable[[], object]) -> None:
+        try:
+            results[i] = job()
+        except Exception as e:  # NOTE: reported with the others, after every thread ended
+            errors.append(f"{what}: {e}" if what else str(e))
+
+    threads = [threading.Thread(target=run, args=(i, *j)) for i, j in enumerate(jobs)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise Failed("\n".join(errors))
+    return results
 
 
 class Docker:

@@ -10,13 +10,12 @@ import random
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from tests.kubernetes.engine import LABEL, Docker, Failed, container_name, log, sandbox  # noqa: E402
+from tests.kubernetes.engine import LABEL, Docker, Failed, container_name, log, sandbox, side_by_side  # noqa: E402
 from tests.kubernetes.isolation import (Volume, container_mounts, fs_group_mode, pod_volumes,  # noqa: E402
                                         resource_args, security_args)
 from tests.kubernetes.podspec import (Cluster, Pod, Unsupported, command_line, container_env, parse,  # noqa: E402
@@ -222,23 +221,8 @@ class Kubelet:
 
     def scale_all(self, wanted: list[tuple[dict, int]], timeout: float) -> None:
         """Pods created side by side (as the ReplicaSets do it), then probed."""
-        created: list[Pod] = []
-        errors: list[str] = []
-
-        def make(d: dict) -> None:
-            try:
-                created.append(self.create(d))
-            except Exception as e:
-                errors.append(f"{d['metadata']['name']}: {e}")
-
-        threads = [threading.Thread(target=make, args=(d,)) for d, n in wanted
-                   for _ in range(n - len(self.pods(d["metadata"]["name"])))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise Failed("\n".join(errors))
+        created = side_by_side([(d["metadata"]["name"], lambda d=d: self.create(d)) for d, n in wanted
+                                for _ in range(n - len(self.pods(d["metadata"]["name"])))])
         self.prober.start_probes(created, timeout)
 
     def scale(self, deployment: str, replicas: int, timeout: float) -> None:

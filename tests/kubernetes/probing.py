@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
-import threading
 import time
 import urllib.request
 
-from tests.kubernetes.engine import Docker, Failed, container_name, log
+from tests.kubernetes.engine import Docker, Failed, container_name, log, side_by_side
 from tests.kubernetes.podspec import Pod, Probe, container_probes
 
 
@@ -72,26 +71,16 @@ class Prober:
         """Each container's probes as the kubelet sequences them: startup until it passes, then readiness and
         liveness; every pod must become ready."""
         deadline = time.monotonic() + timeout
-        errors: list[str] = []
 
         def one(pod: Pod, c: dict) -> None:
-            try:
-                probes = container_probes(c, pod)
-                for kind in ("startup", "readiness", "liveness"):
-                    if kind in probes:
-                        self.until(pod, c["name"], kind, probes[kind], deadline)
-                if "readiness" not in probes:
-                    log(f"{pod.name}/{c['name']}: no readiness probe: ready once started")
-            except Exception as e:  # NOTE: reported with the others, after every thread ended
-                errors.append(str(e))
+            probes = container_probes(c, pod)
+            for kind in ("startup", "readiness", "liveness"):
+                if kind in probes:
+                    self.until(pod, c["name"], kind, probes[kind], deadline)
+            if "readiness" not in probes:
+                log(f"{pod.name}/{c['name']}: no readiness probe: ready once started")
 
-        threads = [threading.Thread(target=one, args=(p, c)) for p in pods for c in p.spec["containers"]]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise Failed("\n".join(errors))
+        side_by_side([("", lambda p=p, c=c: one(p, c)) for p in pods for c in p.spec["containers"]])
 
     def check_probes(self, pods: list[Pod]) -> None:
         """Every running container still ready and alive: each probe passes within failureThreshold tries."""
