@@ -15,8 +15,8 @@ stop_server() {  # only the server this script started, by its pid; it stops its
 }
 trap stop_server EXIT
 
-# vLLM's OpenAI server (its CPU build, set up in $venv if missing) for $model as "smollm2" on 127.0.0.1:$port, float32,
-# plus $VLLM_ARGS; its log in $out/vllm.log. Sets $pid; returns once it is healthy (exits if it dies first).
+# vLLM's OpenAI server (its CPU build, set up in $venv if missing) for $model as "smollm2" on 127.0.0.1:$port,
+# $peer_dtype (float32), plus $VLLM_ARGS; its log in $out/vllm.log. Sets $pid; returns once it is healthy (exits if it dies first).
 # Its KV cache: $VLLM_KV_CACHE_BYTES bytes exactly when set (--kv-cache-memory-bytes; VLLM_CPU_KVCACHE_SPACE, whole
 # GiB only, is then unset, since vLLM lets it override the bytes), else VLLM_CPU_KVCACHE_SPACE GiB (default 1).
 # With VLLM_MAY_FAIL=1 a vLLM that exits before it is healthy makes start_vllm return 1 (log kept) instead of exiting.
@@ -29,9 +29,13 @@ start_vllm() {
   if [ -n "${VLLM_KV_CACHE_BYTES:-}" ]; then
     kv_env=(env -u VLLM_CPU_KVCACHE_SPACE) kv_args=(--kv-cache-memory-bytes "$VLLM_KV_CACHE_BYTES")
   fi
+  # $peer_dtype (default float32): its --dtype; "auto" passes none (vLLM's own default: bfloat16 on a CPU with
+  # AVX512-BF16 or AMX, where it logs the downcast).
+  local vllm_dtype_args=(--dtype "${peer_dtype:-float32}")
+  [ "${peer_dtype:-float32}" = auto ] && vllm_dtype_args=()
   # shellcheck disable=SC2086  # VLLM_ARGS is a list of words on purpose
   "${kv_env[@]}" "$venv/bin/python" -m vllm.entrypoints.openai.api_server \
-    --model "$model" --served-model-name smollm2 --dtype float32 --host 127.0.0.1 --port "$port" "${kv_args[@]}" \
+    --model "$model" --served-model-name smollm2 "${vllm_dtype_args[@]}" --host 127.0.0.1 --port "$port" "${kv_args[@]}" \
     ${VLLM_ARGS:-} >"$out/vllm.log" 2>&1 &
   pid=$!
   until curl -sf "http://127.0.0.1:$port/health" >/dev/null; do
