@@ -2,7 +2,7 @@
 
 Each case builds real plans over the real ModelRunner (model loading and the KV fill are never timed), times
 `--steps` steps without the profiler (wall ms/step), then profiles the same steps with torch.profiler and splits
-the time into: matmuls (aten::linear, QKV/O/MLP/lm_head), attention (the backend's forward), KV writes,
+the time into: matmuls (aten::linear or mm/addmm/oneDNN linear: QKV/O/MLP/lm_head), attention (the backend's forward), KV writes,
 sampling, plan (persistent batch), and the rest: other torch ops (norms, rotary, activations, embedding) plus
 Python and dispatcher time between ops.
 
@@ -102,8 +102,12 @@ def run_case(loaded, name: str, plans_fn, steps: int) -> dict:
         ev = prof.key_averages()
         by = {e.key: e for e in ev}
         region = {r: (by[r].cpu_time_total / 1e3 / n if r in by else 0.0) for r in REGIONS}
-        # matmuls outside attention: linear's total includes its addmm/mm children
-        linear = by["aten::linear"].cpu_time_total / 1e3 / n if "aten::linear" in by else 0.0
+        # matmuls outside attention: linear's total includes its addmm/mm children; the lean forward calls mm/addmm
+        # (float32, transposed weights) and oneDNN's prepacked linear (bfloat16, the lm_head) directly
+        # (worker_svc/linear.py). NOTE: attention calls no mm on the cpu backend's paths up to 512-token chunks.
+        tops = ("aten::linear", "mkldnn::_linear_pointwise") if "aten::linear" in by else \
+            ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")
+        linear = sum(by[k].cpu_time_total for k in tops if k in by) / 1e3 / n
         # NOTE: the regions' times are inclusive (the C++ kernel is no torch op, so only its region sees it);
         # the rest is every other op (norms, rotary, activations, embedding, residual adds) plus the Python and
         # dispatcher time between ops.

@@ -14,19 +14,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from worker_svc.linear import Linear, make_linear, transposed
 from worker_svc.models import LoadedModel
 
 
 @dataclass(slots=True)
 class LeanLayer:
-    qkv_weight: torch.Tensor  # [(H + 2 KVH) * hd, hidden]
-    qkv_bias: torch.Tensor | None
-    o_weight: torch.Tensor
-    o_bias: torch.Tensor | None
-    gate_up_weight: torch.Tensor  # [2 * intermediate, hidden]
-    gate_up_bias: torch.Tensor | None
-    down_weight: torch.Tensor
-    down_bias: torch.Tensor | None
+    qkv: Linear  # hidden -> (H + 2 KVH) * hd
+    o: Linear
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear
     input_norm: torch.Tensor
     post_norm: torch.Tensor
     q_norm: torch.Tensor | None  # Qwen3: RMSNorm over each head before rotary
@@ -36,9 +33,10 @@ class LeanLayer:
 def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One [sum(out), in] weight (and bias) for `linears`, whose own parameters become views into it.
 
-    NOTE: the views keep the transformers modules working (and sharing memory) for the fallback path.
+    NOTE: the views keep the transformers modules working (and sharing memory) for the fallback path. A float32
+    weight on the CPU is stored transposed (linear.py: what torch.mm wants), a view of it is returned.
     """
-    weight = torch.cat([m.weight.detach() for m in linears])
+    weight = _layout(torch.cat([m.weight.detach() for m in linears]))
     biases = [m.bias for m in linears]
     bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
     if bias is None and any(b is not None for b in biases):
@@ -51,6 +49,18 @@ def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | 
             m.bias = torch.nn.Parameter(bias[at:at + n], requires_grad=False)
         at += n
     return weight, bias
+
+
+def _layout(weight: torch.Tensor) -> torch.Tensor:
+    return transposed(weight) if weight.device.type == "cpu" and weight.dtype == torch.float32 else weight
+
+
+def _own(linear: torch.nn.Linear) -> Linear:
+    """A Linear over `linear`'s weight, re-laid out (the module keeps a view of the new storage)."""
+    weight = _layout(linear.weight.detach())
+    if weight.data_ptr() != linear.weight.data_ptr():
+        linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return make_linear(weight, _bias(linear))
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -77,7 +87,7 @@ class LeanModel:
         inner = model.model
         self.embed = inner.embed_tokens.weight
         self.final_norm = inner.norm.weight
-        self.lm_head = model.lm_head.weight
+        self.lm_head = make_linear(model.lm_head.weight, None, vocab=True)
         self.rotary = inner.rotary_emb
         self.eps = float(cfg.rms_norm_eps)
         first = inner.layers[0].self_attn
@@ -92,8 +102,8 @@ class LeanModel:
             gu_w, gu_b = _fuse([mlp.gate_proj, mlp.up_proj])
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             self.layers.append(LeanLayer(
-                qkv_w, qkv_b, attn.o_proj.weight.detach(), _bias(attn.o_proj), gu_w, gu_b,
-                mlp.down_proj.weight.detach(), _bias(mlp.down_proj), layer.input_layernorm.weight.detach(),
+                make_linear(qkv_w, qkv_b), _own(attn.o_proj), make_linear(gu_w, gu_b), _own(mlp.down_proj),
+                layer.input_layernorm.weight.detach(),
                 layer.post_attention_layernorm.weight.detach(),
                 None if q_norm is None else q_norm.weight.detach(), None if k_norm is None else k_norm.weight.detach()))
 
@@ -107,7 +117,7 @@ class LeanModel:
         kv, scales, meta, backend = step.kv, step.kv_scales, step.meta, step.backend
         for i, layer in enumerate(self.layers):
             h = _norm(x, layer.input_norm, eps)
-            qkv = F.linear(h, layer.qkv_weight, layer.qkv_bias)
+            qkv = layer.qkv(h)
             q = qkv[:, :nq].view(t, nh, hd)
             k = qkv[:, nq:nq + nk].view(t, nkv, hd)
             v = qkv[:, nq + nk:].view(t, nkv, hd)
@@ -117,13 +127,13 @@ class LeanModel:
             layer_scales = None if scales is None else scales[i]
             backend.write_kv(kv[i], k, v, meta.slot_mapping, layer_scales)
             o = backend.forward(q, kv[i], meta, self.scaling, layer_scales)
-            x = x + F.linear(o.reshape(t, nq), layer.o_weight, layer.o_bias)
+            x = x + layer.o(o.reshape(t, nq))
             h = _norm(x, layer.post_norm, eps)
-            gu = F.linear(h, layer.gate_up_weight, layer.gate_up_bias)
+            gu = layer.gate_up(h)
             inter = gu.shape[1] // 2
-            x = x + F.linear(F.silu(gu[:, :inter]) * gu[:, inter:], layer.down_weight, layer.down_bias)
+            x = x + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
         x = _norm(x.index_select(0, keep), self.final_norm, eps)  # NOTE: rows are independent past here
-        return F.linear(x, self.lm_head)
+        return self.lm_head(x)
 
 
 def _bias(linear: torch.nn.Linear) -> torch.Tensor | None:

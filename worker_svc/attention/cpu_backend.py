@@ -26,9 +26,11 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPI
 # The kernel's dtype codes (paged_attention_cpu.cpp's Dtype): float pools, and 8-bit caches (codes + scales).
 POOL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 Q_TILE = 16  # prefill query tokens per work item (x group heads = rows sharing each K/V block read)
-# Prefill chunks longer than this go to SDPA (GEMM-shaped work, where ATen's kernel is faster than ours; measured
-# 1 thread: q_len 128 about even for a fresh prompt, SDPA 1.7x faster for 128 after a 128-token prefix).
-MAX_KERNEL_Q_LEN = 64
+# Prefill chunks longer than this go to SDPA. Measured (1 thread, CPU time, 9/3 heads, head_dim 64) with the 16-key
+# block path: the kernel is 1.3-2x SDPA up to 512-token chunks (fresh or after a 128-token prefix), even for a
+# 512-token chunk after 1,536 tokens, and SDPA 1.2x faster for a fresh 2,048-token one; the CPU's default budget is
+# 512 tokens a step, so by default every chunk stays here.
+MAX_KERNEL_Q_LEN = 512
 
 # `--int8-qk auto`: whether an int8 cache takes the int8 Q.K path where the kernel has one (VNNI). Decided by
 # measurement (README "### Kernels"): bench/kv_attention_long.py for speed against dequantise-then-float, and the

@@ -491,12 +491,18 @@ inline __m512 transpose_sum16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(s01, s23, 0x88), _mm512_shuffle_f32x4(s01, s23, 0xDD));
 }
 
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32 (exact: the high halves)
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+}
+
 // One block of n <= 16 keys for `rows` rows: scores, the online-softmax update of m/l, and acc = acc * corr + P.V.
 // q: [rows, D] (pre-scaled), acc: [rows, D], nr[r]: keys row r sees in this block (causal), kb/vb: key/value rows
 // `stride` floats apart. p: scratch [rows, 16].
-template <int D>
+template <int D, typename E>
 inline void block16(const float* q, float* acc, float* m, float* l, const int64_t* nr, int64_t rows,
-                    const float* kb, const float* vb, int64_t stride, int64_t n, float* p) {
+                    const E* kb, const E* vb, int64_t stride, float* p) {
   constexpr int NV = D / 16;
   constexpr int RG = 16 / NV;  // rows per accumulation group: RG * NV accumulators
   float corr[kMaxRows];
@@ -510,10 +516,10 @@ inline void block16(const float* q, float* acc, float* m, float* l, const int64_
 #pragma GCC unroll 16
     for (int k = 0; k < 16; ++k) {
       if (k < nk) {
-        const float* kr = kb + k * stride;
-        __m512 a = _mm512_mul_ps(qv[0], _mm512_loadu_ps(kr));
+        const E* kr = kb + k * stride;
+        __m512 a = _mm512_mul_ps(qv[0], load16(kr));
 #pragma GCC unroll 8
-        for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(qv[i], _mm512_loadu_ps(kr + 16 * i), a);
+        for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(qv[i], load16(kr + 16 * i), a);
         part[k] = a;
       } else {
         part[k] = _mm512_setzero_ps();
@@ -540,10 +546,10 @@ inline void block16(const float* q, float* acc, float* m, float* l, const int64_
       for (int i = 0; i < NV; ++i) a[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + r) * D + 16 * i), c);
     }
     for (int64_t k = 0; k < nmax; ++k) {  // p is 0 past a row's own nr: rows of a group may see fewer keys
-      const float* vr = vb + k * stride;
+      const E* vr = vb + k * stride;
       __m512 v[NV];
 #pragma GCC unroll 8
-      for (int i = 0; i < NV; ++i) v[i] = _mm512_loadu_ps(vr + 16 * i);
+      for (int i = 0; i < NV; ++i) v[i] = load16(vr + 16 * i);
       if (g == RG) {
 #pragma GCC unroll 16
         for (int r = 0; r < RG; ++r) {
@@ -657,6 +663,15 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1) {
       }
     }
 #endif
+#if defined(PS_AVX512)
+    if (fast16) {  // float32 and bfloat16 rows are read in place (bf16 converted as loaded); others widened first
+      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, uint16_t>) {
+        if (D == 64) block16<64>(qbuf, abuf, m, l, nr, rows, K + off, V + off, tok_stride, sc);
+        else block16<128>(qbuf, abuf, m, l, nr, rows, K + off, V + off, tok_stride, sc);
+        continue;
+      }
+    }
+#endif
     // float32 pools are read in place; other dtypes are widened (8-bit: dequantised) once per block into kf/vf.
     // NOTE: slots past `last` are garbage (NaN codes and scales included): never read.
     const float *kb, *vb;
@@ -692,9 +707,9 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1) {
       }
     }
 #if defined(PS_AVX512)
-    if (fast16) {
-      if (D == 64) block16<64>(qbuf, abuf, m, l, nr, rows, kb, vb, stride, n_in_block, sc);
-      else block16<128>(qbuf, abuf, m, l, nr, rows, kb, vb, stride, n_in_block, sc);
+    if (fast16) {  // 8-bit caches: dequantised rows
+      if (D == 64) block16<64>(qbuf, abuf, m, l, nr, rows, kb, vb, stride, sc);
+      else block16<128>(qbuf, abuf, m, l, nr, rows, kb, vb, stride, sc);
       continue;
     }
 #endif
