@@ -1,0 +1,82 @@
+"""worker_svc/linear.py: each weight layout computes F.linear's result, the CPU picks them as documented, and the
+float32 layouts share the transformers modules' storage (no second copy)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker_svc.lean_model import LeanModel
+from worker_svc.linear import Linear, make_linear, onednn_available, transposed
+from worker_svc.models import load_model
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+def _data(dtype, out=96, inp=64, rows=7, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, inp, generator=gen).to(dtype)
+    b = torch.randn(out, generator=gen).to(dtype)
+    x = torch.randn(rows, inp, generator=gen).to(dtype)
+    return w, b, x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+@pytest.mark.parametrize("vocab", [False, True])
+def test_every_layout_computes_f_linear(dtype, with_bias, vocab):
+    w, b, x = _data(dtype)
+    bias = b if with_bias else None
+    lin = make_linear(w, bias, vocab=vocab)
+    for rows in (1, 7, 64):  # any row count runs on a layout made once
+        xs = torch.randn(rows, x.shape[1], generator=torch.Generator().manual_seed(rows)).to(dtype)
+        want = F.linear(xs.double(), w.double(), None if bias is None else bias.double())
+        got = lin(xs)
+        assert got.shape == (rows, w.shape[0]) and got.dtype == dtype
+        err = ((got.double() - want).abs().max() / want.abs().max()).item()
+        assert err < TOL[dtype], (lin.kind, err)
+
+
+def test_the_cpu_picks_the_layouts_the_measurements_chose():
+    w32, _, _ = _data(torch.float32)
+    assert make_linear(w32, None).kind == "mm"
+    assert make_linear(w32, None, vocab=True).kind == ("onednn" if onednn_available(torch.float32) else "linear")
+    w16, _, _ = _data(torch.bfloat16)
+    assert make_linear(w16, None).kind == ("onednn" if onednn_available(torch.bfloat16) else "linear")
+    assert make_linear(w32.half(), None).kind == "linear"  # float16 on a CPU: F.linear, unchanged
+
+
+def test_a_transposed_weight_is_used_in_place():
+    w, _, x = _data(torch.float32)
+    view = transposed(w)
+    assert torch.equal(view, w) and view.t().is_contiguous() and not view.is_contiguous()
+    lin = make_linear(view, None)
+    assert lin.kind == "mm" and lin.weight.data_ptr() == view.data_ptr()  # no copy
+    assert torch.equal(lin(x), torch.mm(x, view.t()))
+
+
+def test_the_layout_is_a_dataclass_with_a_named_kind():
+    w, b, x = _data(torch.float32)
+    lin = Linear("linear", w, b, w.shape[0])
+    assert torch.equal(lin(x), F.linear(x, w, b))
+
+
+def test_float32_lean_weights_are_the_modules_storage(tiny_llama_dir):
+    loaded = load_model(tiny_llama_dir, dtype="float32")
+    lean = LeanModel(loaded.model)
+    attn, mlp = loaded.model.model.layers[0].self_attn, loaded.model.model.layers[0].mlp
+    layer = lean.layers[0]
+    qkv = layer.qkv.weight  # [in, out] contiguous
+    assert layer.qkv.kind == "mm" and qkv.is_contiguous()
+    start, end = qkv.data_ptr(), qkv.data_ptr() + qkv.numel() * qkv.element_size()
+    for m in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert start <= m.weight.data_ptr() < end  # a view, not a copy
+    assert attn.o_proj.weight.data_ptr() == layer.o.weight.data_ptr()
+    assert mlp.down_proj.weight.data_ptr() == layer.down.weight.data_ptr()
+    # the transformers modules still compute what they did
+    x = torch.randn(3, attn.q_proj.in_features)
+    assert torch.allclose(torch.cat([attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)], 1), layer.qkv(x), atol=1e-5)
+    # a second lean model over the same modules (two runners on one model) lays nothing out again
+    again = LeanModel(loaded.model)
+    assert again.layers[0].o.weight.data_ptr() == layer.o.weight.data_ptr()
