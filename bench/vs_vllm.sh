@@ -58,7 +58,7 @@ start_pagedserve() {
 start_pagedserve grpc
 "$py" -m pagedserve_cli.main bench --server "$listen" --metrics-url "http://$metrics/metrics" \
   --out "$out/pagedserve" "${bench_args[@]}" | tee "$out/pagedserve.txt"
-ours_dtype=$(sed -n 's/.*worker ready.* dtype=\([a-z0-9]*\).*/\1/p' "$log" | head -1)
+ours_dtype=$(grep '"event": "worker ready"' "$log" | sed -n 's/.*"dtype": "\([a-z0-9]*\)".*/\1/p' | head -1)
 stop_server
 if [ "${HTTP:-1}" != 0 ]; then
   start_pagedserve http
