@@ -1,0 +1,173 @@
+"""This machine's GEMM peak at the model's shapes: torch F.linear GFLOP/s, float32 (and bfloat16 where native).
+
+    python bench/gemm_peak.py [--model DIR] [--out bench/out/gemm_peak.json] [--ms 1,16,64,256,512,2048]
+                              [--threads 1,ALL] [--dtypes float32,bfloat16] [--budget-s 0.2]
+
+The shapes are the worker's per-token matmuls (worker_svc/lean_model.py), read from the model's config.json
+(default: the default model): the fused QKV [hidden -> (heads + 2 x kv heads) x head_dim], o_proj, the fused
+gate_up [hidden -> 2 x intermediate], down, and the lm_head [hidden -> vocab], each x [M, K] @ w[N, K]^T for M
+tokens in a step (the lm_head only up to M = 256: the runner computes it for the sampled rows alone, one per
+running sequence). Each point runs at 1 thread and at all the cores this process may use, in --rounds passes
+over all the points: a warm-up call, then repeats (each a loop of calls lasting >= 2 ms) for --budget-s /
+--rounds seconds; GFLOP/s = 2 M N K / time of one call, the best repeat (best-of-N: the machine is shared, a
+busy neighbour only slows some repeats) and the median (the spread). bfloat16 runs only where /proc/cpuinfo has avx512_bf16 or amx_bf16 (elsewhere torch
+emulates it), unless --dtypes names it.
+
+Peak (per dtype and thread count) = the highest best-of-N GFLOP/s over the five shapes at M >= 256: what torch's
+GEMM reaches on the model's own shapes with a large batch, not the CPU's datasheet FLOP/s. `pagedserve bench`
+divides the model FLOP/s it achieved by the peak at the most threads (see --gemm-peak there).
+
+Writes --out and $PAGEDSERVE_CACHE (else ~/.cache/pagedserve)/gemm_peak-<cpu key>.json, where `pagedserve bench`
+finds it. A run takes about 40 s on a 2-core machine. Last line:
+
+    gemm_peak float32_1t=... float32_2t=... bfloat16_1t=... bfloat16_2t=...  (GFLOP/s)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pagedserve_cli.bench.flops import ModelShape  # noqa: E402
+from pagedserve_cli.bench.peak import cpu_info, cpu_key, default_path  # noqa: E402
+
+LARGE_M = 256  # NOTE: the peak is taken over M >= this
+LM_HEAD_MAX_M = 256
+MIN_LOOP_S = 0.002
+MIN_REPEATS = 2
+MAX_REPEATS = 100
+
+
+def time_point(x: torch.Tensor, w: torch.Tensor, budget_s: float) -> list[float]:
+    """Seconds per call of F.linear(x [m, k], w [n, k]), one figure per repeat (a loop of >= MIN_LOOP_S)."""
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        F.linear(x, w)  # warm-up: oneDNN picks and caches its kernel
+        one = max(time.perf_counter() - t0, 1e-7)
+        calls = max(1, int(MIN_LOOP_S / one))
+        times: list[float] = []
+        end = time.perf_counter() + budget_s
+        while len(times) < MIN_REPEATS or (time.perf_counter() < end and len(times) < MAX_REPEATS):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                F.linear(x, w)
+            times.append((time.perf_counter() - t0) / calls)
+    return times
+
+
+def measure(shape: ModelShape, ms: list[int], thread_counts: list[int], dtypes: list[str],
+            budget_s: float, rounds: int) -> list[dict]:
+    """Every point, `rounds` times over (NOTE: a busy spell of a neighbour then slows one round of a point, not
+    all its repeats), budget_s / rounds seconds a round."""
+    points = [(dtype, threads, name, k, n, m) for dtype in dtypes for threads in thread_counts
+              for name, (k, n) in shape.gemms().items() for m in ms if name != "lm_head" or m <= LM_HEAD_MAX_M]
+    times: dict[tuple, list[float]] = {p: [] for p in points}
+    tensors: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    for _ in range(rounds):
+        for p in points:
+            dtype, threads, _name, k, n, m = p
+            if (dtype, k, n, m) not in tensors:
+                tensors[dtype, k, n, m] = (torch.randn(m, k).to(getattr(torch, dtype)),
+                                           (torch.randn(n, k) / k ** 0.5).to(getattr(torch, dtype)))
+            torch.set_num_threads(threads)
+            times[p] += time_point(*tensors[dtype, k, n, m], budget_s / rounds)
+    rows = []
+    for (dtype, threads, name, k, n, m), ts in times.items():
+        flop = 2 * m * n * k
+        rows.append({"dtype": dtype, "threads": threads, "gemm": name, "m": m, "k": k, "n": n,
+                     "repeats": len(ts), "best_gflops_s": flop / min(ts) / 1e9,
+                     "median_gflops_s": flop / statistics.median(ts) / 1e9})
+    return rows
+
+
+def peaks(rows: list[dict]) -> dict:
+    """dtype -> threads -> the best point at M >= LARGE_M, with its median (the spread)."""
+    out: dict = {}
+    for r in rows:
+        if r["m"] < LARGE_M:
+            continue
+        slot = out.setdefault(r["dtype"], {})
+        best = slot.get(str(r["threads"]))
+        if best is None or r["best_gflops_s"] > best["gflops_s"]:
+            slot[str(r["threads"])] = {"gflops_s": r["best_gflops_s"], "median_gflops_s": r["median_gflops_s"],
+                                       "gemm": r["gemm"], "m": r["m"]}
+    return out
+
+
+def render(rows: list[dict], ms: list[int], peak: dict) -> str:
+    lines = []
+    for dtype in dict.fromkeys(r["dtype"] for r in rows):
+        for threads in dict.fromkeys(r["threads"] for r in rows if r["dtype"] == dtype):
+            mine = [r for r in rows if r["dtype"] == dtype and r["threads"] == threads]
+            lines += [f"{dtype}, {threads} thread{'s' if threads > 1 else ''}: best-of-N GFLOP/s (median)", "",
+                      "| gemm | K -> N | " + " | ".join(f"M={m}" for m in ms) + " |",
+                      "| --- | --- |" + " ---: |" * len(ms)]
+            for name in dict.fromkeys(r["gemm"] for r in mine):
+                cells = {r["m"]: r for r in mine if r["gemm"] == name}
+                first = next(iter(cells.values()))
+                lines.append(f"| {name} | {first['k']} -> {first['n']} | " + " | ".join(
+                    f"{cells[m]['best_gflops_s']:.1f} ({cells[m]['median_gflops_s']:.1f})" if m in cells else "-"
+                    for m in ms) + " |")
+            p = peak[dtype][str(threads)]
+            lines += ["", f"peak {p['gflops_s']:.1f} GFLOP/s ({p['gemm']}, M={p['m']}; its median "
+                          f"{p['median_gflops_s']:.1f})", ""]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", help="model dir (default: the default model, pulled if missing)")
+    ap.add_argument("--out", default="bench/out/gemm_peak.json")
+    ap.add_argument("--ms", default="1,16,64,256,512,2048", help="tokens per step, comma-separated")
+    ap.add_argument("--threads", default="1,ALL", help="thread counts, comma-separated; ALL = the usable cores")
+    ap.add_argument("--dtypes", help="default float32, and bfloat16 where the CPU computes it natively")
+    ap.add_argument("--budget-s", type=float, default=0.2, help="timed seconds per point (default 0.2)")
+    ap.add_argument("--rounds", type=int, default=4, help="passes over every point, the budget split (default 4)")
+    ap.add_argument("--no-cache", action="store_true", help="do not write the cached copy pagedserve bench reads")
+    args = ap.parse_args(argv)
+    if args.model is None:
+        from pagedserve_cli.serve_cmd import model_dir
+        from pagedserve_common.defaults import DEFAULT_MODEL
+
+        args.model = model_dir(DEFAULT_MODEL)
+    info = cpu_info()
+    cores = info["num_cores"]
+    thread_counts = list(dict.fromkeys(cores if t.strip().upper() == "ALL" else int(t)
+                                       for t in args.threads.split(",")))
+    dtypes = args.dtypes.split(",") if args.dtypes else ["float32"] + (["bfloat16"] if info["native_bf16"] else [])
+    ms = [int(m) for m in args.ms.split(",")]
+    shape = ModelShape.from_dir(args.model)
+    t0 = time.perf_counter()
+    rows = measure(shape, ms, thread_counts, dtypes, args.budget_s, args.rounds)
+    peak = peaks(rows)
+    doc = {"cpu": {"model_name": info["model_name"], "num_cores": cores, "native_bf16": info["native_bf16"],
+                   "key": cpu_key(info)},
+           "torch": torch.__version__, "model": str(args.model), "ms": ms, "threads": thread_counts,
+           "dtypes": dtypes, "budget_s": args.budget_s, "rounds": args.rounds, "wall_s": time.perf_counter() - t0,
+           "peak_definition": f"the highest best-of-N GFLOP/s (2 M N K / seconds per call of F.linear) over the "
+                              f"model's five GEMMs at M >= {LARGE_M}, per dtype and thread count",
+           "peak": peak, "results": rows}
+    print(render(rows, ms, peak))
+    paths = [Path(args.out)] + ([] if args.no_cache else [default_path(info)])
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {', '.join(map(str, paths))} in {doc['wall_s']:.0f} s "
+          f"({info['model_name']}, {cores} cores, native bfloat16: {' '.join(info['native_bf16']) or 'no'})")
+    print("gemm_peak " + " ".join(f"{d}_{t}t={peak[d][str(t)]['gflops_s']:.1f}" for d in dtypes
+                                  for t in thread_counts), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
