@@ -140,9 +140,8 @@ def role(args: list[str]) -> str:
         return "api server"
     for i, a in enumerate(args):
         if a.endswith(("pagedserve", "pagedserve_cli.main", "pagedserve_cli/main.py")):
-            sub = next((s for s in args[i + 1:] if not s.startswith("-")), "")
-            if sub in ("up", "scheduler", "worker"):
-                return sub
+            # NOTE: the first of the three after the program: global flags (and their values) may come first
+            return next((s for s in args[i + 1:] if s in ("up", "scheduler", "worker")), "other")
     return "other"
 
 
