@@ -245,7 +245,12 @@ def _compute(args: argparse.Namespace, resolved: dict, records: list, summary: d
     dtype, source = efficiency.served_dtype(args.peak_dtype, resolved.get("worker_dtypes") or [],
                                             resolved.get("metrics_cache_dtype"),
                                             args.dtype if args.spawn else None)
-    model_dir = efficiency.flops_model_dir(resolved.get("served_model"), resolved["tokenizer"])
+    # NOTE: a .jsonl workload resolves no tokenizer: then only the served model's dir or --tokenizer says
+    model_dir = efficiency.flops_model_dir(resolved.get("served_model"), resolved.get("tokenizer") or args.tokenizer)
+    if model_dir is None:
+        print("pagedserve bench: no model FLOP/s: the server names no model directory (give --tokenizer DIR)",
+              file=sys.stderr)
+        return None
     try:
         return efficiency.compute(records, summary["server"], model_dir, summary["wall_s"], peak_doc,
                                   peak_file or None, dtype, source)

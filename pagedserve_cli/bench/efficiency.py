@@ -10,7 +10,7 @@ from pagedserve_cli.bench.peak import peak_of
 PEAK_DTYPES = ("float32", "bfloat16")
 
 
-def flops_model_dir(served_model: str | None, tokenizer_dir: str) -> str:
+def flops_model_dir(served_model: str | None, tokenizer_dir: str | None) -> str | None:
     """The served model's directory when the server names one (ours does), else the tokenizer's (the default
     model unless --tokenizer says otherwise: an OpenAI peer's served name is no path)."""
     if served_model and (Path(served_model).expanduser() / "config.json").is_file():
