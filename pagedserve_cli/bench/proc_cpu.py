@@ -132,11 +132,13 @@ def cmdline(pid: int) -> list[str]:
 
 def role(args: list[str]) -> str:
     """What a process is, from its command line: pagedserve's up / scheduler / worker, vLLM's api server /
-    engine core, else "other"."""
+    engine core / worker (the process that runs the model, VLLM::Worker), else "other"."""
     text = " ".join(args)
     if "EngineCore" in text:
         return "engine core"
-    if "vllm.entrypoints" in text or (len(args) > 1 and args[0].endswith("vllm") and args[1] == "serve"):
+    if text.startswith("VLLM::Worker"):  # NOTE: vLLM's CPU build runs the model in a process of its own
+        return "worker"
+    if "vllm.entrypoints" in text or text.startswith("VLLM::APIServer") or (len(args) > 1 and args[0].endswith("vllm") and args[1] == "serve"):
         return "api server"
     for i, a in enumerate(args):
         if a.endswith(("pagedserve", "pagedserve_cli.main", "pagedserve_cli/main.py")):

@@ -110,4 +110,5 @@ def test_roles_come_from_the_command_line():
     assert role(["/venv/bin/pagedserve", "--log-format", "json", "up"]) == "up"
     assert role([exe, "-m", "vllm.entrypoints.openai.api_server", "--model", "m"]) == "api server"
     assert role(["VLLM::EngineCore"]) == "engine core"
+    assert role(["VLLM::Worker"]) == "worker" and role(["VLLM::APIServer_0"]) == "api server"
     assert role([exe, "-c", "from multiprocessing.resource_tracker import main;main(5)"]) == "other"
