@@ -214,7 +214,7 @@ def bench(args: argparse.Namespace) -> int:
     config = {k: v for k, v in vars(args).items() if k != "func"} | resolved | {"started": started}
     out = Path(args.out or Path("bench") / "out" / started)
     summary = report.summarize(result.records, result.metrics)
-    summary["compute"], summary["cpu"] = _compute(args, resolved, result.records, summary), cpu
+    summary["compute"], summary["cpu"] = _compute(args, resolved, result.records, summary, cpu), cpu
     report.write_results(out, config, summary, result.records, result.metrics)
     dump_jsonl(requests, out / "workload.jsonl")
     report.write_plots(out, result.records, args.openai_url or args.server)
@@ -231,7 +231,7 @@ def bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _compute(args: argparse.Namespace, resolved: dict, records: list, summary: dict) -> dict | None:
+def _compute(args: argparse.Namespace, resolved: dict, records: list, summary: dict, cpu: dict) -> dict | None:
     """The run's model FLOP/s and its share of the GEMM peak (pagedserve_cli.bench.efficiency); None when the
     model's config.json can't be read."""
     from pagedserve_cli.bench import efficiency, peak
@@ -253,7 +253,7 @@ def _compute(args: argparse.Namespace, resolved: dict, records: list, summary: d
         return None
     try:
         return efficiency.compute(records, summary["server"], model_dir, summary["wall_s"], peak_doc,
-                                  peak_file or None, dtype, source)
+                                  peak_file or None, dtype, source, (cpu or {}).get("by_role", {}).get("worker"))
     except (OSError, KeyError, ValueError) as e:
         print(f"pagedserve bench: no model FLOP/s ({model_dir}/config.json: {type(e).__name__}: {e})",
               file=sys.stderr)

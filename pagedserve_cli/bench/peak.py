@@ -47,10 +47,10 @@ def load(path: str | Path) -> dict:
     return json.loads(Path(path).read_text(encoding="utf-8"))
 
 
-def peak_of(doc: dict, dtype: str) -> tuple[float, int] | None:
-    """(GFLOP/s, threads) of the dtype's peak at the most threads measured; None when it was not measured."""
+def peak_of(doc: dict, dtype: str, threads: int | None = None) -> tuple[float, int] | None:
+    """(GFLOP/s, threads) of the dtype's peak at `threads` (default: the most measured); None when not measured."""
     by_threads = doc.get("peak", {}).get(dtype) or {}
-    if not by_threads:
+    key = max(by_threads, key=int) if threads is None and by_threads else str(threads)
+    if key not in by_threads:
         return None
-    threads = max(by_threads, key=int)
-    return float(by_threads[threads]["gflops_s"]), int(threads)
+    return float(by_threads[key]["gflops_s"]), int(key)

@@ -12,6 +12,7 @@ import pytest
 
 LAST_LINE = re.compile(r"^output_tok_s=(\d+\.\d) ttft_p50_s=(\d+\.\d{4}) itl_p50_s=(\d+\.\d{4})$")
 FLOPS_LINE = re.compile(r"^model_gflops_s=(\d+\.\d\d) peak_gflops_s=(\d+\.\d) peak_share=(\d\.\d{4}) "
+                        r"per_core_share=(\d+\.\d{4}) "
                         r"cpu_s_server=(\d+\.\d\d) cpu_s_scheduler=(\d+\.\d\d) cpu_s_worker=(\d+\.\d\d) "
                         r"(?:cpu_s_up=(\d+\.\d\d) )?cpu_s_client=(\d+\.\d\d)$")
 REPO = Path(__file__).resolve().parents[2]
@@ -127,7 +128,10 @@ def test_spawn_reports_the_model_flops_share_of_the_peak_and_each_process_cpu_se
     roles = [p["role"] for p in cpu["processes"]]
     assert sorted(roles) == ["client", "scheduler", "up", "worker"], cpu["processes"]
     assert cpu["local"] and cpu["by_role"]["scheduler"] > 0 and cpu["by_role"]["worker"] > 0
-    assert cpu["by_role"]["client"] > 0 and float(m[5]) > 0 and float(m[6]) > 0
+    assert cpu["by_role"]["client"] > 0 and float(m[6]) > 0 and float(m[7]) > 0  # scheduler, worker
+    # one thread's work: the model GFLOP per worker CPU-second over the one-thread peak (the only one measured)
+    assert c["worker_cpu_s"] == cpu["by_role"]["worker"]
+    assert c["per_core_share"] == pytest.approx(c["gflop"]["total"] / c["worker_cpu_s"] / peak) and float(m[4]) > 0
     assert cpu["server_cpu_s"] == pytest.approx(sum(v for k, v in cpu["by_role"].items() if k != "client"))
     summary = (tmp_path / "summary.md").read_text()
     assert "## Model FLOP/s" in summary and "| worker |" in summary and lines[-2] in summary

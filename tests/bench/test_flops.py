@@ -75,18 +75,20 @@ def test_the_dtype_comes_from_the_flag_then_the_workers_then_the_metrics_then_sp
     assert served_dtype(None, [], "auto", "auto")[0] is None
 
 
-def test_the_peak_is_the_dtypes_at_the_most_threads():
+def test_the_peak_is_the_dtypes_at_the_most_threads_unless_asked():
     doc = {"peak": {"float32": {"1": {"gflops_s": 170.0}, "2": {"gflops_s": 330.0}}}}
-    assert peak_of(doc, "float32") == (330.0, 2)
+    assert peak_of(doc, "float32") == (330.0, 2) and peak_of(doc, "float32", 1) == (170.0, 1)
+    assert peak_of(doc, "float32", 4) is None
     assert peak_of(doc, "bfloat16") is None
 
 
 def test_the_machine_line_names_every_role_and_nan_for_what_was_not_measured():
-    line = machine_line({"model_gflops_s": 21.152, "peak_gflops_s": 325.61, "peak_share": 0.06497},
+    line = machine_line({"model_gflops_s": 21.152, "peak_gflops_s": 325.61, "peak_share": 0.06497,
+                         "per_core_share": 0.25},
                         {"by_role": {"worker": 2.8, "scheduler": 0.13, "engine core": 1.0, "client": 0.21},
                          "server_cpu_s": 3.93})
-    assert line == ("model_gflops_s=21.15 peak_gflops_s=325.6 peak_share=0.0650 cpu_s_server=3.93 "
-                    "cpu_s_scheduler=0.13 cpu_s_worker=2.80 cpu_s_engine_core=1.00 cpu_s_client=0.21")
+    assert line == ("model_gflops_s=21.15 peak_gflops_s=325.6 peak_share=0.0650 per_core_share=0.2500 "
+                    "cpu_s_server=3.93 cpu_s_scheduler=0.13 cpu_s_worker=2.80 cpu_s_engine_core=1.00 cpu_s_client=0.21")
     empty = machine_line(None, {"by_role": {"client": 0.5}, "server_cpu_s": None})
-    assert re.fullmatch(r"model_gflops_s=nan peak_gflops_s=nan peak_share=nan cpu_s_server=nan "
+    assert re.fullmatch(r"model_gflops_s=nan peak_gflops_s=nan peak_share=nan per_core_share=nan cpu_s_server=nan "
                         r"cpu_s_scheduler=nan cpu_s_worker=nan cpu_s_client=0\.50", empty)
