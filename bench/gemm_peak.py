@@ -6,16 +6,18 @@
 The shapes are the worker's per-token matmuls (worker_svc/lean_model.py), read from the model's config.json
 (default: the default model): the fused QKV [hidden -> (heads + 2 x kv heads) x head_dim], o_proj, the fused
 gate_up [hidden -> 2 x intermediate], down, and the lm_head [hidden -> vocab], each x [M, K] @ w[N, K]^T for M
-tokens in a step (the lm_head only up to M = 256: the runner computes it for the sampled rows alone, one per
-running sequence). Each point runs at 1 thread and at all the cores this process may use, in --rounds passes
+tokens in a step (the lm_head only up to M = 64: the runner computes it for the sampled rows alone, one per
+running sequence), in each layout the worker may hold a weight in: F.linear on [N, K], torch.mm on [K, N]
+contiguous (float32), oneDNN's prepacked weight (mkldnn._linear_pointwise) where it runs; a point's figure is the
+best of its layouts. Each point runs at 1 thread and at all the cores this process may use, in --rounds passes
 over all the points: a warm-up call, then repeats (each a loop of calls lasting >= 2 ms) for --budget-s /
 --rounds seconds; GFLOP/s = 2 M N K / time of one call, the best repeat (best-of-N: the machine is shared, a
-busy neighbour only slows some repeats) and the median (the spread). bfloat16 runs only where /proc/cpuinfo has avx512_bf16 or amx_bf16 (elsewhere torch
-emulates it), unless --dtypes names it.
+busy neighbour only slows some repeats) and the median (the spread). bfloat16 runs only where /proc/cpuinfo
+has avx512_bf16 or amx_bf16 (elsewhere torch emulates it), unless --dtypes names it.
 
-Peak (per dtype and thread count) = the highest best-of-N GFLOP/s over the five shapes at M >= 256: what torch's
-GEMM reaches on the model's own shapes with a large batch, not the CPU's datasheet FLOP/s. `pagedserve bench`
-divides the model FLOP/s it achieved by the peak at the most threads (see --gemm-peak there).
+Peak (per dtype and thread count) = the highest best-of-N GFLOP/s over the five shapes and the layouts at
+M >= 256: what torch's GEMMs reach on the model's own shapes with a large batch, not the CPU's datasheet FLOP/s.
+`pagedserve bench` divides the model FLOP/s it achieved by the peak at the most threads (see --gemm-peak there).
 
 Writes --out and $PAGEDSERVE_CACHE (else ~/.cache/pagedserve)/gemm_peak-<cpu key>.json, where `pagedserve bench`
 finds it; --merge keeps each point's best of this run and the cached file's (run it a few times on a shared
@@ -33,6 +35,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,17 +47,34 @@ from pagedserve_cli.bench.flops import ModelShape  # noqa: E402
 from pagedserve_cli.bench.peak import cpu_info, cpu_key, default_path  # noqa: E402
 
 LARGE_M = 256  # NOTE: the peak is taken over M >= this
-LM_HEAD_MAX_M = 256
+LM_HEAD_MAX_M = 64  # NOTE: the lm_head runs on the sampled rows only: one per running sequence
 MIN_LOOP_S = 0.002
 MIN_REPEATS = 2
 MAX_REPEATS = 100
 
 
-def time_point(x: torch.Tensor, w: torch.Tensor, budget_s: float) -> list[float]:
-    """Seconds per call of F.linear(x [m, k], w [n, k]), one figure per repeat (a loop of >= MIN_LOOP_S)."""
+def layouts(w: torch.Tensor) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """The ways the worker may run x @ w.T (worker_svc/linear.py on main): F.linear on w [n, k]; torch.mm on w
+    stored [k, n] contiguous (float32); oneDNN's prepacked weight (mkldnn._reorder_linear_weight) where it runs."""
+    out: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"linear": lambda x: F.linear(x, w)}
+    if w.dtype == torch.float32:
+        wt = w.t().contiguous()
+        out["mm"] = lambda x: torch.mm(x, wt)
+    if torch.backends.mkldnn.is_available():
+        try:
+            packed = torch.ops.mkldnn._reorder_linear_weight(w, 64)
+            torch.ops.mkldnn._linear_pointwise(torch.zeros(1, w.shape[1], dtype=w.dtype), packed, None, "none", [], "")
+            out["onednn"] = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+        except (RuntimeError, AttributeError):
+            pass
+    return out
+
+
+def time_point(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, budget_s: float) -> list[float]:
+    """Seconds per call of fn(x), one figure per repeat (a loop of >= MIN_LOOP_S)."""
     with torch.inference_mode():
         t0 = time.perf_counter()
-        F.linear(x, w)  # warm-up: oneDNN picks and caches its kernel
+        fn(x)  # warm-up: oneDNN picks and caches its kernel
         one = max(time.perf_counter() - t0, 1e-7)
         calls = max(1, int(MIN_LOOP_S / one))
         times: list[float] = []
@@ -62,31 +82,36 @@ def time_point(x: torch.Tensor, w: torch.Tensor, budget_s: float) -> list[float]
         while len(times) < MIN_REPEATS or (time.perf_counter() < end and len(times) < MAX_REPEATS):
             t0 = time.perf_counter()
             for _ in range(calls):
-                F.linear(x, w)
+                fn(x)
             times.append((time.perf_counter() - t0) / calls)
     return times
 
 
 def measure(shape: ModelShape, ms: list[int], thread_counts: list[int], dtypes: list[str],
             budget_s: float, rounds: int) -> list[dict]:
-    """Every point, `rounds` times over (NOTE: a busy spell of a neighbour then slows one round of a point, not
-    all its repeats), budget_s / rounds seconds a round."""
+    """Every point (and every layout of it), `rounds` times over (NOTE: a busy spell of a neighbour then slows one
+    round of a point, not all its repeats), budget_s / rounds seconds a round, shared by its layouts."""
     points = [(dtype, threads, name, k, n, m) for dtype in dtypes for threads in thread_counts
               for name, (k, n) in shape.gemms().items() for m in ms if name != "lm_head" or m <= LM_HEAD_MAX_M]
-    times: dict[tuple, list[float]] = {p: [] for p in points}
-    tensors: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+    times: dict[tuple, list[float]] = {}
+    xs: dict[tuple, torch.Tensor] = {}
+    ws: dict[tuple, dict] = {}
     for _ in range(rounds):
-        for p in points:
-            dtype, threads, _name, k, n, m = p
-            if (dtype, k, n, m) not in tensors:
-                tensors[dtype, k, n, m] = (torch.randn(m, k).to(getattr(torch, dtype)),
-                                           (torch.randn(n, k) / k ** 0.5).to(getattr(torch, dtype)))
+        for dtype, threads, name, k, n, m in points:
+            dt = getattr(torch, dtype)
+            if (dtype, m, k) not in xs:
+                xs[dtype, m, k] = torch.randn(m, k).to(dt)
+            if (dtype, k, n) not in ws:
+                ws[dtype, k, n] = layouts((torch.randn(n, k) / k ** 0.5).to(dt))
             torch.set_num_threads(threads)
-            times[p] += time_point(*tensors[dtype, k, n, m], budget_s / rounds)
+            fns = ws[dtype, k, n]
+            for layout, fn in fns.items():
+                times.setdefault((dtype, threads, name, k, n, m, layout), []).extend(
+                    time_point(fn, xs[dtype, m, k], budget_s / rounds / len(fns)))
     rows = []
-    for (dtype, threads, name, k, n, m), ts in times.items():
+    for (dtype, threads, name, k, n, m, layout), ts in times.items():
         flop = 2 * m * n * k
-        rows.append({"dtype": dtype, "threads": threads, "gemm": name, "m": m, "k": k, "n": n,
+        rows.append({"dtype": dtype, "threads": threads, "gemm": name, "m": m, "k": k, "n": n, "layout": layout,
                      "repeats": len(ts), "best_gflops_s": flop / min(ts) / 1e9,
                      "median_gflops_s": flop / statistics.median(ts) / 1e9})
     return rows
@@ -98,10 +123,10 @@ def merge(rows: list[dict], old: dict, key: dict) -> tuple[list[dict], int]:
     neighbour that held a core through one run does not lower the peak."""
     if {k: old.get(k) for k in key} != key:
         return rows, 1
-    before = {(r["dtype"], r["threads"], r["gemm"], r["m"]): r for r in old.get("results", [])}
+    before = {(r["dtype"], r["threads"], r["gemm"], r["m"], r.get("layout")): r for r in old.get("results", [])}
     merged = []
     for r in rows:
-        o = before.get((r["dtype"], r["threads"], r["gemm"], r["m"]))
+        o = before.get((r["dtype"], r["threads"], r["gemm"], r["m"], r.get("layout")))
         merged.append(o if o is not None and o["best_gflops_s"] > r["best_gflops_s"] else r)
     return merged, int(old.get("runs", 1)) + 1
 
@@ -116,7 +141,7 @@ def peaks(rows: list[dict]) -> dict:
         best = slot.get(str(r["threads"]))
         if best is None or r["best_gflops_s"] > best["gflops_s"]:
             slot[str(r["threads"])] = {"gflops_s": r["best_gflops_s"], "median_gflops_s": r["median_gflops_s"],
-                                       "gemm": r["gemm"], "m": r["m"]}
+                                       "gemm": r["gemm"], "m": r["m"], "layout": r.get("layout", "linear")}
     return out
 
 
@@ -125,17 +150,22 @@ def render(rows: list[dict], ms: list[int], peak: dict) -> str:
     for dtype in dict.fromkeys(r["dtype"] for r in rows):
         for threads in dict.fromkeys(r["threads"] for r in rows if r["dtype"] == dtype):
             mine = [r for r in rows if r["dtype"] == dtype and r["threads"] == threads]
-            lines += [f"{dtype}, {threads} thread{'s' if threads > 1 else ''}: best-of-N GFLOP/s (median)", "",
+            lines += [f"{dtype}, {threads} thread{'s' if threads > 1 else ''}: best-of-N GFLOP/s (median) and the "
+                      "layout that gave it", "",
                       "| gemm | K -> N | " + " | ".join(f"M={m}" for m in ms) + " |",
                       "| --- | --- |" + " ---: |" * len(ms)]
             for name in dict.fromkeys(r["gemm"] for r in mine):
-                cells = {r["m"]: r for r in mine if r["gemm"] == name}
+                cells: dict[int, dict] = {}
+                for r in mine:
+                    if r["gemm"] == name and (r["m"] not in cells or r["best_gflops_s"] > cells[r["m"]]["best_gflops_s"]):
+                        cells[r["m"]] = r
                 first = next(iter(cells.values()))
                 lines.append(f"| {name} | {first['k']} -> {first['n']} | " + " | ".join(
-                    f"{cells[m]['best_gflops_s']:.1f} ({cells[m]['median_gflops_s']:.1f})" if m in cells else "-"
+                    f"{cells[m]['best_gflops_s']:.1f} ({cells[m]['median_gflops_s']:.1f}) {cells[m]['layout']}"
+                    if m in cells else "-"
                     for m in ms) + " |")
             p = peak[dtype][str(threads)]
-            lines += ["", f"peak {p['gflops_s']:.1f} GFLOP/s ({p['gemm']}, M={p['m']}; its median "
+            lines += ["", f"peak {p['gflops_s']:.1f} GFLOP/s ({p['gemm']}, M={p['m']}, {p['layout']}; its median "
                           f"{p['median_gflops_s']:.1f})", ""]
     return "\n".join(lines)
 
@@ -148,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", default="1,ALL", help="thread counts, comma-separated; ALL = the usable cores")
     ap.add_argument("--dtypes", help="default float32, and bfloat16 where the CPU computes it natively")
     ap.add_argument("--budget-s", type=float, default=0.2, help="timed seconds per point (default 0.2)")
-    ap.add_argument("--rounds", type=int, default=4, help="passes over every point, the budget split (default 4)")
+    ap.add_argument("--rounds", type=int, default=3, help="passes over every point, the budget split (default 3)")
     ap.add_argument("--merge", action="store_true",
                     help="keep each point's best of this run and the cached one (same CPU, torch, shapes)")
     ap.add_argument("--no-cache", action="store_true", help="do not write the cached copy pagedserve bench reads")
@@ -177,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     doc = {"cpu": {"model_name": info["model_name"], "num_cores": cores, "native_bf16": info["native_bf16"],
                    "key": cpu_key(info)},
            **same, "budget_s": args.budget_s, "rounds": args.rounds, "wall_s": wall_s, "runs": runs,
-           "peak_definition": f"the highest best-of-N GFLOP/s (2 M N K / seconds per call of F.linear) over the "
-                              f"model's five GEMMs at M >= {LARGE_M}, per dtype and thread count",
+           "peak_definition": f"the highest best-of-N GFLOP/s (2 M N K / seconds per call) over the model's five "
+                              f"GEMMs and the weight layouts (linear, mm, onednn) at M >= {LARGE_M}, per dtype and "
+                              f"thread count",
            "peak": peak, "results": rows}
     print(render(rows, ms, peak))
     paths = [Path(args.out)] + ([] if args.no_cache else [cache])

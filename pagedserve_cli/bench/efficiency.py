@@ -70,7 +70,8 @@ def machine_line(compute_doc: dict | None, cpu: dict | None) -> str:
     """`model_gflops_s=A peak_gflops_s=B peak_share=C per_core_share=P cpu_s_server=S cpu_s_<role>=...
     cpu_s_client=F` (nan where nothing was measured; roles with spaces get underscores: cpu_s_engine_core)."""
     c = compute_doc or {}
-    parts = [f"model_gflops_s={_f(c.get('model_gflops_s'), '.2f')}", f"peak_gflops_s={_f(c.get('peak_gflops_s'), '.1f')}",
+    parts = [f"model_gflops_s={_f(c.get('model_gflops_s'), '.2f')}",
+             f"peak_gflops_s={_f(c.get('peak_gflops_s'), '.1f')}",
              f"peak_share={_f(c.get('peak_share'), '.4f')}", f"per_core_share={_f(c.get('per_core_share'), '.4f')}"]
     cpu = cpu or {}
     by_role = dict(cpu.get("by_role") or {})

@@ -138,7 +138,8 @@ def role(args: list[str]) -> str:
         return "engine core"
     if text.startswith("VLLM::Worker"):  # NOTE: vLLM's CPU build runs the model in a process of its own
         return "worker"
-    if "vllm.entrypoints" in text or text.startswith("VLLM::APIServer") or (len(args) > 1 and args[0].endswith("vllm") and args[1] == "serve"):
+    if "vllm.entrypoints" in text or text.startswith("VLLM::APIServer") or \
+            (len(args) > 1 and args[0].endswith("vllm") and args[1] == "serve"):
         return "api server"
     for i, a in enumerate(args):
         if a.endswith(("pagedserve", "pagedserve_cli.main", "pagedserve_cli/main.py")):

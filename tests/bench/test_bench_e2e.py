@@ -24,7 +24,8 @@ def gemm_peak(tiny_served_model, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("gemm-peak") / "gemm_peak.json"
     run = subprocess.run([sys.executable, str(REPO / "bench" / "gemm_peak.py"), "--model", tiny_served_model,
                           "--ms", "1,256", "--threads", "1", "--dtypes", "float32", "--budget-s", "0.02",
-                          "--rounds", "1", "--no-cache", "--out", str(out)], capture_output=True, text=True, timeout=300)
+                          "--rounds", "1", "--no-cache", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-4000:]
     assert re.fullmatch(r"gemm_peak float32_1t=\d+\.\d", run.stdout.splitlines()[-1]), run.stdout
     return out
