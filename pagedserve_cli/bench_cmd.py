@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import sys
 import time
 from pathlib import Path
@@ -38,6 +39,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokenizer", help="model dir whose tokenizer cuts the prompts (default: the default model)")
     p.add_argument("--metrics-url", help=f"Prometheus text to poll every 0.5 s (default with --server: "
                                          f"http://SERVER_HOST:{METRICS_PORT}/metrics; '' = off)")
+    p.add_argument("--gemm-peak", metavar="FILE",
+                   help="bench/gemm_peak.py's JSON: the run's model FLOP/s is reported as a share of its peak for "
+                        "the server's dtype (default: the cached $PAGEDSERVE_CACHE/gemm_peak-<cpu key>.json if "
+                        "present; '' = no share)")
+    p.add_argument("--peak-dtype", choices=("float32", "bfloat16"),
+                   help="the dtype the server computes in, for the peak (default: what our workers register, or "
+                        "the server's vllm:cache_config_info, or --spawn's --dtype; give it for a vLLM peer)")
     p.add_argument("--out", help="output dir (default bench/out/YYYYmmdd-HHMMSS)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     p.add_argument("--kv-sample-period", type=float, default=0.25, metavar="SECONDS",
@@ -90,13 +98,73 @@ async def _bench(args: argparse.Namespace):
         return None
     try:
         requests, resolved = build_requests(args, info.get("max_model_len"))
-        async with sampling(None if args.openai_url else args.server, args.kv_sample_period) as sampler:
+        metrics_dtype = await _metrics_cache_dtype(args.metrics_url)
+        watch = _cpu_watch(args)
+        async with sampling(None if args.openai_url else args.server, args.kv_sample_period) as sampler, \
+                _sampling_cpu(watch):
             result = await run_workload(client, requests, args.rate, args.max_concurrency, args.seed,
                                         args.metrics_url, progress=not args.no_progress)
     finally:
         await client.close()
     states = sampler.states if sampler is not None else []
-    return requests, result, {**resolved, "served_model": info.get("model")}, states
+    worker_dtypes = [w["dtype"] for w in info.get("workers", [])]
+    resolved = {**resolved, "served_model": info.get("model"), "worker_dtypes": worker_dtypes,
+                "metrics_cache_dtype": metrics_dtype}
+    return requests, result, resolved, states, watch.stop()
+
+
+def _cpu_watch(args: argparse.Namespace):
+    """A CpuWatch of the server's processes when it listens on this machine (else of the client alone)."""
+    from urllib.parse import urlsplit
+
+    from pagedserve_cli.bench.proc_cpu import CpuWatch, is_local
+
+    if args.openai_url:
+        u = urlsplit(args.openai_url)
+        host, port = u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80)
+    else:
+        host, _, port_text = args.server.rpartition(":")
+        host, port = host.strip("[]") or "127.0.0.1", int(port_text)
+    return CpuWatch(port if is_local(host, port) else None)
+
+
+@contextlib.asynccontextmanager
+async def _sampling_cpu(watch, period_s: float = 1.0):
+    """watch started now, sampled every period_s (its peak cores) until the block ends; stop() is the caller's."""
+    watch.start()
+    stop = asyncio.Event()
+
+    async def loop() -> None:
+        while not stop.is_set():
+            try:
+                await asyncio.wait_for(stop.wait(), period_s)
+            except asyncio.TimeoutError:
+                watch.sample()
+
+    task = asyncio.create_task(loop())
+    try:
+        yield watch
+    finally:
+        stop.set()
+        await task
+
+
+async def _metrics_cache_dtype(url: str | None) -> str | None:
+    """The cache_dtype label of the server's vllm:cache_config_info (one series), or None."""
+    if not url:
+        return None
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        async with httpx.AsyncClient(timeout=30.0) as http:
+            resp = await http.get(url)
+            resp.raise_for_status()
+        kinds = {s.labels.get("cache_dtype") for f in text_string_to_metric_families(resp.text)
+                 if f.name == "vllm:cache_config_info" for s in f.samples}
+    except (httpx.HTTPError, ValueError):
+        return None
+    return kinds.pop() if len(kinds) == 1 else None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -129,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
 
 def bench(args: argparse.Namespace) -> int:
     """One run against --server or --openai-url."""
-    from pagedserve_cli.bench import kv_frames, report
+    from pagedserve_cli.bench import efficiency, kv_frames, report
     from pagedserve_cli.bench.workloads import dump_jsonl
 
     if args.server and args.openai_url:
@@ -142,10 +210,11 @@ def bench(args: argparse.Namespace) -> int:
     done = asyncio.run(_bench(args))
     if done is None:
         return 1
-    requests, result, resolved, states = done
+    requests, result, resolved, states, cpu = done
     config = {k: v for k, v in vars(args).items() if k != "func"} | resolved | {"started": started}
     out = Path(args.out or Path("bench") / "out" / started)
     summary = report.summarize(result.records, result.metrics)
+    summary["compute"], summary["cpu"] = _compute(args, resolved, result.records, summary, cpu), cpu
     report.write_results(out, config, summary, result.records, result.metrics)
     dump_jsonl(requests, out / "workload.jsonl")
     report.write_plots(out, result.records, args.openai_url or args.server)
@@ -154,8 +223,38 @@ def bench(args: argparse.Namespace) -> int:
     print(report.render_summary(summary, config))
     print(f"wrote {out}/: results.json, summary.md, workload.jsonl, throughput.png, ttft.png, itl.png"
           + "".join(f", {name}" for name in pictures))
+    print(efficiency.machine_line(summary["compute"], summary["cpu"]))
     print(report.last_line(summary), flush=True)
     if summary["completed"] == 0:
         print("pagedserve bench: every request failed", file=sys.stderr)
         return 1
     return 0
+
+
+def _compute(args: argparse.Namespace, resolved: dict, records: list, summary: dict, cpu: dict) -> dict | None:
+    """The run's model FLOP/s and its share of the GEMM peak (pagedserve_cli.bench.efficiency); None when the
+    model's config.json can't be read."""
+    from pagedserve_cli.bench import efficiency, peak
+
+    peak_file = args.gemm_peak
+    if peak_file is None:
+        cached = peak.default_path()
+        peak_file = str(cached) if cached.is_file() else ""
+    # NOTE: a peak file asked for by name must be readable: only the default one may be missing
+    peak_doc = peak.load(peak_file) if peak_file else None
+    dtype, source = efficiency.served_dtype(args.peak_dtype, resolved.get("worker_dtypes") or [],
+                                            resolved.get("metrics_cache_dtype"),
+                                            args.dtype if args.spawn else None)
+    # NOTE: a .jsonl workload resolves no tokenizer: then only the served model's dir or --tokenizer says
+    model_dir = efficiency.flops_model_dir(resolved.get("served_model"), resolved.get("tokenizer") or args.tokenizer)
+    if model_dir is None:
+        print("pagedserve bench: no model FLOP/s: the server names no model directory (give --tokenizer DIR)",
+              file=sys.stderr)
+        return None
+    try:
+        return efficiency.compute(records, summary["server"], model_dir, summary["wall_s"], peak_doc,
+                                  peak_file or None, dtype, source, (cpu or {}).get("by_role", {}).get("worker"))
+    except (OSError, KeyError, ValueError) as e:
+        print(f"pagedserve bench: no model FLOP/s ({model_dir}/config.json: {type(e).__name__}: {e})",
+              file=sys.stderr)
+        return None

@@ -45,14 +45,19 @@ def server_metrics(samples: list[tuple[float, dict[str, float]]]) -> dict | None
     def delta(name: str) -> float | None:
         return last[name] - first.get(name, 0.0) if name in last else None
 
-    queries, hits = delta("pagedserve_prefix_cache_queries_tokens_total"), \
-        delta("pagedserve_prefix_cache_hits_tokens_total")
+    # NOTE: a peer (vLLM) has only the vllm: counters; ours has both, and its pagedserve_* ones come first
+    queries = delta("pagedserve_prefix_cache_queries_tokens_total")
+    queries = delta("vllm:prefix_cache_queries_total") if queries is None else queries
+    hits = delta("pagedserve_prefix_cache_hits_tokens_total")
+    hits = delta("vllm:prefix_cache_hits_total") if hits is None else hits
+    preemptions = delta("pagedserve_preemptions_total")
+    preemptions = delta("vllm:num_preemptions_total") if preemptions is None else preemptions
     used = [s.get("pagedserve_kv_blocks_used") for _, s in samples if "pagedserve_kv_blocks_used" in s]
     out = {"kv_blocks_used_peak": max(used) if used else None,
            "kv_blocks_total": last.get("pagedserve_kv_blocks_total"),
            "prefix_queries_tokens": queries, "prefix_hits_tokens": hits,
            "prefix_hit_rate": hits / queries if queries and hits is not None else None,
-           "preemptions": delta("pagedserve_preemptions_total"), "samples": len(samples)}
+           "preemptions": preemptions, "samples": len(samples)}
     if "pagedserve_worker_idle_seconds_count" in last:
         out["worker_idle_seconds_sum"] = delta("pagedserve_worker_idle_seconds_sum")
         out["worker_idle_seconds_count"] = delta("pagedserve_worker_idle_seconds_count")
@@ -114,6 +119,11 @@ def render_summary(summary: dict, config: dict) -> str:
         if m.get("worker_idle_seconds_count") is not None:
             lines.append(f"| worker idle | {m['worker_idle_seconds_sum']:.3f} s over "
                          f"{m['worker_idle_seconds_count']:.0f} waits |")
+    if s.get("compute") is not None or s.get("cpu") is not None:
+        from pagedserve_cli.bench import efficiency
+
+        lines += efficiency.render(s.get("compute"), s.get("cpu"))
+        lines += ["", f"`{efficiency.machine_line(s.get('compute'), s.get('cpu'))}`"]
     if s["errors"]:
         lines += ["", "Errors (most common):", *(f"- {n} x {e}" for e, n in s["errors"].items())]
     return "\n".join(lines) + "\n"

@@ -11,6 +11,9 @@ from pagedserve_cli.bench.clients import RequestRecord, now
 from pagedserve_cli.bench.workloads import BenchRequest
 
 METRICS_PERIOD_S = 0.5
+# NOTE: the few vLLM counters the report reads from a peer (ours exports them too, under the same names)
+VLLM_COUNTERS = frozenset({"vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+                           "vllm:num_preemptions_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total"})
 
 
 @dataclass(slots=True)
@@ -34,13 +37,15 @@ def arrival_offsets(n: int, rate: float | None, seed: int) -> list[float]:
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """pagedserve_* samples, summed over their labels (several workers add up); buckets left out."""
+    """pagedserve_* samples and VLLM_COUNTERS, summed over their labels (several workers or engines add up);
+    buckets left out."""
     from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name.startswith("pagedserve_") and not s.name.endswith(("_bucket", "_created")):
+            if (s.name.startswith("pagedserve_") and not s.name.endswith(("_bucket", "_created"))) \
+                    or s.name in VLLM_COUNTERS:
                 out[s.name] = out.get(s.name, 0.0) + s.value
     return out
 
