@@ -6,7 +6,7 @@ the time into: matmuls (aten::linear or mm/addmm/oneDNN linear: QKV/O/MLP/lm_hea
 sampling, plan (persistent batch), and the rest: other torch ops (norms, rotary, activations, embedding) plus
 Python and dispatcher time between ops.
 
-usage: python bench/profile_step.py [--model smollm2-135m-instruct] [--threads N] [--ctx 256] [--steps 5]
+usage: python bench/profile_step.py [--model smollm2-135m-instruct] [--dtype float32] [--threads N] [--ctx 256] [--steps 5]
        [--backend auto|cpu|torch] [--transformers]      (the last two: the path before the lean forward)
 """
 
@@ -126,6 +126,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int)
     ap.add_argument("--ctx", type=int, default=256)
     ap.add_argument("--steps", type=int, default=5)
+    ap.add_argument("--dtype", default="float32", help="the weights' and KV cache's dtype (float32, bfloat16, ...)")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--backend", default="auto", help="attention backend: auto (the worker's default), cpu, torch")
     ap.add_argument("--transformers", action="store_true", help="the transformers modules, not the lean forward")
@@ -133,8 +134,8 @@ def main() -> None:
     args = ARGS = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(resolve_model(args.model), "float32", "cpu")
-    print(f"torch threads {torch.get_num_threads()}, model {args.model}, float32, attention {args.backend}, "
+    loaded = load_model(resolve_model(args.model), args.dtype, "cpu")
+    print(f"torch threads {torch.get_num_threads()}, model {args.model}, {args.dtype}, attention {args.backend}, "
           f"{'transformers' if args.transformers else 'lean'} forward; ms per step", flush=True)
     tpl = prefill_template(loaded, args.ctx, seed=args.ctx)
     for batch in map(int, args.batches.split(",")):

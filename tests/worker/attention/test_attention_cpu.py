@@ -156,3 +156,24 @@ def test_prebuilt_libraries_match_the_float64_reference(tmp_path, target):
     rng = np.random.default_rng(7)
     for dtype in (torch.float32, torch.bfloat16):
         check(backend, *make_batch(rng, list(MIXED), 16, 9, 3, 64, dtype), dtype)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_a_bfloat16_pool_scores_bf16_queries_in_bf16_pairs_and_others_in_float32(backend, head_dim):
+    # A bfloat16 model's queries are bf16 values: the kernel's vdpbf16ps path (where the CPU has AVX512-BF16) takes
+    # them as they are, and scales the scores after (1/sqrt(128) is no power of two: a pre-scaled query would not
+    # be a bf16 value). A float32 query over the same pool (--kv-cache-dtype bfloat16 under a float32 model) keeps
+    # the float32 scores. Both against the float64 reference, the float32 output at float32's tolerance.
+    rng = np.random.default_rng(head_dim)
+    lens, q_lens = [300, 17, 90, 48], [1, 1, 30, 48]
+    need = [-(-s // 16) for s in lens]
+    ids = rng.permutation(sum(need) + 1)[: sum(need)].tolist()
+    tables = [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(4)]
+    pool = torch.randn(2, sum(need) + 1, 16, 3, head_dim).to(torch.bfloat16)
+    meta = AttentionMetadata.build(q_lens, lens, tables, 16)
+    bf16_values = torch.randn(sum(q_lens), 9, head_dim).to(torch.bfloat16)
+    check(backend, bf16_values, pool, meta, torch.bfloat16)
+    # the same bf16-valued query handed over in float32: the output comes back in float32, so the float32
+    # tolerance holds whichever path scored it
+    check(backend, bf16_values.float(), pool, meta, torch.float32)
+    check(backend, torch.randn(sum(q_lens), 9, head_dim), pool, meta, torch.float32)
