@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from worker_svc.cpu_ops import CpuOps
 from worker_svc.linear import Linear, make_linear, transposed
 from worker_svc.models import LoadedModel
 
@@ -95,6 +96,7 @@ class LeanModel:
         self.num_heads = int(cfg.num_attention_heads)
         self.num_kv_heads = int(cfg.num_key_value_heads)
         self.scaling = float(first.scaling)
+        self.ops = _cpu_ops() if self.embed.dtype == torch.bfloat16 and self.embed.device.type == "cpu" else None
         self.layers: list[LeanLayer] = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -113,27 +115,52 @@ class LeanModel:
         nq, nk = nh * hd, nkv * hd
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(x[None], positions[None])
+        ops = self.ops if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
+        if ops is not None:  # the bfloat16 CPU path: fused norms, residual adds, SiLU product and rotary
+            cos2, sin2 = cos[0].contiguous(), sin[0].contiguous()  # [T, hd]
+            h = ops.rms_norm(x, self.layers[0].input_norm, eps)
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, hd]: broadcast over heads
         kv, scales, meta, backend = step.kv, step.kv_scales, step.meta, step.backend
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            h = _norm(x, layer.input_norm, eps)
+            if ops is None:
+                h = _norm(x, layer.input_norm, eps)
             qkv = layer.qkv(h)
-            q = qkv[:, :nq].view(t, nh, hd)
-            k = qkv[:, nq:nq + nk].view(t, nkv, hd)
+            if ops is not None and layer.q_norm is None:
+                ops.rope_(qkv[:, :nq + nk].view(t, nh + nkv, hd), cos2, sin2)  # q and k heads side by side
+                q, k = qkv[:, :nq].view(t, nh, hd), qkv[:, nq:nq + nk].view(t, nkv, hd)
+            else:
+                q, k = qkv[:, :nq].view(t, nh, hd), qkv[:, nq:nq + nk].view(t, nkv, hd)
+                if layer.q_norm is not None:
+                    q, k = _norm(q, layer.q_norm, eps), _norm(k, layer.k_norm, eps)
+                q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             v = qkv[:, nq + nk:].view(t, nkv, hd)
-            if layer.q_norm is not None:
-                q, k = _norm(q, layer.q_norm, eps), _norm(k, layer.k_norm, eps)
-            q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             layer_scales = None if scales is None else scales[i]
             backend.write_kv(kv[i], k, v, meta.slot_mapping, layer_scales)
-            o = backend.forward(q, kv[i], meta, self.scaling, layer_scales)
-            x = x + layer.o(o.reshape(t, nq))
+            o = layer.o(backend.forward(q, kv[i], meta, self.scaling, layer_scales).reshape(t, nq))
+            if ops is not None:
+                h = ops.add_rms_norm(x, o, layer.post_norm, eps)  # NOTE: x += o in place
+                down = layer.down(ops.silu_mul(layer.gate_up(h)))
+                if i < last:
+                    h = ops.add_rms_norm(x, down, self.layers[i + 1].input_norm, eps)
+                else:
+                    x = x + down
+                continue
+            x = x + o
             h = _norm(x, layer.post_norm, eps)
             gu = layer.gate_up(h)
             inter = gu.shape[1] // 2
             x = x + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
         x = _norm(x.index_select(0, keep), self.final_norm, eps)  # NOTE: rows are independent past here
         return self.lm_head(x)
+
+
+def _cpu_ops() -> CpuOps | None:
+    """The fused bfloat16 ops, or None (the torch ops then) where the CPU kernel library cannot be built."""
+    try:
+        return CpuOps()
+    except (RuntimeError, OSError, AttributeError):
+        return None
 
 
 def _bias(linear: torch.nn.Linear) -> torch.Tensor | None:

@@ -22,6 +22,12 @@ from worker_svc.attention.torch_backend import TorchAttentionBackend
 log = structlog.get_logger("pagedserve.worker")
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
+# Built into the same library: the bfloat16 lean forward's fused elementwise ops (worker_svc/cpu_ops.py).
+OPS_SOURCE = Path(__file__).parents[1] / "cpu_ops.cpp"
+
+
+def _sources_text() -> str:
+    return SOURCE.read_text() + "\0" + OPS_SOURCE.read_text()
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")
 # The kernel's dtype codes (paged_attention_cpu.cpp's Dtype): float pools, and 8-bit caches (codes + scales).
 POOL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
@@ -76,7 +82,7 @@ def _compile(cxx: str, flags: tuple[str, ...], out: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cxx, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        res = subprocess.run([cxx, *flags, "-o", tmp, str(SOURCE), str(OPS_SOURCE)], capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"building {SOURCE.name} failed:\n{res.stderr[-2000:]}")
         os.chmod(tmp, 0o755)
@@ -92,7 +98,7 @@ def _portable_flags(target: str) -> tuple[str, ...]:
 
 
 def _prebuilt_name(target: str) -> str:
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *_portable_flags(target)]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\0".join([_sources_text(), *_portable_flags(target)]).encode()).hexdigest()[:16]
     return f"paged_attention_cpu-{target}-{key}.so"
 
 
@@ -127,7 +133,7 @@ def build_library(compiler: str = "g++") -> Path:
             return prebuilt
         raise RuntimeError(f"{compiler} is not installed and no prebuilt kernel fits this CPU in {prebuilt_dir()}")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), *FLAGS, version, _cpu_signature()]).encode())
+    key = hashlib.sha256("\0".join([_sources_text(), *FLAGS, version, _cpu_signature()]).encode())
     out = cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out

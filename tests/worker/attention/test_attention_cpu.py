@@ -177,3 +177,20 @@ def test_a_bfloat16_pool_scores_bf16_queries_in_bf16_pairs_and_others_in_float32
     # tolerance holds whichever path scored it
     check(backend, bf16_values.float(), pool, meta, torch.float32)
     check(backend, torch.randn(sum(q_lens), 9, head_dim), pool, meta, torch.float32)
+
+
+def test_a_broken_rescale_in_the_16_key_block_path_fails_the_comparison(tmp_path, monkeypatch):
+    # The same teeth for the block16 path (16-token blocks, head_dim 64): its own online-softmax correction.
+    src = cpu_backend.SOURCE.read_text()
+    broken = src.replace("corr[r] = fast_exp(m[r] - m_new);", "corr[r] = 1.0f;")
+    assert broken != src
+    (tmp_path / "broken.cpp").write_text(broken)
+    monkeypatch.setattr(cpu_backend, "SOURCE", tmp_path / "broken.cpp")
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    bad = CpuAttentionBackend()
+    if cpu_backend.simd_width(bad.lib) != 512:
+        pytest.skip("the 16-key block path is AVX-512 only; this CPU's build has none")
+    rng = np.random.default_rng(3)
+    query, pool, meta = make_batch(rng, ["decode"] * 5, 16, 6, 2, 64, torch.float32)
+    with pytest.raises(AssertionError):
+        check(bad, query, pool, meta, torch.float32)

@@ -1,0 +1,97 @@
+"""worker_svc/cpu_ops.py: the bfloat16 lean forward's fused ops against the torch ops they replace (transformers'
+bfloat16 math op for op), on the vector paths and the scalar tails, and the lean forward with and without them."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from worker_svc.attention import AttentionMetadata
+from worker_svc.cpu_ops import CpuOps
+from worker_svc.kv_pool import KVPool
+from worker_svc.lean_model import LeanModel, _norm, _rotate
+from worker_svc.models import load_model
+from worker_svc.runner import StepContext
+from worker_svc.worker import make_backend
+
+BF16 = torch.bfloat16
+
+
+@pytest.fixture(scope="module")
+def ops() -> CpuOps:
+    return CpuOps()
+
+
+def _randn(*shape, seed=0, scale=1.0):
+    return (scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(BF16)
+
+
+@pytest.mark.parametrize("rows, dim", [(1, 576), (7, 576), (64, 576), (300, 576), (5, 100), (3, 12)])
+def test_rms_norm_and_the_residual_add_equal_torch_bit_for_bit(ops, rows, dim):
+    x, w, d = _randn(rows, dim, seed=1), _randn(dim, seed=2), _randn(rows, dim, seed=3)
+    assert torch.equal(ops.rms_norm(x, w, 1e-5), _norm(x, w, 1e-5))
+    x2 = x.clone()
+    normed = ops.add_rms_norm(x2, d, w, 1e-5)
+    assert torch.equal(x2, x + d)  # in place, rounded as torch's bfloat16 add
+    assert torch.equal(normed, _norm(x + d, w, 1e-5))
+
+
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (64, 1536), (300, 1536), (4, 40)])
+def test_silu_mul_matches_torch_to_a_bfloat16_step(ops, rows, inter):
+    gu = _randn(rows, 2 * inter, seed=4, scale=4.0)  # wide: exp's clamp and both tails of silu
+    got = ops.silu_mul(gu)
+    want = F.silu(gu[:, :inter]) * gu[:, inter:]
+    assert got.shape == want.shape and got.dtype == BF16
+    # NOTE: exp is ours, not Sleef's: a result on a rounding boundary may land one bfloat16 step away
+    differ = got != want
+    assert differ.float().mean().item() < 1e-3
+    assert torch.allclose(got.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+
+
+@pytest.mark.parametrize("heads, hd", [(12, 64), (20, 128), (3, 24)])
+def test_rope_in_place_equals_rotate_half_and_leaves_the_rest(ops, heads, hd):
+    t = 9
+    packed = _randn(t, heads * hd + 3 * hd, seed=5)  # q|k heads then v, as the fused QKV output
+    cos, sin = _randn(t, hd, seed=6), _randn(t, hd, seed=7)
+    want = _rotate(packed[:, :heads * hd].reshape(t, heads, hd), cos[:, None, :], sin[:, None, :])
+    got = packed.clone()
+    ops.rope_(got[:, :heads * hd].view(t, heads, hd), cos, sin)
+    assert torch.equal(got[:, :heads * hd].view(t, heads, hd), want)
+    assert torch.equal(got[:, heads * hd:], packed[:, heads * hd:])
+
+
+def test_wrong_inputs_are_refused(ops):
+    with pytest.raises(ValueError):
+        ops.rms_norm(torch.randn(2, 8), torch.randn(8), 1e-5)  # float32
+    with pytest.raises(ValueError):
+        ops.silu_mul(_randn(8, 4).t())  # not contiguous
+    with pytest.raises(ValueError):
+        ops.rope_(_randn(2, 3, 7), _randn(2, 7), _randn(2, 7))  # odd head_dim
+
+
+def test_the_bfloat16_lean_forward_gives_the_torch_ops_logits(tiny_llama_dir):
+    loaded = load_model(tiny_llama_dir, dtype="bfloat16")
+    lean = LeanModel(loaded.model)
+    assert lean.ops is not None
+    geo = loaded.kv_geometry(16)
+    backend = make_backend("auto", "cpu", geo)
+    q_lens, seq_lens = np.array([5, 1, 1]), np.array([5, 9, 30])
+    tables = [[1], [2], [3, 4]]
+    meta = AttentionMetadata.build(q_lens, seq_lens, tables, 16, "cpu")
+    ids = torch.randint(0, loaded.vocab_size, (int(q_lens.sum()),), generator=torch.Generator().manual_seed(0))
+    positions = torch.from_numpy(meta.positions_host).long()
+    keep = torch.from_numpy(meta.query_start_loc_host[1:] - 1)
+    outs = []
+    for use_ops in (True, False):
+        pool = KVPool(geo, 8)
+        pool.kv.normal_(generator=torch.Generator().manual_seed(1))  # the same cached context both times
+        lean.ops = CpuOps() if use_ops else None
+        with torch.inference_mode():
+            outs.append(lean.forward(ids, positions, StepContext(pool.kv, meta, backend, pool.scales), keep).float())
+    fused, plain = outs
+    assert fused.shape == plain.shape
+    # bit-equal ops but for silu's rare one-step differences: the logits agree to bfloat16 noise
+    assert (fused - plain).abs().max().item() <= 0.05 * plain.abs().max().item()
+    assert torch.equal(fused.argmax(-1), plain.argmax(-1))

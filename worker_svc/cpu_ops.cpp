@@ -1,0 +1,206 @@
+// Fused elementwise ops for the bfloat16 lean forward on the CPU (worker_svc/cpu_ops.py): each is one pass over
+// its rows instead of the 5-10 torch kernels (and float32 round trips) of the same math op for op. Built into the
+// CPU kernel library with paged_attention_cpu.cpp (worker_svc/attention/cpu_backend.py).
+//
+// Rounding follows torch's bfloat16 ops: every op computes in float32 and rounds to bfloat16 (nearest even) where
+// torch's op would store its bfloat16 result, so only the order of the RMSNorm's sum differs from torch.
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include <omp.h>
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+inline float bf2f(uint16_t x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+inline uint16_t f2bf(float f) {  // round to nearest even; NaN stays a (quiet) NaN
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+inline float rbf(float f) { return bf2f(f2bf(f)); }  // a float32 rounded through bfloat16
+
+// exp(x) clamped to [-87, 87]: 2^n * p(f) (rel. error < 2e-7).
+inline float exp_clamped(float x) {
+  x = x < -87.0f ? -87.0f : (x > 87.0f ? 87.0f : x);
+  const float t = x * 1.44269504088896341f;
+  const float n = std::floor(t);
+  const float f = t - n;
+  float p = 1.535336188319500e-4f;
+  p = p * f + 1.339887440266574e-3f;
+  p = p * f + 9.618437357674640e-3f;
+  p = p * f + 5.550332471162809e-2f;
+  p = p * f + 2.402264791363012e-1f;
+  p = p * f + 6.931472028550421e-1f;
+  p = p * f + 1.0f;
+  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // n in [-126, 127]: a normal power of two
+  float scale;
+  std::memcpy(&scale, &bits, 4);
+  return p * scale;
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define PS_OPS_AVX512 1
+inline __m512 vload(const uint16_t* p) {  // 16 bfloat16 -> float32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(
+      _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+}
+inline __m256i vround(__m512 v) {  // 16 float32 -> bfloat16, nearest even, NaN -> quiet NaN (as f2bf)
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(v);
+#else
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(r);
+#endif
+}
+inline void vstore(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), vround(v)); }
+inline __m512 vrbf(__m512 v) {  // rounded through bfloat16
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(vround(v)), 16));
+}
+inline __m512 vexp(__m512 x) {  // exp_clamped, 16 lanes
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(87.0f));
+  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
+  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 f = _mm512_sub_ps(t, n);
+  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
+  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+#endif
+
+constexpr int64_t kParallelElems = 1 << 16;  // below this many elements one thread does it (a fork costs more)
+
+// out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))) for one row of `dim`.
+inline void norm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t dim, uint16_t* out) {
+  float ss = 0.0f;
+  int64_t d = 0;
+#if defined(PS_OPS_AVX512)
+  __m512 acc = _mm512_setzero_ps();
+  for (; d + 16 <= dim; d += 16) {
+    const __m512 v = vload(x + d);
+    acc = _mm512_fmadd_ps(v, v, acc);
+  }
+  ss = _mm512_reduce_add_ps(acc);
+#endif
+  for (; d < dim; ++d) {
+    const float v = bf2f(x[d]);
+    ss += v * v;
+  }
+  const float inv = 1.0f / std::sqrt(ss / static_cast<float>(dim) + eps);
+  d = 0;
+#if defined(PS_OPS_AVX512)
+  const __m512 vi = _mm512_set1_ps(inv);
+  for (; d + 16 <= dim; d += 16) vstore(out + d, _mm512_mul_ps(vload(w + d), vrbf(_mm512_mul_ps(vload(x + d), vi))));
+#endif
+  for (; d < dim; ++d) out[d] = f2bf(bf2f(w[d]) * rbf(bf2f(x[d]) * inv));
+}
+
+}  // namespace
+
+extern "C" {
+
+// RMSNorm of `rows` rows of `dim` bfloat16 values (transformers' LlamaRMSNorm in bfloat16).
+void ps_rms_norm_bf16(const uint16_t* x, const uint16_t* w, float eps, int64_t rows, int64_t dim, uint16_t* out) {
+#pragma omp parallel for if (rows * dim >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) norm_row(x + r * dim, w, eps, dim, out + r * dim);
+}
+
+// The residual add, then the next RMSNorm: x = bf16(x + delta) in place, out = rms_norm(x).
+void ps_add_rms_norm_bf16(uint16_t* x, const uint16_t* delta, const uint16_t* w, float eps, int64_t rows,
+                          int64_t dim, uint16_t* out) {
+#pragma omp parallel for if (rows * dim >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) {
+    uint16_t* xr = x + r * dim;
+    const uint16_t* dr = delta + r * dim;
+    int64_t d = 0;
+#if defined(PS_OPS_AVX512)
+    for (; d + 16 <= dim; d += 16) vstore(xr + d, _mm512_add_ps(vload(xr + d), vload(dr + d)));
+#endif
+    for (; d < dim; ++d) xr[d] = f2bf(bf2f(xr[d]) + bf2f(dr[d]));
+    norm_row(xr, w, eps, dim, out + r * dim);
+  }
+}
+
+// The SiLU-gated MLP's middle: gu is [rows, 2 * inter] (gate | up); out[r, i] = bf16(bf16(silu(g)) * u).
+void ps_silu_mul_bf16(const uint16_t* gu, int64_t rows, int64_t inter, uint16_t* out) {
+#pragma omp parallel for if (rows * inter >= kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t* g = gu + r * 2 * inter;
+    const uint16_t* u = g + inter;
+    uint16_t* o = out + r * inter;
+    int64_t i = 0;
+#if defined(PS_OPS_AVX512)
+    const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 16 <= inter; i += 16) {
+      const __m512 v = vload(g + i);
+      const __m512 s = _mm512_div_ps(v, _mm512_add_ps(one, vexp(_mm512_sub_ps(_mm512_setzero_ps(), v))));
+      vstore(o + i, _mm512_mul_ps(vrbf(s), vload(u + i)));
+    }
+#endif
+    for (; i < inter; ++i) {
+      const float v = bf2f(g[i]);
+      o[i] = f2bf(rbf(v / (1.0f + exp_clamped(-v))) * bf2f(u[i]));
+    }
+  }
+}
+
+// Rotate-half rotary embedding in place: x is [tokens, heads, hd] with rows `x_stride` elements apart (heads are
+// contiguous within a row), cos/sin [tokens, hd]; x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)).
+void ps_rope_bf16(uint16_t* x, int64_t x_stride, const uint16_t* cos, const uint16_t* sin, int64_t tokens,
+                  int64_t heads, int64_t hd) {
+  const int64_t half = hd / 2;
+#pragma omp parallel for if (tokens * heads * hd >= kParallelElems)
+  for (int64_t t = 0; t < tokens; ++t) {
+    const uint16_t* c = cos + t * hd;
+    const uint16_t* s = sin + t * hd;
+    for (int64_t h = 0; h < heads; ++h) {
+      uint16_t* v = x + t * x_stride + h * hd;
+#if defined(PS_OPS_AVX512)
+      if (half % 16 == 0) {
+        for (int64_t d = 0; d < half; d += 16) {
+          const __m512 lo = vload(v + d), hi = vload(v + d + half);
+          const __m512 nlo = _mm512_add_ps(vrbf(_mm512_mul_ps(lo, vload(c + d))),
+                                           vrbf(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), vload(s + d))));
+          const __m512 nhi = _mm512_add_ps(vrbf(_mm512_mul_ps(hi, vload(c + d + half))),
+                                           vrbf(_mm512_mul_ps(lo, vload(s + d + half))));
+          vstore(v + d, nlo);
+          vstore(v + d + half, nhi);
+        }
+        continue;
+      }
+#endif
+      float lo[256], hi[256];
+      for (int64_t d = 0; d < half; ++d) {
+        lo[d] = bf2f(v[d]);
+        hi[d] = bf2f(v[d + half]);
+      }
+#pragma omp simd
+      for (int64_t d = 0; d < half; ++d) {
+        v[d] = f2bf(rbf(lo[d] * bf2f(c[d])) + rbf(-hi[d] * bf2f(s[d])));
+        v[d + half] = f2bf(rbf(hi[d] * bf2f(c[d + half])) + rbf(lo[d] * bf2f(s[d + half])));
+      }
+    }
+  }
+}
+
+}  // extern "C"
