@@ -112,8 +112,11 @@ def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
                 sampling=sampling_to_pb(s.sampling), seed=s.seed, num_prompt_tokens=s.num_prompt_tokens)
     add_delta = pb.running.add
     for r in plan.running:
-        add_delta(seq_id=r.seq_id, new_block_ids=r.new_block_ids, num_scheduled_tokens=r.num_scheduled_tokens,
-                  draft_token_ids=r.draft_token_ids)
+        if r.draft_token_ids:
+            add_delta(seq_id=r.seq_id, new_block_ids=r.new_block_ids, num_scheduled_tokens=r.num_scheduled_tokens,
+                      draft_token_ids=r.draft_token_ids)
+        else:  # NOTE: the common case, without an empty list for protobuf to walk (once per sequence per step)
+            add_delta(seq_id=r.seq_id, new_block_ids=r.new_block_ids, num_scheduled_tokens=r.num_scheduled_tokens)
     for pairs, field in ((plan.copies, pb.copies), (plan.swap_out, pb.swap_out), (plan.swap_in, pb.swap_in)):
         for src, dst in pairs:
             field.add(src=src, dst=dst)

@@ -11,7 +11,7 @@ import torch
 
 from pagedserve_common.step import StepPlan, StepResult
 from worker_svc.attention import AttentionBackend, AttentionMetadata
-from worker_svc.batch import PersistentBatch, check_plan
+from worker_svc.batch import BadPlan, PersistentBatch, check_plan
 from worker_svc.kv_pool import KVPool
 from worker_svc.lean_model import build_lean
 from worker_svc.logits import LogitsProcessor
@@ -98,6 +98,8 @@ class ModelRunner:
         """Teacher forcing: runs a plan like step() but samples nothing and returns EVERY scheduled token's
         next-token logits, float32 [plan.num_scheduled_tokens, vocab], packed in the plan's order (new_seqs, then
         running). Perplexity and KL measurements read the model through this, on the real pool and backend."""
+        if any(d.draft_token_ids for d in plan.running):
+            raise BadPlan("score() verifies no drafts: teacher forcing schedules known tokens only")
         scheduled = self._apply(plan)
         if not scheduled:
             return torch.empty((0, self.loaded.vocab_size))
