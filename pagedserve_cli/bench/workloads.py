@@ -130,12 +130,15 @@ def _typos(rng: random.Random, text: str, rate: float = 0.08) -> str:
 
 
 def _edit_requests(rng: random.Random, tokenizer: TokenizerLike, num_requests: int,
-                   prompt_len: tuple[int, int] | None, output_len: tuple[int, int] | None) -> list[BenchRequest]:
-    """edit: an instruction, a passage of the built-in text with typos (prompt_len: its tokens, default 64:192),
-    and the passage's start again: the answer is mostly the passage, copied (what prompt lookup drafts well).
-    Outputs: the passage's length (or uniform in output_len)."""
+                   prompt_len: tuple[int, int] | None, output_len: tuple[int, int] | None,
+                   max_model_len: int) -> list[BenchRequest]:
+    """edit: an instruction, then a passage of the built-in text (whole sentences, at least prompt_len tokens, default
+    64:192, at most a third of max_model_len) with typos, then "Corrected text:": the answer is mostly the passage
+    copied (what prompt lookup drafts well). Outputs: the passage's tokens + 8 (or uniform in output_len)."""
     sentences = [s.strip() + "." for s in " ".join(_TEXT.split()).split(".") if s.strip()]
     lo, hi = prompt_len or (64, 192)
+    hi = max(1, min(hi, max_model_len // 3 - 64))
+    lo = min(lo, hi)
     head = tokenizer.encode(f"{EDIT_INSTRUCTION}\n\nText:", add_special_tokens=False)
     out = []
     for _ in range(num_requests):
@@ -168,7 +171,7 @@ def build_workload(name: str, tokenizer: TokenizerLike, num_requests: int, seed:
         raise ValueError("--num-requests must be at least 1")
     rng = random.Random(seed)
     if name == "edit":
-        return _edit_requests(rng, tokenizer, num_requests, prompt_len, output_len)
+        return _edit_requests(rng, tokenizer, num_requests, prompt_len, output_len, max_model_len)
     text = TextSource(tokenizer)
     outputs = _lengths(rng, num_requests, output_len, 64, 0.8, 16, 256)
     if name == "mixed":
