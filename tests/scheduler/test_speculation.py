@@ -222,3 +222,25 @@ def test_random_workloads_with_drafts_keep_the_protocol_free_every_block_and_giv
 def test_the_random_workloads_accepted_drafts_and_preempted_drafting_sequences():
     assert len(accepted) == 12 and sum(n > 0 for n, _, _ in accepted) >= 6
     assert sum(p > 0 for _, p, _ in accepted) >= 3 and sum(w > 0 for _, _, w in accepted) >= 1  # recompute, swap
+
+
+def test_export_adds_the_drafts_since_the_last_export_to_both_metric_families():
+    from pagedserve_common.kv_geometry import KVGeometry
+    from pagedserve_common.registration import WorkerRegistration
+    from scheduler_svc.fleet import WorkerHandle, export
+    from scheduler_svc.metrics import Metrics
+
+    s, w, m = spec(eos_token_ids=()), FakeWorker(copying({14: 999})), Metrics("m")
+    handle = WorkerHandle("worker-0", WorkerRegistration("m", 256, "cpu", KVGeometry(1, 1, 8, "float32", 8), 64), s)
+    s.add_request(req("a", PROMPT, max_tokens=12))
+    for _ in range(3):  # the third step drafts 4 and keeps 2
+        step(s, w)
+        export(handle, m)
+    export(handle, m)  # nothing new
+    get = m.registry.get_sample_value
+    assert [get(f"pagedserve_spec_decode_{n}_total", {"worker": "worker-0"})
+            for n in ("drafts", "draft_tokens", "accepted_tokens")] == [1, 4, 2]
+    assert [get(f"vllm:spec_decode_num_{n}_total", {"model_name": "m"})
+            for n in ("drafts", "draft_tokens", "accepted_tokens")] == [1, 4, 2]
+    assert [get("vllm:spec_decode_num_accepted_tokens_per_pos_total", {"model_name": "m", "position": str(j)})
+            for j in range(4)] == [1, 1, 0, 0]
