@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from pagedserve_cli.bench.workloads import WORKLOADS, build_requests, parse_range
+from pagedserve_common.config import SPECULATIVE
 from pagedserve_common.defaults import DEFAULT_LISTEN, DEFAULT_MODEL, METRICS_PORT, metrics_url
 COMPARISON_NAMES = ("static-prealloc", "no-prefix-cache", "kv-int8")
 # NOTE: a comparison needs a pool that memory, not --max-num-seqs, fills: 512 MiB holds 11,650 tokens of the
@@ -74,6 +75,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--max-num-seqs", type=int, help="the scheduler's --max-num-seqs (default: its own; with --compare kv-int8 256)")
     s.add_argument("--max-num-batched-tokens", type=int, help="the scheduler's token budget per step")
     s.add_argument("--threads", type=int, help="the worker's compute threads")
+    s.add_argument("--speculative", choices=SPECULATIVE, help="the scheduler's --speculative (default: its own)")
+    s.add_argument("--num-speculative-tokens", type=int, metavar="K", help="the scheduler's --num-speculative-tokens")
     p.set_defaults(func=run)
 
 

@@ -21,6 +21,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", *DTYPE_BYTES)  # --kv-cache-dtype: auto (the model's) or a cache element type
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "cupy")
 INT8_QK = ("auto", "on", "off")
+SPECULATIVE = ("none", "ngram")  # scheduler_svc.core.speculation
 
 # Tokens per step when not set. NOTE: a step is one forward, so its token budget bounds the inter-token latency
 # of every running stream while a long prompt is prefilled. Measured on a 2-core CPU with the default model
@@ -80,6 +81,12 @@ class EngineOptions:
                  "contiguous run of blocks for max_model_len tokens when admitted, static-request: for prompt + "
                  "max_tokens (FasterTransformer/Orca-style preallocation, to compare; no prefix caching, n = 1, no "
                  "swap space)", choices=KV_ALLOCATIONS, up=GIVEN)
+    speculative: str = option("none", "speculative decoding: ngram drafts the tokens that followed the sequence's "
+                                      "last 4..2 tokens where they occurred before in its prompt or output (prompt "
+                                      "lookup), verified in the same forward; outputs are the same as without (greedy: "
+                                      "identical; sampled: the same draws)", choices=SPECULATIVE, up=GIVEN)
+    num_speculative_tokens: int = option(4, "drafts per sequence per step at most (--speculative)",
+                                         type=at_least(int, 1, _POSITIVE), metavar="K", up=GIVEN)
     routing: str = option("kv", "which worker takes a new request: kv (the one holding the longest prefix of the "
                                 "prompt, unless it is much busier than the others), least-loaded (fewest pending "
                                 "tokens) or round-robin", choices=ROUTING, up=GIVEN)

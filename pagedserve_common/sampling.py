@@ -71,6 +71,11 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
+    def needs_processing(self) -> bool:
+        """Whether a sequence's logits are ever changed before sampling (its structured-output bitmasks aside)."""
+        return bool(self.needs_token_counts or self.logit_bias or self.min_tokens or self.bad_words_token_ids)
+
+    @property
     def greedy(self) -> bool:
         return self.temperature == 0
 

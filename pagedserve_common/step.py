@@ -31,7 +31,10 @@ class SequenceDelta:
 
     seq_id: int
     new_block_ids: list[int]
-    num_scheduled_tokens: int
+    num_scheduled_tokens: int  # 1 + len(draft_token_ids) when it speculates
+    # Speculative decoding: the tokens the scheduler guesses follow the sequence's last known token (the one it
+    # computes this step); the worker verifies them in the same forward (StepResult.num_accepted_drafts).
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -78,13 +81,17 @@ class PositionLogprobs:
 @dataclass(slots=True)
 class StepResult:
     """One token for each sequence that reached the end of its known tokens this step; logprobs only for the
-    sequences that asked."""
+    sequences that asked. A speculating sequence's tokens this step are its first num_accepted_drafts drafts, then
+    its sampled token (the correction of the first draft refused, or the one after the last draft)."""
 
     step_id: int
     sampled: dict[int, int] = field(default_factory=dict)  # seq_id -> the token it sampled
     logprobs: dict[int, PositionLogprobs] = field(default_factory=dict)  # seq_id -> its position's logprobs
     step_seconds: float = 0.0  # the step's wall time on the worker
     idle_seconds: float = 0.0  # the worker's wait between its previous answer and this plan (0 for its first)
+    # seq_id -> how many of its drafts (SequenceDelta.draft_token_ids) it accepted, in order; absent: none. NOTE: a
+    # count, not the tokens: the accepted ones are the scheduler's own drafts, so an answer cannot contradict them
+    num_accepted_drafts: dict[int, int] = field(default_factory=dict)
 
 
 class StepErrorKind(enum.IntEnum):

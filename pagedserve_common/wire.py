@@ -112,7 +112,11 @@ def plan_to_pb(plan: StepPlan) -> worker_pb2.StepPlan:
                 sampling=sampling_to_pb(s.sampling), seed=s.seed, num_prompt_tokens=s.num_prompt_tokens)
     add_delta = pb.running.add
     for r in plan.running:
-        add_delta(seq_id=r.seq_id, new_block_ids=r.new_block_ids, num_scheduled_tokens=r.num_scheduled_tokens)
+        if r.draft_token_ids:
+            add_delta(seq_id=r.seq_id, new_block_ids=r.new_block_ids, num_scheduled_tokens=r.num_scheduled_tokens,
+                      draft_token_ids=r.draft_token_ids)
+        else:  # NOTE: the common case, without an empty list for protobuf to walk (once per sequence per step)
+            add_delta(seq_id=r.seq_id, new_block_ids=r.new_block_ids, num_scheduled_tokens=r.num_scheduled_tokens)
     for pairs, field in ((plan.copies, pb.copies), (plan.swap_out, pb.swap_out), (plan.swap_in, pb.swap_in)):
         for src, dst in pairs:
             field.add(src=src, dst=dst)
@@ -127,7 +131,8 @@ def plan_from_pb(pb: worker_pb2.StepPlan) -> StepPlan:
         new_seqs=[NewSequence(n.seq_id, list(n.token_ids), list(n.block_ids), n.num_computed_tokens,
                               n.num_scheduled_tokens, sampling_from_pb(n.sampling), n.seed, n.num_prompt_tokens)
                   for n in pb.new_seqs],
-        running=[SequenceDelta(r.seq_id, list(r.new_block_ids), r.num_scheduled_tokens) for r in pb.running],
+        running=[SequenceDelta(r.seq_id, list(r.new_block_ids), r.num_scheduled_tokens, list(r.draft_token_ids))
+                 for r in pb.running],
         finished_seq_ids=list(pb.finished_seq_ids), preempted_seq_ids=list(pb.preempted_seq_ids),
         copies=[(c.src, c.dst) for c in pb.copies], swap_out=[(c.src, c.dst) for c in pb.swap_out],
         swap_in=[(c.src, c.dst) for c in pb.swap_in],
@@ -151,9 +156,11 @@ def logprobs_from_pb(pb: generate_pb2.PositionLogprobs) -> PositionLogprobs:
 def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
     pb = worker_pb2.StepResult(step_id=result.step_id, step_seconds=result.step_seconds,
                                idle_seconds=result.idle_seconds)
-    add, logprobs = pb.tokens.add, result.logprobs
+    add, logprobs, accepted = pb.tokens.add, result.logprobs, result.num_accepted_drafts
     for seq_id, token_id in result.sampled.items():
         t = add(seq_id=seq_id, token_id=token_id)
+        if accepted and (n := accepted.get(seq_id)):
+            t.num_accepted_drafts = n
         lp = logprobs.get(seq_id) if logprobs else None
         if lp is not None:
             logprobs_to_pb(lp, t.logprobs)
@@ -162,16 +169,18 @@ def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
 
 def result_from_pb(pb: worker_pb2.StepResult) -> StepResult:
     """Raises ValueError when a seq_id appears twice (a dict would keep the last silently)."""
-    sampled, logprobs = {}, {}
+    sampled, logprobs, accepted = {}, {}, {}
     for t in pb.tokens:
         sampled[t.seq_id] = t.token_id
         if t.HasField("logprobs"):
             logprobs[t.seq_id] = logprobs_from_pb(t.logprobs)
+        if t.num_accepted_drafts:
+            accepted[t.seq_id] = t.num_accepted_drafts
     if len(sampled) != len(pb.tokens):
         seen: set[int] = set()
         twice = next(t.seq_id for t in pb.tokens if t.seq_id in seen or seen.add(t.seq_id))
         raise ValueError(f"tokens: seq {twice} has more than one token")
-    return StepResult(pb.step_id, sampled, logprobs, pb.step_seconds, pb.idle_seconds)
+    return StepResult(pb.step_id, sampled, logprobs, pb.step_seconds, pb.idle_seconds, accepted)
 
 
 def step_error_to_pb(err: StepError) -> worker_pb2.StepError:

@@ -93,7 +93,7 @@ class Engine(Fleet):
                 if not isinstance(result, StepResult):
                     plan = result
                     break
-                outputs = w.scheduler.update(plan, result.sampled)
+                outputs = w.scheduler.update(plan, result.sampled, result.num_accepted_drafts)
                 self._publish(w, plan, outputs, result, t0)
             if isinstance(plan, Lost):
                 self.lose_worker(w, plan)
@@ -121,7 +121,8 @@ class Engine(Fleet):
         # NOTE: a worker that answers wrongly is lost, not its requests: they are recomputed elsewhere uncharged,
         # but for the one whose own entry was wrong (Lost.charged_request_ids).
         wrong = check_result(plan.step_id, answer, w.scheduler.due_samples(), self.config.vocab_size,
-                             bitmasks=plan.token_bitmasks, banned=w.scheduler.banned_samples())
+                             bitmasks=plan.token_bitmasks, banned=w.scheduler.banned_samples(),
+                             drafted=w.scheduler.drafted_samples())
         if wrong is not None:
             blamed = w.scheduler.request_id_of(wrong.seq_id) if wrong.seq_id is not None else None
             return bad_result(plan.step_id, wrong.message, frozenset(() if blamed is None else (blamed,)))

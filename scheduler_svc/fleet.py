@@ -13,6 +13,7 @@ import structlog
 from pagedserve_common.config import CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS
 from pagedserve_common.registration import WorkerRegistration
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.speculation import SpecCounters
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.kv.manager import VALID_BLOCK_SIZES
 from scheduler_svc.metrics import Metrics
@@ -93,6 +94,20 @@ def export(w: WorkerHandle, m: Metrics) -> None:
     m.prefill_tokens.labels(wid).inc(w.scheduler.num_prefill_tokens - w.num_prefill_tokens)
     w.num_prefix_queries, w.num_prefix_hits = kv.prefix_query_tokens, kv.prefix_hit_tokens
     w.num_preemptions, w.num_prefill_tokens = w.scheduler.num_preemptions, w.scheduler.num_prefill_tokens
+    if w.scheduler.spec is not None:
+        _export_spec(w.scheduler.spec.take_counters(), wid, m)
+
+
+def _export_spec(c: SpecCounters, wid: str, m: Metrics) -> None:
+    """Speculative decoding's counters since the last step (the series exist from the first step on, at 0)."""
+    p = m.protocol
+    for mine, theirs, n in ((m.spec_drafts, p.spec_drafts, c.num_drafts),
+                            (m.spec_draft_tokens, p.spec_draft_tokens, c.num_draft_tokens),
+                            (m.spec_accepted_tokens, p.spec_accepted_tokens, c.num_accepted_tokens)):
+        mine.labels(wid).inc(n)
+        theirs.inc(n)
+    for j, n in enumerate(c.accepted_per_pos):
+        p.spec_accepted_per_pos.labels(p.model_name, str(j)).inc(n)
 
 
 def export_fleet(engine) -> None:
@@ -161,7 +176,8 @@ class Fleet:
                 max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(reg.device),
                 block_size=reg.block_size, enable_prefix_caching=not cfg.no_prefix_caching,
                 eos_token_ids=cfg.eos_token_ids, num_cpu_blocks=reg.num_cpu_blocks,
-                kv_allocation=cfg.kv_allocation), seq_ids=self._seq_ids)
+                kv_allocation=cfg.kv_allocation, speculative=cfg.speculative,
+                num_speculative_tokens=cfg.num_speculative_tokens), seq_ids=self._seq_ids)
         except ValueError as e:  # e.g. swap space under a static kv_allocation
             raise EngineError(ErrorCode.FAILED_PRECONDITION, str(e)) from None
         w = WorkerHandle(f"worker-{next(self._worker_ids)}", reg, sched)

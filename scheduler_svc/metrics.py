@@ -85,6 +85,13 @@ class Metrics:
                                       "excluded, recomputation after preemption included)", ["worker"], registry=r)
         self.preemptions = Counter("pagedserve_preemptions", "Sequences preempted (recomputed later)", ["worker"],
                                    registry=r)
+        self.spec_drafts = Counter("pagedserve_spec_decode_drafts", "Speculative decoding: sequences that drafted "
+                                   "tokens, once per step", ["worker"], registry=r)
+        self.spec_draft_tokens = Counter("pagedserve_spec_decode_draft_tokens", "Speculative decoding: tokens "
+                                         "drafted", ["worker"], registry=r)
+        self.spec_accepted_tokens = Counter("pagedserve_spec_decode_accepted_tokens", "Speculative decoding: drafted "
+                                            "tokens the worker accepted (acceptance rate: these / draft tokens)",
+                                            ["worker"], registry=r)
         self.workers = Gauge("pagedserve_workers", "Workers attached (leaving ones included)", registry=r)
         self.workers_lost = Counter("pagedserve_workers_lost", "Workers lost: their stream broke, they missed a step "
                                     "deadline, a step failed, or they answered one wrongly", ["reason"], registry=r)
@@ -109,7 +116,7 @@ class Metrics:
     # NOTE: only gauges go when a worker does; its counters and histograms stay, so totals never drop.
     PER_WORKER_GAUGES = ("kv_blocks_used", "kv_blocks_cached", "kv_blocks_total")
     PER_WORKER_SERIES = ("prefix_queries", "prefix_hits", "prefill_tokens", "preemptions", "step", "worker_idle",
-                         "batch_size")
+                         "batch_size", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
 
     def worker_attached(self, label: str) -> None:
         """Makes the worker's counters and histograms at 0. NOTE: a series first scraped after its first increment

@@ -76,6 +76,14 @@ class ProtocolMetrics:
         self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache, "
                                       "once per admission")
         self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Speculative decoding (--speculative): sequences "
+                                   "that drafted tokens, once per step")
+        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Speculative decoding: tokens drafted")
+        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Speculative decoding: drafted "
+                                            "tokens accepted (acceptance rate: these / draft tokens)")
+        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: "
+                                             "drafts accepted at each draft position (0: the first draft)",
+                                             ["model_name", "position"], registry=r)
         success = Counter("vllm:request_success", "Samples (choices) ended, by reason: stop (EOS, a stop token or "
                           "string), length (max_tokens or the context), abort (cancelled by the client), error "
                           "(failed after admission)", ["model_name", "finished_reason"], registry=r)

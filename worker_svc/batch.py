@@ -24,6 +24,8 @@ class SeqState:
     num_prompt_tokens: int = 0  # token_ids[:num_prompt_tokens] is the prompt, the rest outputs
     processed: bool = False  # any logits rule (worker_svc.logits.needs_processing), fixed at admission
     counts: TokenCounts | None = None  # the penalties' token counts, built on its first sample
+    # this step's drafts (speculative decoding), appended to token_ids until the step's verification settles them
+    num_draft_tokens: int = 0
     _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     def logit_bias_tensors(self, device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,7 +86,10 @@ def check_plan(plan: StepPlan, seqs: Mapping[int, SeqState], num_blocks: int, nu
         _in_range(delta.new_block_ids, num_blocks, f"seq {delta.seq_id}: block")
         if delta.new_block_ids:  # NOTE: only then: the table is walked about once a block's worth of tokens
             _no_repeats(delta.seq_id, s.block_ids, delta.new_block_ids)
-        _check_tokens(delta.seq_id, s.num_computed_tokens, delta.num_scheduled_tokens, len(s.token_ids),
+        drafts = delta.draft_token_ids
+        if drafts:
+            _check_drafts(s, delta.num_scheduled_tokens, drafts, vocab_size, plan.token_bitmasks)
+        _check_tokens(delta.seq_id, s.num_computed_tokens, delta.num_scheduled_tokens, len(s.token_ids) + len(drafts),
                       len(s.block_ids) + len(delta.new_block_ids), block_size)
     for src, dst in plan.copies:
         _in_range((src, dst), num_blocks, "copy: block")
@@ -118,6 +123,20 @@ def _check_bitmasks(plan: StepPlan, seqs: Mapping[int, SeqState], vocab_size: in
                           f"{vocab_size} takes {bitmask_num_bytes(vocab_size)}")
         if not allows_any(bitmask, vocab_size):
             raise BadPlan(f"token_bitmasks: seq {seq_id}: the bitmask allows no token")
+
+
+def _check_drafts(s: SeqState, num_scheduled: int, drafts: list[int], vocab_size: int | None,
+                  bitmasks: Mapping[int, bytes]) -> None:
+    """Drafts only follow a decoding sequence's last known token (all of them scheduled with it), with token ids in
+    the vocabulary, and only for a sequence whose samples no logits rule, logprobs or bitmask touches (the
+    verification (worker_svc.speculative) samples the raw distribution)."""
+    if s.num_computed_tokens + 1 != len(s.token_ids) or num_scheduled != 1 + len(drafts):
+        raise BadPlan(f"seq {s.seq_id}: {len(drafts)} drafts must follow its last known token, scheduled with it "
+                      f"({num_scheduled} tokens scheduled after {s.num_computed_tokens} of {len(s.token_ids)})")
+    if vocab_size is not None and not (0 <= min(drafts) and max(drafts) < vocab_size):
+        raise BadPlan(f"seq {s.seq_id}: a draft token id is outside the vocabulary (0..{vocab_size - 1})")
+    if s.processed or s.sampling.logprobs is not None or s.seq_id in bitmasks:
+        raise BadPlan(f"seq {s.seq_id}: drafts for a sequence with logprobs, a logits rule or a token bitmask")
 
 
 def _no_repeats(seq_id: int, table: Iterable[int], new: Iterable[int]) -> None:
@@ -168,5 +187,8 @@ class PersistentBatch:
             s = seqs[delta.seq_id]
             s.block_ids.extend(delta.new_block_ids)
             s.num_scheduled_tokens = delta.num_scheduled_tokens
+            if delta.draft_token_ids:  # NOTE: computed as known tokens; the step's verification settles them
+                s.token_ids.extend(delta.draft_token_ids)
+                s.num_draft_tokens = len(delta.draft_token_ids)
             scheduled.append(s)
         return scheduled

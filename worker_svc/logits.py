@@ -15,7 +15,7 @@ NEG_INF = float("-inf")
 def needs_processing(sp: SamplingParams) -> bool:
     """Whether a sequence's logits are ever touched before sampling (its bitmasks aside): fixed at admission, so
     the common case costs one attribute read a row a step."""
-    return bool(sp.needs_token_counts or sp.logit_bias or sp.min_tokens or sp.bad_words_token_ids)
+    return sp.needs_processing
 
 
 def bitmask_num_bytes(vocab_size: int) -> int:

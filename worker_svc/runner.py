@@ -11,12 +11,13 @@ import torch
 
 from pagedserve_common.step import StepPlan, StepResult
 from worker_svc.attention import AttentionBackend, AttentionMetadata
-from worker_svc.batch import PersistentBatch, check_plan
+from worker_svc.batch import BadPlan, PersistentBatch, check_plan
 from worker_svc.kv_pool import KVPool
 from worker_svc.lean_model import build_lean
 from worker_svc.logits import LogitsProcessor
 from worker_svc.models import LoadedModel
 from worker_svc.sampling import Sampler
+from worker_svc.speculative import Verification
 
 
 @dataclass(slots=True)
@@ -97,6 +98,8 @@ class ModelRunner:
         """Teacher forcing: runs a plan like step() but samples nothing and returns EVERY scheduled token's
         next-token logits, float32 [plan.num_scheduled_tokens, vocab], packed in the plan's order (new_seqs, then
         running). Perplexity and KL measurements read the model through this, on the real pool and backend."""
+        if any(d.draft_token_ids for d in plan.running):
+            raise BadPlan("score() verifies no drafts: teacher forcing schedules known tokens only")
         scheduled = self._apply(plan)
         if not scheduled:
             return torch.empty((0, self.loaded.vocab_size))
@@ -113,8 +116,15 @@ class ModelRunner:
         if not scheduled:
             return StepResult(plan.step_id, step_seconds=time.perf_counter() - t0)
         sampling_rows = [i for i, s in enumerate(scheduled) if s.samples_this_step]
+        spec = Verification.of(scheduled, sampling_rows)  # speculating sequences: their rows come last
+        if spec is not None:
+            sampling_rows = [i for i in sampling_rows if not scheduled[i].num_draft_tokens]
         with torch.inference_mode():
-            logits = self._forward(scheduled, lambda qsl: qsl[1:][sampling_rows] - 1)
+            logits = self._forward(scheduled, lambda qsl: qsl[1:][sampling_rows] - 1 if spec is None else
+                                   np.concatenate([qsl[1:][sampling_rows] - 1, spec.rows(qsl)]))
+            if spec is not None:
+                verdicts = spec.verify(self.sampler, logits[len(sampling_rows):])
+                logits = logits[:len(sampling_rows)]
             sampled = [scheduled[i] for i in sampling_rows]
             # NOTE: a sampled token's randomness depends only on (seed, position = tokens known so far): the same
             # whatever else is batched, and a preempted or migrated sequence redraws exactly what it drew before.
@@ -128,5 +138,12 @@ class ModelRunner:
         for s, tok in zip(sampled, result.token_ids):
             s.token_ids.append(tok)
         logprobs = {s.seq_id: lp for s, lp in zip(sampled, result.logprobs) if lp is not None}
-        return StepResult(plan.step_id, {s.seq_id: tok for s, tok in zip(sampled, result.token_ids)}, logprobs,
-                          time.perf_counter() - t0)
+        tokens = {s.seq_id: tok for s, tok in zip(sampled, result.token_ids)}
+        accepted = {}
+        if spec is not None:
+            spec.settle(verdicts)
+            for s, (n, tok) in zip(spec.seqs, verdicts):
+                tokens[s.seq_id] = tok
+                if n:
+                    accepted[s.seq_id] = n
+        return StepResult(plan.step_id, tokens, logprobs, time.perf_counter() - t0, num_accepted_drafts=accepted)

@@ -108,7 +108,8 @@ async def run_side(side: Side, server: Spawned, requests: list, args: argparse.N
 def spawn_config(args: argparse.Namespace, model: str) -> SpawnConfig:
     return SpawnConfig(model=model, dtype=args.dtype, kv_memory=args.kv_memory, max_model_len=args.max_model_len,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       threads=args.threads)
+                       threads=args.threads, speculative=getattr(args, "speculative", None),
+                       num_speculative_tokens=getattr(args, "num_speculative_tokens", None))
 
 
 def run_comparison(args: argparse.Namespace, requests: list, cfg: SpawnConfig) -> list[SideResult]:

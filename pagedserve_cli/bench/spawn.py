@@ -26,6 +26,8 @@ class SpawnConfig:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     threads: int | None = None
+    speculative: str | None = None  # --speculative (None: the server's default)
+    num_speculative_tokens: int | None = None
     startup_timeout: float = 600.0
     http: bool = False  # also serve the OpenAI-compatible HTTP API (Spawned.http)
 
@@ -73,7 +75,8 @@ def up_argv(cfg: SpawnConfig, listen: str, worker_listen: str, metrics: str, ext
             "--startup-timeout", str(cfg.startup_timeout)]
     for flag, value in (("--kv-memory", cfg.kv_memory), ("--max-model-len", cfg.max_model_len),
                         ("--max-num-seqs", cfg.max_num_seqs), ("--max-num-batched-tokens", cfg.max_num_batched_tokens),
-                        ("--threads", cfg.threads)):
+                        ("--threads", cfg.threads), ("--speculative", cfg.speculative),
+                        ("--num-speculative-tokens", cfg.num_speculative_tokens)):
         if value is not None:
             argv += [flag, str(value)]
     return argv + extra

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-WORKLOADS = ("mixed", "shared-prefix", "multi-tenant")
+WORKLOADS = ("mixed", "shared-prefix", "multi-tenant", "edit")
 
 # Plain English written for this file; prompts are cut from it, sentence order shuffled by the seed.
 _TEXT = """\
@@ -116,6 +116,44 @@ def _lengths(rng: random.Random, n: int, override: tuple[int, int] | None, media
     return [min(hi, max(lo, round(rng.lognormvariate(math.log(median), sigma)))) for _ in range(n)]
 
 
+EDIT_INSTRUCTION = "Correct the spelling mistakes in the text below and write it out again in full, changing nothing else."
+
+
+def _typos(rng: random.Random, text: str, rate: float = 0.08) -> str:
+    """`text` with about `rate` of its longer words misspelt (two inner letters swapped)."""
+    words = text.split(" ")
+    for i, w in enumerate(words):
+        if len(w) >= 5 and w.isalpha() and rng.random() < rate:
+            j = rng.randrange(1, len(w) - 2)
+            words[i] = w[:j] + w[j + 1] + w[j] + w[j + 2:]
+    return " ".join(words)
+
+
+def _edit_requests(rng: random.Random, tokenizer: TokenizerLike, num_requests: int,
+                   prompt_len: tuple[int, int] | None, output_len: tuple[int, int] | None,
+                   max_model_len: int) -> list[BenchRequest]:
+    """edit: an instruction, then a passage of the built-in text (whole sentences, at least prompt_len tokens, default
+    64:192, at most a third of max_model_len) with typos, then "Corrected text:": the answer is mostly the passage
+    copied (what prompt lookup drafts well). Outputs: the passage's tokens + 8 (or uniform in output_len)."""
+    sentences = [s.strip() + "." for s in " ".join(_TEXT.split()).split(".") if s.strip()]
+    lo, hi = prompt_len or (64, 192)
+    hi = max(1, min(hi, max_model_len // 3 - 64))
+    lo = min(lo, hi)
+    head = tokenizer.encode(f"{EDIT_INSTRUCTION}\n\nText:", add_special_tokens=False)
+    out = []
+    for _ in range(num_requests):
+        want, start = rng.randint(lo, hi), rng.randrange(len(sentences))
+        passage: list[str] = []
+        while len(tokenizer.encode(" " + " ".join(passage), add_special_tokens=False)) < want:
+            passage.append(sentences[(start + len(passage)) % len(sentences)])
+        text = _typos(rng, " ".join(passage))
+        body = tokenizer.encode(" " + text, add_special_tokens=False)
+        tail = tokenizer.encode("\n\nCorrected text:", add_special_tokens=False)
+        num_out = rng.randint(*output_len) if output_len else len(body) + 8
+        out.append(BenchRequest(num_out, tuple(head + body + tail)))
+    return out
+
+
 def build_workload(name: str, tokenizer: TokenizerLike, num_requests: int, seed: int = 0,
                    prompt_len: tuple[int, int] | None = None, output_len: tuple[int, int] | None = None,
                    num_tenants: int = 4, max_model_len: int = 2048) -> list[BenchRequest]:
@@ -125,12 +163,15 @@ def build_workload(name: str, tokenizer: TokenizerLike, num_requests: int, seed:
     shared-prefix: one ~1,000-token system prompt for all, plus a user turn (prompt_len, default 32:96).
     multi-tenant: num_tenants distinct ~500-token system prompts, one picked per request, plus a user turn.
     Outputs: lognormal (median 64, clipped to [16, 256]) or uniform in output_len.
+    edit: _edit_requests (speculative decoding's case: outputs that copy the prompt).
     """
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r} (expected one of {', '.join(WORKLOADS)} or a .jsonl file)")
     if num_requests < 1:
         raise ValueError("--num-requests must be at least 1")
     rng = random.Random(seed)
+    if name == "edit":
+        return _edit_requests(rng, tokenizer, num_requests, prompt_len, output_len, max_model_len)
     text = TextSource(tokenizer)
     outputs = _lengths(rng, num_requests, output_len, 64, 0.8, 16, 256)
     if name == "mixed":

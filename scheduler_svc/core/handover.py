@@ -81,6 +81,7 @@ class Handover:
         if seq.status is not RequestStatus.WAITING:
             seq.status = RequestStatus.PREEMPTED
         seq.num_computed_tokens, seq.on_worker = 0, False
+        seq.draft_token_ids = ()  # NOTE: a lost step's drafts are proposed again, if at all, where it runs next
 
     def in_flight_request_ids(self) -> set[str]:
         """Client requests with a sequence in the plan in flight (the suspects when the worker dies on it)."""

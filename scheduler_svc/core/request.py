@@ -82,6 +82,11 @@ class Request:
     # Structured output: this sample's grammar state (scheduler_svc.structured.Constraint; None: free text). It
     # consumes each committed output token; a fork parent's is only the template of its children's.
     constraint: object | None = None
+    # Speculative decoding (scheduler_svc.core.speculation): the drafts of the plan in flight, and the backoff of a
+    # sequence whose drafts failed (steps to wait before drafting again; drafts refused in a row).
+    draft_token_ids: list[int] | tuple[()] = ()  # NOTE: a shared () while not drafting: no list a request
+    spec_backoff: int = 0
+    spec_misses: int = 0
 
     def __post_init__(self) -> None:
         try:

@@ -23,7 +23,8 @@ class WrongResult:
 
 def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None], vocab_size: int, *,
                  bitmasks: Mapping[int, bytes] | None = None,
-                 banned: Mapping[int, frozenset[int]] | None = None) -> WrongResult | None:
+                 banned: Mapping[int, frozenset[int]] | None = None,
+                 drafted: Mapping[int, int] | None = None) -> WrongResult | None:
     """None when `result` is a well-formed answer to plan `step_id`; else what is wrong (WrongResult). `due` holds
     each sequence of the plan that samples a token this step (it reaches the end of its known tokens; one mid
     chunked prefill samples nothing) -> the number of top logprobs it asked for (None: no logprobs).
@@ -33,7 +34,8 @@ def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None]
     the asked number of top entries, token ids in the vocabulary, and finite logprobs <= 0 (LOGPROB_EPSILON); each
     token of a sequence the plan sent a bitmask for (structured output) one that its bitmask allows; and no token a
     sequence may not sample this step (`banned`: seq_id -> its stop ids while it has fewer than min_tokens outputs,
-    which the worker masks)."""
+    which the worker masks); drafts accepted (speculative decoding) only by a sequence that drafted (`drafted`:
+    seq_id -> its number of drafts), at most that many."""
     if result.step_id != step_id:
         return WrongResult(f"step_id {result.step_id} answers plan {step_id}")
     sampled = result.sampled
@@ -47,6 +49,11 @@ def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None]
         seq_id, tok = next((s, t) for s, t in sampled.items() if not 0 <= t < vocab_size)
         return WrongResult(f"token_id {tok} of seq {seq_id} is outside the vocabulary (0 .. {vocab_size - 1})",
                            seq_id)
+    for seq_id, n in result.num_accepted_drafts.items():
+        num_drafts = drafted.get(seq_id, 0) if drafted else 0
+        if not 0 <= n <= num_drafts:
+            return WrongResult(f"num_accepted_drafts {n} of seq {seq_id}, which drafted {num_drafts} tokens",
+                               seq_id if seq_id in due else None)
     for seq_id, bitmask in (bitmasks or {}).items():
         tok = sampled.get(seq_id)
         if tok is not None and not token_allowed(bitmask, tok):

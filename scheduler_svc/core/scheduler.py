@@ -17,6 +17,7 @@ from pagedserve_common.sampling import InvalidField
 from scheduler_svc.core import reservation
 from scheduler_svc.core.handover import Handover
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput, RequestStatus
+from scheduler_svc.core.speculation import SPECULATIVE_METHODS, Speculator
 from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.manager import KVCacheManager
 from scheduler_svc.kv.static import KV_ALLOCATIONS, STATIC_KV_ALLOCATIONS, StaticKVCacheManager
@@ -39,6 +40,8 @@ class SchedulerConfig:
     eos_token_ids: tuple[int, ...] = ()
     num_cpu_blocks: int = 0  # the worker's swap space; 0: preemption always recomputes
     kv_allocation: str = default_of(EngineOptions, "kv_allocation")  # or a contiguous reservation per sequence
+    speculative: str = default_of(EngineOptions, "speculative")  # "ngram": decoding sequences draft tokens
+    num_speculative_tokens: int = default_of(EngineOptions, "num_speculative_tokens")  # drafts per step at most
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -63,8 +66,11 @@ class Scheduler(Handover):
         if config.kv_allocation not in KV_ALLOCATIONS:
             raise ValueError(f"kv_allocation must be one of {', '.join(KV_ALLOCATIONS)}, "
                              f"got {config.kv_allocation!r}")
+        if config.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {config.speculative!r}")
         self.config = config
         self.static = config.kv_allocation in STATIC_KV_ALLOCATIONS
+        self.spec = Speculator(config.num_speculative_tokens) if config.speculative == "ngram" else None
         self.kv: KVCacheManager | StaticKVCacheManager
         if self.static:
             if config.num_cpu_blocks:
@@ -95,6 +101,7 @@ class Scheduler(Handover):
         self.min_tokens_request_ids: set[str] = set()
         self._rng = random.Random()
         self.num_constrained = 0  # client requests here with structured output (their samples need bitmasks)
+        self._drafted: dict[int, int] = {}  # the plan in flight's drafting sequences: seq_id -> its drafts
 
     # -- admission ----------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -213,6 +220,11 @@ class Scheduler(Handover):
         num_preempted = 0
         self.waiting_for_blocks = False
         new_plans, running_plans, copies = plan.new_seqs, plan.running, plan.copies
+        spec = self.spec
+        if self._drafted:
+            self._drafted = {}
+        # NOTE: room for drafts: a step of many decodes is compute-bound, where each draft costs what a token costs
+        num_draft_room = spec.max_step_tokens - len(running) if spec is not None else 0
         i = 0
         # Running sequences first: decodes and unfinished prefill chunks, in admission order.
         while i < len(running) and budget > 0:
@@ -220,14 +232,19 @@ class Scheduler(Handover):
             tokens = req.all_token_ids
             # NOTE: inlined num_target_tokens(): this loop runs once per running sequence per step.
             num_new = min(len(tokens) - (1 if req.fork_into else 0) - req.num_computed_tokens, budget, cap)
-            alloc = kv.allocate(req.seq_id, req.num_computed_tokens + num_new, tokens)
+            alloc = None
+            if spec is not None:
+                alloc, num_new = self._draft(req, num_new, min(num_draft_room, budget - num_new))
+                num_draft_room -= len(req.draft_token_ids)
+            if alloc is None:
+                alloc = kv.allocate(req.seq_id, self._num_table_tokens(req, num_new), tokens)
             while alloc is None:  # out of blocks: recompute-preempt the most recently admitted sequence
                 victim = running.pop()
                 self._preempt(victim, plan)
                 num_preempted += 1
                 if victim is req:
                     break
-                alloc = kv.allocate(req.seq_id, req.num_computed_tokens + num_new, tokens)
+                alloc = kv.allocate(req.seq_id, self._num_table_tokens(req, num_new), tokens)
             if alloc is None:
                 break  # it was the last one itself
             if alloc.copies:
@@ -235,7 +252,8 @@ class Scheduler(Handover):
             if req.on_worker:
                 # NOTE: most steps add no block: a literal [] then, not list(()) (~0.1 us a sequence a step)
                 new_ids = alloc.new_block_ids
-                running_plans.append(SequenceDelta(req.seq_id, list(new_ids) if new_ids else [], num_new))
+                running_plans.append(SequenceDelta(req.seq_id, list(new_ids) if new_ids else [], num_new,
+                                                   req.draft_token_ids or []))
             else:  # a fork child's first step: its table after copy-on-write goes whole
                 new_plans.append(self._new_plan(req, num_new))
             scheduled.append((req, num_new))
@@ -303,6 +321,29 @@ class Scheduler(Handover):
         self._scheduled, self._in_flight = scheduled, plan.step_id
         self.steps += 1
         return plan
+
+    def _num_table_tokens(self, req: Request, num_new: int) -> int:
+        """The tokens a running sequence's table must cover this step. NOTE: under speculation a table may already
+        cover more (blocks allocated for refused drafts): it keeps them for the tokens to come (tables only grow)."""
+        need = req.num_computed_tokens + num_new
+        return need if self.spec is None else max(need, self.kv.num_tokens(req.seq_id))
+
+    def _draft(self, req: Request, num_new: int, num_room: int):
+        """Speculation: (allocation, tokens scheduled) of a decoding sequence that drafts this step (its drafts in
+        req.draft_token_ids), or (None, num_new) with no drafts. NOTE: drafts never preempt anyone: without room for
+        their blocks the sequence decodes plainly."""
+        req.draft_token_ids = ()
+        if num_new != 1 or num_room < 1 or not req.on_worker or req.num_computed_tokens + 1 != len(req.all_token_ids):
+            return None, num_new
+        drafts = self.spec.drafts(req, num_room, self.config.max_model_len)
+        if not drafts:
+            return None, num_new
+        alloc = self.kv.allocate(req.seq_id, self._num_table_tokens(req, 1 + len(drafts)), req.all_token_ids)
+        if alloc is None:
+            return None, num_new
+        req.draft_token_ids = drafts
+        self._drafted[req.seq_id] = len(drafts)
+        return alloc, 1 + len(drafts)
 
     def _reserve(self, req: Request, num_new: int) -> bool:
         """Static modes: reserves the run `req` keeps while it runs (and no shorter than its first step needs)."""
@@ -390,6 +431,11 @@ class Scheduler(Handover):
         return {req.seq_id: req.sampling.logprobs for req, num in self._scheduled
                 if req.num_computed_tokens + num >= len(req.all_token_ids)}
 
+    def drafted_samples(self) -> dict[int, int]:
+        """The sequences of the plan in flight that draft (speculative decoding), each -> its number of drafts: the
+        most its answer may accept (scheduler_svc.core.result_check)."""
+        return self._drafted
+
     def constrained_due(self) -> list[Request]:
         """The sequences of the plan in flight that sample this step under structured output (they need a bitmask)."""
         if not self.num_constrained:
@@ -409,8 +455,10 @@ class Scheduler(Handover):
                 if req.sampling.min_tokens > len(req.output_token_ids) and req.stop_ids and req.constraint is None
                 and req.num_computed_tokens + num >= len(req.all_token_ids)}
 
-    def update(self, plan: StepPlan, sampled: dict[int, int]) -> list[RequestOutput]:
-        """Applies the worker's result for `plan` (seq_id -> sampled token); returns per-sample outputs."""
+    def update(self, plan: StepPlan, sampled: dict[int, int],
+               num_accepted_drafts: dict[int, int] | None = None) -> list[RequestOutput]:
+        """Applies the worker's result for `plan` (seq_id -> sampled token; seq_id -> drafts accepted, for the
+        sequences that drafted); returns per-sample outputs."""
         if plan.step_id != self._in_flight:
             raise ValueError(f"plan step_id {plan.step_id} is not the one in flight ({self._in_flight})")
         self._in_flight = None
@@ -421,7 +469,11 @@ class Scheduler(Handover):
         max_model_len = self.config.max_model_len
         for req, num in self._scheduled:
             if req.status is not _RUNNING:
+                req.draft_token_ids = ()
                 continue  # aborted or finished while the step ran
+            if req.draft_token_ids:
+                outputs.append(self._update_drafted(req, plan.step_id, sampled, num_accepted_drafts or {}))
+                continue
             num_computed = req.num_computed_tokens + num
             req.num_computed_tokens = num_computed
             tokens = req.all_token_ids
@@ -432,23 +484,46 @@ class Scheduler(Handover):
             tok = sampled.get(req.seq_id)
             if tok is None:
                 raise ValueError(f"step {plan.step_id}: no token for seq {req.seq_id}, which finished its prompt")
-            tokens.append(tok)
-            out = req.output_token_ids
-            out.append(tok)
-            reason = None
-            if tok in req.stop_ids and len(out) > req.sampling.min_tokens:
-                reason = FinishReason.STOP
-            elif req.constraint is not None and (not req.constraint.accept(tok) or req.constraint.finished):
-                # NOTE: a whole match that allows nothing more ends the sample, EOS or not (result_check checked
-                # the token against its bitmask, so a refusal here is the engine giving up: the sample ends too)
-                reason = FinishReason.STOP
-            elif len(out) >= req.sampling.max_tokens or len(tokens) >= max_model_len:
-                reason = FinishReason.LENGTH
+            reason = self._append(req, tok, max_model_len)
             if reason is not None:
                 self._finish(req, reason)
             outputs.append(RequestOutput(req.request_id, req.index, [tok], reason, req.seq_id))
         self._scheduled = []
         return outputs
+
+    def _append(self, req: Request, tok: int, max_model_len: int) -> FinishReason | None:
+        """Commits one sampled token to `req`; why its sample ends there (None: it goes on)."""
+        req.all_token_ids.append(tok)
+        out = req.output_token_ids
+        out.append(tok)
+        if tok in req.stop_ids and len(out) > req.sampling.min_tokens:
+            return FinishReason.STOP
+        if req.constraint is not None and (not req.constraint.accept(tok) or req.constraint.finished):
+            # NOTE: a whole match that allows nothing more ends the sample, EOS or not (result_check checked
+            # the token against its bitmask, so a refusal here is the engine giving up: the sample ends too)
+            return FinishReason.STOP
+        if len(out) >= req.sampling.max_tokens or len(req.all_token_ids) >= max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _update_drafted(self, req: Request, step_id: int, sampled: dict[int, int],
+                        num_accepted_drafts: dict[int, int]) -> RequestOutput:
+        """A drafting sequence's answer: its accepted drafts then its sampled token, each committed as a decode step
+        commits one (what follows a stop is dropped); its KV is valid through its last accepted draft."""
+        drafts, req.draft_token_ids = req.draft_token_ids, ()
+        tok = sampled.get(req.seq_id)
+        if tok is None:
+            raise ValueError(f"step {step_id}: no token for seq {req.seq_id}, which drafted")
+        n = num_accepted_drafts.get(req.seq_id, 0)
+        self.spec.verified(req, len(drafts), n)
+        req.num_computed_tokens += 1 + n
+        new, reason = [], None
+        for t in (*drafts[:n], tok):
+            new.append(t)
+            if (reason := self._append(req, t, self.config.max_model_len)) is not None:
+                self._finish(req, reason)
+                break
+        return RequestOutput(req.request_id, req.index, new, reason, req.seq_id)
 
     # -- metrics ------------------------------------------------------------------------------------------
     @property

@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from pagedserve_cli.bench import workloads
 from pagedserve_cli.bench.workloads import (WORKLOADS, BenchRequest, build_workload, dump_jsonl, load_jsonl,
                                             parse_range)
 from scheduler_svc.frontend.tokenizer import Tokenizer
@@ -69,6 +70,21 @@ def test_multi_tenant_distinct_system_prompts(tok):
     reqs = build_workload("multi-tenant", tok, 64, seed=5, num_tenants=3, prompt_len=(10, 10), max_model_len=8192)
     assert len({r.prompt_token_ids[:500] for r in reqs}) == 3
     assert all(r.prompt_len == 510 for r in reqs)
+
+
+def test_edit_asks_to_correct_a_misspelt_passage_and_leaves_room_to_copy_it(tok):
+    reqs = build_workload("edit", tok, 16, seed=6, max_model_len=2048)
+    for r in reqs:
+        text = tok.decode(list(r.prompt_token_ids))
+        assert text.startswith("Correct the spelling mistakes") and text.endswith("\n\nCorrected text:")
+        passage = text.split("Text: ", 1)[1].rsplit("\n\n", 1)[0]
+        assert 64 <= len(tok.encode(" " + passage, add_special_tokens=False)) + 8 == r.max_tokens <= 192 + 64
+    words = " ".join(tok.decode(list(r.prompt_token_ids)).split("Text: ", 1)[1].rsplit("\n\n", 1)[0]
+                     for r in reqs).split()
+    typos = sum(w.strip(".,") not in workloads._TEXT for w in words)
+    assert len(words) / 100 < typos < len(words) / 10  # a few words misspelt, the rest the built-in text
+    small = build_workload("edit", tok, 4, seed=6, max_model_len=384)
+    assert all(r.prompt_len + r.max_tokens <= 384 for r in small)
 
 
 def test_jsonl_round_trip_and_text_prompts(tmp_path):

@@ -25,7 +25,8 @@ def test_a_plan_with_every_field_set_comes_back_equal():
                               frequency_penalty=-0.25, repetition_penalty=1.5, logit_bias=((3, -100.0), (9, 2.5)),
                               min_tokens=2, bad_words_token_ids=((4,), (5, 6)))
     plan = StepPlan(9, new_seqs=[NewSequence(3, [1, 2, 3], [4, 5], 1, 2, sampling, 2**63 + 1, 2)],
-                    running=[SequenceDelta(4, [7], 1), SequenceDelta(8, [], 1)], finished_seq_ids=[1],
+                    running=[SequenceDelta(4, [7], 1), SequenceDelta(8, [], 4, [30, 31, 2**32 - 1])],
+                    finished_seq_ids=[1],
                     preempted_seq_ids=[2], copies=[(1, 2)], swap_out=[(3, 0)], swap_in=[(1, 6)],
                     token_bitmasks={3: b"\x01\x00\x00\x80", 4: b"\xff\xff\xff\xff"})
     assert wire.plan_from_pb(through_the_wire(wire.plan_to_pb(plan))) == plan
@@ -50,6 +51,15 @@ def test_a_result_keeps_its_tokens_and_logprobs_per_sequence():
     lp = PositionLogprobs(TokenLogprob(7, -0.5), (TokenLogprob(7, -0.5), TokenLogprob(3, -1.25)))
     result = StepResult(4, {10: 7, 11: 2}, {10: lp}, step_seconds=0.25, idle_seconds=0.125)
     assert wire.result_from_pb(through_the_wire(wire.result_to_pb(result))) == result
+
+
+def test_a_result_keeps_the_accepted_drafts_per_sequence_and_none_reads_as_zero():
+    result = StepResult(4, {10: 7, 11: 2, 12: 5}, num_accepted_drafts={10: 3, 12: 1})
+    pb = wire.result_to_pb(result)
+    assert [t.num_accepted_drafts for t in pb.tokens] == [3, 0, 1]
+    assert wire.result_from_pb(through_the_wire(pb)) == result
+    old_worker = worker_pb2.StepResult(step_id=4, tokens=[worker_pb2.SampledToken(seq_id=10, token_id=7)])
+    assert wire.result_from_pb(old_worker).num_accepted_drafts == {}  # an answer from before drafts: none accepted
 
 
 def test_a_result_naming_a_sequence_twice_is_refused():

@@ -23,14 +23,14 @@ GREEDY = SamplingParams(temperature=0.0)
 class LocalDriver:
     def __init__(self, runner: ModelRunner, max_num_batched_tokens: int = 256, max_num_seqs: int = 64,
                  eos_token_ids: tuple[int, ...] | None = None, enable_prefix_caching: bool = True,
-                 num_cpu_blocks: int = 0) -> None:
+                 num_cpu_blocks: int = 0, speculative: str = "none", num_speculative_tokens: int = 4) -> None:
         self.runner = runner
         self.scheduler = Scheduler(SchedulerConfig(
             num_blocks=runner.pool.num_blocks, max_model_len=runner.loaded.max_model_len,
             block_size=runner.pool.geometry.block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             eos_token_ids=runner.loaded.eos_token_ids if eos_token_ids is None else eos_token_ids,
-            num_cpu_blocks=num_cpu_blocks))
+            num_cpu_blocks=num_cpu_blocks, speculative=speculative, num_speculative_tokens=num_speculative_tokens))
         self.pending: list[tuple[int, Request]] = []  # (arrival step, request) not yet submitted
         self.outputs: dict[str, list[list[int]]] = {}
         # Each generated token's logprobs, for the requests whose sampling asks for them (logprobs not None).
@@ -61,7 +61,7 @@ class LocalDriver:
             self.num_copies += len(plan.copies)
             result = result_from_pb(result_to_pb(self.runner.step(plan_from_pb(worker_pb2.StepPlan.FromString(
                 plan_to_pb(plan).SerializeToString())))))
-            for out in sched.update(plan, result.sampled):
+            for out in sched.update(plan, result.sampled, result.num_accepted_drafts):
                 self.outputs[out.request_id][out.index].extend(out.new_token_ids)
                 if out.new_token_ids and out.seq_id in result.logprobs:
                     self.logprobs[out.request_id][out.index].append(result.logprobs[out.seq_id])

@@ -33,6 +33,8 @@ class FakeWorker:
 
     It also models KV memory: each slot holds the token prefix its K/V depends on, moved by swaps and copies
     like the real pool, so a wrong prefix hit, copy or swap shows up as a sequence that cannot read itself back.
+    Drafts (speculative decoding) are computed like known tokens, then accepted while each is the token next_token
+    gives for its position (`num_accepted`: the last step's counts), as a greedy worker verifies them.
     """
 
     def __init__(self, next_token=position_token, block_size: int = BS) -> None:
@@ -40,6 +42,7 @@ class FakeWorker:
         self.seqs: dict[int, dict] = {}
         self.kv: dict[tuple[int, int], tuple[int, ...]] = {}  # (device block, slot) -> prefix
         self.cpu: dict[tuple[int, int], tuple[int, ...]] = {}  # (cpu block, slot) -> prefix
+        self.num_accepted: dict[int, int] = {}  # the last step's: seq_id -> drafts accepted (absent: none)
 
     def _move(self, src_mem: dict, dst_mem: dict, pairs) -> None:
         for src, dst in pairs:
@@ -66,6 +69,9 @@ class FakeWorker:
             s = self.seqs[r.seq_id]  # NOTE: KeyError = a delta for a sequence the worker does not hold
             s["blocks"] += r.new_block_ids
             s["scheduled"] = r.num_scheduled_tokens
+            assert r.num_scheduled_tokens == 1 + len(r.draft_token_ids) or not r.draft_token_ids
+            s["tokens"] += r.draft_token_ids
+            s["drafts"] = len(r.draft_token_ids)
         for p in [*plan.new_seqs, *plan.running]:
             s = self.seqs[p.seq_id]
             start, end, tokens, blocks = s["computed"], s["computed"] + s["scheduled"], s["tokens"], s["blocks"]
@@ -73,6 +79,17 @@ class FakeWorker:
             for pos in range(start, end):  # the forward writes this step's K/V
                 self.kv[(blocks[pos // bs], pos % bs)] = tuple(tokens[:pos + 1])
             s["computed"] = end
+        self.num_accepted = {}
+        for p in plan.running:  # drafts: kept while each is what the model gives, the KV valid up to the last kept
+            s = self.seqs[p.seq_id]
+            if k := s.pop("drafts", 0):
+                tokens, n = s["tokens"], 0
+                while n < k and tokens[len(tokens) - k + n] == self.next_token(p.seq_id, len(tokens) - k + n):
+                    n += 1
+                del tokens[len(tokens) - k + n:]
+                s["computed"] -= k - n
+                if n:
+                    self.num_accepted[p.seq_id] = n
         for p in [*plan.new_seqs, *plan.running]:  # every context read back whole: hits, copies and swaps were right
             s = self.seqs[p.seq_id]
             tokens, blocks = s["tokens"], s["blocks"]
@@ -91,14 +108,14 @@ def drive(s: Scheduler, worker: FakeWorker | None = None, max_steps: int = 1000)
     while s.has_unfinished_requests() and len(plans) < max_steps:
         plan = s.schedule()
         plans.append(plan)
-        s.update(plan, worker.step(plan))
+        s.update(plan, worker.step(plan), worker.num_accepted)
     assert not s.has_unfinished_requests()
     return plans
 
 
 def step(s: Scheduler, worker: FakeWorker) -> tuple[StepPlan, list]:
     plan = s.schedule()
-    return plan, s.update(plan, worker.step(plan))
+    return plan, s.update(plan, worker.step(plan), worker.num_accepted)
 
 
 
@@ -122,7 +139,7 @@ def random_steps(s: Scheduler, rng, new_request, num_iterations: int, check) -> 
                 break
             continue
         plan_to_pb(plan)
-        s.update(plan, w.step(plan))
+        s.update(plan, w.step(plan), w.num_accepted)
         check(w)
     return w, reqs
 

@@ -97,14 +97,16 @@ class NewSequence(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., seed: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class SequenceDelta(_message.Message):
-    __slots__ = ("seq_id", "new_block_ids", "num_scheduled_tokens")
+    __slots__ = ("seq_id", "new_block_ids", "num_scheduled_tokens", "draft_token_ids")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_scheduled_tokens: int
-    def __init__(self, seq_id: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ...) -> None: ...
+    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, seq_id: _Optional[int] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class BlockCopy(_message.Message):
     __slots__ = ("src", "dst")
@@ -145,14 +147,16 @@ class TokenBitmask(_message.Message):
     def __init__(self, seq_id: _Optional[int] = ..., bitmask: _Optional[bytes] = ...) -> None: ...
 
 class SampledToken(_message.Message):
-    __slots__ = ("seq_id", "token_id", "logprobs")
+    __slots__ = ("seq_id", "token_id", "logprobs", "num_accepted_drafts")
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_DRAFTS_FIELD_NUMBER: _ClassVar[int]
     seq_id: int
     token_id: int
     logprobs: _generate_pb2.PositionLogprobs
-    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[_generate_pb2.PositionLogprobs, _Mapping]] = ...) -> None: ...
+    num_accepted_drafts: int
+    def __init__(self, seq_id: _Optional[int] = ..., token_id: _Optional[int] = ..., logprobs: _Optional[_Union[_generate_pb2.PositionLogprobs, _Mapping]] = ..., num_accepted_drafts: _Optional[int] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "tokens", "step_seconds", "idle_seconds")
