@@ -603,6 +603,153 @@ inline void block16(const float* q, const uint16_t* qh, float scale, float* acc,
 }
 #endif
 
+#if defined(PS_AVX512)
+// The float32 / bfloat16 pools' whole item, 16-key blocks taken kGroup at a time: the per-row softmax chain (the
+// maxima, exp, sums: latency-bound, ~150 cycles a row) runs once per group instead of once per block; a group's
+// scores sit in kGroup vectors per row. Same arithmetic as block16 otherwise.
+constexpr int kGroup = 4;
+
+template <int D, typename E>
+void attend_grouped(const float* q, const uint16_t* qh, float scale, float* acc, float* m, float* l,
+                    const int64_t* pos, int64_t rows, const E* K, const E* V, const int32_t* table,
+                    int64_t num_kv_blocks, int64_t last, int64_t tok_stride, int64_t head_off) {
+  constexpr int NV = D / 16;
+  constexpr int RG = 16 / NV;
+  thread_local std::vector<float> pbuf;
+  pbuf.resize(kMaxRows * 16 * kGroup);
+  float* const p = pbuf.data();
+  float corr[kMaxRows];
+  int64_t nk[kMaxRows][kGroup];
+  for (int64_t j0 = 0; j0 < num_kv_blocks; j0 += kGroup) {
+    const int nb = static_cast<int>(std::min<int64_t>(kGroup, num_kv_blocks - j0));
+    const E* kb[kGroup];
+    const E* vb[kGroup];
+    for (int b = 0; b < nb; ++b) {
+      const int64_t off = static_cast<int64_t>(table[j0 + b]) * 16 * tok_stride + head_off;
+      kb[b] = K + off;
+      vb[b] = V + off;
+    }
+    const int64_t next_end = std::min<int64_t>(num_kv_blocks, j0 + 2 * kGroup);
+    for (int64_t j = j0 + kGroup; j < next_end; ++j) {  // the next group's rows of this head (scattered blocks)
+      const int64_t off = static_cast<int64_t>(table[j]) * 16 * tok_stride + head_off;
+      const int64_t n_next = std::min<int64_t>(16, last + 1 - j * 16);
+      for (int64_t k = 0; k < n_next; ++k) {
+        const char* kr = reinterpret_cast<const char*>(K + off + k * tok_stride);
+        const char* vr = reinterpret_cast<const char*>(V + off + k * tok_stride);
+        for (int64_t c = 0; c < D * static_cast<int64_t>(sizeof(E)); c += 64) {
+          _mm_prefetch(kr + c, _MM_HINT_T0);
+          _mm_prefetch(vr + c, _MM_HINT_T0);
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      __m512 sv[kGroup];
+      __m512 vmax = _mm512_set1_ps(-INFINITY);
+      __mmask16 valid[kGroup];
+      for (int b = 0; b < nb; ++b) {
+        const int64_t base = (j0 + b) * 16;
+        const int64_t n = std::max<int64_t>(0, std::min<int64_t>(std::min<int64_t>(16, last + 1 - base),
+                                                                  pos[r] + 1 - base));  // causal: keys 0..pos[r]
+        nk[r][b] = n;
+        valid[b] = static_cast<__mmask16>((1u << n) - 1u);
+        if (n == 0) { sv[b] = _mm512_set1_ps(-INFINITY); continue; }
+        __m512 part[16];
+        bool done = false;
+#if defined(__AVX512BF16__)
+        if constexpr (std::is_same_v<E, uint16_t>) {
+          if (qh != nullptr) {
+            __m512bh qb[NV / 2];
+#pragma GCC unroll 4
+            for (int i = 0; i < NV / 2; ++i) qb[i] = (__m512bh)_mm512_loadu_si512(qh + r * D + 32 * i);
+#pragma GCC unroll 16
+            for (int k = 0; k < 16; ++k) {
+              if (k < n) {
+                const E* kr = kb[b] + k * tok_stride;
+                __m512 a = _mm512_setzero_ps();
+#pragma GCC unroll 4
+                for (int i = 0; i < NV / 2; ++i)
+                  a = _mm512_dpbf16_ps(a, qb[i], (__m512bh)_mm512_loadu_si512(kr + 32 * i));
+                part[k] = a;
+              } else {
+                part[k] = _mm512_setzero_ps();
+              }
+            }
+            done = true;
+          }
+        }
+#endif
+        if (!done) {
+          __m512 qv[NV];
+#pragma GCC unroll 8
+          for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + r * D + 16 * i);
+#pragma GCC unroll 16
+          for (int k = 0; k < 16; ++k) {
+            if (k < n) {
+              const E* kr = kb[b] + k * tok_stride;
+              __m512 a = _mm512_mul_ps(qv[0], load16(kr));
+#pragma GCC unroll 8
+              for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(qv[i], load16(kr + 16 * i), a);
+              part[k] = a;
+            } else {
+              part[k] = _mm512_setzero_ps();
+            }
+          }
+        }
+        __m512 summed = transpose_sum16(part);
+        if (qh != nullptr) summed = _mm512_mul_ps(summed, _mm512_set1_ps(scale));
+        sv[b] = _mm512_mask_blend_ps(valid[b], _mm512_set1_ps(-INFINITY), summed);
+        vmax = _mm512_max_ps(vmax, sv[b]);
+      }
+      const float bmax = _mm512_reduce_max_ps(vmax);
+      if (bmax == -INFINITY) {  // no key of this group is visible to this row
+        corr[r] = 1.0f;
+        for (int b = 0; b < nb; ++b) _mm512_storeu_ps(p + (r * kGroup + b) * 16, _mm512_setzero_ps());
+        continue;
+      }
+      const float m_new = bmax > m[r] ? bmax : m[r];
+      corr[r] = fast_exp(m[r] - m_new);  // m[r] = -inf on the first group: corr = 0
+      const __m512 mv = _mm512_set1_ps(m_new);
+      __m512 psum = _mm512_setzero_ps();
+      for (int b = 0; b < nb; ++b) {
+        const __m512 pv = _mm512_maskz_mov_ps(valid[b], fast_exp16(_mm512_sub_ps(sv[b], mv)));
+        _mm512_storeu_ps(p + (r * kGroup + b) * 16, pv);
+        psum = _mm512_add_ps(psum, pv);
+      }
+      l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(psum);
+      m[r] = m_new;
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += RG) {
+      const int64_t g = std::min<int64_t>(RG, rows - r0);
+      __m512 a[RG][NV];
+      for (int64_t r = 0; r < g; ++r) {
+        const __m512 c = _mm512_set1_ps(corr[r0 + r]);
+#pragma GCC unroll 8
+        for (int i = 0; i < NV; ++i) a[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + r) * D + 16 * i), c);
+      }
+      for (int b = 0; b < nb; ++b) {
+        int64_t nmax = 0;
+        for (int64_t r = r0; r < r0 + g; ++r) nmax = std::max(nmax, nk[r][b]);
+        for (int64_t k = 0; k < nmax; ++k) {  // p is 0 past a row's own keys
+          const E* vr = vb[b] + k * tok_stride;
+          __m512 v[NV];
+#pragma GCC unroll 8
+          for (int i = 0; i < NV; ++i) v[i] = load16(vr + 16 * i);
+          for (int64_t r = 0; r < g; ++r) {
+            const __m512 pk = _mm512_set1_ps(p[((r0 + r) * kGroup + b) * 16 + k]);
+#pragma GCC unroll 8
+            for (int i = 0; i < NV; ++i) a[r][i] = _mm512_fmadd_ps(pk, v[i], a[r][i]);
+          }
+        }
+      }
+      for (int64_t r = 0; r < g; ++r) {
+#pragma GCC unroll 8
+        for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + (r0 + r) * D + 16 * i, a[r][i]);
+      }
+    }
+  }
+}
+#endif
+
 struct Args {
   const float* q;
   int64_t q_stride_t, q_stride_h;
@@ -691,7 +838,19 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1) {
   const int64_t last = first_pos + t1 - 1;  // the item's furthest-seeing row
   const int64_t num_kv_blocks = last / BS + 1;
   const int32_t* table = a.block_tables + b * a.bt_stride;
-  for (int64_t j = 0; j < num_kv_blocks; ++j) {
+  bool grouped = false;
+#if defined(PS_AVX512)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, uint16_t>) {
+    if (fast16) {
+      if (D == 64) attend_grouped<64>(qbuf, qh, a.scale, abuf, m, l, pos, rows, K, V, table, num_kv_blocks, last,
+                                      tok_stride, h * D);
+      else attend_grouped<128>(qbuf, qh, a.scale, abuf, m, l, pos, rows, K, V, table, num_kv_blocks, last,
+                               tok_stride, h * D);
+      grouped = true;
+    }
+  }
+#endif
+  for (int64_t j = 0; j < num_kv_blocks && !grouped; ++j) {
     const int64_t base = j * BS;
     const int64_t n_in_block = std::min(BS, last + 1 - base);
     const int64_t row0 = static_cast<int64_t>(table[j]) * BS;  // the block's first token row in the pool

@@ -179,8 +179,8 @@ def test_a_bfloat16_pool_scores_bf16_queries_in_bf16_pairs_and_others_in_float32
     check(backend, torch.randn(sum(q_lens), 9, head_dim), pool, meta, torch.float32)
 
 
-def test_a_broken_rescale_in_the_16_key_block_path_fails_the_comparison(tmp_path, monkeypatch):
-    # The same teeth for the block16 path (16-token blocks, head_dim 64): its own online-softmax correction.
+def test_a_broken_rescale_in_the_16_key_block_paths_fails_the_comparison(backend, tmp_path, monkeypatch):
+    # The same teeth for the 16-key block paths (16-token blocks, head_dim 64): their own online-softmax correction.
     src = cpu_backend.SOURCE.read_text()
     broken = src.replace("corr[r] = fast_exp(m[r] - m_new);", "corr[r] = 1.0f;")
     assert broken != src
@@ -190,7 +190,14 @@ def test_a_broken_rescale_in_the_16_key_block_path_fails_the_comparison(tmp_path
     bad = CpuAttentionBackend()
     if cpu_backend.simd_width(bad.lib) != 512:
         pytest.skip("the 16-key block path is AVX-512 only; this CPU's build has none")
+    # contexts of 5..40 blocks: the grouped path (4 blocks a group) rescales several times per row
     rng = np.random.default_rng(3)
-    query, pool, meta = make_batch(rng, ["decode"] * 5, 16, 6, 2, 64, torch.float32)
+    lens = rng.integers(5 * 16, 40 * 16, size=5).tolist()
+    need = [-(-n // 16) for n in lens]
+    ids = rng.permutation(sum(need)).tolist()
+    tables = [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(len(lens))]
+    meta = AttentionMetadata.build([1] * len(lens), lens, tables, 16)
+    pool, query = torch.randn(2, sum(need), 16, 2, 64), torch.randn(len(lens), 6, 64)
+    check(backend, query, pool, meta, torch.float32)  # the real kernel (built before the patch) passes
     with pytest.raises(AssertionError):
         check(bad, query, pool, meta, torch.float32)
