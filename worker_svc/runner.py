@@ -132,7 +132,7 @@ class ModelRunner:
             masks = plan.token_bitmasks
             process = None if not masks and not any(s.processed for s in sampled) else \
                 (lambda x: self.logits_processor(x, sampled, masks))
-            result = self.sampler.sample(logits.float(), [s.sampling for s in sampled],
+            result = self.sampler.sample(logits, [s.sampling for s in sampled],
                                          [len(s.token_ids) for s in sampled], process)
         self._advance(scheduled)
         for s, tok in zip(sampled, result.token_ids):

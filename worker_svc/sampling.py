@@ -44,6 +44,11 @@ class Sampler:
         b = logits.shape[0]
         if len(options) != b or len(positions) != b:
             raise ValueError(f"batch of {b} rows but {len(options)} options and {len(positions)} positions")
+        if process is None and all(o.greedy and o.logprobs is None for o in options):
+            # NOTE: a bfloat16 model's logits: their float32 values are exact copies, so the argmax (ties ->
+            # lowest id) is the same without the [B, V] conversion
+            ids = logits.argmax(dim=-1).tolist()
+            return SampleOutput(token_ids=ids, logprobs=[None] * b)
         logits = logits.float()
         raw_lp = _raw_logprobs(logits, options)
         if process is not None:

@@ -240,3 +240,17 @@ def test_top_k_and_top_p_together_renormalise_within_top_k_first():
     got = draws(logits, S(top_k=3, top_p=0.7), 4000, seed=22)
     assert set(got) == {0, 1}
     assert abs(got.count(0) / len(got) - 0.4 / 0.7) < 0.03
+
+
+def test_greedy_bfloat16_logits_take_the_float32_argmax_ties_to_the_lowest_id():
+    # A bfloat16 model's logits skip the [B, V] float32 copy on the all-greedy path: same ids, ties included.
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=gen).to(torch.bfloat16)
+    logits[2, 10] = logits[2, 700] = 50.0  # a tie: the lowest id wins
+    greedy = [SamplingParams(temperature=0.0)] * 6
+    got = Sampler().sample(logits, greedy, [0] * 6)
+    assert got.token_ids == logits.float().argmax(dim=-1).tolist() and got.token_ids[2] == 10
+    assert got.logprobs == [None] * 6
+    # a row asking for logprobs takes the float32 path, with the same token
+    with_lp = Sampler().sample(logits, [SamplingParams(temperature=0.0, logprobs=1)] * 6, [0] * 6)
+    assert with_lp.token_ids == got.token_ids and all(lp is not None for lp in with_lp.logprobs)
