@@ -203,4 +203,49 @@ void ps_rope_bf16(uint16_t* x, int64_t x_stride, const uint16_t* cos, const uint
   }
 }
 
+// Greedy sampling's argmax: out[r] = the lowest index of row r's maximum (NaN never wins; a row of only -inf or
+// NaN gives 0), rows of `cols` values `row_stride` elements apart; dtype 0 = float32, 1 = bfloat16. torch's argmax
+// over a [64, 49,152] bfloat16 batch takes ~10 ms a step on one core, this ~0.3 ms.
+int ps_argmax_rows(const void* x, int dtype, int64_t rows, int64_t cols, int64_t row_stride, int64_t* out) {
+  if (dtype != 0 && dtype != 1) return 2;
+#pragma omp parallel for if (rows * cols >= 4 * kParallelElems)
+  for (int64_t r = 0; r < rows; ++r) {
+    float best = -INFINITY;
+    int64_t at = -1;
+    int64_t c = 0;
+    const float* xf = static_cast<const float*>(x) + r * row_stride;
+    const uint16_t* xb = static_cast<const uint16_t*>(x) + r * row_stride;
+#if defined(PS_OPS_AVX512)
+    // per lane: its maximum and the first column where it was seen (columns only grow: ties keep the first)
+    __m512 vbest = _mm512_set1_ps(-INFINITY);
+    __m512i vat = _mm512_set1_epi32(-1);
+    const __m512i step = _mm512_set1_epi32(16);
+    __m512i col = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    if (cols < (int64_t{1} << 31)) {
+      for (; c + 16 <= cols; c += 16) {
+        const __m512 v = dtype == 0 ? _mm512_loadu_ps(xf + c) : vload(xb + c);
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, vbest, _CMP_GT_OQ);
+        vbest = _mm512_mask_mov_ps(vbest, gt, v);
+        vat = _mm512_mask_mov_epi32(vat, gt, col);
+        col = _mm512_add_epi32(col, step);
+      }
+      alignas(64) float lb[16];
+      alignas(64) int32_t la[16];
+      _mm512_store_ps(lb, vbest);
+      _mm512_store_si512(la, vat);
+      for (int i = 0; i < 16; ++i) {
+        if (la[i] < 0) continue;
+        if (lb[i] > best || (lb[i] == best && la[i] < at)) { best = lb[i]; at = la[i]; }
+      }
+    }
+#endif
+    for (; c < cols; ++c) {
+      const float v = dtype == 0 ? xf[c] : bf2f(xb[c]);
+      if (v > best) { best = v; at = c; }
+    }
+    out[r] = at < 0 ? 0 : at;
+  }
+  return 0;
+}
+
 }  // extern "C"

@@ -1,5 +1,6 @@
-"""The bfloat16 lean forward's fused elementwise ops (cpu_ops.cpp, in the CPU kernel library): RMSNorm, residual add
-+ RMSNorm, SiLU-gated product and rotary, one pass each instead of torch's 5-10 bfloat16 kernels."""
+"""The CPU worker's fused ops (cpu_ops.cpp, in the CPU kernel library): the bfloat16 lean forward's RMSNorm, residual
+add + RMSNorm, SiLU-gated product and rotary (one pass each instead of torch's 5-10 bfloat16 kernels), and greedy
+sampling's row argmax."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ class CpuOps:
         self._rope.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64]
         for fn in (self._norm, self._add_norm, self._silu_mul, self._rope):
             fn.restype = None
+        self._argmax = lib.ps_argmax_rows
+        self._argmax.argtypes = [_ptr, ctypes.c_int, _i64, _i64, _i64, _ptr]
+        self._argmax.restype = ctypes.c_int
 
     @staticmethod
     def _check(*tensors: torch.Tensor) -> None:
@@ -62,3 +66,30 @@ class CpuOps:
             raise ValueError("cpu_ops.rope_: bfloat16 [T, heads, hd] with contiguous heads, even hd <= 512")
         self._check(cos, sin)
         self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, hd)
+
+    def argmax(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's lowest index of its maximum, as torch.argmax(dim=-1) for rows without NaN: float32 or bfloat16
+        [B, V] on the CPU with contiguous rows."""
+        if logits.dim() != 2 or logits.dtype not in _ARGMAX_DTYPES or logits.device.type != "cpu" or \
+                logits.stride(1) != 1:
+            raise ValueError("cpu_ops.argmax: [B, V] float32 or bfloat16 CPU rows")
+        out = torch.empty(logits.shape[0], dtype=torch.int64)
+        rc = self._argmax(logits.data_ptr(), _ARGMAX_DTYPES[logits.dtype], logits.shape[0], logits.shape[1],
+                          logits.stride(0), out.data_ptr())
+        if rc != 0:
+            raise ValueError(f"ps_argmax_rows refused the logits (code {rc})")
+        return out
+
+
+_ARGMAX_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+_SHARED: list[CpuOps | None] = []
+
+
+def shared_ops() -> CpuOps | None:
+    """One CpuOps for the process, or None where the CPU kernel library cannot be built or loaded."""
+    if not _SHARED:
+        try:
+            _SHARED.append(CpuOps())
+        except (RuntimeError, OSError, AttributeError):
+            _SHARED.append(None)
+    return _SHARED[0]

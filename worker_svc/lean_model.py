@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker_svc.cpu_ops import CpuOps
+from worker_svc.cpu_ops import shared_ops
 from worker_svc.linear import Linear, make_linear, transposed
 from worker_svc.models import LoadedModel
 
@@ -96,7 +96,7 @@ class LeanModel:
         self.num_heads = int(cfg.num_attention_heads)
         self.num_kv_heads = int(cfg.num_key_value_heads)
         self.scaling = float(first.scaling)
-        self.ops = _cpu_ops() if self.embed.dtype == torch.bfloat16 and self.embed.device.type == "cpu" else None
+        self.ops = shared_ops() if self.embed.dtype == torch.bfloat16 and self.embed.device.type == "cpu" else None
         self.layers: list[LeanLayer] = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
@@ -153,14 +153,6 @@ class LeanModel:
             x = x + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
         x = _norm(x.index_select(0, keep), self.final_norm, eps)  # NOTE: rows are independent past here
         return self.lm_head(x)
-
-
-def _cpu_ops() -> CpuOps | None:
-    """The fused bfloat16 ops, or None (the torch ops then) where the CPU kernel library cannot be built."""
-    try:
-        return CpuOps()
-    except (RuntimeError, OSError, AttributeError):
-        return None
 
 
 def _bias(linear: torch.nn.Linear) -> torch.Tensor | None:

@@ -95,3 +95,21 @@ def test_the_bfloat16_lean_forward_gives_the_torch_ops_logits(tiny_llama_dir):
     # bit-equal ops but for silu's rare one-step differences: the logits agree to bfloat16 noise
     assert (fused - plain).abs().max().item() <= 0.05 * plain.abs().max().item()
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, BF16])
+@pytest.mark.parametrize("rows, cols", [(64, 49152), (5, 37), (1, 16), (3, 1)])
+def test_argmax_is_torchs_with_ties_to_the_lowest_id(ops, dtype, rows, cols):
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(cols)).to(dtype)
+    if cols > 40:
+        x[0, 3] = x[0, cols - 2] = 99.0  # a tie across vector lanes and the tail
+        x[-1, 17] = x[-1, 33] = 99.0  # a tie within one lane (17 and 33: 16 apart)
+    assert torch.equal(ops.argmax(x), x.float().argmax(dim=-1))
+    strided = torch.randn(rows, cols + 8, generator=torch.Generator().manual_seed(1)).to(dtype)[:, :cols]
+    assert torch.equal(ops.argmax(strided), strided.float().argmax(dim=-1))  # rows `stride` apart
+
+
+def test_argmax_of_an_all_minus_infinity_row_is_zero_as_torchs(ops):
+    x = torch.full((2, 40), float("-inf"))
+    x[1, 7] = 0.0
+    assert ops.argmax(x).tolist() == [0, 7] == x.argmax(dim=-1).tolist()
