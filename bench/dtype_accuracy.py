@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagedserve_cli.bench.accuracy import header, line, measure, row  # noqa: E402
-from pagedserve_cli.bench.corpus import NAME, corpus_token_ids  # noqa: E402
+from pagedserve_cli.bench.accuracy import (add_arguments, corpus, dtypes_arg, header, line,  # noqa: E402
+                                           measure_args, row)
 from pagedserve_cli.bench.perplexity import scoring_runner  # noqa: E402
 from worker_svc.cpu_features import NATIVE_BF16_FLAGS, cpu_flags  # noqa: E402
 from worker_svc.model_store import resolve_model  # noqa: E402
@@ -39,37 +36,19 @@ REFERENCE = "float32"
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtypes", default="bfloat16", help="comma-separated weight dtypes (float32 is added)")
-    ap.add_argument("--num-tokens", type=int, default=4096, help="tokens scored for perplexity and KL")
-    ap.add_argument("--window", type=int, default=1024)
-    ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (tokens per step)")
-    ap.add_argument("--num-prompts", type=int, default=64, help="0: perplexity and KL only")
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--num-new", type=int, default=128, help="greedy tokens per prompt")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--kv-memory", type=int, default=640, metavar="MIB", help="each pool's size")
+    add_arguments(ap, 4096, "each pool's size")
     args = ap.parse_args(argv)
-    dtypes = [REFERENCE] + [d for d in args.dtypes.split(",") if d and d != REFERENCE]
-    unknown = [d for d in dtypes if d not in DTYPES]
-    if unknown:
-        ap.error(f"--dtypes: unknown {unknown}; choose from {','.join(DTYPES)}")
+    dtypes = dtypes_arg(ap, args.dtypes, REFERENCE, DTYPES)
 
     model_dir = str(resolve_model(args.model))
     auto = resolve_dtype("auto", "cpu", json.loads(Path(model_dir, "config.json").read_text()))
     flags = " ".join(f for f in NATIVE_BF16_FLAGS if f in cpu_flags()) or "none of " + " ".join(NATIVE_BF16_FLAGS)
     print(f"# auto here: {auto.name} ({auto.reason}); bfloat16 flags: {flags}", flush=True)
-    text = corpus_token_ids(model_dir)
-    if args.num_tokens >= len(text):
-        ap.error(f"--num-tokens {args.num_tokens}: the corpus has {len(text)} tokens, some must be held out")
+    text = corpus(ap, args, model_dir)
     runners = {d: scoring_runner(model_dir, "auto", kv_memory=args.kv_memory << 20, threads=args.threads, dtype=d)
                for d in dtypes}
-    backends = ", ".join(f"{d}: {r.backend.name}" for d, r in runners.items())
-    print(f"# {NAME}: tokens 0..{args.num_tokens} of {len(text)}; window {args.window}, chunk {args.chunk}; "
-          f"threads {torch.get_num_threads()}; backends {backends}; {platform.processor() or platform.machine()}",
-          flush=True)
-    got = measure(runners, REFERENCE, text, args.num_tokens, args.window, args.chunk, args.num_prompts,
-                  args.prompt_len, args.num_new)
+    got = measure_args(runners, REFERENCE, text, args)
     print("\n" + header("weights and cache", REFERENCE, args.num_prompts, args.num_new))
     print("\n".join(row(d, got[d]) for d in dtypes))
     print()

@@ -18,16 +18,13 @@ other dtypes are reported without a bound. Prints a markdown table, then one `kv
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagedserve_cli.bench.accuracy import header, line, measure, row  # noqa: E402
-from pagedserve_cli.bench.corpus import NAME, corpus_token_ids  # noqa: E402
+from pagedserve_cli.bench.accuracy import (add_arguments, corpus, dtypes_arg, header, line,  # noqa: E402
+                                           measure_args, row)
 from pagedserve_cli.bench.perplexity import scoring_runner, sibling_runner  # noqa: E402
 from worker_svc.model_store import resolve_model  # noqa: E402
 
@@ -45,38 +42,20 @@ def verdict(dtype: str, delta_pct: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated cache dtypes (float32 is added)")
     ap.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "torch", "cupy"))
-    ap.add_argument("--num-tokens", type=int, default=50_000, help="tokens scored for perplexity and KL")
-    ap.add_argument("--window", type=int, default=1024)
-    ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (tokens per step)")
-    ap.add_argument("--num-prompts", type=int, default=64, help="0: perplexity and KL only")
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--num-new", type=int, default=128, help="greedy tokens per prompt")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--kv-memory", type=int, default=640, metavar="MIB", help="the float32 pool's size")
+    add_arguments(ap, 50_000, "the float32 pool's size")
     args = ap.parse_args(argv)
-    dtypes = [REFERENCE] + [d for d in args.dtypes.split(",") if d and d != REFERENCE]
-    unknown = [d for d in dtypes if d not in DTYPES]
-    if unknown:
-        ap.error(f"--dtypes: unknown {unknown}; choose from {','.join(DTYPES)}")
+    dtypes = dtypes_arg(ap, args.dtypes, REFERENCE, DTYPES)
 
     model_dir = str(resolve_model(args.model))
-    text = corpus_token_ids(model_dir)
-    if args.num_tokens >= len(text):
-        ap.error(f"--num-tokens {args.num_tokens}: the corpus has {len(text)} tokens, some must be held out")
+    text = corpus(ap, args, model_dir)
     # NOTE: every pool gets the float32 pool's block count (--kv-memory of float32: 640 MiB holds 910 blocks of
     # the default model), enough for a window or all the prompts decoded at once; both say so if it is not.
     ref = scoring_runner(model_dir, REFERENCE, args.attention_backend, kv_memory=args.kv_memory << 20,
                          threads=args.threads)
     runners = {REFERENCE: ref, **{d: sibling_runner(ref, d, args.attention_backend) for d in dtypes[1:]}}
-    backends = ", ".join(f"{d}: {r.backend.name}" for d, r in runners.items())
-    print(f"# {NAME}: tokens 0..{args.num_tokens} of {len(text)}; window {args.window}, chunk {args.chunk}; "
-          f"threads {torch.get_num_threads()}; backends {backends}; {platform.processor() or platform.machine()}",
-          flush=True)
-    got = measure(runners, REFERENCE, text, args.num_tokens, args.window, args.chunk, args.num_prompts,
-                  args.prompt_len, args.num_new)
+    got = measure_args(runners, REFERENCE, text, args)
     print("\n" + header("cache dtype", REFERENCE, args.num_prompts, args.num_new, "bound"))
     print("\n".join(row(d, got[d], verdict(d, got[d].delta_pct)) for d in dtypes))
     print()

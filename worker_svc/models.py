@@ -123,5 +123,5 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
         eos = gen_cfg.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
     return LoadedModel(model=model, model_id=model_id or str(model_dir), model_type=model_type,
-                       dtype=choice.dtype, dtype_reason=choice.reason, max_model_len=int(getattr(cfg, "max_position_embeddings", 2048)),
-                       vocab_size=int(cfg.vocab_size), eos_token_ids=eos_ids)
+                       dtype=choice.dtype, max_model_len=int(getattr(cfg, "max_position_embeddings", 2048)),
+                       vocab_size=int(cfg.vocab_size), eos_token_ids=eos_ids, dtype_reason=choice.reason)

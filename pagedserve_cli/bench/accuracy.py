@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import platform
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -17,6 +19,54 @@ class Accuracy:
     scored: Scored
     agreement: Agreement
     delta_pct: float  # 100 x (perplexity / the reference's - 1)
+
+
+def add_arguments(ap: argparse.ArgumentParser, num_tokens: int, kv_memory_help: str) -> None:
+    """The flags of the model, the corpus slice, the greedy prompts and the runners (args for corpus() and
+    measure_args())."""
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--num-tokens", type=int, default=num_tokens, help="tokens scored for perplexity and KL")
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (tokens per step)")
+    ap.add_argument("--num-prompts", type=int, default=64, help="0: perplexity and KL only")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--num-new", type=int, default=128, help="greedy tokens per prompt")
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--kv-memory", type=int, default=640, metavar="MIB", help=kv_memory_help)
+
+
+def dtypes_arg(ap: argparse.ArgumentParser, value: str, reference: str, known: Sequence[str]) -> list[str]:
+    """--dtypes' comma-separated list, the reference first (added when missing); a usage error naming any unknown."""
+    dtypes = [reference] + [d for d in value.split(",") if d and d != reference]
+    unknown = [d for d in dtypes if d not in known]
+    if unknown:
+        ap.error(f"--dtypes: unknown {unknown}; choose from {','.join(known)}")
+    return dtypes
+
+
+def corpus(ap: argparse.ArgumentParser, args: argparse.Namespace, model_dir: str) -> list[int]:
+    """The corpus' token ids; a usage error when --num-tokens leaves none held out for the greedy prompts."""
+    from pagedserve_cli.bench.corpus import corpus_token_ids
+
+    text = corpus_token_ids(model_dir)
+    if args.num_tokens >= len(text):
+        ap.error(f"--num-tokens {args.num_tokens}: the corpus has {len(text)} tokens, some must be held out")
+    return text
+
+
+def measure_args(runners: Mapping[str, object], reference: str, text: Sequence[int],
+                 args: argparse.Namespace) -> dict[str, Accuracy]:
+    """measure() with add_arguments()' flags, after a line saying what is measured on what."""
+    import torch
+
+    from pagedserve_cli.bench.corpus import NAME
+
+    backends = ", ".join(f"{d}: {r.backend.name}" for d, r in runners.items())
+    print(f"# {NAME}: tokens 0..{args.num_tokens} of {len(text)}; window {args.window}, chunk {args.chunk}; "
+          f"threads {torch.get_num_threads()}; backends {backends}; {platform.processor() or platform.machine()}",
+          flush=True)
+    return measure(runners, reference, text, args.num_tokens, args.window, args.chunk, args.num_prompts,
+                   args.prompt_len, args.num_new)
 
 
 def measure(runners: Mapping[str, object], reference: str, text: Sequence[int], num_tokens: int, window: int = 1024,
