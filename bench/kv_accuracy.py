@@ -18,18 +18,14 @@ other dtypes are reported without a bound. Prints a markdown table, then one `kv
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
-import time
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pagedserve_cli.bench.corpus import NAME, corpus_token_ids  # noqa: E402
-from pagedserve_cli.bench.greedy import agreement, greedy_tokens, held_out_prompts  # noqa: E402
-from pagedserve_cli.bench.perplexity import compare, scoring_runner, sibling_runner  # noqa: E402
+from pagedserve_cli.bench.accuracy import (add_arguments, corpus, dtypes_arg, header, line,  # noqa: E402
+                                           measure_args, row)
+from pagedserve_cli.bench.perplexity import scoring_runner, sibling_runner  # noqa: E402
 from worker_svc.model_store import resolve_model  # noqa: E402
 
 DTYPES = ("float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8_e5m2")
@@ -46,73 +42,26 @@ def verdict(dtype: str, delta_pct: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated cache dtypes (float32 is added)")
     ap.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "torch", "cupy"))
-    ap.add_argument("--num-tokens", type=int, default=50_000, help="tokens scored for perplexity and KL")
-    ap.add_argument("--window", type=int, default=1024)
-    ap.add_argument("--chunk", type=int, default=256, help="prefill chunk (tokens per step)")
-    ap.add_argument("--num-prompts", type=int, default=64, help="0: perplexity and KL only")
-    ap.add_argument("--prompt-len", type=int, default=64)
-    ap.add_argument("--num-new", type=int, default=128, help="greedy tokens per prompt")
-    ap.add_argument("--threads", type=int, default=None)
-    ap.add_argument("--kv-memory", type=int, default=640, metavar="MIB", help="the float32 pool's size")
+    add_arguments(ap, 50_000, "the float32 pool's size")
     args = ap.parse_args(argv)
-    dtypes = [REFERENCE] + [d for d in args.dtypes.split(",") if d and d != REFERENCE]
-    unknown = [d for d in dtypes if d not in DTYPES]
-    if unknown:
-        ap.error(f"--dtypes: unknown {unknown}; choose from {','.join(DTYPES)}")
+    dtypes = dtypes_arg(ap, args.dtypes, REFERENCE, DTYPES)
 
     model_dir = str(resolve_model(args.model))
-    t0 = time.perf_counter()
-    text = corpus_token_ids(model_dir)
-    if args.num_tokens >= len(text):
-        ap.error(f"--num-tokens {args.num_tokens}: the corpus has {len(text)} tokens, some must be held out")
+    text = corpus(ap, args, model_dir)
     # NOTE: every pool gets the float32 pool's block count (--kv-memory of float32: 640 MiB holds 910 blocks of
     # the default model), enough for a window or all the prompts decoded at once; both say so if it is not.
     ref = scoring_runner(model_dir, REFERENCE, args.attention_backend, kv_memory=args.kv_memory << 20,
                          threads=args.threads)
     runners = {REFERENCE: ref, **{d: sibling_runner(ref, d, args.attention_backend) for d in dtypes[1:]}}
-    backends = ", ".join(f"{d}: {r.backend.name}" for d, r in runners.items())
-    print(f"# {NAME}: tokens 0..{args.num_tokens} of {len(text)}; window {args.window}, chunk {args.chunk}; "
-          f"threads {torch.get_num_threads()}; backends {backends}; {platform.processor() or platform.machine()}",
-          flush=True)
-
-    # NOTE: greedy first (the shorter part), and perplexity's running figures after every window, so a run cut
-    # short still tells something.
-    prompts = held_out_prompts(text, args.num_tokens, args.num_prompts, args.prompt_len) if args.num_prompts else []
-    runs = {d: greedy_tokens(r, prompts, args.num_new, batch=max(1, len(prompts))) for d, r in runners.items()}
-    agreements = {d: agreement(runs[REFERENCE], runs[d]) for d in dtypes}
-    print(f"# greedy done at {time.perf_counter() - t0:.0f} s: " + " ".join(
-        f"{d}={a.share:.4f}/first_divergence={a.mean_first_divergence:.2f}" for d, a in agreements.items()),
-        flush=True)
-
-    def progress(so_far: dict) -> None:
-        print(f"# {time.perf_counter() - t0:.0f} s, {so_far[REFERENCE].num_tokens} tokens: " + " ".join(
-            f"{d}={s.perplexity:.4f}/kl={s.mean_kl:.3e}" for d, s in so_far.items()), flush=True)
-
-    scored = compare(runners, REFERENCE, text[:args.num_tokens], args.window, args.chunk, progress)
-    print(f"# scored at {time.perf_counter() - t0:.0f} s", flush=True)
-
-    base = scored[REFERENCE].perplexity
-    rows, lines = [], []
-    for d in dtypes:
-        s, a = scored[d], agreements[d]
-        delta = 100.0 * (s.perplexity / base - 1.0)
-        rows.append(f"| {d} | {s.perplexity:.4f} | {delta:+.3f}% | {s.mean_kl:.3e} | {a.share:.4f} | "
-                    f"{a.mean_first_divergence:.2f} | {verdict(d, delta)} |")
-        lines.append(f"kv_accuracy dtype={d} ppl={s.perplexity:.4f} ppl_delta_pct={delta:.3f} kl={s.mean_kl:.4e} "
-                     f"greedy_agreement={a.share:.4f} first_divergence_mean={a.mean_first_divergence:.2f} "
-                     f"tokens={s.num_tokens} positions={a.num_positions} "
-                     f"bound={verdict(d, delta).split(' ')[0]}")
-    print(f"\n| cache dtype | perplexity | vs float32 | mean KL vs float32 | greedy agreement "
-          f"({args.num_prompts} x {args.num_new}) | tokens before first divergence (mean) | bound |")
-    print("|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+    got = measure_args(runners, REFERENCE, text, args)
+    print("\n" + header("cache dtype", REFERENCE, args.num_prompts, args.num_new, "bound"))
+    print("\n".join(row(d, got[d], verdict(d, got[d].delta_pct)) for d in dtypes))
     print()
-    print("\n".join(lines))
-    failed = [d for d in dtypes if verdict(d, 100.0 * (scored[d].perplexity / base - 1.0)).startswith("FAIL")]
-    return 1 if failed else 0
+    print("\n".join(f"{line('kv_accuracy', d, got[d])} bound={verdict(d, got[d].delta_pct).split(' ')[0]}"
+                    for d in dtypes))
+    return 1 if any(verdict(d, got[d].delta_pct).startswith("FAIL") for d in dtypes) else 0
 
 
 if __name__ == "__main__":

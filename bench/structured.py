@@ -208,7 +208,8 @@ def main() -> None:
         print_schemas("peer", {t: asyncio.run(schemas(args.peer, args.peer_model or None, t)) for t in (0.0, 1.0)})
         return
     print(line("mask", mask_cost(args.model)), flush=True)
-    up = spawn(SpawnConfig(args.model, http=True), args.up_args.split(), "structured")
+    # NOTE: float32 as bench/server_lib.sh's vLLM (--dtype float32), whatever `auto` picks on this CPU
+    up = spawn(SpawnConfig(args.model, dtype="float32", http=True), args.up_args.split(), "structured")
     print(f"(pagedserve up's log: {up.log_path})", file=sys.stderr, flush=True)
     http_url = up.openai_url
     try:

@@ -10,13 +10,14 @@ import time
 from pathlib import Path
 
 from pagedserve_cli.bench.workloads import WORKLOADS, build_requests, parse_range
-from pagedserve_common.config import SPECULATIVE
+from pagedserve_common.config import DTYPES, SPECULATIVE
 from pagedserve_common.defaults import DEFAULT_LISTEN, DEFAULT_MODEL, METRICS_PORT, metrics_url
 COMPARISON_NAMES = ("static-prealloc", "no-prefix-cache", "kv-int8")
 # NOTE: a comparison needs a pool that memory, not --max-num-seqs, fills: 512 MiB holds 11,650 tokens of the
 # default model in float32 (46,080 bytes each), 5 sequences of 2,048 slots, or about 45 of the mixed workload's.
 COMPARE_KV_MEMORY = "512MiB"
 COMPARE_MAX_MODEL_LEN = 2048
+COMPARE_DTYPE = "float32"  # NOTE: `auto` depends on the CPU (bfloat16 with AVX512-BF16 or AMX): block counts too
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -66,7 +67,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="with --compare kv-int8: the tokens of the corpus (Newton's Opticks) whose teacher-forced "
                         "perplexity is measured with each cache, after the servers stop (default 4096)")
     s.add_argument("--spawn", action="store_true", help="bench a private server instead of --server")
-    s.add_argument("--dtype", default="auto", help="the worker's dtype (default auto)")
+    s.add_argument("--dtype", choices=DTYPES,
+                   help="the worker's dtype (default: with --spawn auto, what `pagedserve up` picks; with --compare "
+                        f"{COMPARE_DTYPE}, so that a comparison's figures are the same on every CPU)")
     s.add_argument("--kv-memory", help=f"the worker's KV pool, e.g. 512MiB (default: auto; with --compare "
                                        f"{COMPARE_KV_MEMORY}, kv-int8 128MiB, so that memory, not max-num-seqs, bounds the batch)")
     s.add_argument("--max-model-len", type=int,
@@ -174,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     if args.compare:
         from pagedserve_cli.bench.compare import apply_defaults, run as run_compare
 
+        args.dtype = args.dtype or COMPARE_DTYPE
         apply_defaults(args, COMPARE_KV_MEMORY, COMPARE_MAX_MODEL_LEN)
         return run_compare(args)
     if args.ppl_tokens is not None:
@@ -189,6 +193,7 @@ def run(args: argparse.Namespace) -> int:
 
     model = model_dir(args.model or DEFAULT_MODEL)
     args.tokenizer = args.tokenizer or model
+    args.dtype = args.dtype or "auto"
     server = spawn(spawn_config(args, model), [], "server")
     try:
         args.server = server.address

@@ -219,8 +219,11 @@ class RunnerOptions:
                                   up=GIVEN)
     device: str = option("cpu", "cpu, cuda (= cuda:0), cuda:N, or cuda:auto (the first GPU no other worker sharing "
                                 "$PAGEDSERVE_CACHE has claimed: one GPU per compose replica)", type=parse_device)
-    dtype: str = option("auto", "the weights' (and the KV cache's, under --kv-cache-dtype auto): auto is float32 on "
-                                "the CPU, the checkpoint's dtype on a GPU", choices=DTYPES, up=ALWAYS)
+    dtype: str = option("auto", "the weights' (and the KV cache's, under --kv-cache-dtype auto): auto is bfloat16 "
+                                "on a CPU that computes it natively (AVX512-BF16 or AMX), float32 on any other CPU "
+                                "(whatever the checkpoint's dtype), the checkpoint's dtype on a GPU; the worker's "
+                                "start-up line says which and why (dtype, dtype_reason); float32 is the exact path",
+                        choices=DTYPES, up=ALWAYS)
     kv_cache_dtype: str = option("auto", "the KV cache's element type, whatever --dtype is: auto (the model's "
                                          "dtype), a float type, or 8 bits with one float32 scale per token and kv "
                                          "head (int8, fp8_e4m3, fp8_e5m2: about 3.8x the tokens of a float32 "

@@ -106,7 +106,8 @@ def run_worker(scheduler: str, cfg: WorkerConfig, shutdown: Shutdown | None = No
     # (TTFT 1.5-2.9 s, ~0.1 s later)
     warm_up_steps, warm_up_s = warm_up(runner, governor.tick if governor is not None else None)
     log.info("worker ready", scheduler=scheduler, num_blocks=reg.num_blocks, block_size=reg.block_size,
-             dtype=str(runner.loaded.dtype).removeprefix("torch."), kv_cache_dtype=reg.dtype, device=reg.device,
+             dtype=str(runner.loaded.dtype).removeprefix("torch."), dtype_reason=runner.loaded.dtype_reason,
+             kv_cache_dtype=reg.dtype, device=reg.device,
              kv_bytes=runner.pool.nbytes, threads=torch.get_num_threads(),
              cores=available_cores(), adaptive_threads=bool(governor and governor.enabled),
              attention=runner.backend.name, int8_qk=bool(getattr(runner.backend, "int8_qk", False)),

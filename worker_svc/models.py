@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import torch
 from transformers import AttentionInterface, AutoModelForCausalLM
 
 from pagedserve_common.kv_geometry import KVGeometry
+from worker_svc.cpu_features import NATIVE_BF16_FLAGS, cpu_flags, native_bf16_flags
 from worker_svc.kv_pool import DTYPES
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
@@ -48,6 +50,7 @@ class LoadedModel:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    dtype_reason: str = ""  # why `dtype` (DtypeChoice.reason): "--dtype float32", "auto: the CPU has amx_bf16", ...
 
     def kv_geometry(self, block_size: int, kv_cache_dtype: str = "auto") -> KVGeometry:
         """The pool's shape; kv_cache_dtype "auto" is the model's dtype."""
@@ -55,15 +58,50 @@ class LoadedModel:
         return KVGeometry.from_config(self.model.config.to_dict(), dtype, block_size)
 
 
-def resolve_dtype(dtype: str, device: str, config: dict) -> torch.dtype:
-    """'auto': float32 on the CPU, the checkpoint's dtype on a GPU."""
+@dataclass(slots=True, frozen=True)
+class DtypeChoice:
+    """The weights' dtype and why it was chosen (the worker's start-up line says both)."""
+
+    dtype: torch.dtype
+    reason: str
+
+    @property
+    def name(self) -> str:
+        return str(self.dtype).removeprefix("torch.")
+
+
+def checkpoint_dtype(config: dict) -> str:
+    """The dtype config.json says the weights are stored in ("" where it says none)."""
+    return str(config.get("dtype") or config.get("torch_dtype") or "").removeprefix("torch.")
+
+
+def auto_cpu_dtype(flags: Collection[str], checkpoint: str) -> tuple[str, str]:
+    """`--dtype auto` on the CPU, from its /proc/cpuinfo flags: (dtype, why). bfloat16 where the CPU computes it
+    natively (AVX512-BF16 or AMX; its speed and accuracy against float32: README "Which dtype `auto` picks"), else
+    float32, whatever the checkpoint's dtype: an emulated 16-bit GEMM is slower than float32's."""
+    native = native_bf16_flags(flags)
+    if native:
+        cast = f" (the {checkpoint} checkpoint cast to bfloat16)" if checkpoint in ("float16", "float64") else ""
+        return "bfloat16", f"auto: the CPU has {' and '.join(native)}{cast}"
+    why = f"the CPU has no {' or '.join(NATIVE_BF16_FLAGS)}, so 16-bit floats would be emulated"
+    if checkpoint in ("float16", "bfloat16"):
+        return "float32", f"auto: the checkpoint is {checkpoint}, but {why}"
+    return "float32", f"auto: {why}"
+
+
+def resolve_dtype(dtype: str, device: str, config: dict, flags: Collection[str] | None = None) -> DtypeChoice:
+    """--dtype: as given; auto is the checkpoint's dtype on a GPU and auto_cpu_dtype(flags: this CPU's by default)
+    on the CPU."""
     if dtype == "auto":
-        if not str(device).startswith("cuda"):
-            return torch.float32
-        dtype = str(config.get("dtype") or config.get("torch_dtype") or "float16")
+        if str(device).startswith("cuda"):
+            dtype, reason = checkpoint_dtype(config) or "float16", "auto: the checkpoint's dtype on a GPU"
+        else:
+            dtype, reason = auto_cpu_dtype(cpu_flags() if flags is None else flags, checkpoint_dtype(config))
+    else:
+        reason = f"--dtype {dtype}"
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {dtype!r}")
-    return DTYPES[dtype]
+    return DtypeChoice(DTYPES[dtype], reason)
 
 
 def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
@@ -74,8 +112,8 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r} in {model_dir}/config.json; "
                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    torch_dtype = resolve_dtype(dtype, device, config)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch_dtype)
+    choice = resolve_dtype(dtype, device, config)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=choice.dtype)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     model.to(device).eval()
     cfg = model.config
@@ -85,5 +123,5 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
         eos = gen_cfg.eos_token_id
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
     return LoadedModel(model=model, model_id=model_id or str(model_dir), model_type=model_type,
-                       dtype=torch_dtype, max_model_len=int(getattr(cfg, "max_position_embeddings", 2048)),
-                       vocab_size=int(cfg.vocab_size), eos_token_ids=eos_ids)
+                       dtype=choice.dtype, max_model_len=int(getattr(cfg, "max_position_embeddings", 2048)),
+                       vocab_size=int(cfg.vocab_size), eos_token_ids=eos_ids, dtype_reason=choice.reason)

@@ -72,9 +72,10 @@ def last_line(blocks: tuple[int, int], mean_running: tuple[float | None, float |
             f"ppl_delta_pct={100 * (_ratio(ppl[1], ppl[0]) - 1):.2f}")
 
 
-def measure_perplexity(model_dir: str, num_tokens: int, threads: int | None) -> dict:
+def measure_perplexity(model_dir: str, num_tokens: int, threads: int | None, dtype: str = "float32") -> dict:
     """Teacher-forced perplexity of the same corpus slice through a float32-cache and an int8-cache worker runner
-    (run in this process after the servers stopped, so it never shares the CPU with them)."""
+    with the servers' weights `dtype` (run in this process after the servers stopped, so it never shares the CPU
+    with them)."""
     import gc
 
     from pagedserve_cli.bench.corpus import NAME, corpus_token_ids
@@ -82,11 +83,11 @@ def measure_perplexity(model_dir: str, num_tokens: int, threads: int | None) -> 
 
     token_ids = corpus_token_ids(model_dir, num_tokens)
     out = {"corpus": NAME, "num_tokens": len(token_ids)}
-    for dtype in (BASE, QUANT):
-        print(f"pagedserve bench: perplexity with the {dtype} cache over {len(token_ids):,} tokens",
+    for cache in (BASE, QUANT):
+        print(f"pagedserve bench: perplexity with the {cache} cache over {len(token_ids):,} tokens",
               file=sys.stderr, flush=True)
-        runner = scoring_runner(model_dir, dtype, threads=threads)
-        out[dtype] = perplexity(runner, token_ids).perplexity
+        runner = scoring_runner(model_dir, cache, threads=threads, dtype=dtype)
+        out[cache] = perplexity(runner, token_ids).perplexity
         del runner
         gc.collect()
     return out
@@ -114,7 +115,7 @@ def report(args, model_dir: str, results: list) -> tuple[list[str], str, dict]:
     """After the servers stopped: perplexity per cache dtype, then the tables and the last line."""
     from pagedserve_common.units import format_bytes, parse_bytes
 
-    ppl = measure_perplexity(model_dir, args.ppl_tokens, args.threads)
+    ppl = measure_perplexity(model_dir, args.ppl_tokens, args.threads, args.dtype)
     kv_memory = parse_bytes(args.kv_memory)
     budgets = {format_bytes(b): model_capacities(model_dir, b)
                for b in dict.fromkeys((CAPACITY_KV_MEMORY, kv_memory))}

@@ -30,12 +30,14 @@ class Scored:
 
 
 def scoring_runner(model_dir: str, kv_cache_dtype: str = "auto", attention_backend: str = "auto",
-                   kv_memory: int = 256 << 20, threads: int | None = None):
-    """A worker's ModelRunner as `pagedserve worker` builds it (create_runner), for one cache dtype."""
+                   kv_memory: int = 256 << 20, threads: int | None = None, dtype: str = "float32"):
+    """A worker's ModelRunner as `pagedserve worker` builds it (create_runner), for one cache dtype and the weights'
+    `dtype`. NOTE: float32 unless asked, not the worker's `auto`, which depends on the CPU: a figure measured
+    against float32 stays one on every machine."""
     from worker_svc.worker import WorkerConfig, create_runner
 
-    cfg = WorkerConfig(model=model_dir, kv_cache_dtype=kv_cache_dtype, attention_backend=attention_backend,
-                       kv_memory=kv_memory, threads=threads)
+    cfg = WorkerConfig(model=model_dir, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                       attention_backend=attention_backend, kv_memory=kv_memory, threads=threads)
     runner, _ = create_runner(cfg)
     return runner
 

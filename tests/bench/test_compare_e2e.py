@@ -10,6 +10,8 @@ from pathlib import Path
 
 from PIL import Image
 
+from worker_svc.models import resolve_dtype
+
 # The tiny model: 2 layers x 2 kv heads x 16 head_dim x 4 bytes x 2 (K, V) = 512 bytes per token, 8 KiB a block.
 KV_MEMORY = str(80 * 16 * 512)  # 80 blocks
 MAX_MODEL_LEN = 256  # a static reservation: 16 blocks, so at most 5 sequences at once
@@ -76,7 +78,9 @@ def test_spawn_benches_a_private_server_and_stops_it(tiny_served_model, tmp_path
     assert out.returncode == 0, out.stderr[-4000:]
     results = json.loads((tmp_path / "results.json").read_text())
     assert results["summary"]["completed"] == 4 and results["summary"]["output_tokens"] == 16
-    assert results["summary"]["server"]["kv_blocks_total"] == 80  # its own worker, with --kv-memory
+    # its own worker, with --kv-memory, in the dtype `auto` picks on this CPU (a float32 block is 8 KiB)
+    auto = resolve_dtype("auto", "cpu", {"torch_dtype": "float32"})
+    assert results["summary"]["server"]["kv_blocks_total"] == 80 * 4 // auto.dtype.itemsize
     server = results["config"]["server"]
     assert not [p for p in Path("/proc").glob("[0-9]*/cmdline")  # `up` and its children are gone
                 if server.encode() in _read(p)]

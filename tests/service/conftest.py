@@ -24,6 +24,9 @@ from worker_svc.model_store import resolve_model
 from pagedserve_common.ports import free_port  # noqa: F401 - the tests import it from here
 
 KV_MEMORY = 40 * 16 * 512  # 40 blocks of 16 tokens: 2 (K, V) x 2 layers x 2 kv heads x 16 head_dim x 4 bytes
+# NOTE: the test workers' weights and cache: float32 whatever the CPU (`auto` is bfloat16 where the CPU has
+# AVX512-BF16 or AMX), so that KV_MEMORY is 40 blocks and greedy outputs are transformers' float32 ones everywhere.
+EXACT = ("--dtype", "float32")
 MAX_BATCHED = 64
 
 
@@ -169,7 +172,7 @@ def started_service(model_dir: str, *scheduler_args: str, kv_memory: str = str(K
                                   "--max-num-batched-tokens", str(MAX_BATCHED), *scheduler_args],
                                  stderr=err if log is not None else None)
     worker = subprocess.Popen([*exe, "worker", "--scheduler", worker_listen, "--model", model_dir,
-                               "--kv-memory", kv_memory, "--threads", "1"])
+                               "--kv-memory", kv_memory, "--threads", "1", *EXACT])
     procs = [worker, sched]
     try:
         from pagedserve_cli.up_cmd import wait_healthy
@@ -183,7 +186,8 @@ def start_worker(log, worker_listen: str, model_dir: str, *extra: str) -> subpro
     """A `pagedserve worker` process with the tests' small pool and one thread, its stderr in the file `log`."""
     with open(log, "wb") as err:
         return subprocess.Popen([sys.executable, "-m", "pagedserve_cli.main", "worker", "--scheduler", worker_listen,
-                                 "--model", model_dir, "--kv-memory", str(KV_MEMORY), "--threads", "1", *extra],
+                                 "--model", model_dir, "--kv-memory", str(KV_MEMORY), "--threads", "1", *EXACT,
+                                 *extra],
                                 stderr=err)
 
 

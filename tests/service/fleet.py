@@ -16,7 +16,7 @@ import grpc
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.conftest import free_port, metric_value, scrape
+from tests.service.conftest import EXACT, free_port, metric_value, scrape
 
 EXE = [sys.executable, "-m", "pagedserve_cli.main"]
 NEW = 160  # long enough that every stream is mid-generation when a worker goes
@@ -40,7 +40,7 @@ class Fleet:
 
     def add_worker(self) -> subprocess.Popen:
         p = subprocess.Popen([*EXE, "worker", "--scheduler", self.worker_listen, "--model", self.model,
-                              "--kv-memory", "2MiB", "--threads", "1", *self.worker_args])
+                              "--kv-memory", "2MiB", "--threads", "1", *EXACT, *self.worker_args])
         self.workers.append(p)
         return p
 

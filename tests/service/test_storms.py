@@ -12,7 +12,7 @@ import pytest
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from pagedserve_cli.bench.local_server import LocalServer
-from tests.service.conftest import Service
+from tests.service.conftest import EXACT, Service
 from tests.support.service import RPC_TIMEOUT, assert_idle_and_serving
 
 BLOCK_BYTES = 16 * 512  # one tiny-model KV block (tests/service/conftest.py: KV_MEMORY)
@@ -27,7 +27,7 @@ def storm(tiny_served_model, tmp_path_factory):
         tiny_served_model, tmp_path_factory.mktemp("storms"),
         scheduler_args=("--max-queued-requests", str(MAX_QUEUED), "--max-num-seqs", "64",
                         "--max-num-batched-tokens", "64"),
-        worker_args=("--kv-memory", str(96 * BLOCK_BYTES)))
+        worker_args=("--kv-memory", str(96 * BLOCK_BYTES), *EXACT))
     try:
         yield Service(tiny_served_model, server.address, server.metrics, server.procs), server
     finally:

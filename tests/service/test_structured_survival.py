@@ -20,7 +20,7 @@ import pytest
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from pagedserve_common.defaults import DEFAULT_MODEL
-from tests.service.conftest import free_port, metric_value, scrape
+from tests.service.conftest import EXACT, free_port, metric_value, scrape
 from worker_svc.model_store import resolve_model
 
 EXE = [sys.executable, "-m", "pagedserve_cli.main"]
@@ -41,7 +41,7 @@ class Fleet:
                                         "--worker-listen", self.worker_listen, "--metrics", self.metrics,
                                         "--max-num-batched-tokens", "64", "--step-timeout", str(STEP_TIMEOUT)])]
         self.workers = [subprocess.Popen([*EXE, "worker", "--scheduler", self.worker_listen, "--model", self.model,
-                                          "--kv-memory", KV_MEMORY, "--threads", "1"]) for _ in range(2)]
+                                          "--kv-memory", KV_MEMORY, "--threads", "1", *EXACT]) for _ in range(2)]
 
     def info(self):
         with grpc.insecure_channel(self.listen) as ch:

@@ -41,10 +41,13 @@ def stop_all(proc: subprocess.Popen) -> None:
 
 
 def up(model: str, listen: str, *extra: str, stderr=None) -> subprocess.Popen:
+    """`pagedserve up` with the tests' small pool, one thread and float32 weights (`auto` is bfloat16 on a CPU with
+    AVX512-BF16 or AMX: the block counts and greedy tokens the tests assert are float32's on every CPU)."""
     # Its own session, like a shell job: Ctrl-C is SIGINT to the whole process group.
     return subprocess.Popen([sys.executable, "-m", "pagedserve_cli.main", "up", "--model", model, "--listen", listen,
                              "--worker-listen", f"127.0.0.1:{free_port()}", "--metrics", "",
-                             "--http", f"127.0.0.1:{free_port()}", "--kv-memory", "4MiB", "--threads", "1", *extra],
+                             "--http", f"127.0.0.1:{free_port()}", "--kv-memory", "4MiB", "--threads", "1",
+                             "--dtype", "float32", *extra],
                             stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
 
 

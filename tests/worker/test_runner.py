@@ -86,7 +86,8 @@ def test_chunked_prompt_samples_only_after_its_last_chunk(tiny_llama_dir):
 def test_create_runner_sizes_the_pool_from_kv_memory(tiny_llama_dir):
     from worker_svc.worker import WorkerConfig, create_runner
 
-    runner, info = create_runner(WorkerConfig(model=tiny_llama_dir, kv_memory=10 * 2**20, block_size=32))
+    runner, info = create_runner(WorkerConfig(model=tiny_llama_dir, dtype="float32", kv_memory=10 * 2**20,
+                                              block_size=32))
     per_block = 2 * 2 * 2 * 16 * 4 * 32  # K+V x layers x kv_heads x head_dim x float32 x block_size
     assert info.num_blocks == 10 * 2**20 // per_block == runner.pool.num_blocks
     assert runner.pool.nbytes == info.num_blocks * per_block <= 10 * 2**20

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
-import platform
 import shutil
 import subprocess
 import tempfile
@@ -15,6 +14,7 @@ import numpy as np
 import structlog
 import torch
 
+from worker_svc import cpu_features
 from worker_svc.attention.backend import check_shapes
 from worker_svc.attention.metadata import AttentionMetadata
 from worker_svc.attention.torch_backend import TorchAttentionBackend
@@ -44,16 +44,6 @@ MAX_KERNEL_Q_LEN = 512
 INT8_QK_AUTO = True  # measured faster on 7 of 9 points (geometric mean 0.93x) at +0.14% perplexity
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
-
-
-def _cpu_signature() -> str:
-    """What -march=native depends on: a build is reused only on the same kind of CPU."""
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
-    except OSError:
-        lines = []
-    return platform.machine() + "\n" + "\n".join(lines)
 
 
 def cache_dir() -> Path:
@@ -114,8 +104,7 @@ def prebuild(out_dir: Path | None = None, compiler: str = "g++") -> list[Path]:
 def prebuilt_library(cpu_flags: set[str] | None = None) -> Path | None:
     """The best prebuilt library for this source that this CPU can run, if one was built."""
     if cpu_flags is None:
-        line = next((ln for ln in _cpu_signature().splitlines() if ln.startswith("flags")), "")
-        cpu_flags = set(line.partition(":")[2].split())
+        cpu_flags = cpu_features.cpu_flags()
     for target, needed in PORTABLE_TARGETS.items():
         path = prebuilt_dir() / _prebuilt_name(target)
         if cpu_flags.issuperset(needed) and path.is_file():
@@ -133,7 +122,7 @@ def build_library(compiler: str = "g++") -> Path:
             return prebuilt
         raise RuntimeError(f"{compiler} is not installed and no prebuilt kernel fits this CPU in {prebuilt_dir()}")
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([_sources_text(), *FLAGS, version, _cpu_signature()]).encode())
+    key = hashlib.sha256("\0".join([_sources_text(), *FLAGS, version, cpu_features.cpu_signature()]).encode())
     out = cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
     if out.exists():
         return out

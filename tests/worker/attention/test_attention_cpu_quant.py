@@ -24,6 +24,7 @@ from tests.support.attention import GQA, MIXED, make_batch, random_batches
 from worker_svc.attention import AttentionMetadata, reference_attention
 from worker_svc.attention import cpu_backend
 from worker_svc.attention.cpu_backend import CpuAttentionBackend
+from worker_svc.cpu_features import cpu_flags
 from worker_svc.attention.quant import quantize, raw
 
 QUANT = [torch.int8, torch.float8_e4m3fn, torch.float8_e5m2]
@@ -31,11 +32,6 @@ GQA_ALL = [*GQA, (9, 3)]  # groups 1, 3, 8, and SmolLM2's 9 query heads over 3 k
 TOL, TOL_QK_SAME_QUERY, TOL_QK = 1e-5, 1e-4, 2e-2
 # A free slot's garbage: NaN scales, and codes that are NaN in fp8 (S.1111.111 in both formats) or extreme in int8.
 POISON_CODE = 0x7F
-
-
-def cpu_flags() -> set[str]:
-    line = next((ln for ln in cpu_backend._cpu_signature().splitlines() if ln.startswith("flags")), "")
-    return set(line.partition(":")[2].split())
 
 
 @pytest.fixture(scope="module")
