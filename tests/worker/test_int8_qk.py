@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from pagedserve_common.kv_geometry import KVGeometry
+from pagedserve_common.step import NewSequence, StepPlan
 from pagedserve_common.startup import USAGE, StartupError
-from tests.support.driver import LocalDriver
+from tests.support.driver import GREEDY, LocalDriver
 from worker_svc.attention import cpu_backend
 from worker_svc.kv_pool import KVPool
 from worker_svc.model_store import resolve_model
@@ -68,9 +69,27 @@ def greedy(loaded, backend: str, tokenizer_prompts: list[list[int]]) -> dict[int
     return [out[i][0] for i in ids]
 
 
+NEAR_TIE = 0.1  # logits: a top-2 gap the cache's rounding can flip (a wrong dequantisation moves logits by whole units)
+
+
+def reference_gaps(loaded, prompt: list[int], tokens: list[int]) -> list[float]:
+    """The torch backend's top-2 logit gap at each generated position, teacher-forced over prompt + tokens."""
+    pool = KVPool(loaded.kv_geometry(16, "int8"), 64)
+    runner = ModelRunner(loaded, pool, make_backend("torch", "cpu", pool.geometry, "off"))
+    seq = prompt + tokens
+    nb = -(-len(seq) // 16)
+    logits = runner.score(StepPlan(0, new_seqs=[NewSequence(0, seq, list(range(nb)), 0, len(seq), GREEDY)]))
+    top = logits[len(prompt) - 1:len(seq) - 1].topk(2, dim=-1).values
+    return (top[:, 0] - top[:, 1]).tolist()
+
+
 def test_default_model_greedy_tokens_with_an_int8_cache_match_the_torch_backend():
     # Both backends read the same int8 codes x scales (the write is quant.quantize in both): the kernel's
-    # in-block dequantisation must give the same 32 greedy tokens as the torch backend's gather-and-dequantise.
+    # in-block dequantisation must give the torch backend's gather-and-dequantise greedy tokens. NOTE: not
+    # bit-equal logits: each layer's K/V is quantised from the previous layers' outputs, where the two backends'
+    # float rounding differs in the last bits, and a code that sits on a rounding boundary moves a whole step. So
+    # the tokens must agree until the first position where the reference's top two logits are a near tie, and
+    # on most of the 32.
     from transformers import AutoTokenizer
 
     torch.set_num_threads(1)
@@ -79,5 +98,11 @@ def test_default_model_greedy_tokens_with_an_int8_cache_match_the_torch_backend(
     prompts = [tok(t)["input_ids"] for t in PROMPTS]
     loaded = load_model(model_dir, dtype="float32")
     cpu, ref = greedy(loaded, "cpu", prompts), greedy(loaded, "torch", prompts)
-    assert cpu == ref, (cpu, ref)
-    assert sum(map(len, cpu)) > 2 * NEW, cpu  # an end-of-text may stop one early: most of them run on
+    agreed = 0
+    for prompt, ours, theirs in zip(prompts, cpu, ref):
+        first = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), min(len(ours), len(theirs)))
+        agreed += first
+        if first < min(len(ours), len(theirs)):
+            gap = reference_gaps(loaded, prompt, theirs)[first]
+            assert gap < NEAR_TIE, (first, gap, ours, theirs)
+    assert agreed >= 2 * NEW, (agreed, cpu, ref)  # an end-of-text may stop one early: most of them run on
