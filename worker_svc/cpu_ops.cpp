@@ -56,17 +56,15 @@ inline __m512 vload(const uint16_t* p) {  // 16 bfloat16 -> float32
   return _mm512_castsi512_ps(_mm512_slli_epi32(
       _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
 }
+// NOTE: by hand, not with AVX512-BF16's vcvtneps2bf16 (which flushes denormals): the same bits from every build of
+// the library (a portable image's and a -march=native one), so containers serve the host's tokens.
 inline __m256i vround(__m512 v) {  // 16 float32 -> bfloat16, nearest even, NaN -> quiet NaN (as f2bf)
-#if defined(__AVX512BF16__)
-  return (__m256i)_mm512_cvtneps_pbh(v);
-#else
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
   return _mm512_cvtepi32_epi16(r);
-#endif
 }
 inline void vstore(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), vround(v)); }
 inline __m512 vrbf(__m512 v) {  // rounded through bfloat16

@@ -500,12 +500,9 @@ inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32 (exact: the
 // One block of n <= 16 keys for `rows` rows: scores, the online-softmax update of m/l, and acc = acc * corr + P.V.
 // q: [rows, D] (pre-scaled), acc: [rows, D], nr[r]: keys row r sees in this block (causal), kb/vb: key/value rows
 // `stride` floats apart. p: scratch [rows, 16].
-// qh (bfloat16 keys only, else null): the rows' unscaled queries as bfloat16, exact copies (the caller checked), so
-// Q.K runs as bf16 pair dot products with float32 accumulation (vdpbf16ps: 32 elements an instruction, no
-// widening) and the scores are multiplied by `scale` after; otherwise q is the float32 query, pre-scaled.
 template <int D, typename E>
-inline void block16(const float* q, const uint16_t* qh, float scale, float* acc, float* m, float* l,
-                    const int64_t* nr, int64_t rows, const E* kb, const E* vb, int64_t stride, float* p) {
+inline void block16(const float* q, float* acc, float* m, float* l, const int64_t* nr, int64_t rows, const E* kb,
+                    const E* vb, int64_t stride, float* p) {
   constexpr int NV = D / 16;
   constexpr int RG = 16 / NV;  // rows per accumulation group: RG * NV accumulators
   float corr[kMaxRows];
@@ -513,28 +510,6 @@ inline void block16(const float* q, const uint16_t* qh, float scale, float* acc,
     const int64_t nk = nr[r];
     if (nk <= 0) { corr[r] = 1.0f; _mm512_storeu_ps(p + 16 * r, _mm512_setzero_ps()); continue; }
     __m512 part[16];
-#if defined(__AVX512BF16__)
-    if constexpr (std::is_same_v<E, uint16_t>) {
-      if (qh != nullptr) {
-        __m512bh qb[NV / 2];
-#pragma GCC unroll 4
-        for (int i = 0; i < NV / 2; ++i) qb[i] = (__m512bh)_mm512_loadu_si512(qh + r * D + 32 * i);
-#pragma GCC unroll 16
-        for (int k = 0; k < 16; ++k) {
-          if (k < nk) {
-            const E* kr = kb + k * stride;
-            __m512 a = _mm512_setzero_ps();
-#pragma GCC unroll 4
-            for (int i = 0; i < NV / 2; ++i) a = _mm512_dpbf16_ps(a, qb[i], (__m512bh)_mm512_loadu_si512(kr + 32 * i));
-            part[k] = a;
-          } else {
-            part[k] = _mm512_setzero_ps();
-          }
-        }
-        goto scored;
-      }
-    }
-#endif
     {
       __m512 qv[NV];
 #pragma GCC unroll 8
@@ -552,11 +527,8 @@ inline void block16(const float* q, const uint16_t* qh, float scale, float* acc,
         }
       }
     }
-  scored:
     const __mmask16 valid = static_cast<__mmask16>((1u << nk) - 1u);
-    __m512 summed = transpose_sum16(part);
-    if (qh != nullptr) summed = _mm512_mul_ps(summed, _mm512_set1_ps(scale));
-    const __m512 sc = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), summed);
+    const __m512 sc = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), transpose_sum16(part));
     const float bmax = _mm512_reduce_max_ps(sc);
     const float m_new = bmax > m[r] ? bmax : m[r];
     corr[r] = fast_exp(m[r] - m_new);  // m[r] = -inf on the first block: corr = 0
@@ -610,7 +582,7 @@ inline void block16(const float* q, const uint16_t* qh, float scale, float* acc,
 constexpr int kGroup = 4;
 
 template <int D, typename E>
-void attend_grouped(const float* q, const uint16_t* qh, float scale, float* acc, float* m, float* l,
+void attend_grouped(const float* q, float* acc, float* m, float* l,
                     const int64_t* pos, int64_t rows, const E* K, const E* V, const int32_t* table,
                     int64_t num_kv_blocks, int64_t last, int64_t tok_stride, int64_t head_off) {
   constexpr int NV = D / 16;
@@ -654,31 +626,7 @@ void attend_grouped(const float* q, const uint16_t* qh, float scale, float* acc,
         valid[b] = static_cast<__mmask16>((1u << n) - 1u);
         if (n == 0) { sv[b] = _mm512_set1_ps(-INFINITY); continue; }
         __m512 part[16];
-        bool done = false;
-#if defined(__AVX512BF16__)
-        if constexpr (std::is_same_v<E, uint16_t>) {
-          if (qh != nullptr) {
-            __m512bh qb[NV / 2];
-#pragma GCC unroll 4
-            for (int i = 0; i < NV / 2; ++i) qb[i] = (__m512bh)_mm512_loadu_si512(qh + r * D + 32 * i);
-#pragma GCC unroll 16
-            for (int k = 0; k < 16; ++k) {
-              if (k < n) {
-                const E* kr = kb[b] + k * tok_stride;
-                __m512 a = _mm512_setzero_ps();
-#pragma GCC unroll 4
-                for (int i = 0; i < NV / 2; ++i)
-                  a = _mm512_dpbf16_ps(a, qb[i], (__m512bh)_mm512_loadu_si512(kr + 32 * i));
-                part[k] = a;
-              } else {
-                part[k] = _mm512_setzero_ps();
-              }
-            }
-            done = true;
-          }
-        }
-#endif
-        if (!done) {
+        {
           __m512 qv[NV];
 #pragma GCC unroll 8
           for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + r * D + 16 * i);
@@ -695,9 +643,7 @@ void attend_grouped(const float* q, const uint16_t* qh, float scale, float* acc,
             }
           }
         }
-        __m512 summed = transpose_sum16(part);
-        if (qh != nullptr) summed = _mm512_mul_ps(summed, _mm512_set1_ps(scale));
-        sv[b] = _mm512_mask_blend_ps(valid[b], _mm512_set1_ps(-INFINITY), summed);
+        sv[b] = _mm512_mask_blend_ps(valid[b], _mm512_set1_ps(-INFINITY), transpose_sum16(part));
         vmax = _mm512_max_ps(vmax, sv[b]);
       }
       const float bmax = _mm512_reduce_max_ps(vmax);
@@ -805,26 +751,6 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1) {
   int64_t pos[kMaxRows], nr[kMaxRows];
   if (int8_qk) qcodes.resize(kMaxRows * D);
 
-  // A bfloat16 pool whose queries are all bfloat16 values (a bfloat16 model's): Q.K in bf16 pairs (block16).
-  thread_local std::vector<uint16_t> qhalf;
-  bool q_bf16 = false;
-#if defined(PS_AVX512) && defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    q_bf16 = fast16;
-    qhalf.resize(kMaxRows * D);
-    for (int64_t r = 0; r < rows && q_bf16; ++r) {
-      const int64_t t = t0 + r / G, head = h * G + r % G;
-      const float* src = a.q + (q_begin + t) * a.q_stride_t + head * a.q_stride_h;
-      for (int64_t d = 0; d < D; ++d) {
-        uint32_t u;
-        std::memcpy(&u, src + d, 4);
-        if (u & 0xFFFFu) { q_bf16 = false; break; }  // not a bf16 value: float32 scores
-        qhalf[r * D + d] = static_cast<uint16_t>(u >> 16);
-      }
-    }
-  }
-#endif
-  const uint16_t* const qh = q_bf16 ? qhalf.data() : nullptr;
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = t0 + r / G, head = h * G + r % G;
     const float* src = a.q + (q_begin + t) * a.q_stride_t + head * a.q_stride_h;
@@ -842,9 +768,9 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1) {
 #if defined(PS_AVX512)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, uint16_t>) {
     if (fast16) {
-      if (D == 64) attend_grouped<64>(qbuf, qh, a.scale, abuf, m, l, pos, rows, K, V, table, num_kv_blocks, last,
+      if (D == 64) attend_grouped<64>(qbuf, abuf, m, l, pos, rows, K, V, table, num_kv_blocks, last,
                                       tok_stride, h * D);
-      else attend_grouped<128>(qbuf, qh, a.scale, abuf, m, l, pos, rows, K, V, table, num_kv_blocks, last,
+      else attend_grouped<128>(qbuf, abuf, m, l, pos, rows, K, V, table, num_kv_blocks, last,
                                tok_stride, h * D);
       grouped = true;
     }
@@ -869,15 +795,6 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1) {
           _mm_prefetch(kr + c, _MM_HINT_T0);
           _mm_prefetch(vr + c, _MM_HINT_T0);
         }
-      }
-    }
-#endif
-#if defined(PS_AVX512)
-    if (fast16) {  // float32 and bfloat16 rows are read in place (bf16 converted as loaded); others widened first
-      if constexpr (std::is_same_v<T, float> || std::is_same_v<T, uint16_t>) {
-        if (D == 64) block16<64>(qbuf, qh, a.scale, abuf, m, l, nr, rows, K + off, V + off, tok_stride, sc);
-        else block16<128>(qbuf, qh, a.scale, abuf, m, l, nr, rows, K + off, V + off, tok_stride, sc);
-        continue;
       }
     }
 #endif
@@ -917,8 +834,8 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1) {
     }
 #if defined(PS_AVX512)
     if (fast16) {  // 8-bit caches: dequantised rows
-      if (D == 64) block16<64, float>(qbuf, nullptr, a.scale, abuf, m, l, nr, rows, kb, vb, stride, sc);
-      else block16<128, float>(qbuf, nullptr, a.scale, abuf, m, l, nr, rows, kb, vb, stride, sc);
+      if (D == 64) block16<64, float>(qbuf, abuf, m, l, nr, rows, kb, vb, stride, sc);
+      else block16<128, float>(qbuf, abuf, m, l, nr, rows, kb, vb, stride, sc);
       continue;
     }
 #endif

@@ -159,11 +159,9 @@ def test_prebuilt_libraries_match_the_float64_reference(tmp_path, target):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_a_bfloat16_pool_scores_bf16_queries_in_bf16_pairs_and_others_in_float32(backend, head_dim):
-    # A bfloat16 model's queries are bf16 values: the kernel's vdpbf16ps path (where the CPU has AVX512-BF16) takes
-    # them as they are, and scales the scores after (1/sqrt(128) is no power of two: a pre-scaled query would not
-    # be a bf16 value). A float32 query over the same pool (--kv-cache-dtype bfloat16 under a float32 model) keeps
-    # the float32 scores. Both against the float64 reference, the float32 output at float32's tolerance.
+def test_a_bfloat16_pool_with_bfloat16_or_float32_queries_matches_the_reference(backend, head_dim):
+    # A bfloat16 model's queries are bf16 values (its output comes back in bf16); a float32 model over a bfloat16
+    # cache (--kv-cache-dtype bfloat16) sends float32 queries and gets float32 out, at float32's tolerance.
     rng = np.random.default_rng(head_dim)
     lens, q_lens = [300, 17, 90, 48], [1, 1, 30, 48]
     need = [-(-s // 16) for s in lens]

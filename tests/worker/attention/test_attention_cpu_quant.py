@@ -182,6 +182,34 @@ def test_portable_builds_match_the_reference(builds, target):
             check(backend, *quantised_batch(rng, list(MIXED), 16, *heads, head_dim, dtype, reserve_zero=True))
 
 
+def test_the_portable_avx512_build_computes_the_native_builds_bits(builds):
+    # The container image runs the prebuilt x86-64-v4 library, the host a -march=native one, and the compose and
+    # Kubernetes checks want the host's greedy tokens from the containers: on the float and bfloat16 pools, and in
+    # the bfloat16 forward's fused ops, both builds must give the same bits (no path only one build has).
+    if "x86-64-v4" not in builds:
+        pytest.skip("this CPU cannot run x86-64-v4")
+    native, portable = CpuAttentionBackend(lib=builds["native"]), CpuAttentionBackend(lib=builds["x86-64-v4"])
+    rng = np.random.default_rng(11)
+    for dtype in (torch.float32, torch.bfloat16):
+        for heads, head_dim in (((9, 3), 64), ((8, 1), 128)):
+            query, pool, meta = make_batch(rng, list(MIXED), 16, *heads, head_dim, dtype)
+            a = native.forward(query, pool, meta, 0.125)
+            b = portable.forward(query, pool, meta, 0.125)
+            assert torch.equal(a, b), (dtype, heads, head_dim)
+    from worker_svc.cpu_ops import CpuOps
+    ops_native, ops_portable = CpuOps(builds["native"]), CpuOps(builds["x86-64-v4"])
+    gen = torch.Generator().manual_seed(0)
+    x, d, w = (torch.randn(33, 576, generator=gen).bfloat16() for _ in range(3))
+    w = w[0].contiguous()
+    gu = (4 * torch.randn(33, 3072, generator=gen)).bfloat16()
+    assert torch.equal(ops_native.rms_norm(x, w, 1e-5), ops_portable.rms_norm(x, w, 1e-5))
+    x1, x2 = x.clone(), x.clone()
+    assert torch.equal(ops_native.add_rms_norm(x1, d, w, 1e-5), ops_portable.add_rms_norm(x2, d, w, 1e-5))
+    assert torch.equal(x1, x2)
+    assert torch.equal(ops_native.silu_mul(gu), ops_portable.silu_mul(gu))
+    assert torch.equal(ops_native.argmax(gu), ops_portable.argmax(gu))
+
+
 # The int8 Q.K path (VNNI).
 
 def vnni_builds(builds) -> dict[str, object]:
