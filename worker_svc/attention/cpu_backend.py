@@ -136,6 +136,8 @@ def load_library(path: Path | None = None) -> ctypes.CDLL:
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int, _ptr, ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
                    _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64, _i64]
+    lib.ps_write_kv.restype = ctypes.c_int
+    lib.ps_write_kv.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64]
     lib.ps_dequantize.restype = ctypes.c_int
     lib.ps_dequantize.argtypes = [_ptr, ctypes.c_int, _ptr, _i64, _i64, _ptr]
     return lib
@@ -168,8 +170,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
     No gather: each (sequence, kv head, query tile) work item walks its block table and keeps a running max
     and sum per query row (online softmax), so K/V are read once per item and never copied. An 8-bit cache's
     blocks are dequantised (codes x scales) into per-thread scratch as they are read; with int8_qk an int8
-    cache's Q.K runs in int8 (VNNI). KV writes (quantise() for 8-bit caches) and copy-on-write copies stay the
-    torch backend's (index_copy_ is already one vectorised op per layer).
+    cache's Q.K runs in int8 (VNNI). A float pool's KV writes are one kernel call a layer (ps_write_kv); an 8-bit
+    cache's (quantise()) and copy-on-write copies stay the torch backend's.
     """
 
     name = "cpu"
@@ -181,6 +183,25 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if int8_qk and int8_qk_width(self.lib) == 0:
             raise ValueError("the int8 Q.K path needs a kernel built for a CPU with AVX-512 VNNI or AVX-VNNI")
         self.int8_qk = int8_qk  # int8 caches only: Q.K in int8 with 32-bit accumulation
+
+    def write_kv(
+        self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
+        kv_scales: torch.Tensor | None = None,
+    ) -> None:
+        two, num_blocks, block_size, kvh, hd = kv_layer.shape
+        rows_ok = all(x.dtype == kv_layer.dtype and x.dim() == 3 and x.shape[1:] == (kvh, hd) and x.stride(2) == 1
+                      and x.stride(1) == hd for x in (key, value))
+        if kv_scales is not None or not rows_ok or not kv_layer.is_contiguous() or key.shape[0] != value.shape[0]:
+            return super().write_kv(kv_layer, key, value, slot_mapping, kv_scales)
+        slots = slot_mapping.to(dtype=torch.int64).contiguous()
+        if slots.shape != (key.shape[0],):
+            raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}, key {key.shape[0]} tokens")
+        size = kv_layer.element_size()
+        rc = self.lib.ps_write_kv(kv_layer.data_ptr(), num_blocks * block_size, kvh * hd * size, key.data_ptr(),
+                                  key.stride(0) * size, value.data_ptr(), value.stride(0) * size, slots.data_ptr(),
+                                  slots.shape[0])
+        if rc != 0:
+            raise IndexError(f"slot_mapping holds a slot outside the pool's {num_blocks * block_size}")
 
     @staticmethod
     def supports(kv_dtype: torch.dtype, head_dim: int, block_size: int) -> bool:

@@ -177,6 +177,34 @@ def test_a_bfloat16_pool_with_bfloat16_or_float32_queries_matches_the_reference(
     check(backend, torch.randn(sum(q_lens), 9, head_dim), pool, meta, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_kv_puts_each_row_in_its_slot_as_the_torch_backend_does(backend, dtype):
+    # The lean forward hands K and V as views of the fused QKV output (token rows qkv-wide apart): the kernel's
+    # write must land each row at its slot, K in plane 0 and V in plane 1, and touch nothing else.
+    from worker_svc.attention import TorchAttentionBackend
+    qkv = torch.randn(5, 9 * 64 + 2 * 3 * 64).to(dtype)
+    key, value = qkv[:, 576:768].view(5, 3, 64), qkv[:, 768:].view(5, 3, 64)
+    slots = torch.tensor([17, 3, 40, 41, 0])
+    ours, theirs = (torch.full((2, 4, 16, 3, 64), float("nan"), dtype=dtype) for _ in range(2))
+    backend.write_kv(ours, key, value, slots)
+    TorchAttentionBackend().write_kv(theirs, key, value, slots)
+    assert torch.equal(ours.nan_to_num(7.0), theirs.nan_to_num(7.0))
+    flat = ours.view(2, 64, 3, 64)
+    assert torch.equal(flat[0, 40], key[2]) and torch.equal(flat[1, 0], value[4])
+    assert int(torch.isnan(flat).all(-1).all(-1).sum()) == 2 * (64 - 5)  # only the 5 slots were written
+
+
+def test_write_kv_refuses_a_slot_outside_the_pool_and_writes_nothing(backend):
+    pool = torch.zeros(2, 2, 16, 3, 64)
+    key = value = torch.ones(2, 3, 64)
+    for bad in (32, -1):
+        with pytest.raises(IndexError, match="outside the pool's 32"):
+            backend.write_kv(pool, key, value, torch.tensor([5, bad]))
+    assert not pool.any()  # checked before the first row is written
+    with pytest.raises(ValueError, match="slot_mapping has shape"):
+        backend.write_kv(pool, key, value, torch.tensor([5]))
+
+
 def test_a_broken_rescale_in_the_16_key_block_paths_fails_the_comparison(backend, tmp_path, monkeypatch):
     # The same teeth for the 16-key block paths (16-token blocks, head_dim 64): their own online-softmax correction.
     src = cpu_backend.SOURCE.read_text()
