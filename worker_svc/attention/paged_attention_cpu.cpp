@@ -497,6 +497,31 @@ inline __m512 load16(const uint16_t* p) {  // 16 bfloat16 -> float32 (exact: the
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 
+// The scores q . key_k of one block's keys k < n <= 16 in one vector (lanes from n on: -inf). q: D floats
+// (pre-scaled); key rows `stride` elements apart.
+template <int D, typename E>
+inline __m512 scores16(const float* q, const E* kb, int64_t stride, int64_t n) {
+  constexpr int NV = D / 16;
+  __m512 part[16];
+  __m512 qv[NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + 16 * i);
+#pragma GCC unroll 16
+  for (int k = 0; k < 16; ++k) {
+    if (k < n) {
+      const E* kr = kb + k * stride;
+      __m512 a = _mm512_mul_ps(qv[0], load16(kr));
+#pragma GCC unroll 8
+      for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(qv[i], load16(kr + 16 * i), a);
+      part[k] = a;
+    } else {
+      part[k] = _mm512_setzero_ps();
+    }
+  }
+  const __mmask16 valid = static_cast<__mmask16>((1u << n) - 1u);
+  return _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), transpose_sum16(part));
+}
+
 // One block of n <= 16 keys for `rows` rows: scores, the online-softmax update of m/l, and acc = acc * corr + P.V.
 // q: [rows, D] (pre-scaled), acc: [rows, D], nr[r]: keys row r sees in this block (causal), kb/vb: key/value rows
 // `stride` floats apart. p: scratch [rows, 16].
@@ -509,26 +534,8 @@ inline void block16(const float* q, float* acc, float* m, float* l, const int64_
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t nk = nr[r];
     if (nk <= 0) { corr[r] = 1.0f; _mm512_storeu_ps(p + 16 * r, _mm512_setzero_ps()); continue; }
-    __m512 part[16];
-    {
-      __m512 qv[NV];
-#pragma GCC unroll 8
-      for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + r * D + 16 * i);
-#pragma GCC unroll 16
-      for (int k = 0; k < 16; ++k) {
-        if (k < nk) {
-          const E* kr = kb + k * stride;
-          __m512 a = _mm512_mul_ps(qv[0], load16(kr));
-#pragma GCC unroll 8
-          for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(qv[i], load16(kr + 16 * i), a);
-          part[k] = a;
-        } else {
-          part[k] = _mm512_setzero_ps();
-        }
-      }
-    }
     const __mmask16 valid = static_cast<__mmask16>((1u << nk) - 1u);
-    const __m512 sc = _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), transpose_sum16(part));
+    const __m512 sc = scores16<D>(q + r * D, kb, stride, nk);
     const float bmax = _mm512_reduce_max_ps(sc);
     const float m_new = bmax > m[r] ? bmax : m[r];
     corr[r] = fast_exp(m[r] - m_new);  // m[r] = -inf on the first block: corr = 0
@@ -637,25 +644,7 @@ inline void group_step(const float* q, float* acc, float* m, float* l, const int
       nk[r][b] = n;
       valid[b] = static_cast<__mmask16>((1u << n) - 1u);
       if (n == 0) { sv[b] = _mm512_set1_ps(-INFINITY); continue; }
-      __m512 part[16];
-      {
-        __m512 qv[NV];
-#pragma GCC unroll 8
-        for (int i = 0; i < NV; ++i) qv[i] = _mm512_loadu_ps(q + r * D + 16 * i);
-#pragma GCC unroll 16
-        for (int k = 0; k < 16; ++k) {
-          if (k < n) {
-            const KE* kr = kb[b] + k * k_stride;
-            __m512 a = _mm512_mul_ps(qv[0], load16(kr));
-#pragma GCC unroll 8
-            for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(qv[i], load16(kr + 16 * i), a);
-            part[k] = a;
-          } else {
-            part[k] = _mm512_setzero_ps();
-          }
-        }
-      }
-      sv[b] = _mm512_mask_blend_ps(valid[b], _mm512_set1_ps(-INFINITY), transpose_sum16(part));
+      sv[b] = scores16<D>(q + r * D, kb[b], k_stride, n);
       vmax = _mm512_max_ps(vmax, sv[b]);
     }
     const float bmax = _mm512_reduce_max_ps(vmax);
