@@ -925,12 +925,22 @@ template <typename T>
 void run(const Args& a, int64_t num_seqs) {
   const int64_t G = a.num_heads / a.num_kv_heads;
   const int64_t tile = std::max<int64_t>(1, std::min<int64_t>(a.q_tile, kMaxRows / G));
-  // Work items: (sequence, query tile, kv head), longest-context tiles first is not needed: dynamic schedule.
+  // Work items: (sequence, query tile, kv heads), dynamic schedule. An item takes all kv heads of its tile when
+  // the tiles alone keep every thread busy: a pool row holds a token's kv heads side by side, so one thread then
+  // reads each block row whole, where items of one head each read 1 / kv_heads of every row (and a neighbour's
+  // prefetch is wasted on another core). Few tiles (a small decode batch): one head an item, for parallelism.
+  int64_t num_tiles = 0;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t q_len = a.qsl[b + 1] - a.qsl[b];
+    num_tiles += q_len <= a.max_q_len ? (q_len + tile - 1) / tile : 0;  // longer: the caller's
+  }
+  const int64_t heads_per_item = num_tiles >= 4 * omp_get_max_threads() ? a.num_kv_heads : 1;
+  const int64_t head_items = a.num_kv_heads / heads_per_item;
   std::vector<int64_t> item_start(num_seqs + 1, 0);
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t q_len = a.qsl[b + 1] - a.qsl[b];
-    const int64_t tiles = q_len <= a.max_q_len ? (q_len + tile - 1) / tile : 0;  // longer: the caller's
-    item_start[b + 1] = item_start[b] + tiles * a.num_kv_heads;
+    const int64_t tiles = q_len <= a.max_q_len ? (q_len + tile - 1) / tile : 0;
+    item_start[b + 1] = item_start[b] + tiles * head_items;
   }
   const int64_t num_items = item_start[num_seqs];
 #pragma omp parallel for schedule(dynamic, 1)
@@ -941,9 +951,9 @@ void run(const Args& a, int64_t num_seqs) {
       if (item_start[mid] <= i) lo = mid; else hi = mid;
     }
     const int64_t b = lo, local = i - item_start[b];
-    const int64_t h = local % a.num_kv_heads, t0 = (local / a.num_kv_heads) * tile;
+    const int64_t h0 = (local % head_items) * heads_per_item, t0 = (local / head_items) * tile;
     const int64_t q_len = a.qsl[b + 1] - a.qsl[b];
-    attend_item<T>(a, b, h, t0, std::min(q_len, t0 + tile));
+    for (int64_t h = h0; h < h0 + heads_per_item; ++h) attend_item<T>(a, b, h, t0, std::min(q_len, t0 + tile));
   }
 }
 

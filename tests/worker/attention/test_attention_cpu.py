@@ -178,6 +178,24 @@ def test_a_bfloat16_pool_with_bfloat16_or_float32_queries_matches_the_reference(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_items_of_all_kv_heads_or_of_one_give_the_same_bits(backend, dtype):
+    # With at least 4 query tiles a thread, a work item takes all kv heads of its tile (whole pool rows); with
+    # fewer, one head. The split changes who computes what, never the arithmetic.
+    rng = np.random.default_rng(5)
+    query, pool, meta = make_batch(rng, ["decode"] * 12 + ["chunk", "prefill"], 16, 9, 3, 64, dtype)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)  # 14+ tiles >= 4: grouped items
+        grouped = backend.forward(query, pool, meta, 0.125)
+        torch.set_num_threads(16)  # fewer than 64 tiles: one head an item
+        per_head = backend.forward(query, pool, meta, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(grouped, per_head)
+    check(backend, query, pool, meta, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_write_kv_puts_each_row_in_its_slot_as_the_torch_backend_does(backend, dtype):
     # The lean forward hands K and V as views of the fused QKV output (token rows qkv-wide apart): the kernel's
     # write must land each row at its slot, K in plane 0 and V in plane 1, and touch nothing else.
