@@ -588,47 +588,12 @@ inline void block16(const float* q, float* acc, float* m, float* l, const int64_
 // scores sit in kGroup vectors per row. Same arithmetic as block16 otherwise.
 constexpr int kGroup = 4;
 
-// acc[r] = acc[r] * corr[r] + sum_k p[r, b, k] * V_b[k] for G rows (p: [G, kGroup, 16], 0 past a row's keys).
-template <int D, int G, typename VE>
-inline void pv_rows(float* acc, const float* corr, const float* p, const int64_t (*nk)[kGroup],
-                    const VE* const* vb, int64_t v_stride, int nb) {
-  constexpr int NV = D / 16;
-  __m512 a[G][NV];
-#pragma GCC unroll 4
-  for (int r = 0; r < G; ++r) {
-    const __m512 c = _mm512_set1_ps(corr[r]);
-#pragma GCC unroll 8
-    for (int i = 0; i < NV; ++i) a[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * i), c);
-  }
-  for (int b = 0; b < nb; ++b) {
-    int64_t nmax = 0;
-    for (int r = 0; r < G; ++r) nmax = std::max(nmax, nk[r][b]);
-    for (int64_t k = 0; k < nmax; ++k) {
-      const VE* vr = vb[b] + k * v_stride;
-      __m512 v[NV];
-#pragma GCC unroll 8
-      for (int i = 0; i < NV; ++i) v[i] = load16(vr + 16 * i);
-#pragma GCC unroll 4
-      for (int r = 0; r < G; ++r) {
-        const __m512 pk = _mm512_set1_ps(p[(r * kGroup + b) * 16 + k]);
-#pragma GCC unroll 8
-        for (int i = 0; i < NV; ++i) a[r][i] = _mm512_fmadd_ps(pk, v[i], a[r][i]);
-      }
-    }
-  }
-#pragma GCC unroll 4
-  for (int r = 0; r < G; ++r) {
-#pragma GCC unroll 8
-    for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + r * D + 16 * i, a[r][i]);
-  }
-}
-
 // One group of nb <= kGroup blocks for `rows` rows: scores, the online-softmax update of m/l, acc = acc * corr +
-// P.V. kb[b]/vb[b]: block b's key/value rows, k_stride/v_stride elements apart (the pool's rows, or a widened copy).
-template <int D, typename KE, typename VE>
+// P.V. kb[b]/vb[b]: block b's key/value rows, `stride` elements apart.
+template <int D, typename E>
 inline void group_step(const float* q, float* acc, float* m, float* l, const int64_t* pos, int64_t rows,
-                       const KE* const* kb, int64_t k_stride, const VE* const* vb, int64_t v_stride, int nb,
-                       int64_t j0, int64_t last, float* p) {
+                       const E* const* kb, const E* const* vb, int64_t stride, int nb, int64_t j0, int64_t last,
+                       float* p) {
   constexpr int NV = D / 16;
   constexpr int RG = 16 / NV;
   float corr[kMaxRows];
@@ -644,7 +609,7 @@ inline void group_step(const float* q, float* acc, float* m, float* l, const int
       nk[r][b] = n;
       valid[b] = static_cast<__mmask16>((1u << n) - 1u);
       if (n == 0) { sv[b] = _mm512_set1_ps(-INFINITY); continue; }
-      sv[b] = scores16<D>(q + r * D, kb[b], k_stride, n);
+      sv[b] = scores16<D>(q + r * D, kb[b], stride, n);
       vmax = _mm512_max_ps(vmax, sv[b]);
     }
     const float bmax = _mm512_reduce_max_ps(vmax);
@@ -667,24 +632,31 @@ inline void group_step(const float* q, float* acc, float* m, float* l, const int
   }
   for (int64_t r0 = 0; r0 < rows; r0 += RG) {
     const int64_t g = std::min<int64_t>(RG, rows - r0);
-    const float* const pr = p + r0 * kGroup * 16;
-    // NOTE: the row count is a template argument, so that the G x NV accumulators stay in registers (a runtime
-    // count kept them on the stack: ~1.5x the time of the whole item).
-    if (g == RG) pv_rows<D, RG>(acc + r0 * D, corr + r0, pr, nk + r0, vb, v_stride, nb);
-    else if (g == 1) pv_rows<D, 1>(acc + r0 * D, corr + r0, pr, nk + r0, vb, v_stride, nb);
-    else if constexpr (RG > 2) {
-      if (g == 2) pv_rows<D, 2>(acc + r0 * D, corr + r0, pr, nk + r0, vb, v_stride, nb);
-      else pv_rows<D, 3>(acc + r0 * D, corr + r0, pr, nk + r0, vb, v_stride, nb);
-    }
-  }
-}
-
-// n bfloat16 rows of D, `stride` elements apart -> n contiguous float rows (exact: the high halves).
-template <int D>
-inline void widen_rows(const uint16_t* src, int64_t stride, int64_t n, float* dst) {
-  for (int64_t k = 0; k < n; ++k) {
+    __m512 a[RG][NV];
+    for (int64_t r = 0; r < g; ++r) {
+      const __m512 c = _mm512_set1_ps(corr[r0 + r]);
 #pragma GCC unroll 8
-    for (int i = 0; i < D / 16; ++i) _mm512_storeu_ps(dst + k * D + 16 * i, load16(src + k * stride + 16 * i));
+      for (int i = 0; i < NV; ++i) a[r][i] = _mm512_mul_ps(_mm512_loadu_ps(acc + (r0 + r) * D + 16 * i), c);
+    }
+    for (int b = 0; b < nb; ++b) {
+      int64_t nmax = 0;
+      for (int64_t r = r0; r < r0 + g; ++r) nmax = std::max(nmax, nk[r][b]);
+      for (int64_t k = 0; k < nmax; ++k) {  // p is 0 past a row's own keys
+        const E* vr = vb[b] + k * stride;
+        __m512 v[NV];
+#pragma GCC unroll 8
+        for (int i = 0; i < NV; ++i) v[i] = load16(vr + 16 * i);
+        for (int64_t r = 0; r < g; ++r) {
+          const __m512 pk = _mm512_set1_ps(p[((r0 + r) * kGroup + b) * 16 + k]);
+#pragma GCC unroll 8
+          for (int i = 0; i < NV; ++i) a[r][i] = _mm512_fmadd_ps(pk, v[i], a[r][i]);
+        }
+      }
+    }
+    for (int64_t r = 0; r < g; ++r) {
+#pragma GCC unroll 8
+      for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + (r0 + r) * D + 16 * i, a[r][i]);
+    }
   }
 }
 
@@ -692,19 +664,9 @@ template <int D, typename E>
 void attend_grouped(const float* q, float* acc, float* m, float* l,
                     const int64_t* pos, int64_t rows, const E* K, const E* V, const int32_t* table,
                     int64_t num_kv_blocks, int64_t last, int64_t tok_stride, int64_t head_off) {
-  constexpr int RG = 16 / (D / 16);
   thread_local std::vector<float> pbuf;
   pbuf.resize(kMaxRows * 16 * kGroup);
   float* const p = pbuf.data();
-  // A bfloat16 block scored (or accumulated) by more than one row group is widened once into per-thread float
-  // scratch and read from there: the same floats, so the same bits, without a widening per row. K is read by
-  // every row, V once per RG rows.
-  constexpr bool kBf16 = std::is_same_v<E, uint16_t>;
-  const bool widen_k = kBf16 && rows > 1, widen_v = kBf16 && rows > RG;
-  thread_local std::vector<float> wbuf;
-  if (widen_k || widen_v) wbuf.resize(2 * kGroup * 16 * D);
-  float* const kw = wbuf.data();
-  float* const vw = kw + kGroup * 16 * D;
   for (int64_t j0 = 0; j0 < num_kv_blocks; j0 += kGroup) {
     const int nb = static_cast<int>(std::min<int64_t>(kGroup, num_kv_blocks - j0));
     const E* kb[kGroup];
@@ -727,23 +689,7 @@ void attend_grouped(const float* q, float* acc, float* m, float* l,
         }
       }
     }
-    if constexpr (kBf16) {
-      // Only a block's valid rows are widened (garbage past them is never read: the masks stop at n).
-      const float* kf[kGroup];
-      const float* vf[kGroup];
-      for (int b = 0; b < nb; ++b) {
-        const int64_t n = std::min<int64_t>(16, last + 1 - (j0 + b) * 16);
-        kf[b] = kw + b * 16 * D;
-        vf[b] = vw + b * 16 * D;
-        if (widen_k) widen_rows<D>(reinterpret_cast<const uint16_t*>(kb[b]), tok_stride, n, kw + b * 16 * D);
-        if (widen_v) widen_rows<D>(reinterpret_cast<const uint16_t*>(vb[b]), tok_stride, n, vw + b * 16 * D);
-      }
-      if (widen_k && widen_v) group_step<D>(q, acc, m, l, pos, rows, kf, D, vf, D, nb, j0, last, p);
-      else if (widen_k) group_step<D>(q, acc, m, l, pos, rows, kf, D, vb, tok_stride, nb, j0, last, p);
-      else group_step<D>(q, acc, m, l, pos, rows, kb, tok_stride, vb, tok_stride, nb, j0, last, p);
-    } else {
-      group_step<D>(q, acc, m, l, pos, rows, kb, tok_stride, vb, tok_stride, nb, j0, last, p);
-    }
+    group_step<D>(q, acc, m, l, pos, rows, kb, vb, tok_stride, nb, j0, last, p);
   }
 }
 #endif
@@ -929,19 +875,15 @@ void run(const Args& a, int64_t num_seqs) {
   // the tiles alone keep every thread busy: a pool row holds a token's kv heads side by side, so one thread then
   // reads each block row whole, where items of one head each read 1 / kv_heads of every row (and a neighbour's
   // prefetch is wasted on another core). Few tiles (a small decode batch): one head an item, for parallelism.
-  int64_t num_tiles = 0;
+  std::vector<int64_t> item_start(num_seqs + 1, 0);  // first the tiles' prefix sums
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t q_len = a.qsl[b + 1] - a.qsl[b];
-    num_tiles += q_len <= a.max_q_len ? (q_len + tile - 1) / tile : 0;  // longer: the caller's
+    const int64_t tiles = q_len <= a.max_q_len ? (q_len + tile - 1) / tile : 0;  // longer: the caller's
+    item_start[b + 1] = item_start[b] + tiles;
   }
-  const int64_t heads_per_item = num_tiles >= 4 * omp_get_max_threads() ? a.num_kv_heads : 1;
+  const int64_t heads_per_item = item_start[num_seqs] >= 4 * omp_get_max_threads() ? a.num_kv_heads : 1;
   const int64_t head_items = a.num_kv_heads / heads_per_item;
-  std::vector<int64_t> item_start(num_seqs + 1, 0);
-  for (int64_t b = 0; b < num_seqs; ++b) {
-    const int64_t q_len = a.qsl[b + 1] - a.qsl[b];
-    const int64_t tiles = q_len <= a.max_q_len ? (q_len + tile - 1) / tile : 0;
-    item_start[b + 1] = item_start[b] + tiles * head_items;
-  }
+  for (int64_t& start : item_start) start *= head_items;  // then the items'
   const int64_t num_items = item_start[num_seqs];
 #pragma omp parallel for schedule(dynamic, 1)
   for (int64_t i = 0; i < num_items; ++i) {
@@ -1023,7 +965,7 @@ int ps_paged_attention(const float* q, int64_t q_stride_t, int64_t q_stride_h, c
 
 // This step's K and V rows into their pool slots, for float pools (the kernel's pool layout, plane 0 = K, 1 = V):
 // row t of key and of value (row_bytes each, key_stride / value_stride bytes apart) to row slots[t] of its plane of
-// num_slots rows. One call a layer in place of two index_copy_ ops (~60 us a layer at any batch, on 2 threads).
+// num_slots rows. One call a layer in place of two index_copy_ ops (6 us against 18: 64 rows, 2 threads).
 // Returns 0, or 1 when a slot is out of range (then nothing is written: all are checked first).
 int ps_write_kv(void* pool, int64_t num_slots, int64_t row_bytes, const void* key, int64_t key_stride,
                 const void* value, int64_t value_stride, const int64_t* slots, int64_t n) {
