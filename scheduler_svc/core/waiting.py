@@ -1,0 +1,195 @@
+"""The waiting queue in the order a scheduling policy admits from: fcfs, priority, or fair share (VTC)."""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
+DEFAULT_TENANT = ""  # the one shared tenant of requests that name none
+
+
+class Waiting(Protocol):
+    """What the queue reads of a request."""
+
+    arrival_time: float  # monotonic seconds
+    priority: int  # lower runs first (the priority policy)
+    tenant: str  # whose service it counts as (the fair policy)
+
+
+@dataclass(slots=True)
+class ServiceCounter:
+    """VTC's virtual token counters ("Fairness in Serving Large Language Models", OSDI '24): each tenant's
+    service so far, weighted input + output tokens over the tenant's weight.
+
+    NOTE: a tenant that turns backlogged is lifted to the least counter of the tenants backlogged then (or, with
+    none, to where the last backlogged ones stood), so idle time banks no credit: the bound on the service
+    difference between backlogged tenants (VTC's Theorem 4.4) then holds at every moment, not only on average.
+    """
+
+    prefill_weight: float = 1.0  # the cost of a computed prompt token, in the unit of a decode token
+    decode_weight: float = 1.0
+    weights: dict[str, float] = field(default_factory=dict)  # tenant -> share weight (absent: 1)
+    service: dict[str, float] = field(default_factory=dict)  # tenant -> counted service
+    _floor: float = 0.0  # the least counter among the backlogged tenants when the queue last drained
+
+    def weight(self, tenant: str) -> float:
+        return self.weights.get(tenant, 1.0)
+
+    def charge(self, tenant: str, num_prefill_tokens: int = 0, num_decode_tokens: int = 0) -> None:
+        cost = self.prefill_weight * num_prefill_tokens + self.decode_weight * num_decode_tokens
+        self.service[tenant] = self.service.get(tenant, 0.0) + cost / self.weight(tenant)
+
+    def lift(self, tenant: str, backlogged: Iterator[str]) -> None:
+        """`tenant` turned backlogged while `backlogged` (the others) were: no banked credit."""
+        floor = min((self.service.get(t, 0.0) for t in backlogged), default=self._floor)
+        self.service[tenant] = max(self.service.get(tenant, 0.0), floor)
+
+    def drained(self, last: Iterator[str]) -> None:
+        """The queue emptied; `last`: the tenants backlogged just before."""
+        self._floor = max(self._floor, min((self.service.get(t, 0.0) for t in last), default=self._floor))
+
+
+class WaitingQueue:
+    """Requests waiting for admission, head first under `policy`:
+
+    - fcfs: arrival order; a preempted request goes back to the front (appendleft).
+    - priority: the lowest `priority` first, ties by arrival; a preempted request goes before the waiting ones of
+      its own priority. NOTE: aging bounds starvation: every `aging_steps` admissions that a request waits
+      through lower its effective priority by one, so a steady stream of urgent requests delays it, never forever.
+    - fair: one FIFO per tenant; the head is the first request of the backlogged tenant with the least counted
+      service (ties: the earliest arrival), counted by `counter` (the scheduler charges it as tokens are computed).
+
+    NOTE: fcfs is a plain deque, as before policies existed: O(1) at any queue length. priority and fair find the
+    head in O(queued) or O(tenants).
+    """
+
+    def __init__(self, policy: str = "fcfs", counter: ServiceCounter | None = None, aging_steps: int = 64) -> None:
+        if policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
+        if aging_steps < 1:
+            raise ValueError(f"aging_steps must be >= 1, got {aging_steps}")
+        self.policy = policy
+        self.counter = counter or ServiceCounter()
+        self.aging_steps = aging_steps
+        self._fifo: deque = deque()  # fcfs and priority: in arrival order, front-pushed ones first
+        self._by_tenant: dict[str, deque] = {}  # fair: tenant -> its FIFO (no empty ones)
+        self._admitted = 0  # admissions so far (priority aging)
+        self._enqueued: dict[int, int] = {}  # id(request) -> self._admitted when it was queued (priority aging)
+        self._order = itertools.count()
+        self._rank: dict[int, tuple[int, int]] = {}  # id(request) -> (front-pushed 0 / appended 1, order)
+
+    # -- deque's interface (what the scheduler used) --------------------------------------------------------
+    def __len__(self) -> int:
+        if self.policy == "fair":
+            return sum(len(q) for q in self._by_tenant.values())
+        return len(self._fifo)
+
+    def __bool__(self) -> bool:
+        return bool(self._by_tenant) if self.policy == "fair" else bool(self._fifo)
+
+    def __iter__(self) -> Iterator:
+        """Every waiting request, head first (the order they would be admitted in, were nothing to change)."""
+        if self.policy == "fcfs":
+            return iter(list(self._fifo))
+        return iter(self._ordered())
+
+    def __contains__(self, req) -> bool:
+        return id(req) in self._rank
+
+    def __getitem__(self, i: int):
+        if i != 0:
+            raise IndexError("only the head ([0]) of a waiting queue is indexable")
+        return self.head()
+
+    def append(self, req: Waiting) -> None:
+        """A request arrives (or comes back from another worker) at the back of its class."""
+        self._add(req, front=False)
+
+    def appendleft(self, req: Waiting) -> None:
+        """A preempted request goes back before the waiting ones (of its priority, of its tenant)."""
+        self._add(req, front=True)
+
+    def popleft(self) -> Waiting:
+        req = self.head()
+        self.remove(req)
+        self._admitted += 1
+        return req
+
+    def remove(self, req: Waiting) -> None:
+        if id(req) not in self._rank:
+            raise ValueError("not waiting")
+        del self._rank[id(req)]
+        self._enqueued.pop(id(req), None)
+        if self.policy != "fair":
+            self._fifo.remove(req)
+            return
+        q = self._by_tenant[req.tenant]
+        q.remove(req)
+        if not q:
+            del self._by_tenant[req.tenant]
+            if not self._by_tenant:
+                self.counter.drained(iter((req.tenant,)))
+
+    def clear(self) -> None:
+        self._fifo.clear()
+        self._by_tenant.clear()
+        self._rank.clear()
+        self._enqueued.clear()
+
+    # -- the policy ------------------------------------------------------------------------------------------
+    def head(self) -> Waiting:
+        """The next request to admit; IndexError when none waits."""
+        if self.policy == "fcfs":
+            return self._fifo[0]
+        if self.policy == "priority":
+            if not self._fifo:
+                raise IndexError("no request is waiting")
+            return min(self._fifo, key=self._priority_key)
+        if not self._by_tenant:
+            raise IndexError("no request is waiting")
+        service = self.counter.service
+        tenant = min(self._by_tenant, key=lambda t: (service.get(t, 0.0), self._by_tenant[t][0].arrival_time))
+        return self._by_tenant[tenant][0]
+
+    def effective_priority(self, req: Waiting) -> int:
+        """Its priority less one for every `aging_steps` admissions it has waited through."""
+        waited = self._admitted - self._enqueued.get(id(req), self._admitted)
+        return req.priority - waited // self.aging_steps
+
+    def _priority_key(self, req: Waiting) -> tuple:
+        return (self.effective_priority(req), *self._rank[id(req)], req.arrival_time)
+
+    def _add(self, req: Waiting, front: bool) -> None:
+        if id(req) in self._rank:
+            raise ValueError("already waiting")
+        # NOTE: front-pushed requests rank before appended ones; among each, later front-pushes go first (a
+        # deque's appendleft) and appends keep their order
+        order = next(self._order)
+        self._rank[id(req)] = (0, -order) if front else (1, order)
+        self._enqueued.setdefault(id(req), self._admitted)
+        if self.policy != "fair":
+            (self._fifo.appendleft if front else self._fifo.append)(req)
+            return
+        q = self._by_tenant.get(req.tenant)
+        if q is None:
+            self.counter.lift(req.tenant, iter(self._by_tenant))
+            q = self._by_tenant[req.tenant] = deque()
+        (q.appendleft if front else q.append)(req)
+
+    def _ordered(self) -> list:
+        if self.policy == "priority":
+            return sorted(self._fifo, key=self._priority_key)
+        # fair: replay the head choice without charging (the order if no service were counted meanwhile)
+        queues = {t: list(q) for t, q in self._by_tenant.items()}
+        service = self.counter.service
+        out = []
+        while queues:
+            t = min(queues, key=lambda t: (service.get(t, 0.0), queues[t][0].arrival_time))
+            out.append(queues[t].pop(0))
+            if not queues[t]:
+                del queues[t]
+        return out

@@ -1,0 +1,150 @@
+"""The waiting queue's policies: fcfs order, priority with aging, and VTC fair share (scheduler_svc.core.waiting)."""
+
+import itertools
+import random
+from dataclasses import dataclass, field
+
+import pytest
+
+from scheduler_svc.core.waiting import ServiceCounter, WaitingQueue
+
+_clock = itertools.count()
+
+
+@dataclass(eq=False)
+class Req:
+    name: str
+    priority: int = 0
+    tenant: str = ""
+    arrival_time: float = field(default_factory=lambda: float(next(_clock)))
+
+
+def names(q) -> list[str]:
+    return [r.name for r in q]
+
+
+def drain(q, charge=None) -> list[str]:
+    out = []
+    while q:
+        r = q.popleft()
+        out.append(r.name)
+        if charge:
+            q.counter.charge(r.tenant, num_decode_tokens=charge(r))
+    return out
+
+
+def test_fcfs_is_arrival_order_with_preempted_requests_back_at_the_front():
+    q = WaitingQueue("fcfs")
+    a, b, c, p1, p2 = Req("a"), Req("b"), Req("c"), Req("p1"), Req("p2")
+    for r in (a, b, c):
+        q.append(r)
+    q.appendleft(p1)
+    q.appendleft(p2)  # the later preemption goes first, as deque.appendleft
+    assert names(q) == ["p2", "p1", "a", "b", "c"] and len(q) == 5 and q[0] is p2
+    assert b in q and Req("b") not in q
+    q.remove(b)
+    assert drain(q) == ["p2", "p1", "a", "c"] and not q
+    with pytest.raises(IndexError):
+        q.head()
+
+
+def test_only_the_head_is_indexable_and_a_request_waits_once():
+    q = WaitingQueue("priority")
+    a = Req("a")
+    q.append(a)
+    with pytest.raises(IndexError):
+        q[1]
+    with pytest.raises(ValueError, match="already waiting"):
+        q.append(a)
+    q.remove(a)
+    with pytest.raises(ValueError, match="not waiting"):
+        q.remove(a)
+
+
+def test_priority_lower_first_ties_by_arrival_and_preempted_before_their_own_priority():
+    q = WaitingQueue("priority")
+    low1, high1, high2, low2 = Req("low1", 5), Req("high1", 1), Req("high2", 1), Req("low2", 5)
+    for r in (low1, high1, high2, low2):
+        q.append(r)
+    q.appendleft(Req("low_preempted", 5))
+    assert names(q) == ["high1", "high2", "low_preempted", "low1", "low2"]
+    assert drain(q) == ["high1", "high2", "low_preempted", "low1", "low2"]
+
+
+def test_priority_aging_admits_a_starved_request_after_a_bounded_number_of_admissions():
+    q = WaitingQueue("priority", aging_steps=2)
+    starved = Req("starved", priority=10)
+    q.append(starved)
+    admitted = []
+    for i in range(40):  # a steady stream of urgent requests: one arrives per admission
+        q.append(Req(f"urgent{i}", priority=0))
+        admitted.append(q.popleft().name)
+    # after 20 admissions its effective priority is 10 - 20 // 2 = 0, and it arrived before every urgent one
+    assert admitted.index("starved") == 20
+    assert q.effective_priority(q.head()) == 0
+
+
+def test_fair_alternates_between_backlogged_tenants_by_counted_service():
+    q = WaitingQueue("fair")
+    for i in range(5):
+        q.append(Req(f"A{i}", tenant="A"))
+    for i in range(2):
+        q.append(Req(f"B{i}", tenant="B"))
+    # both at 0: A's head arrived first; then whoever has been served less
+    assert drain(q, charge=lambda r: 10) == ["A0", "B0", "A1", "B1", "A2", "A3", "A4"]
+    assert q.counter.service == {"A": 50.0, "B": 20.0}
+
+
+def test_fair_a_tenant_returning_from_idle_banks_no_credit():
+    q = WaitingQueue("fair")
+    for i in range(10):
+        q.append(Req(f"A{i}", tenant="A"))
+    for _ in range(5):  # A alone is served 5 x 20 tokens while B is idle
+        q.counter.charge(q.popleft().tenant, num_decode_tokens=20)
+    q.append(Req("B0", tenant="B"))
+    assert q.counter.service["B"] == 100.0  # lifted to the least backlogged counter, not left at 0
+    assert q.head().name == "A5"  # a tie at 100: A's head arrived first
+    q.counter.charge(q.popleft().tenant, num_decode_tokens=20)
+    assert q.head().name == "B0"  # then B, at 100 against A's 120
+
+
+def test_fair_lifts_to_where_the_queue_stood_when_it_drained():
+    q = WaitingQueue("fair")
+    q.append(Req("A0", tenant="A"))
+    q.counter.charge(q.popleft().tenant, num_decode_tokens=30)
+    assert not q
+    q.append(Req("B0", tenant="B"))  # nobody backlogged: B starts where the last backlogged tenant stood
+    assert q.counter.service["B"] == 0.0  # A stood at 0 when it was last backlogged (charged after it left)
+    q.append(Req("A1", tenant="A"))
+    assert q.counter.service["A"] == 30.0 and q.head().name == "B0"
+
+
+def test_fair_weights_and_token_costs():
+    c = ServiceCounter(prefill_weight=0.5, decode_weight=2.0, weights={"gold": 2.0})
+    c.charge("gold", num_prefill_tokens=100, num_decode_tokens=10)
+    c.charge("free", num_prefill_tokens=100, num_decode_tokens=10)
+    assert c.service == {"gold": (50 + 20) / 2, "free": 70.0}
+
+
+def test_fair_service_gap_between_backlogged_tenants_stays_within_one_request_cost():
+    rng = random.Random(7)
+    q = WaitingQueue("fair")
+    max_cost = 50
+    cost = {}
+    for i in range(300):
+        for t in ("A", "B"):
+            r = Req(f"{t}{i}", tenant=t)
+            cost[r.name] = rng.randint(1, max_cost)
+            q.append(r)
+    gaps = []
+    while len({r.tenant for r in q}) == 2:  # both backlogged
+        r = q.popleft()
+        q.counter.charge(r.tenant, num_decode_tokens=cost[r.name])
+        s = q.counter.service
+        gaps.append(abs(s.get("A", 0.0) - s.get("B", 0.0)))
+    assert len(gaps) > 500 and max(gaps) <= max_cost
+
+
+def test_an_unknown_policy_is_refused_by_name():
+    with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority, fair"):
+        WaitingQueue("lottery")
