@@ -52,17 +52,16 @@ class Handover:
     def adopt(self, req: Request) -> None:
         """Queues a request released by another worker: its samples get fresh sequence ids and are recomputed
         from all their known tokens (prompt and streamed output) with their own seeds, so they continue exactly
-        where they stopped. It queues by arrival time, ahead of younger requests. Raises ValueError like
-        add_request when this worker can never serve it."""
+        where they stopped. It queues by arrival time, ahead of younger requests (of its priority, of its tenant).
+        Raises ValueError like add_request when this worker can never serve it."""
         if req.request_id in self.requests:
             raise ValueError(f"request_id {req.request_id!r} is already in flight")
         self.check_fits(req)
         seqs = self._unfinished(req)
         for seq in seqs:
             seq.seq_id = self._new_seq_id()
-        at = next((i for i, w in enumerate(self.waiting) if w.arrival_time > req.arrival_time), len(self.waiting))
-        for i, seq in enumerate(seqs):
-            self.waiting.insert(at + i, seq)
+        for seq in seqs:
+            self.waiting.insert_by_arrival(seq)
         self.requests[req.request_id] = req
         self.num_constrained += req.constraint is not None
         if req.sampling.min_tokens:

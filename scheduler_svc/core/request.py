@@ -58,6 +58,8 @@ class Request:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     cache_salt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # the priority policy admits lower first (scheduler_svc.core.waiting)
+    tenant: str = ""  # whose service it counts as under the fair policy ("": the one shared tenant)
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: array = field(default_factory=token_ids)
     # NOTE: prompt + outputs, appended to as tokens arrive; never rebuilt (the hot path reads it every step).

@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -18,6 +17,7 @@ from scheduler_svc.core import reservation
 from scheduler_svc.core.handover import Handover
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput, RequestStatus
 from scheduler_svc.core.speculation import SPECULATIVE_METHODS, Speculator
+from scheduler_svc.core.waiting import SCHEDULING_POLICIES, ServiceCounter, WaitingQueue
 from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.manager import KVCacheManager
 from scheduler_svc.kv.static import KV_ALLOCATIONS, STATIC_KV_ALLOCATIONS, StaticKVCacheManager
@@ -42,6 +42,7 @@ class SchedulerConfig:
     kv_allocation: str = default_of(EngineOptions, "kv_allocation")  # or a contiguous reservation per sequence
     speculative: str = default_of(EngineOptions, "speculative")  # "ngram": decoding sequences draft tokens
     num_speculative_tokens: int = default_of(EngineOptions, "num_speculative_tokens")  # drafts per step at most
+    scheduling_policy: str = "fcfs"  # the waiting queue's admission order: fcfs, priority or fair
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -58,14 +59,19 @@ class Scheduler(Handover):
     NOTE: the KV manager keys block tables by seq_id, which is unique among live sequences.
     """
 
-    def __init__(self, config: SchedulerConfig, seq_ids: Iterator[int] | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, seq_ids: Iterator[int] | None = None,
+                 service: ServiceCounter | None = None) -> None:
         """`seq_ids` hands out sequence ids; the engine shares one among its workers' schedulers, so that a
-        sequence id names one sequence across the whole fleet (and a migrated sequence gets a fresh one)."""
+        sequence id names one sequence across the whole fleet (and a migrated sequence gets a fresh one).
+        `service`: the fair policy's per-tenant counters, shared the same way (a tenant's service is fleet-wide)."""
         if config.max_num_seqs < 1 or config.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be >= 1")
         if config.kv_allocation not in KV_ALLOCATIONS:
             raise ValueError(f"kv_allocation must be one of {', '.join(KV_ALLOCATIONS)}, "
                              f"got {config.kv_allocation!r}")
+        if config.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
+                             f"got {config.scheduling_policy!r}")
         if config.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {config.speculative!r}")
         self.config = config
@@ -84,7 +90,9 @@ class Scheduler(Handover):
         self._cpu_blocks_to_free: list[int] = []  # swapped in this step: free once the worker has read them
         self.num_swaps = 0
         self.requests: dict[str, Request] = {}  # unfinished client requests (parents for n > 1)
-        self.waiting: deque[Request] = deque()  # FIFO; preempted sequences go back to the front
+        # Admission order (scheduler_svc.core.waiting): fcfs, priority or fair; preempted sequences go back first
+        self.waiting = WaitingQueue(config.scheduling_policy, service)
+        self._fair = config.scheduling_policy == "fair"
         self.running: list[Request] = []  # in admission order: the last is the first preemption victim
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # prompt tokens computed: prefix hits excluded, recomputation included
@@ -259,7 +267,7 @@ class Scheduler(Handover):
             scheduled.append((req, num_new))
             budget -= num_new
             i += 1
-        # Then admit waiting ones in FIFO order, unless memory is so tight that someone was just preempted.
+        # Then admit waiting ones in the policy's order, unless memory is so tight that someone was just preempted.
         waiting = self.waiting
         if num_preempted and waiting:  # memory is so tight that nobody is admitted
             self.waiting_for_blocks = True
@@ -318,9 +326,20 @@ class Scheduler(Handover):
             if pending > 0:
                 num_prefill += num_new if num_new < pending else pending
         self.num_prefill_tokens += num_prefill
+        if self._fair:
+            self._charge(scheduled)
         self._scheduled, self._in_flight = scheduled, plan.step_id
         self.steps += 1
         return plan
+
+    def _charge(self, scheduled: list[tuple[Request, int]]) -> None:
+        """The fair policy counts each tenant's service as its tokens are scheduled: the known tokens computed
+        (prompt, or a recomputation) as prefill, the rest (the token sampled next, drafts) as decode."""
+        charge = self.waiting.counter.charge
+        for req, num_new in scheduled:
+            known = len(req.all_token_ids) - req.num_computed_tokens - 1  # known tokens before the last one
+            num_prefill = min(num_new, max(0, known))
+            charge(req.tenant, num_prefill, num_new - num_prefill)
 
     def _num_table_tokens(self, req: Request, num_new: int) -> int:
         """The tokens a running sequence's table must cover this step. NOTE: under speculation a table may already
@@ -408,7 +427,7 @@ class Scheduler(Handover):
         children = []
         for index in range(n):
             child = Request(parent.request_id, parent.prompt_token_ids, parent.sampling, parent.cache_salt,
-                            parent.arrival_time, status=_RUNNING, all_token_ids=parent.all_token_ids[:],
+                            parent.arrival_time, parent.priority, parent.tenant, status=_RUNNING, all_token_ids=parent.all_token_ids[:],
                             num_computed_tokens=parent.num_computed_tokens, seq_id=self._new_seq_id(),
                             seed=(parent.seed + index) % 2**64, index=index, parent=parent,
                             num_cached_prompt_tokens=parent.num_cached_prompt_tokens, stop_ids=parent.stop_ids,

@@ -80,7 +80,7 @@ class WaitingQueue:
         self._admitted = 0  # admissions so far (priority aging)
         self._enqueued: dict[int, int] = {}  # id(request) -> self._admitted when it was queued (priority aging)
         self._order = itertools.count()
-        self._rank: dict[int, tuple[int, int]] = {}  # id(request) -> (front-pushed 0 / appended 1, order)
+        self._rank: dict[int, tuple] = {}  # id(request) -> (0, -order) front-pushed, (1, arrival, order) appended
 
     # -- deque's interface (what the scheduler used) --------------------------------------------------------
     def __len__(self) -> int:
@@ -108,6 +108,15 @@ class WaitingQueue:
     def append(self, req: Waiting) -> None:
         """A request arrives (or comes back from another worker) at the back of its class."""
         self._add(req, front=False)
+
+    def insert_by_arrival(self, req: Waiting) -> None:
+        """A request moved here from another worker: behind the waiting ones that arrived no later, ahead of the
+        younger ones (of its priority, of its tenant)."""
+        self._add(req, front=False)
+        q = self._fifo if self.policy != "fair" else self._by_tenant[req.tenant]
+        q.pop()
+        at = next((i for i, w in enumerate(q) if w.arrival_time > req.arrival_time), len(q))
+        q.insert(at, req)
 
     def appendleft(self, req: Waiting) -> None:
         """A preempted request goes back before the waiting ones (of its priority, of its tenant)."""
@@ -161,15 +170,15 @@ class WaitingQueue:
         return req.priority - waited // self.aging_steps
 
     def _priority_key(self, req: Waiting) -> tuple:
-        return (self.effective_priority(req), *self._rank[id(req)], req.arrival_time)
+        return (self.effective_priority(req), *self._rank[id(req)])
 
     def _add(self, req: Waiting, front: bool) -> None:
         if id(req) in self._rank:
             raise ValueError("already waiting")
-        # NOTE: front-pushed requests rank before appended ones; among each, later front-pushes go first (a
-        # deque's appendleft) and appends keep their order
+        # NOTE: front-pushed requests rank before appended ones; among them later front-pushes go first (a deque's
+        # appendleft), appended ones go by arrival (then the order they came in)
         order = next(self._order)
-        self._rank[id(req)] = (0, -order) if front else (1, order)
+        self._rank[id(req)] = (0, -order) if front else (1, req.arrival_time, order)
         self._enqueued.setdefault(id(req), self._admitted)
         if self.policy != "fair":
             (self._fifo.appendleft if front else self._fifo.append)(req)
