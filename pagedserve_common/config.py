@@ -22,6 +22,7 @@ KV_CACHE_DTYPES = ("auto", *DTYPE_BYTES)  # --kv-cache-dtype: auto (the model's)
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "cupy")
 INT8_QK = ("auto", "on", "off")
 SPECULATIVE = ("none", "ngram")  # scheduler_svc.core.speculation
+SCHEDULING_POLICIES = ("fcfs", "priority", "fair")  # scheduler_svc.core.waiting
 
 # Tokens per step when not set. NOTE: a step is one forward, so its token budget bounds the inter-token latency
 # of every running stream while a long prompt is prefilled. Measured on a 2-core CPU with the default model
@@ -87,6 +88,13 @@ class EngineOptions:
                                       "identical; sampled: the same draws)", choices=SPECULATIVE, up=GIVEN)
     num_speculative_tokens: int = option(4, "drafts per sequence per step at most (--speculative)",
                                          type=at_least(int, 1, _POSITIVE), metavar="K", up=GIVEN)
+    scheduling_policy: str = option(
+        "fcfs", "the order waiting requests are admitted in: fcfs (first come, first served), priority (a request's "
+                "`priority` field, lower first, ties by arrival; one with no room preempts the running sequence of "
+                "the worst priority, recomputed later; a request waiting through 64 admissions gains one level, so "
+                "none starves), fair (each tenant an equal share of the tokens computed, prompt and output tokens "
+                "alike; the tenant: the x-pagedserve-tenant header or gRPC metadata, else one shared tenant)",
+        choices=SCHEDULING_POLICIES, up=GIVEN)
     routing: str = option("kv", "which worker takes a new request: kv (the one holding the longest prefix of the "
                                 "prompt, unless it is much busier than the others), least-loaded (fewest pending "
                                 "tokens) or round-robin", choices=ROUTING, up=GIVEN)

@@ -18,6 +18,7 @@ from pagedserve_common.sampling import SamplingParams
 from scheduler_svc import request_log
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput
 from scheduler_svc.core.result_check import check_result
+from scheduler_svc.core.waiting import ServiceCounter
 from scheduler_svc.errors import DRAINING, EngineError, ErrorCode
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.routing import Router
@@ -66,6 +67,7 @@ class Engine(Fleet):
         self.last_worker_left: float | None = None  # monotonic; None while no worker has ever left
         self._worker_ids = itertools.count()
         self._seq_ids = itertools.count()
+        self.service = ServiceCounter()  # the fair policy's tenants' service, fleet-wide: every Scheduler's
         self.on_workers_changed = lambda num_workers: None  # health: SERVING iff a worker is attached
         self.tracing: Tracing | None = None  # --otlp-endpoint (scheduler_svc.tracing)
 
@@ -183,7 +185,8 @@ class Engine(Fleet):
 
     # -- requests -----------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str = "",
-               *, open_stream: Callable[[Request], RequestStream], grammar: Grammar | None = None) -> RequestStream:
+               *, open_stream: Callable[[Request], RequestStream], grammar: Grammar | None = None, priority: int = 0,
+               tenant: str = "") -> RequestStream:
         """Admits a request and returns its stream, made by `open_stream` (the front end's: it detokenizes).
         NOTE: the front end checked the input (FrontEnd._check); here only what needs the fleet: a request id in
         use, the queue bound, and whether the chosen worker can ever hold it (Scheduler.check_fits). Raises
@@ -198,8 +201,8 @@ class Engine(Fleet):
         if request_id in self.streams:
             raise EngineError(ErrorCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running")
         self.check_queue()
-        req = Request(request_id, list(prompt_token_ids), sampling, cache_salt or None,
-                      constraint=grammar and grammar.constraint())
+        req = Request(request_id, list(prompt_token_ids), sampling, cache_salt or None, priority=priority,
+                      tenant=tenant, constraint=grammar and grammar.constraint())
         try:
             if self._routable():
                 self._place(req)

@@ -177,7 +177,8 @@ class Fleet:
                 block_size=reg.block_size, enable_prefix_caching=not cfg.no_prefix_caching,
                 eos_token_ids=cfg.eos_token_ids, num_cpu_blocks=reg.num_cpu_blocks,
                 kv_allocation=cfg.kv_allocation, speculative=cfg.speculative,
-                num_speculative_tokens=cfg.num_speculative_tokens), seq_ids=self._seq_ids)
+                num_speculative_tokens=cfg.num_speculative_tokens, scheduling_policy=cfg.scheduling_policy),
+                seq_ids=self._seq_ids, service=self.service)
         except ValueError as e:  # e.g. swap space under a static kv_allocation
             raise EngineError(ErrorCode.FAILED_PRECONDITION, str(e)) from None
         w = WorkerHandle(f"worker-{next(self._worker_ids)}", reg, sched)

@@ -60,6 +60,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # the priority policy admits lower first (scheduler_svc.core.waiting)
     tenant: str = ""  # whose service it counts as under the fair policy ("": the one shared tenant)
+    admitted_priority: int = 0  # its effective priority (aged) when last admitted: what a newcomer must beat
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: array = field(default_factory=token_ids)
     # NOTE: prompt + outputs, appended to as tokens arrive; never rebuilt (the hot path reads it every step).

@@ -42,7 +42,7 @@ class SchedulerConfig:
     kv_allocation: str = default_of(EngineOptions, "kv_allocation")  # or a contiguous reservation per sequence
     speculative: str = default_of(EngineOptions, "speculative")  # "ngram": decoding sequences draft tokens
     num_speculative_tokens: int = default_of(EngineOptions, "num_speculative_tokens")  # drafts per step at most
-    scheduling_policy: str = "fcfs"  # the waiting queue's admission order: fcfs, priority or fair
+    scheduling_policy: str = default_of(EngineOptions, "scheduling_policy")  # admission order (core.waiting)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -93,6 +93,8 @@ class Scheduler(Handover):
         # Admission order (scheduler_svc.core.waiting): fcfs, priority or fair; preempted sequences go back first
         self.waiting = WaitingQueue(config.scheduling_policy, service)
         self._fair = config.scheduling_policy == "fair"
+        self._priority = config.scheduling_policy == "priority"
+        self.num_priority_preemptions = 0
         self.running: list[Request] = []  # in admission order: the last is the first preemption victim
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # prompt tokens computed: prefix hits excluded, recomputation included
@@ -231,6 +233,8 @@ class Scheduler(Handover):
         spec = self.spec
         if self._drafted:
             self._drafted = {}
+        if self._priority and self.waiting and running:
+            self._preempt_for_priority(plan, budget)
         # NOTE: room for drafts: a step of many decodes is compute-bound, where each draft costs what a token costs
         num_draft_room = spec.max_step_tokens - len(running) if spec is not None else 0
         i = 0
@@ -295,6 +299,7 @@ class Scheduler(Handover):
                 break
             # NOTE: counted once admitted: a queue head that waits for blocks is looked up again every step.
             kv.record_prefix_query(len(tokens), hit.num_tokens)
+            req.admitted_priority = waiting.effective_priority(req)
             waiting.popleft()
             if req.status is RequestStatus.WAITING:
                 req.num_cached_prompt_tokens = hit.num_tokens
@@ -331,6 +336,29 @@ class Scheduler(Handover):
         self._scheduled, self._in_flight = scheduled, plan.step_id
         self.steps += 1
         return plan
+
+    def _preempt_for_priority(self, plan: StepPlan, budget: int) -> None:
+        """The priority policy, before the step's running sequences: while the waiting head outranks the running
+        sequence of the worst admitted priority (the latest admitted of those) and has no room (no sequence slot, or
+        fewer free blocks than its first chunk needs, prefix hits not counted), that sequence is preempted, as under
+        memory pressure (recomputed or swapped; its client sees no gap). NOTE: a running sequence is judged by the
+        effective priority it was admitted with, so one that aged its way in is not preempted by the next urgent
+        request: aging then bounds every request's wait."""
+        waiting, running, cfg = self.waiting, self.running, self.config
+        pool = getattr(self.kv, "pool", None)  # NOTE: a static kv_allocation reserves at admission: slots only
+        while waiting and running:
+            head = waiting.head()
+            rank = waiting.effective_priority(head)
+            at = max(range(len(running)), key=lambda i: (running[i].admitted_priority, i))
+            if running[at].admitted_priority <= rank:
+                return
+            num_new = min(head.num_target_tokens() - head.num_computed_tokens, budget)
+            slots_ok = self._num_seq_slots + (head.fork_into or 1) <= cfg.max_num_seqs
+            if slots_ok and (pool is None or pool.num_free_blocks >= self.kv.num_blocks_for(num_new)):
+                return
+            victim = running.pop(at)
+            self._preempt(victim, plan)
+            self.num_priority_preemptions += 1
 
     def _charge(self, scheduled: list[tuple[Request, int]]) -> None:
         """The fair policy counts each tenant's service as its tokens are scheduled: the known tokens computed
@@ -427,7 +455,8 @@ class Scheduler(Handover):
         children = []
         for index in range(n):
             child = Request(parent.request_id, parent.prompt_token_ids, parent.sampling, parent.cache_salt,
-                            parent.arrival_time, parent.priority, parent.tenant, status=_RUNNING, all_token_ids=parent.all_token_ids[:],
+                            parent.arrival_time, parent.priority, parent.tenant, status=_RUNNING,
+                            admitted_priority=parent.admitted_priority, all_token_ids=parent.all_token_ids[:],
                             num_computed_tokens=parent.num_computed_tokens, seq_id=self._new_seq_id(),
                             seed=(parent.seed + index) % 2**64, index=index, parent=parent,
                             num_cached_prompt_tokens=parent.num_cached_prompt_tokens, stop_ids=parent.stop_ids,

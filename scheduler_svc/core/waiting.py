@@ -8,7 +8,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "fair")
+from pagedserve_common.config import SCHEDULING_POLICIES  # --scheduling-policy
+
 DEFAULT_TENANT = ""  # the one shared tenant of requests that name none
 
 

@@ -12,7 +12,7 @@ import jinja2
 from pagedserve_common.sampling import InvalidField, SamplingParams
 from scheduler_svc.core.kv_snapshot import MAX_SNAPSHOT_BLOCKS, KVPoolSnapshot, snapshot
 from scheduler_svc.errors import DRAINING, EngineError, ErrorCode
-from scheduler_svc.frontend.inputs import INPUTS, GenerateInput
+from scheduler_svc.frontend.inputs import INPUTS, MAX_TENANT_CHARS, TENANT_HEADER, GenerateInput
 from scheduler_svc.frontend.limits import Limits
 from scheduler_svc.frontend.pool import TokenizerPool
 from scheduler_svc.frontend.stream import RequestStream
@@ -174,6 +174,7 @@ class FrontEnd:
     async def _generate(self, inp: GenerateInput, trace: RequestTrace | None) -> RequestStream:
         if self.engine.draining:  # before tokenizing: the engine would refuse it anyway
             raise EngineError(ErrorCode.UNAVAILABLE, DRAINING)
+        self._check_scheduling(inp)
         kind, ids = await self.prompt_token_ids(inp)
         sampling = inp.sampling
         if sampling.top_k < -1:
@@ -204,11 +205,24 @@ class FrontEnd:
                 return stream
 
             return self.engine.submit(inp.request_id, ids, sampling, inp.cache_salt, grammar=grammar,
-                                      open_stream=open_stream)
+                                      open_stream=open_stream, priority=inp.priority, tenant=inp.tenant)
         except EngineError as e:
             if e.field == "prompt_token_ids" and kind != "prompt_token_ids":
                 e.field = kind  # the ids came from this field
             raise
+
+    def _check_scheduling(self, inp: GenerateInput) -> None:
+        """priority needs the priority policy (vLLM refuses it likewise); a tenant name is short visible ASCII."""
+        policy = self.engine.config.scheduling_policy
+        if inp.priority and policy != "priority":
+            raise invalid("priority", f"priority {inp.priority} needs --scheduling-policy priority (this server "
+                                      f"admits by {policy}); send 0 or leave it unset")
+        if not -2**31 <= inp.priority < 2**31:
+            raise invalid("priority", f"priority must fit in 32 bits (-2147483648..2147483647), got {inp.priority}")
+        t = inp.tenant
+        if len(t) > MAX_TENANT_CHARS or not all(" " <= c <= "~" for c in t):
+            raise invalid(TENANT_HEADER, f"{TENANT_HEADER} must be at most {MAX_TENANT_CHARS} visible ASCII characters "
+                                         f"(spaces included), got {len(t)} characters")
 
     async def _echo_text(self, inp: GenerateInput, ids: list[int]) -> str:
         """The prompt's text for echo: a text prompt as given; token ids (or a rendered chat) decoded."""

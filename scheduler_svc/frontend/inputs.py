@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from pagedserve_common.sampling import SamplingParams
 
 INPUTS = ("prompt", "prompt_token_ids", "messages")
+# The tenant a request's service counts for under --scheduling-policy fair: an HTTP header, or gRPC metadata.
+TENANT_HEADER = "x-pagedserve-tenant"
+MAX_TENANT_CHARS = 128
 
 
 @dataclass(slots=True)
@@ -20,6 +23,8 @@ class GenerateInput:
     stop: tuple[str, ...] = ()
     request_id: str = ""
     cache_salt: str = ""
+    priority: int = 0  # --scheduling-policy priority: lower first
+    tenant: str = ""  # TENANT_HEADER's value ("": the one shared tenant)
     chat_template_kwargs: dict = field(default_factory=dict)  # e.g. enable_thinking; reach the template as is
     fill_context: bool = False  # max_tokens unset (OpenAI chat): generate up to the context's end
     # Front-end settings of the text (they need the tokenizer or detokenized text, so they are not SamplingParams)

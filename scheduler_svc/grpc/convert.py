@@ -15,7 +15,7 @@ from pagedserve_common.wire import logprobs_to_pb, sampling_from_pb
 from scheduler_svc.core.kv_snapshot import KVPoolSnapshot
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend.api import invalid
-from scheduler_svc.frontend.inputs import GenerateInput
+from scheduler_svc.frontend.inputs import TENANT_HEADER, GenerateInput
 from scheduler_svc.frontend.limits import Limits
 from scheduler_svc.frontend.stream import StreamItem
 
@@ -157,7 +157,15 @@ def input_from_pb(pb: generate_pb2.GenerateRequest, limits: Limits) -> GenerateI
                          include_stop_str_in_output=pb.sampling.include_stop_str_in_output,
                          skip_special_tokens=pb.sampling.skip_special_tokens
                          if pb.sampling.HasField("skip_special_tokens") else True,
-                         echo=pb.echo)
+                         echo=pb.echo, priority=pb.priority)
+
+
+def tenant_of(metadata) -> str:
+    """The x-pagedserve-tenant metadata's value ("" without it); more than one is INVALID_ARGUMENT."""
+    values = [v for k, v in metadata or () if k == TENANT_HEADER]
+    if len(values) > 1:
+        raise invalid(TENANT_HEADER, f"{TENANT_HEADER} is sent {len(values)} times: send it once")
+    return values[0] if values else ""
 
 
 def _check_structured(so: generate_pb2.StructuredOutput) -> None:

@@ -71,7 +71,9 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         await _refuse_undecodable(request, context)
         try:
-            stream = await self.frontend.generate(convert.input_from_pb(request, self.frontend.limits), None
+            inp = convert.input_from_pb(request, self.frontend.limits)
+            inp.tenant = convert.tenant_of(context.invocation_metadata())
+            stream = await self.frontend.generate(inp, None
                                                   if self.frontend.tracing is None else
                                                   grpc_trace_headers(context.invocation_metadata()))
         except EngineError as e:

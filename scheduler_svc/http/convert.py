@@ -12,6 +12,7 @@ from scheduler_svc.core.request import FinishReason
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend import FrontEnd, GenerateInput, StreamItem
 from scheduler_svc.frontend.api import invalid
+from scheduler_svc.frontend.inputs import TENANT_HEADER
 from scheduler_svc.http import history, tools
 from scheduler_svc.http.schemas import ChatCompletionRequest, CompletionRequest
 from scheduler_svc.http.structured import structured_output
@@ -97,10 +98,19 @@ def _sampling(body, max_tokens: int | None, logprobs: int | None, params: dict[s
 
 
 def _text_options(body) -> dict:
-    """GenerateInput's front-end settings of the text (and the prefix cache's salt), as both endpoints take them."""
+    """GenerateInput's front-end settings of the text (and the prefix cache's salt, the priority), as both endpoints
+    take them."""
     return {"stop": _stop(body), "bad_words": tuple(body.bad_words or ()),
             "include_stop_str_in_output": body.include_stop_str_in_output,
-            "skip_special_tokens": body.skip_special_tokens, "cache_salt": body.cache_salt or ""}
+            "skip_special_tokens": body.skip_special_tokens, "cache_salt": body.cache_salt or "",
+            "priority": body.priority or 0}
+
+
+def tenant_of(values: list[str]) -> str:
+    """The x-pagedserve-tenant header's value ("" without it); more than one is a 400."""
+    if len(values) > 1:
+        raise invalid(TENANT_HEADER, f"{TENANT_HEADER} is sent {len(values)} times: send it once")
+    return values[0] if values else ""
 
 
 def _stop(body) -> tuple[str, ...]:

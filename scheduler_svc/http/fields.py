@@ -73,7 +73,6 @@ _REFUSED_BOTH = {
     "prompt_logprobs": Refused("prompt logprobs are not computed (the worker returns sampled tokens' only)"),
     "logprob_token_ids": Refused("logprobs of chosen token ids are not computed (top_logprobs are)"),
     "prompt_embeds": Refused("prompts are text or token ids, not embeddings"),
-    "priority": Refused("requests are served first come, first served", (0,)),
     "return_tokens_as_token_ids": Refused("logprobs' tokens are their text", (False,)),
     "return_token_ids": Refused("responses carry text, not token ids (the gRPC API returns both)", (False,)),
     "return_token_offsets": Refused("character offsets of tokens are not returned", (False,)),

@@ -31,6 +31,7 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     request_id: str | None = None  # vLLM's: the request's id in logs and the response's id (else a random one)
     cache_salt: str | None = None  # vLLM's: prefix-cache hits only between requests of the same salt
+    priority: int | None = None  # vLLM's: --scheduling-policy priority admits lower first
     # vLLM's extensions
     top_k: int | None = None
     min_p: float | None = None

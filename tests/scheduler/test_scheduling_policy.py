@@ -6,7 +6,7 @@ from scheduler_svc.core.request import Request
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.core.waiting import ServiceCounter
 from pagedserve_common.sampling import SamplingParams
-from tests.support.scheduler import BS, FakeWorker, drive, make, toks
+from tests.support.scheduler import BS, FakeWorker, drive, make, position_token, step, toks
 
 
 def req(rid: str, prompt: list[int], *, priority: int = 0, tenant: str = "", at: float, max_tokens: int = 1):
@@ -93,3 +93,46 @@ def test_an_adopted_request_queues_by_arrival_within_its_tenant():
 def test_an_unknown_policy_is_refused_by_name():
     with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority, fair, got 'lottery'"):
         make(scheduling_policy="lottery")
+
+
+def test_priority_preempts_the_latest_admitted_lowest_priority_sequence_for_a_higher_one():
+    s, w = make(max_num_seqs=2, scheduling_policy="priority"), FakeWorker()
+    a = req("a", toks(0, 5), priority=5, at=0.0, max_tokens=6)
+    b = req("b", toks(100, 5), priority=5, at=1.0, max_tokens=6)
+    add(s, a)
+    add(s, b)
+    step(s, w)  # both run
+    c = req("c", toks(200, 5), priority=0, at=2.0, max_tokens=2)
+    add(s, c)
+    plan, out = step(s, w)  # the next step: b makes room for c, which samples its first token in it
+    assert plan.preempted_seq_ids == [b.seq_id] and [n.seq_id for n in plan.new_seqs] == [c.seq_id]
+    assert [o.request_id for o in out] == ["a", "c"] and s.num_priority_preemptions == 1
+    drive(s, w)
+    # b was recomputed: its tokens are the ones it would have had without the preemption
+    assert list(b.output_token_ids) == [position_token(b.seq_id, p) for p in range(5, 11)]
+    assert list(a.output_token_ids) == [position_token(a.seq_id, p) for p in range(5, 11)]
+
+
+def test_priority_never_preempts_for_an_equal_or_lower_priority():
+    s, w = make(max_num_seqs=1, scheduling_policy="priority"), FakeWorker()
+    add(s, req("a", toks(0, 5), priority=1, at=0.0, max_tokens=3))
+    step(s, w)
+    add(s, req("b", toks(100, 5), priority=1, at=1.0))
+    add(s, req("c", toks(200, 5), priority=7, at=2.0))
+    plans = drive(s, w)
+    assert all(not p.preempted_seq_ids for p in plans) and s.num_priority_preemptions == 0
+    assert admitted(plans) == ["b", "c"]
+
+
+def test_priority_preempts_for_blocks_when_slots_are_free():
+    # 4 blocks of 8 tokens: a (priority 5) holds 3 of them, c (priority 0) needs 2 for its 9-token prompt
+    s, w = make(num_blocks=4, max_num_seqs=4, scheduling_policy="priority"), FakeWorker()
+    a = req("a", toks(0, 21), priority=5, at=0.0, max_tokens=3)
+    add(s, a)
+    step(s, w)
+    c = req("c", toks(100, 9), priority=0, at=1.0, max_tokens=1)
+    add(s, c)
+    plan, _ = step(s, w)
+    assert plan.preempted_seq_ids == [a.seq_id] and [n.seq_id for n in plan.new_seqs] == [c.seq_id]
+    drive(s, w)
+    assert list(a.output_token_ids) == [position_token(a.seq_id, p) for p in range(21, 24)]

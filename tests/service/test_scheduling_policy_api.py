@@ -1,0 +1,92 @@
+"""--scheduling-policy through the client APIs: the priority field and the tenant header, on a real gRPC server and
+its HTTP front, with a scripted worker over the real Attach stream."""
+
+from __future__ import annotations
+
+import grpc
+
+from pagedserve.v1 import generate_pb2 as pb
+from pagedserve.v1 import generate_pb2_grpc
+from tests.service.inproc import Front, ScriptedWorker, status_of, tokens_of, wait_for, with_server
+
+
+def generate(channel, ids, priority: int = 0, metadata=(), max_tokens: int = 2):
+    return generate_pb2_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(
+        prompt_token_ids=ids, priority=priority,
+        sampling=pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True)), metadata=metadata)
+
+
+@with_server(scheduling_policy="priority", max_num_seqs=1, max_queued_requests=8)
+async def test_priority_admits_the_lower_value_first_and_preempts_for_it(engine, channel):
+    worker = ScriptedWorker(channel)
+    await wait_for(lambda: engine.workers)
+    busy = generate(channel, [1, 2, 3])
+    await wait_for(lambda: worker.plans)  # busy holds the one sequence slot; its step is unanswered
+    low = generate(channel, [4, 5, 6], priority=5)
+    high = generate(channel, [7, 8, 9], priority=-1)
+    await wait_for(lambda: engine.num_unfinished == 3)
+    worker.answer = True
+    worker.reply(worker.plans[-1])
+    for call in (busy, low, high):
+        assert await tokens_of(call) == [[7, 7]]
+    # high (-1) outranks busy (0), which has the one slot: busy is preempted in the next step, recomputed after
+    # high, before low (5); its client still gets every token
+    admitted = [list(n.token_ids[:3]) for p in worker.plans for n in p.new_seqs]
+    assert admitted == [[1, 2, 3], [7, 8, 9], [1, 2, 3], [4, 5, 6]]
+    assert [list(p.preempted_seq_ids) for p in worker.plans if p.preempted_seq_ids] == \
+        [[worker.plans[0].new_seqs[0].seq_id]]
+
+
+@with_server()
+async def test_priority_under_fcfs_is_refused_by_name(engine, channel):
+    ScriptedWorker(channel, answer=True)
+    await wait_for(lambda: engine.workers)
+    code, details = await status_of(generate(channel, [1, 2], priority=1))
+    assert code is grpc.StatusCode.INVALID_ARGUMENT
+    assert details.startswith("priority 1 needs --scheduling-policy priority (this server admits by fcfs)")
+    assert await tokens_of(generate(channel, [1, 2], priority=0)) == [[7, 7]]  # 0 is the default: served
+    async with Front(engine) as http:
+        r = await http.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 1, "priority": 2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+        r = await http.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 1,
+                                                     "priority": 0})
+        assert r.status_code == 200, r.text
+
+
+@with_server(scheduling_policy="priority", max_queued_requests=8)
+async def test_priority_out_of_32_bits_is_refused_over_http(engine, channel):
+    ScriptedWorker(channel, answer=True)
+    await wait_for(lambda: engine.workers)
+    async with Front(engine) as http:
+        r = await http.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 1,
+                                                     "priority": 2**31})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "priority"
+        r = await http.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "max_tokens": 1,
+                                                     "priority": -3})
+        assert r.status_code == 200, r.text
+
+
+@with_server(scheduling_policy="fair", max_queued_requests=8)
+async def test_the_tenant_header_and_metadata_name_whose_service_a_request_counts_for(engine, channel):
+    ScriptedWorker(channel, answer=True)
+    await wait_for(lambda: engine.workers)
+    # 3 prompt tokens: 2 counted as prefill, then the last one's and one decode sample a token each
+    assert await tokens_of(generate(channel, [1, 2, 3], metadata=(("x-pagedserve-tenant", "team-a"),))) == [[7, 7]]
+    assert engine.service.service == {"team-a": 4.0}
+    async with Front(engine) as http:
+        r = await http.post("/v1/completions", headers={"x-pagedserve-tenant": "team b"},
+                            json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        r = await http.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 2,
+                                                     "ignore_eos": True})
+        assert r.status_code == 200, r.text
+        assert engine.service.service == {"team-a": 4.0, "team b": 4.0, "": 4.0}  # no header: the shared tenant
+        r = await http.post("/v1/completions", headers=[("x-pagedserve-tenant", "a"), ("x-pagedserve-tenant", "b")],
+                            json={"model": "m", "prompt": [1, 2], "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "x-pagedserve-tenant"
+        r = await http.post("/v1/completions", headers={"x-pagedserve-tenant": "x" * 129},
+                            json={"model": "m", "prompt": [1, 2], "max_tokens": 1})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "x-pagedserve-tenant"
+    code, details = await status_of(generate(channel, [1, 2], metadata=(("x-pagedserve-tenant", "a"),
+                                                                        ("x-pagedserve-tenant", "b"))))
+    assert code is grpc.StatusCode.INVALID_ARGUMENT and "x-pagedserve-tenant is sent 2 times" in details
