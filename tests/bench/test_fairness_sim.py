@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -12,17 +11,12 @@ import pytest
 _PATH = Path(__file__).resolve().parents[2] / "bench" / "fairness.py"
 SIZES = dict(num_blocks=2048, max_num_seqs=8, budget=256, flood_prompt=256, flood_output=64, light_prompt=32,
              light_output=8)
+BENCH_SCRIPT = "fairness"
 
 
 @pytest.fixture(scope="module")
-def sim():
-    # bench/ is scripts, not a package: load the file itself.
-    spec = importlib.util.spec_from_file_location("bench_fairness", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is created
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+def sim(bench_script):
+    return bench_script
 
 
 def test_fair_serves_the_light_tenant_while_the_flood_runs(sim):

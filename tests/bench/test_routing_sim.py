@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 
 from pagedserve_cli.bench.workloads import build_workload
@@ -13,18 +9,12 @@ from scheduler_svc.frontend.tokenizer import Tokenizer
 from pagedserve_common.defaults import DEFAULT_MODEL
 from worker_svc.model_store import resolve_model
 
-_PATH = Path(__file__).resolve().parents[2] / "bench" / "routing.py"
+BENCH_SCRIPT = "routing"
 
 
 @pytest.fixture(scope="module")
-def sim():
-    # bench/ is scripts, not a package: load the file itself.
-    spec = importlib.util.spec_from_file_location("bench_routing", _PATH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is created
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+def sim(bench_script):
+    return bench_script
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
@@ -20,15 +19,12 @@ LAST_LINE = re.compile(r"sched_scale batch_at_10pct=\d+ us_per_seq=\d+\.\d\d wor
                        r"median_step_ms=(\d+\.\d+) max_step_ms=(\d+\.\d+)")
 
 
+BENCH_SCRIPT = "sched_scale"
+
+
 @pytest.fixture(scope="module")
-def ss():
-    # bench/ is scripts, not a package: load the file itself.
-    spec = importlib.util.spec_from_file_location("bench_sched_scale", _BENCH / "sched_scale.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is created
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
+def ss(bench_script):
+    return bench_script
 
 
 def test_quick_run_writes_table_json_plot_and_last_line(tmp_path):
