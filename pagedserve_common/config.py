@@ -92,8 +92,9 @@ class EngineOptions:
         "fcfs", "the order waiting requests are admitted in: fcfs (first come, first served), priority (a request's "
                 "`priority` field, lower first, ties by arrival; one with no room preempts the running sequence of "
                 "the worst priority, recomputed later; a request waiting through 64 admissions gains one level, so "
-                "none starves), fair (each tenant an equal share of the tokens computed, prompt and output tokens "
-                "alike; the tenant: the x-pagedserve-tenant header or gRPC metadata, else one shared tenant)",
+                "none starves), fair (each tenant an equal share of the tokens computed, a prompt token counting 1 "
+                "and an output token 2; the tenant: the x-pagedserve-tenant header or gRPC metadata, else one "
+                "shared tenant)",
         choices=SCHEDULING_POLICIES, up=GIVEN)
     routing: str = option("kv", "which worker takes a new request: kv (the one holding the longest prefix of the "
                                 "prompt, unless it is much busier than the others), least-loaded (fewest pending "

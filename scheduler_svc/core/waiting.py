@@ -31,8 +31,11 @@ class ServiceCounter:
     difference between backlogged tenants (VTC's Theorem 4.4) then holds at every moment, not only on average.
     """
 
-    prefill_weight: float = 1.0  # the cost of a computed prompt token, in the unit of a decode token
-    decode_weight: float = 1.0
+    # NOTE: a decode token costs about twice a prompt token: bench/routing.py's cost model, calibrated on a 2-core CPU
+    # worker with the default model, charges 2.5 ms a scheduled token plus 9 us a token of each sequence's context,
+    # so a decode at a context of ~280 costs 2x a prefill token (VTC's paper weighs them 1 and 2 as well)
+    prefill_weight: float = 1.0  # a computed prompt (or recomputed) token
+    decode_weight: float = 2.0  # a token sampled (or a draft verified)
     weights: dict[str, float] = field(default_factory=dict)  # tenant -> share weight (absent: 1)
     service: dict[str, float] = field(default_factory=dict)  # tenant -> counted service
     _floor: float = 0.0  # the least counter among the backlogged tenants when the queue last drained

@@ -43,13 +43,13 @@ def test_fcfs_ignores_priority():
 
 
 def test_fair_alternates_tenants_by_the_tokens_they_were_served():
-    # one sequence at a time, each a 9-token prompt (8 counted as prefill) and 1 decode: 9 units a request
+    # one sequence at a time, each a 9-token prompt (8 counted as prefill, at 1) and 1 sampled token (at 2): 10 a request
     s = make(max_num_seqs=1, scheduling_policy="fair")
     for i in range(3):
         add(s, req(f"A{i}", toks(100 * i, 9), tenant="A", at=float(i)))
     add(s, req("B0", toks(900, 9), tenant="B", at=3.0))
     assert admitted(drive(s)) == ["A0", "B0", "A1", "A2"]
-    assert s.waiting.counter.service == {"A": 27.0, "B": 9.0}
+    assert s.waiting.counter.service == {"A": 30.0, "B": 10.0}
 
 
 def test_fair_counts_prefill_and_decode_by_their_weights():
@@ -71,12 +71,12 @@ def test_fair_service_is_shared_by_the_schedulers_given_one_counter():
 
     first, second = one(), one()
     add(first, req("A0", toks(0, 33), tenant="A", at=0.0))
-    drive(first)  # A was served 33 on the first worker
+    drive(first)  # A was served 32 + 2 on the first worker
     add(second, req("B0", toks(100, 9), tenant="B", at=1.0))
     add(second, req("B1", toks(200, 9), tenant="B", at=2.0))
     add(second, req("A1", toks(300, 9), tenant="A", at=3.0))
-    # A keeps its 33 here: B is served twice (9, then 18 < 33) before A's next request; with a counter of its
-    # own the second worker would have taken A1 second (A at 0 against B's 9)
+    # A keeps its 34 here: B is served twice (10, then 20 < 34) before A's next request; with a counter of its
+    # own the second worker would have taken A1 second (A at 0 against B's 10)
     assert admitted(drive(second)) == ["B0", "B1", "A1"]
 
 

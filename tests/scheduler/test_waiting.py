@@ -29,7 +29,7 @@ def drain(q, charge=None) -> list[str]:
         r = q.popleft()
         out.append(r.name)
         if charge:
-            q.counter.charge(r.tenant, num_decode_tokens=charge(r))
+            q.counter.charge(r.tenant, num_prefill_tokens=charge(r))
     return out
 
 
@@ -100,18 +100,18 @@ def test_fair_a_tenant_returning_from_idle_banks_no_credit():
     for i in range(10):
         q.append(Req(f"A{i}", tenant="A"))
     for _ in range(5):  # A alone is served 5 x 20 tokens while B is idle
-        q.counter.charge(q.popleft().tenant, num_decode_tokens=20)
+        q.counter.charge(q.popleft().tenant, num_prefill_tokens=20)
     q.append(Req("B0", tenant="B"))
     assert q.counter.service["B"] == 100.0  # lifted to the least backlogged counter, not left at 0
     assert q.head().name == "A5"  # a tie at 100: A's head arrived first
-    q.counter.charge(q.popleft().tenant, num_decode_tokens=20)
+    q.counter.charge(q.popleft().tenant, num_prefill_tokens=20)
     assert q.head().name == "B0"  # then B, at 100 against A's 120
 
 
 def test_fair_lifts_to_where_the_queue_stood_when_it_drained():
     q = WaitingQueue("fair")
     q.append(Req("A0", tenant="A"))
-    q.counter.charge(q.popleft().tenant, num_decode_tokens=30)
+    q.counter.charge(q.popleft().tenant, num_prefill_tokens=30)
     assert not q
     q.append(Req("B0", tenant="B"))  # nobody backlogged: B starts where the last backlogged tenant stood
     assert q.counter.service["B"] == 0.0  # A stood at 0 when it was last backlogged (charged after it left)
@@ -139,7 +139,7 @@ def test_fair_service_gap_between_backlogged_tenants_stays_within_one_request_co
     gaps = []
     while len({r.tenant for r in q}) == 2:  # both backlogged
         r = q.popleft()
-        q.counter.charge(r.tenant, num_decode_tokens=cost[r.name])
+        q.counter.charge(r.tenant, num_prefill_tokens=cost[r.name])
         s = q.counter.service
         gaps.append(abs(s.get("A", 0.0) - s.get("B", 0.0)))
     assert len(gaps) > 500 and max(gaps) <= max_cost

@@ -70,9 +70,9 @@ async def test_priority_out_of_32_bits_is_refused_over_http(engine, channel):
 async def test_the_tenant_header_and_metadata_name_whose_service_a_request_counts_for(engine, channel):
     ScriptedWorker(channel, answer=True)
     await wait_for(lambda: engine.workers)
-    # 3 prompt tokens: 2 counted as prefill, then the last one's and one decode sample a token each
+    # 3 prompt tokens: 2 counted as prefill (1 each), then the last one's and one decode sample a token (2 each)
     assert await tokens_of(generate(channel, [1, 2, 3], metadata=(("x-pagedserve-tenant", "team-a"),))) == [[7, 7]]
-    assert engine.service.service == {"team-a": 4.0}
+    assert engine.service.service == {"team-a": 6.0}
     async with Front(engine) as http:
         r = await http.post("/v1/completions", headers={"x-pagedserve-tenant": "team b"},
                             json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 2, "ignore_eos": True})
@@ -80,7 +80,7 @@ async def test_the_tenant_header_and_metadata_name_whose_service_a_request_count
         r = await http.post("/v1/completions", json={"model": "m", "prompt": [1, 2, 3], "max_tokens": 2,
                                                      "ignore_eos": True})
         assert r.status_code == 200, r.text
-        assert engine.service.service == {"team-a": 4.0, "team b": 4.0, "": 4.0}  # no header: the shared tenant
+        assert engine.service.service == {"team-a": 6.0, "team b": 6.0, "": 6.0}  # no header: the shared tenant
         r = await http.post("/v1/completions", headers=[("x-pagedserve-tenant", "a"), ("x-pagedserve-tenant", "b")],
                             json={"model": "m", "prompt": [1, 2], "max_tokens": 1})
         assert r.status_code == 400 and r.json()["error"]["param"] == "x-pagedserve-tenant"
