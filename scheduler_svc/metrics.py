@@ -18,6 +18,26 @@ from scheduler_svc.metrics_protocol import ProtocolMetrics
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 _CREATED_SUFFIXES = ("_created", "_gcreated")
 LOST_KINDS = ("stream", "deadline", "failed_step", "bad_result", "leave_timeout")  # fleet.Lost.kind
+MAX_TENANT_LABELS = 16  # tenants with series of their own; the rest share OTHER_TENANT's
+OTHER_TENANT = "other"
+
+
+class TenantLabels:
+    """The `tenant` label's values, bounded: the first MAX_TENANT_LABELS tenants to send a request keep their own
+    name for the process's life, later ones are OTHER_TENANT. NOTE: first come rather than a moving top N: a
+    series that changed hands would mix two tenants' counts. The shared tenant (no header) is the empty value."""
+
+    def __init__(self, max_labels: int = MAX_TENANT_LABELS) -> None:
+        self.max_labels = max_labels
+        self.named: set[str] = set()
+
+    def __call__(self, tenant: str) -> str:
+        if tenant in self.named:
+            return tenant
+        if len(self.named) < self.max_labels and tenant != OTHER_TENANT:
+            self.named.add(tenant)
+            return tenant
+        return OTHER_TENANT
 
 
 class Registry(CollectorRegistry):
@@ -111,6 +131,14 @@ class Metrics:
             ["worker"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
         self.batch_size = Histogram("pagedserve_batch_size", "Sequences per step", ["worker"],
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
+        self.tenant_label = TenantLabels()
+        self.tenant_service = Gauge("pagedserve_tenant_service", "The fair policy's counted service of the tenant: "
+                                    "prompt tokens + 2 x output tokens computed, fleet-wide (lifted when it turns "
+                                    "backlogged: no banked credit)", ["tenant"], registry=r)
+        self.tenant_waiting = Gauge("pagedserve_tenant_requests_waiting", "Sequences of the tenant waiting to be "
+                                    "admitted on a worker", ["tenant"], registry=r)
+        self.tenant_ttft = Histogram("pagedserve_tenant_ttft_seconds", "Time to first token, by tenant",
+                                     ["tenant"], buckets=_LATENCY, registry=r)
         self.protocol = ProtocolMetrics(r, model_name, max_model_len)
 
     # NOTE: only gauges go when a worker does; its counters and histograms stay, so totals never drop.

@@ -84,6 +84,7 @@ class WaitingQueue:
         self._admitted = 0  # admissions so far (priority aging)
         self._enqueued: dict[int, int] = {}  # id(request) -> self._admitted when it was queued (priority aging)
         self._order = itertools.count()
+        self.num_waiting_by_tenant: dict[str, int] = {}  # tenant -> its requests waiting here (no zero entries)
         self._rank: dict[int, tuple] = {}  # id(request) -> (0, -order) front-pushed, (1, arrival, order) appended
 
     # -- deque's interface (what the scheduler used) --------------------------------------------------------
@@ -137,6 +138,10 @@ class WaitingQueue:
             raise ValueError("not waiting")
         del self._rank[id(req)]
         self._enqueued.pop(id(req), None)
+        counts = self.num_waiting_by_tenant
+        counts[req.tenant] -= 1
+        if not counts[req.tenant]:
+            del counts[req.tenant]
         if self.policy != "fair":
             self._fifo.remove(req)
             return
@@ -152,6 +157,7 @@ class WaitingQueue:
         self._by_tenant.clear()
         self._rank.clear()
         self._enqueued.clear()
+        self.num_waiting_by_tenant.clear()
 
     # -- the policy ------------------------------------------------------------------------------------------
     def head(self) -> Waiting:
@@ -184,6 +190,7 @@ class WaitingQueue:
         order = next(self._order)
         self._rank[id(req)] = (0, -order) if front else (1, req.arrival_time, order)
         self._enqueued.setdefault(id(req), self._admitted)
+        self.num_waiting_by_tenant[req.tenant] = self.num_waiting_by_tenant.get(req.tenant, 0) + 1
         if self.policy != "fair":
             (self._fifo.appendleft if front else self._fifo.append)(req)
             return

@@ -74,6 +74,7 @@ class RequestStream:
         m, p = self.metrics, self.metrics.protocol
         if s.num_tokens == 0:
             m.ttft.observe(now - self.arrival)
+            m.tenant_ttft.labels(m.tenant_label(self.request.tenant)).observe(now - self.arrival)
             s.first_token_time = now
             if self.first_token_time is None:
                 self.first_token_time = now

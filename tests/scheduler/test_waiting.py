@@ -148,3 +148,16 @@ def test_fair_service_gap_between_backlogged_tenants_stays_within_one_request_co
 def test_an_unknown_policy_is_refused_by_name():
     with pytest.raises(ValueError, match="scheduling_policy must be one of fcfs, priority, fair"):
         WaitingQueue("lottery")
+
+
+def test_the_queue_counts_each_tenants_waiting_requests():
+    q = WaitingQueue("fcfs")
+    a0, a1, b0 = Req("a0", tenant="A"), Req("a1", tenant="A"), Req("b0", tenant="B")
+    for r in (a0, a1, b0):
+        q.append(r)
+    assert q.num_waiting_by_tenant == {"A": 2, "B": 1}
+    q.popleft()
+    q.remove(b0)
+    assert q.num_waiting_by_tenant == {"A": 1}
+    q.clear()
+    assert q.num_waiting_by_tenant == {}

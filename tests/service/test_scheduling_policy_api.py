@@ -90,3 +90,19 @@ async def test_the_tenant_header_and_metadata_name_whose_service_a_request_count
     code, details = await status_of(generate(channel, [1, 2], metadata=(("x-pagedserve-tenant", "a"),
                                                                         ("x-pagedserve-tenant", "b"))))
     assert code is grpc.StatusCode.INVALID_ARGUMENT and "x-pagedserve-tenant is sent 2 times" in details
+
+
+@with_server(scheduling_policy="fair", max_queued_requests=8)
+async def test_per_tenant_service_queue_and_ttft_series(engine, channel):
+    from prometheus_client import generate_latest
+
+    ScriptedWorker(channel, answer=True)
+    await wait_for(lambda: engine.workers)
+    for tenant in ("team-a", "team-b", "team-a"):
+        assert await tokens_of(generate(channel, [1, 2, 3], metadata=(("x-pagedserve-tenant", tenant),))) == [[7, 7]]
+    text = generate_latest(engine.metrics.registry).decode()
+    assert 'pagedserve_tenant_service{tenant="team-a"} 12.0' in text  # 2 requests x (2 prompt + 2 x 2 output)
+    assert 'pagedserve_tenant_service{tenant="team-b"} 6.0' in text
+    assert 'pagedserve_tenant_requests_waiting{tenant="team-a"} 0.0' in text
+    assert 'pagedserve_tenant_ttft_seconds_count{tenant="team-a"} 2.0' in text
+    assert 'pagedserve_tenant_ttft_seconds_count{tenant="team-b"} 1.0' in text
