@@ -96,6 +96,11 @@ class EngineOptions:
                 "and an output token 2; the tenant: the x-pagedserve-tenant header or gRPC metadata, else one "
                 "shared tenant)",
         choices=SCHEDULING_POLICIES, up=GIVEN)
+    tenant_weights: str | None = option(
+        None, "--scheduling-policy fair: a file of `TENANT WEIGHT` lines (the weight last, the name before it; "
+              "blank lines and # comments skipped): a tenant's share is proportional to its weight; unlisted "
+              "tenants and the shared one weigh 1", metavar="FILE", default_text="none: every tenant weighs 1",
+        up=GIVEN)
     routing: str = option("kv", "which worker takes a new request: kv (the one holding the longest prefix of the "
                                 "prompt, unless it is much busier than the others), least-loaded (fewest pending "
                                 "tokens) or round-robin", choices=ROUTING, up=GIVEN)

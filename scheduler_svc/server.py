@@ -18,9 +18,10 @@ from pagedserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from pagedserve_common.config import DEFAULT_MAX_CONNECTIONS, ConnectionOptions, SchedulerOptions
 from pagedserve_common.descriptors import AcceptErrors, raise_open_files_limit
 from pagedserve_common.options import values
-from pagedserve_common.startup import StartupError, bind_failure, host_port, one_line
+from pagedserve_common.startup import USAGE, StartupError, bind_failure, host_port, one_line
 from scheduler_svc import gc_policy, metrics, tracing
 from scheduler_svc.auth import Access, add_port
+from scheduler_svc.core.waiting import read_tenant_weights
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.errors import ErrorCode
 from scheduler_svc.grpc.servicers import GenerationServicer, WorkerControlServicer, add_generation_servicer
@@ -127,6 +128,13 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None, traces: t
     """Runs until SIGINT or SIGTERM, then drains. `traces`: a test's tracing (else --otlp-endpoint's, if given)."""
     a, net = cfg.access, cfg.network
     access = Access.load(a.tls_cert, a.tls_key, a.tls_ca, a.api_key_file)  # first: a bad file fails fast
+    if cfg.engine.tenant_weights and cfg.engine.scheduling_policy != "fair":
+        raise StartupError(f"--tenant-weights needs --scheduling-policy fair (not {cfg.engine.scheduling_policy}): "
+                           f"only the fair policy counts tenants' shares", USAGE)
+    try:
+        weights = read_tenant_weights(cfg.engine.tenant_weights) if cfg.engine.tenant_weights else {}
+    except ValueError as e:
+        raise StartupError(str(e)) from None
     traces = traces or tracing.start(cfg.observability.otlp_endpoint, cfg.model)
     gate = WorkerGate.load(net.worker_listen, a.worker_token_file, access.mutual, a.insecure_workers)
     caps = ConnectionCaps.of(cfg.connections, raise_open_files_limit("scheduler"))
@@ -138,6 +146,7 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None, traces: t
                            f"{one_line(e)}") \
             from None
     engine = Engine(engine_config(cfg, tokenizer))
+    engine.service.weights.update(weights)
     limits = input_limits(cfg, engine.config.max_model_len)
     frontend = FrontEnd(engine, tokenizer, limits, tracing=traces)
     health = HealthServicer()

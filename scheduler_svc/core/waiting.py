@@ -11,6 +11,36 @@ from typing import Protocol
 from pagedserve_common.config import SCHEDULING_POLICIES  # --scheduling-policy
 
 DEFAULT_TENANT = ""  # the one shared tenant of requests that name none
+MAX_TENANT_WEIGHT = 1e6
+
+
+def read_tenant_weights(path: str) -> dict[str, float]:
+    """--tenant-weights: `TENANT WEIGHT` lines (the weight is the last word, the tenant the rest; blank lines and
+    lines starting with # skipped). Raises ValueError naming the file, the line and what is wrong."""
+    try:
+        lines = open(path, encoding="utf-8").read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--tenant-weights {path}: cannot be read ({e.__class__.__name__})") from None
+    weights: dict[str, float] = {}
+    for n, line in enumerate(lines, 1):
+        text = line.strip()
+        if not text or text.startswith("#"):
+            continue
+        tenant, _, word = text.rpartition(" ")
+        tenant = tenant.strip()
+        where = f"--tenant-weights {path}:{n}"
+        try:
+            weight = float(word)
+        except ValueError:
+            raise ValueError(f"{where}: expected `TENANT WEIGHT`, the weight a number: {word[:40]!r}") from None
+        if not tenant:
+            raise ValueError(f"{where}: expected `TENANT WEIGHT`: no tenant before the weight")
+        if not 0 < weight <= MAX_TENANT_WEIGHT:  # NOTE: also refuses nan and inf
+            raise ValueError(f"{where}: the weight must be > 0 and <= {MAX_TENANT_WEIGHT:g}, got {word[:40]}")
+        if tenant in weights:
+            raise ValueError(f"{where}: tenant {tenant[:128]!r} is listed twice")
+        weights[tenant] = weight
+    return weights
 
 
 class Waiting(Protocol):

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from scheduler_svc.core.waiting import ServiceCounter, WaitingQueue
+from scheduler_svc.core.waiting import ServiceCounter, WaitingQueue, read_tenant_weights
 
 _clock = itertools.count()
 
@@ -161,3 +161,29 @@ def test_the_queue_counts_each_tenants_waiting_requests():
     assert q.num_waiting_by_tenant == {"A": 1}
     q.clear()
     assert q.num_waiting_by_tenant == {}
+
+
+def test_fair_shares_follow_the_tenants_weights():
+    q = WaitingQueue("fair", ServiceCounter(weights={"A": 2.0}))
+    for i in range(10):
+        q.append(Req(f"A{i}", tenant="A"))
+    for i in range(10):
+        q.append(Req(f"B{i}", tenant="B"))
+    # every request costs 10: A's counter grows by 5 a request, B's by 10, so A is served twice as often
+    order = drain(q, charge=lambda r: 10)[:9]
+    assert [n[0] for n in order] == ["A", "B", "A", "A", "B", "A", "A", "B", "A"]
+
+
+def test_tenant_weights_file(tmp_path):
+    f = tmp_path / "w"
+    f.write_text("# comment\n\nteam a  2.5\nteam-b 1\n")
+    assert read_tenant_weights(str(f)) == {"team a": 2.5, "team-b": 1.0}
+    for text, message in (("a x\n", r":1: expected `TENANT WEIGHT`, the weight a number: 'x'"),
+                          ("3\n", r":1: expected `TENANT WEIGHT`: no tenant before the weight"),
+                          ("a nan\n", r":1: the weight must be > 0"), ("a -1\n", r":1: the weight must be > 0"),
+                          ("a 1\nb 1\na 2\n", r":3: tenant 'a' is listed twice")):
+        f.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            read_tenant_weights(str(f))
+    with pytest.raises(ValueError, match="cannot be read"):
+        read_tenant_weights(str(tmp_path / "missing"))

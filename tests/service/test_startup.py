@@ -107,3 +107,14 @@ def test_under_up_a_child_that_fails_to_start_ends_up_with_its_line(tiny_served_
         {**lines[-1], "process": "scheduler", "event": f"pagedserve scheduler: error: {why}",
          "timestamp": next(e["timestamp"] for e in lines if e["process"] == "scheduler" and e["level"] == "error")}]
     assert out.stdout == ""  # never said it was up
+
+
+def test_tenant_weights_need_the_fair_policy_and_a_well_formed_file(tiny_served_model, tmp_path):
+    weights = tmp_path / "weights"
+    weights.write_text("# tenant weight\nteam a 2\nteam-b 0\n")
+    out = scheduler(tiny_served_model, "--tenant-weights", str(weights))
+    assert out.returncode == 2 and failure(out, "scheduler") == (
+        "--tenant-weights needs --scheduling-policy fair (not fcfs): only the fair policy counts tenants' shares")
+    out = scheduler(tiny_served_model, "--tenant-weights", str(weights), "--scheduling-policy", "fair")
+    assert out.returncode == 1
+    assert failure(out, "scheduler") == f"--tenant-weights {weights}:3: the weight must be > 0 and <= 1e+06, got 0"
