@@ -62,7 +62,8 @@ def simulate(policy: str, flood: int, light: int, interval: float, *, num_blocks
             at, tenant, k = arrivals[i]
             n_prompt, n_out = (flood_prompt, flood_output) if tenant == "A" else (light_prompt, light_output)
             rid = f"{tenant}{k}"
-            prompt = [(hash(rid) + j) % 40000 + 100 for j in range(n_prompt)]  # distinct: no prefix hits
+            base = (i * 4099) % 40000  # NOTE: distinct first tokens: no prefix hits; the same on every run
+            prompt = [(base + j) % 40000 + 100 for j in range(n_prompt)]
             reqs[rid] = r = Request(rid, prompt, SamplingParams(max_tokens=n_out, ignore_eos=True), arrival_time=at,
                                     tenant=tenant)
             s.add_request(r)

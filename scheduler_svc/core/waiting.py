@@ -10,7 +10,6 @@ from typing import Protocol
 
 from pagedserve_common.config import SCHEDULING_POLICIES  # --scheduling-policy
 
-DEFAULT_TENANT = ""  # the one shared tenant of requests that name none
 MAX_TENANT_WEIGHT = 1e6
 
 
@@ -119,17 +118,15 @@ class WaitingQueue:
 
     # -- deque's interface (what the scheduler used) --------------------------------------------------------
     def __len__(self) -> int:
-        if self.policy == "fair":
-            return sum(len(q) for q in self._by_tenant.values())
-        return len(self._fifo)
+        return len(self._rank)  # NOTE: one entry per waiting request, whatever the policy
 
     def __bool__(self) -> bool:
-        return bool(self._by_tenant) if self.policy == "fair" else bool(self._fifo)
+        return bool(self._rank)
 
     def __iter__(self) -> Iterator:
         """Every waiting request, head first (the order they would be admitted in, were nothing to change)."""
         if self.policy == "fcfs":
-            return iter(list(self._fifo))
+            return iter(self._fifo)  # NOTE: as the deque was: no removal while iterating
         return iter(self._ordered())
 
     def __contains__(self, req) -> bool:
@@ -200,9 +197,13 @@ class WaitingQueue:
             return min(self._fifo, key=self._priority_key)
         if not self._by_tenant:
             raise IndexError("no request is waiting")
+        return self._by_tenant[self._next_tenant(self._by_tenant)][0]
+
+    def _next_tenant(self, queues) -> str:
+        """fair: the tenant of `queues` (tenant -> its waiting requests, none empty) with the least counted service,
+        ties to the one whose first request arrived first."""
         service = self.counter.service
-        tenant = min(self._by_tenant, key=lambda t: (service.get(t, 0.0), self._by_tenant[t][0].arrival_time))
-        return self._by_tenant[tenant][0]
+        return min(queues, key=lambda t: (service.get(t, 0.0), queues[t][0].arrival_time))
 
     def effective_priority(self, req: Waiting) -> int:
         """Its priority less one for every `aging_steps` admissions it has waited through."""
@@ -234,12 +235,11 @@ class WaitingQueue:
         if self.policy == "priority":
             return sorted(self._fifo, key=self._priority_key)
         # fair: replay the head choice without charging (the order if no service were counted meanwhile)
-        queues = {t: list(q) for t, q in self._by_tenant.items()}
-        service = self.counter.service
+        queues = {t: deque(q) for t, q in self._by_tenant.items()}
         out = []
         while queues:
-            t = min(queues, key=lambda t: (service.get(t, 0.0), queues[t][0].arrival_time))
-            out.append(queues[t].pop(0))
+            t = self._next_tenant(queues)
+            out.append(queues[t].popleft())
             if not queues[t]:
                 del queues[t]
         return out

@@ -42,6 +42,14 @@ def invalid(field_name: str, message: str) -> EngineError:
     return EngineError(ErrorCode.INVALID_ARGUMENT, message, field_name)
 
 
+def tenant_of(values: list[str]) -> str:
+    """The tenant of a request: its TENANT_HEADER values (HTTP header or gRPC metadata), "" without one; more than
+    one is INVALID_ARGUMENT naming it."""
+    if len(values) > 1:
+        raise invalid(TENANT_HEADER, f"{TENANT_HEADER} is sent {len(values)} times: send it once")
+    return values[0] if values else ""
+
+
 class FrontEnd:
     """What the gRPC servicer and the HTTP app call: one validation, one tokenization, one stream type."""
 

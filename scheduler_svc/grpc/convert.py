@@ -14,7 +14,7 @@ from pagedserve.v1 import generate_pb2
 from pagedserve_common.wire import logprobs_to_pb, sampling_from_pb
 from scheduler_svc.core.kv_snapshot import KVPoolSnapshot
 from scheduler_svc.errors import EngineError, ErrorCode
-from scheduler_svc.frontend.api import invalid
+from scheduler_svc.frontend.api import invalid, tenant_of as api_tenant_of
 from scheduler_svc.frontend.inputs import TENANT_HEADER, GenerateInput
 from scheduler_svc.frontend.limits import Limits
 from scheduler_svc.frontend.stream import StreamItem
@@ -161,11 +161,8 @@ def input_from_pb(pb: generate_pb2.GenerateRequest, limits: Limits) -> GenerateI
 
 
 def tenant_of(metadata) -> str:
-    """The x-pagedserve-tenant metadata's value ("" without it); more than one is INVALID_ARGUMENT."""
-    values = [v for k, v in metadata or () if k == TENANT_HEADER]
-    if len(values) > 1:
-        raise invalid(TENANT_HEADER, f"{TENANT_HEADER} is sent {len(values)} times: send it once")
-    return values[0] if values else ""
+    """The request's tenant from its gRPC metadata (frontend.api.tenant_of)."""
+    return api_tenant_of([v for k, v in metadata or () if k == TENANT_HEADER])
 
 
 def _check_structured(so: generate_pb2.StructuredOutput) -> None:

@@ -12,7 +12,6 @@ from scheduler_svc.core.request import FinishReason
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend import FrontEnd, GenerateInput, StreamItem
 from scheduler_svc.frontend.api import invalid
-from scheduler_svc.frontend.inputs import TENANT_HEADER
 from scheduler_svc.http import history, tools
 from scheduler_svc.http.schemas import ChatCompletionRequest, CompletionRequest
 from scheduler_svc.http.structured import structured_output
@@ -104,13 +103,6 @@ def _text_options(body) -> dict:
             "include_stop_str_in_output": body.include_stop_str_in_output,
             "skip_special_tokens": body.skip_special_tokens, "cache_salt": body.cache_salt or "",
             "priority": body.priority or 0}
-
-
-def tenant_of(values: list[str]) -> str:
-    """The x-pagedserve-tenant header's value ("" without it); more than one is a 400."""
-    if len(values) > 1:
-        raise invalid(TENANT_HEADER, f"{TENANT_HEADER} is sent {len(values)} times: send it once")
-    return values[0] if values else ""
 
 
 def _stop(body) -> tuple[str, ...]:
