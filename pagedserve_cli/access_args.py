@@ -75,7 +75,7 @@ def worker_token_metadata(path: str | None) -> tuple[tuple[str, str], ...]:
     from scheduler_svc.auth import read_keys
     from scheduler_svc.worker_auth import TOKEN_FLAG
 
-    return api_key_metadata(read_keys(path, TOKEN_FLAG, "token")[0] if path else None)
+    return api_key_metadata(read_keys(path, TOKEN_FLAG, "token", named=False)[0] if path else None)
 
 
 def up_server_name(cert: str, address: str) -> str | None:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from pagedserve_cli.bench.workloads import WORKLOADS, build_requests, parse_range
 from pagedserve_common.config import DTYPES, SPECULATIVE
-from pagedserve_common.defaults import DEFAULT_LISTEN, DEFAULT_MODEL, METRICS_PORT, metrics_url
+from pagedserve_common.defaults import (DEFAULT_LISTEN, DEFAULT_MODEL, MAX_TENANT_CHARS, METRICS_PORT, TENANT_HEADER,
+                                         metrics_url)
 COMPARISON_NAMES = ("static-prealloc", "no-prefix-cache", "kv-int8")
 # NOTE: a comparison needs a pool that memory, not --max-num-seqs, fills: 512 MiB holds 11,650 tokens of the
 # default model in float32 (46,080 bytes each), 5 sequences of 2,048 slots, or about 45 of the mixed workload's.
@@ -38,6 +39,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-tenants", type=int, default=4, help="multi-tenant: distinct system prompts")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens every time")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--tenant", default="", metavar="NAME",
+                   help=f"send every request as this tenant's ({TENANT_HEADER}: its service under the server's "
+                        "--scheduling-policy fair); two benches at once with two tenants measure fair share")
+    p.add_argument("--priority", type=int, default=0,
+                   help="every request's priority (a server with --scheduling-policy priority; lower runs first)")
     p.add_argument("--tokenizer", help="model dir whose tokenizer cuts the prompts (default: the default model)")
     p.add_argument("--metrics-url", help=f"Prometheus text to poll every 0.5 s (default with --server: "
                                          f"http://SERVER_HOST:{METRICS_PORT}/metrics; '' = off)")
@@ -87,8 +93,9 @@ def _client(args: argparse.Namespace):
     from pagedserve_cli.bench.clients import GrpcClient, OpenAIClient
 
     if args.openai_url:
-        return OpenAIClient(args.openai_url, args.model, args.temperature, args.ignore_eos)
-    return GrpcClient(args.server, args.temperature, args.ignore_eos)
+        return OpenAIClient(args.openai_url, args.model, args.temperature, args.ignore_eos, args.tenant,
+                            args.priority)
+    return GrpcClient(args.server, args.temperature, args.ignore_eos, args.tenant, args.priority)
 
 
 async def _bench(args: argparse.Namespace):
@@ -115,7 +122,7 @@ async def _bench(args: argparse.Namespace):
     states = sampler.states if sampler is not None else []
     worker_dtypes = [w["dtype"] for w in info.get("workers", [])]
     resolved = {**resolved, "served_model": info.get("model"), "worker_dtypes": worker_dtypes,
-                "metrics_cache_dtype": metrics_dtype}
+                "metrics_cache_dtype": metrics_dtype, "tenant": args.tenant, "priority": args.priority}
     return requests, result, resolved, states, watch.stop()
 
 
@@ -174,6 +181,9 @@ async def _metrics_cache_dtype(url: str | None) -> str | None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if len(args.tenant) > MAX_TENANT_CHARS or not all(" " <= c <= "~" for c in args.tenant):
+        raise ValueError(f"--tenant: at most {MAX_TENANT_CHARS} visible ASCII characters (spaces included), as the "
+                         f"server reads {TENANT_HEADER}")
     if args.compare:
         from pagedserve_cli.bench.compare import apply_defaults, run as run_compare
 

@@ -116,8 +116,10 @@ def legend_lines(s: KVSnapshot, colour: bool) -> list[str]:
              f"{FREE_GLYPH} free"]
     for seq in s.sequences[:MAX_LISTED]:
         swatch = _paint(Cell(FULL_GLYPH * 2, owner_colour(seq.request_id)), colour)
+        # NOTE: the tenant quoted (repr): it is the client's header, and may hold spaces or look like other fields
+        tenant = f" · tenant {seq.tenant!r}" if seq.tenant else ""
         lines.append(f"{swatch} {seq.request_id}  seq {seq.seq_id} · {seq.num_tokens} tokens · "
-                     f"{len(seq.block_ids)} blocks")
+                     f"{len(seq.block_ids)} blocks{tenant}")
     if len(s.sequences) > MAX_LISTED:
         lines.append(f"   ... and {len(s.sequences) - MAX_LISTED} more sequences")
     return lines

@@ -32,6 +32,7 @@ class KVSequence:
     seq_id: int
     block_ids: list[int]
     num_tokens: int  # tokens the table holds (the step in flight included); slots past it are empty
+    tenant: str = ""  # whose service it counts as (--scheduling-policy fair); "": the shared tenant
 
 
 @dataclass(slots=True)
@@ -97,7 +98,8 @@ class KVSnapshot:
         """From a pagedserve.v1.KVState message."""
         if len(pb.ref_counts) != pb.num_blocks:
             raise ValueError(f"{len(pb.ref_counts)} ref counts for {pb.num_blocks} blocks")
-        sequences = [KVSequence(s.request_id, s.seq_id, list(s.block_ids), s.num_tokens) for s in pb.sequences]
+        sequences = [KVSequence(s.request_id, s.seq_id, list(s.block_ids), s.num_tokens, s.tenant)
+                     for s in pb.sequences]
         return cls.build(pb.worker_id, pb.block_size, list(pb.ref_counts), list(pb.cached), sequences,
                          kv_allocation=pb.kv_allocation or "paged", num_steps=pb.num_steps,
                          num_waiting=pb.num_waiting, prefix_query_tokens=pb.prefix_query_tokens,

@@ -14,3 +14,8 @@ DEFAULT_BLOCK_SIZE = 16  # tokens per KV block
 def metrics_url(server: str) -> str:
     """The Prometheus URL of the scheduler serving the client API at `server` (HOST:PORT) on the default port."""
     return f"http://{server.rsplit(':', 1)[0]}:{METRICS_PORT}/metrics"
+
+# The tenant a request's service counts for under --scheduling-policy fair: an HTTP header, or gRPC metadata (the
+# scheduler's front end reads it; `pagedserve bench --tenant` sends it)
+TENANT_HEADER = "x-pagedserve-tenant"
+MAX_TENANT_CHARS = 128

@@ -1,4 +1,4 @@
-"""API keys on the client API: the key file, a constant-time check, a gRPC interceptor and an ASGI middleware."""
+"""API keys on the client API: the key file (named keys), a constant-time check, a gRPC interceptor, ASGI middleware."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 
+from pagedserve_common.defaults import MAX_TENANT_CHARS  # NOTE: a key's name is its tenant
 from pagedserve_common.startup import StartupError, check_bindable
 from pagedserve_common.tls import TlsFiles
 from scheduler_svc import request_log
@@ -64,12 +65,20 @@ class ApiKeyFileError(ValueError):
 
 
 def load_keys(path: str) -> ApiKeys:
-    return ApiKeys.of(read_keys(path))
+    return ApiKeys.of(*zip(*read_named_keys(path)))
 
 
-def read_keys(path: str, flag: str = "--api-key-file", what: str = "key") -> list[str]:
-    """The keys in `path`: one a line; blank lines and lines starting with # are ignored. `flag` and `what` name
-    the file's flag and its secrets in errors (the worker tokens of --worker-token-file share the format)."""
+def read_keys(path: str, flag: str = "--api-key-file", what: str = "key", named: bool = True) -> list[str]:
+    """The keys in `path`, their names dropped (read_named_keys)."""
+    return [key for key, _ in read_named_keys(path, flag, what, named)]
+
+
+def read_named_keys(path: str, flag: str = "--api-key-file", what: str = "key",
+                    named: bool = True) -> list[tuple[str, str]]:
+    """(key, name) of each `KEY [NAME]` line of `path` (name "" when absent; `named` False: no name allowed);
+    blank lines and lines starting with # are ignored. `flag` and `what` name the file's flag and its secrets in
+    errors (the worker tokens of --worker-token-file share the format, without names). NOTE: a key's name is the
+    tenant its requests count for (the fair scheduling policy); several keys may share one."""
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as e:
@@ -79,9 +88,15 @@ def read_keys(path: str, flag: str = "--api-key-file", what: str = "key") -> lis
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        if any(c.isspace() for c in line) or not line.isprintable() or not line.isascii():
-            raise ApiKeyFileError(f"{flag} {path}: line {number}: a {what} is printable ASCII without spaces")
-        keys.append(line)
+        key, _, name = line.partition(" ") if named else (line, "", "")
+        name = name.strip()
+        if any(c.isspace() for c in key) or not key.isprintable() or not key.isascii():
+            shape = "KEY [NAME]: the key" if named else f"a {what}"
+            raise ApiKeyFileError(f"{flag} {path}: line {number}: {shape} is printable ASCII without spaces")
+        if len(name) > MAX_TENANT_CHARS or not all(" " <= c <= "~" for c in name):
+            raise ApiKeyFileError(f"{flag} {path}: line {number}: KEY [NAME]: the name is at most "
+                                  f"{MAX_TENANT_CHARS} visible ASCII characters (spaces included)")
+        keys.append((key, name))
     if not keys:
         raise ApiKeyFileError(f"{flag} {path}: no {what} in it (one {what} a line; blank lines and # comments "
                               f"are ignored)")
@@ -94,25 +109,39 @@ def _digest(key: bytes) -> bytes:
 
 @dataclass(slots=True, frozen=True)
 class ApiKeys:
-    """The accepted keys, kept as SHA-256 digests (so comparing takes the same time whatever a key's length)."""
+    """The accepted keys, kept as SHA-256 digests (so comparing takes the same time whatever a key's length), and
+    each key's name ("" unnamed): the tenant its requests count for."""
 
     digests: tuple[bytes, ...] = field(repr=False)
+    names: tuple[str, ...] = ()  # NOTE: one per digest when given
 
     @classmethod
-    def of(cls, keys: list[str]) -> ApiKeys:
-        return cls(tuple(_digest(k.encode()) for k in keys))
+    def of(cls, keys, names=()) -> ApiKeys:
+        return cls(tuple(_digest(k.encode()) for k in keys), tuple(names) or ("",) * len(keys))
 
     def __len__(self) -> int:
         return len(self.digests)
 
-    def check(self, key: str | bytes) -> bool:
-        """Whether `key` is one of the keys. NOTE: compares against every key, in constant time, without stopping
-        at a match: the time taken says nothing about which key matched or how much of one."""
+    def _match(self, key: str | bytes) -> int:
+        """The index of `key` among the keys, -1 if none. NOTE: compares against every key, in constant time,
+        without stopping at a match: the time taken says nothing about which key matched or how much of one."""
         presented = _digest(key.encode() if isinstance(key, str) else key)
-        found = False
-        for digest in self.digests:
-            found |= hmac.compare_digest(digest, presented)
+        found = -1
+        for i, digest in enumerate(self.digests):
+            equal = hmac.compare_digest(digest, presented)
+            found = (found, i)[equal]
         return found
+
+    def check(self, key: str | bytes) -> bool:
+        """Whether `key` is one of the keys."""
+        return self._match(key) >= 0
+
+    def name_of(self, authorizations) -> str:
+        """The name of the key of a request's `authorization` values (one, already let in by the interceptor or
+        the middleware): "" for an unnamed key (or none valid)."""
+        key = bearer(authorizations[0]) if len(authorizations) == 1 else None
+        at = self._match(key) if key is not None else -1
+        return self.names[at] if at >= 0 and self.names else ""
 
     def refusal_of(self, headers, name: str | bytes) -> str | None:
         """refusal() of the `name` header among `headers` ((name, value) pairs: gRPC metadata, ASGI headers).

@@ -18,7 +18,7 @@ from pagedserve_common.sampling import SamplingParams
 from scheduler_svc import request_log
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput
 from scheduler_svc.core.result_check import check_result
-from scheduler_svc.core.waiting import ServiceCounter
+from scheduler_svc.core.waiting import MAX_TENANT_COUNTERS, ServiceCounter
 from scheduler_svc.errors import DRAINING, EngineError, ErrorCode
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.routing import Router
@@ -201,6 +201,9 @@ class Engine(Fleet):
         if request_id in self.streams:
             raise EngineError(ErrorCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running")
         self.check_queue()
+        counters = self.service.service
+        if tenant not in counters and len(counters) >= MAX_TENANT_COUNTERS:  # amortized: down to half at a time
+            self.service.prune({s.request.tenant for s in self.streams.values()}, MAX_TENANT_COUNTERS // 2)
         req = Request(request_id, list(prompt_token_ids), sampling, cache_salt or None, priority=priority,
                       tenant=tenant, constraint=grammar and grammar.constraint())
         try:

@@ -12,6 +12,7 @@ class ErrorCode(enum.Enum):
     RESOURCE_EXHAUSTED = "RESOURCE_EXHAUSTED"
     UNAVAILABLE = "UNAVAILABLE"
     FAILED_PRECONDITION = "FAILED_PRECONDITION"
+    PERMISSION_DENIED = "PERMISSION_DENIED"  # a valid API key asking for what it may not (another tenant)
     # NOTE: only for bugs (an exception in the step loop), and for a request that took down --max-migrations workers
     INTERNAL = "INTERNAL"
 

@@ -170,7 +170,7 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None, traces: t
                                        *connection_options(caps.grpc, cfg.connections.header_timeout)),
                               interceptors=access.interceptors(),
                               maximum_concurrent_rpcs=pending[0][1])  # NOTE: beyond, RESOURCE_EXHAUSTED at once
-    add_generation_servicer(GenerationServicer(frontend), clients)
+    add_generation_servicer(GenerationServicer(frontend, access.api_keys), clients)
     health_pb2_grpc.add_HealthServicer_to_server(health, clients)
     reflection.enable_server_reflection(
         (generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,

@@ -63,7 +63,7 @@ class WorkerTokens:
 
     @classmethod
     def load(cls, path: str) -> WorkerTokens:
-        return cls(ApiKeys.of(read_keys(path, TOKEN_FLAG, "token")))
+        return cls(ApiKeys.of(read_keys(path, TOKEN_FLAG, "token", named=False)))
 
     def __len__(self) -> int:
         return len(self.keys)

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 from pagedserve_cli.bench.workloads import BenchRequest
+from pagedserve_common.defaults import TENANT_HEADER
 
 now = time.perf_counter
 
@@ -45,8 +46,11 @@ class RequestRecord:
 class GrpcClient:
     """pagedserve.v1.Generation/Generate over grpc.aio; one channel for every request."""
 
-    def __init__(self, server: str, temperature: float = 0.0, ignore_eos: bool = False) -> None:
+    def __init__(self, server: str, temperature: float = 0.0, ignore_eos: bool = False, tenant: str = "",
+                 priority: int = 0) -> None:
         self.server, self.temperature, self.ignore_eos = server, temperature, ignore_eos
+        self.priority = priority  # GenerateRequest.priority (--scheduling-policy priority)
+        self.metadata = ((TENANT_HEADER, tenant),) if tenant else ()  # whose service (--scheduling-policy fair)
         self._channel = self._stub = None
 
     async def start(self, timeout: float = 30.0) -> dict:
@@ -76,14 +80,14 @@ class GrpcClient:
 
         rec = RequestRecord(index, req.prompt_len or 0, req.max_tokens)
         msg = pb.GenerateRequest(sampling=pb.SamplingParams(max_tokens=req.max_tokens, temperature=self.temperature,
-                                                            ignore_eos=self.ignore_eos))
+                                                            ignore_eos=self.ignore_eos), priority=self.priority)
         if req.prompt_token_ids is not None:
             msg.prompt_token_ids.extend(req.prompt_token_ids)
         else:
             msg.prompt = req.prompt
         rec.send_time = now()
         try:
-            async for resp in self._stub.Generate(msg):
+            async for resp in self._stub.Generate(msg, metadata=self.metadata):
                 if resp.token_ids:
                     rec.add_chunk(now(), len(resp.token_ids))
                 if resp.finish_reason:
@@ -106,9 +110,10 @@ class OpenAIClient:
     """POST {url}/completions with stream: true (vLLM, llama.cpp's server, ...), the same requests as ours."""
 
     def __init__(self, url: str, model: str | None = None, temperature: float = 0.0,
-                 ignore_eos: bool = False) -> None:
+                 ignore_eos: bool = False, tenant: str = "", priority: int = 0) -> None:
         self.url, self.model = url.rstrip("/"), model
-        self.temperature, self.ignore_eos = temperature, ignore_eos
+        self.temperature, self.ignore_eos, self.priority = temperature, ignore_eos, priority
+        self.headers = {TENANT_HEADER: tenant} if tenant else {}
         self._http = None
 
     async def start(self, timeout: float = 30.0) -> dict:
@@ -141,6 +146,8 @@ class OpenAIClient:
                 "stream_options": {"include_usage": True}}
         if self.ignore_eos:  # a vLLM extension: only sent when asked for, so strict servers still accept the rest
             body["ignore_eos"] = True
+        if self.priority:  # vLLM's and ours (--scheduling-policy priority): only sent when set, likewise
+            body["priority"] = self.priority
         return body
 
     async def generate(self, index: int, req: BenchRequest) -> RequestRecord:
@@ -150,7 +157,7 @@ class OpenAIClient:
         body = self.body(req)
         rec.send_time = now()
         try:
-            async with self._http.stream("POST", f"{self.url}/completions", json=body) as resp:
+            async with self._http.stream("POST", f"{self.url}/completions", json=body, headers=self.headers) as resp:
                 if resp.status_code != 200:
                     text = (await resp.aread()).decode(errors="replace")
                     rec.error = f"HTTP {resp.status_code}: {text[:300]}"

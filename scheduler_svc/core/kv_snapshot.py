@@ -27,6 +27,7 @@ class SequenceBlocks:
     seq_id: int
     block_ids: list[int]
     num_tokens: int  # tokens the table covers (those of the step in flight included)
+    tenant: str = ""  # whose service it counts as (the fair policy); "": the shared tenant
 
 
 @dataclass(slots=True)
@@ -72,8 +73,8 @@ def snapshot(worker_id: str, scheduler: Scheduler, geometry: KVGeometry | None =
     kv = scheduler.kv
     pool = kv.pool
     # NOTE: running sequences hold block tables (swapped-out and waiting ones hold none), in admission order.
-    sequences = [SequenceBlocks(req.request_id, req.seq_id, kv.block_table(req.seq_id), kv.num_tokens(req.seq_id))
-                 for req in scheduler.running if req.seq_id in kv]
+    sequences = [SequenceBlocks(req.request_id, req.seq_id, kv.block_table(req.seq_id), kv.num_tokens(req.seq_id),
+                                req.tenant) for req in scheduler.running if req.seq_id in kv]
     # NOTE: blocks never handed out have no stored state (BlockPool): zeros, written in C, not walked.
     refs, keys = pool.stored_state()
     never_used = bytes(pool.num_blocks - len(refs))

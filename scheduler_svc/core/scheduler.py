@@ -15,6 +15,7 @@ from pagedserve_common.options import default_of
 from pagedserve_common.sampling import InvalidField
 from scheduler_svc.core import reservation
 from scheduler_svc.core.handover import Handover
+from scheduler_svc.core.policy_room import PolicyRoom
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput, RequestStatus
 from scheduler_svc.core.speculation import SPECULATIVE_METHODS, Speculator
 from scheduler_svc.core.waiting import SCHEDULING_POLICIES, ServiceCounter, WaitingQueue
@@ -49,7 +50,7 @@ class SchedulerConfig:
             self.max_num_batched_tokens = self.max_num_seqs * self.max_model_len
 
 
-class Scheduler(Handover):
+class Scheduler(Handover, PolicyRoom):
     """Decides each step's batch; owns every sequence's block table through a KVCacheManager (a
     StaticKVCacheManager in the static kv_allocation modes: one contiguous run per sequence, reserved at admission).
 
@@ -94,7 +95,7 @@ class Scheduler(Handover):
         self.waiting = WaitingQueue(config.scheduling_policy, service)
         self._fair = config.scheduling_policy == "fair"
         self._priority = config.scheduling_policy == "priority"
-        self.num_priority_preemptions = 0
+        self.num_policy_preemptions = 0  # made room for a waiting request its policy puts first
         self.running: list[Request] = []  # in admission order: the last is the first preemption victim
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # prompt tokens computed: prefix hits excluded, recomputation included
@@ -235,6 +236,12 @@ class Scheduler(Handover):
             self._drafted = {}
         if self._priority and self.waiting and running:
             self._preempt_for_priority(plan, budget)
+        if self._fair and self.waiting and running:
+            self._preempt_for_fair_share(plan, budget)
+        # fair: the waiting head keeps its first chunk's room in the budget from the prefill chunks of running
+        # sequences of other tenants served no less (decodes are never held back)
+        fair_head = self._fair_head(cap) if self._fair and self.waiting else None
+        yielded: list[Request] = []  # running sequences whose whole chunk gave way to the waiting head
         # NOTE: room for drafts: a step of many decodes is compute-bound, where each draft costs what a token costs
         num_draft_room = spec.max_step_tokens - len(running) if spec is not None else 0
         i = 0
@@ -244,6 +251,13 @@ class Scheduler(Handover):
             tokens = req.all_token_ids
             # NOTE: inlined num_target_tokens(): this loop runs once per running sequence per step.
             num_new = min(len(tokens) - (1 if req.fork_into else 0) - req.num_computed_tokens, budget, cap)
+            # NOTE: before drafting: num_new > 1 is a prefill chunk here (a decode schedules 1)
+            if fair_head is not None and num_new > 1 and self._fair_yields(req, fair_head):
+                num_new = min(num_new, budget - fair_head[1])
+                if num_new < 1:  # its chunk waits for the admissions: what they leave it is its (_resume_yielded)
+                    yielded.append(req)
+                    i += 1
+                    continue
             alloc = None
             if spec is not None:
                 alloc, num_new = self._draft(req, num_new, min(num_draft_room, budget - num_new))
@@ -275,7 +289,11 @@ class Scheduler(Handover):
         waiting = self.waiting
         if num_preempted and waiting:  # memory is so tight that nobody is admitted
             self.waiting_for_blocks = True
+        num_charged = 0
         while waiting and not num_preempted and budget > 0:
+            if self._fair:  # NOTE: charged as it goes, so the next head is picked by the service so far
+                self._charge(scheduled[num_charged:])
+                num_charged = len(scheduled)
             req = waiting[0]
             width = req.fork_into or 1
             if self._num_seq_slots + width > cfg.max_num_seqs:
@@ -323,6 +341,8 @@ class Scheduler(Handover):
             new_plans.append(self._new_plan(req, num_new))
             scheduled.append((req, num_new))
             budget -= num_new
+        if yielded and budget > 0:
+            budget = self._resume_yielded(yielded, plan, scheduled, budget, cap)
         if not scheduled and not plan.finished_seq_ids and not plan.preempted_seq_ids:
             return None
         num_prefill = 0  # NOTE: num_computed_tokens is still the count before this step; decodes add nothing
@@ -332,42 +352,10 @@ class Scheduler(Handover):
                 num_prefill += num_new if num_new < pending else pending
         self.num_prefill_tokens += num_prefill
         if self._fair:
-            self._charge(scheduled)
+            self._charge(scheduled[num_charged:])
         self._scheduled, self._in_flight = scheduled, plan.step_id
         self.steps += 1
         return plan
-
-    def _preempt_for_priority(self, plan: StepPlan, budget: int) -> None:
-        """The priority policy, before the step's running sequences: while the waiting head outranks the running
-        sequence of the worst admitted priority (the latest admitted of those) and has no room (no sequence slot, or
-        fewer free blocks than its first chunk needs, prefix hits not counted), that sequence is preempted, as under
-        memory pressure (recomputed or swapped; its client sees no gap). NOTE: a running sequence is judged by the
-        effective priority it was admitted with, so one that aged its way in is not preempted by the next urgent
-        request: aging then bounds every request's wait."""
-        waiting, running, cfg = self.waiting, self.running, self.config
-        pool = getattr(self.kv, "pool", None)  # NOTE: a static kv_allocation reserves at admission: slots only
-        while waiting and running:
-            head = waiting.head()
-            rank = waiting.effective_priority(head)
-            at = max(range(len(running)), key=lambda i: (running[i].admitted_priority, i))
-            if running[at].admitted_priority <= rank:
-                return
-            num_new = min(head.num_target_tokens() - head.num_computed_tokens, budget)
-            slots_ok = self._num_seq_slots + (head.fork_into or 1) <= cfg.max_num_seqs
-            if slots_ok and (pool is None or pool.num_free_blocks >= self.kv.num_blocks_for(num_new)):
-                return
-            victim = running.pop(at)
-            self._preempt(victim, plan)
-            self.num_priority_preemptions += 1
-
-    def _charge(self, scheduled: list[tuple[Request, int]]) -> None:
-        """The fair policy counts each tenant's service as its tokens are scheduled: the known tokens computed
-        (prompt, or a recomputation) as prefill, the rest (the token sampled next, drafts) as decode."""
-        charge = self.waiting.counter.charge
-        for req, num_new in scheduled:
-            known = len(req.all_token_ids) - req.num_computed_tokens - 1  # known tokens before the last one
-            num_prefill = min(num_new, max(0, known))
-            charge(req.tenant, num_prefill, num_new - num_prefill)
 
     def _num_table_tokens(self, req: Request, num_new: int) -> int:
         """The tokens a running sequence's table must cover this step. NOTE: under speculation a table may already

@@ -11,6 +11,8 @@ from typing import Protocol
 from pagedserve_common.config import SCHEDULING_POLICIES  # --scheduling-policy
 
 MAX_TENANT_WEIGHT = 1e6
+# NOTE: the tenant is the client's header: counters are bounded (ServiceCounter.prune), not one per name ever sent
+MAX_TENANT_COUNTERS = 4096
 
 
 def read_tenant_weights(path: str) -> dict[str, float]:
@@ -80,6 +82,18 @@ class ServiceCounter:
         """`tenant` turned backlogged while `backlogged` (the others) were: no banked credit."""
         floor = min((self.service.get(t, 0.0) for t in backlogged), default=self._floor)
         self.service[tenant] = max(self.service.get(tenant, 0.0), floor)
+
+    def prune(self, active: set[str], keep: int) -> list[str]:
+        """Drops the counters of idle tenants (not in `active`: no request of theirs unfinished) until `keep` are
+        left, the least served first; returns the tenants dropped. NOTE: a dropped tenant that comes back is lifted
+        like a new one; one at or below the least counter of the backlogged tenants loses nothing by it (it would
+        be lifted there anyway), the rest give up the service above it. An active tenant is never dropped: its
+        running sequences are still being charged."""
+        idle = sorted((c, t) for t, c in self.service.items() if t not in active)
+        dropped = [t for _, t in idle[:max(0, len(self.service) - keep)]]
+        for t in dropped:
+            del self.service[t]
+        return dropped
 
     def drained(self, last: Iterator[str]) -> None:
         """The queue emptied; `last`: the tenants backlogged just before."""
@@ -201,9 +215,10 @@ class WaitingQueue:
 
     def _next_tenant(self, queues) -> str:
         """fair: the tenant of `queues` (tenant -> its waiting requests, none empty) with the least counted service,
-        ties to the one whose first request arrived first."""
+        ties to the one with fewer requests waiting, then to the one whose first request arrived first. NOTE: a
+        tenant turning backlogged is lifted to the others' least counter, a tie: the lighter tenant goes first."""
         service = self.counter.service
-        return min(queues, key=lambda t: (service.get(t, 0.0), queues[t][0].arrival_time))
+        return min(queues, key=lambda t: (service.get(t, 0.0), len(queues[t]), queues[t][0].arrival_time))
 
     def effective_priority(self, req: Waiting) -> int:
         """Its priority less one for every `aging_steps` admissions it has waited through."""

@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING
 
 import jinja2
 
+from pagedserve_common.defaults import MAX_TENANT_CHARS, TENANT_HEADER
 from pagedserve_common.sampling import InvalidField, SamplingParams
 from scheduler_svc.core.kv_snapshot import MAX_SNAPSHOT_BLOCKS, KVPoolSnapshot, snapshot
 from scheduler_svc.errors import DRAINING, EngineError, ErrorCode
-from scheduler_svc.frontend.inputs import INPUTS, MAX_TENANT_CHARS, TENANT_HEADER, GenerateInput
+from scheduler_svc.frontend.inputs import INPUTS, GenerateInput
 from scheduler_svc.frontend.limits import Limits
 from scheduler_svc.frontend.pool import TokenizerPool
 from scheduler_svc.frontend.stream import RequestStream
@@ -42,11 +43,19 @@ def invalid(field_name: str, message: str) -> EngineError:
     return EngineError(ErrorCode.INVALID_ARGUMENT, message, field_name)
 
 
-def tenant_of(values: list[str]) -> str:
-    """The tenant of a request: its TENANT_HEADER values (HTTP header or gRPC metadata), "" without one; more than
-    one is INVALID_ARGUMENT naming it."""
+def tenant_of(values: list[str], key_name: str = "") -> str:
+    """The tenant of a request: the name of its API key (`key_name`, "" for none or an unnamed key), else its
+    TENANT_HEADER values (HTTP header or gRPC metadata), else "" (the shared tenant). More than one header value is
+    INVALID_ARGUMENT naming it; with a named key, a header naming another tenant is PERMISSION_DENIED (a key's
+    holder counts as the key's tenant only)."""
     if len(values) > 1:
         raise invalid(TENANT_HEADER, f"{TENANT_HEADER} is sent {len(values)} times: send it once")
+    if key_name:
+        if values and values[0] != key_name:
+            raise EngineError(ErrorCode.PERMISSION_DENIED, f"{TENANT_HEADER}: this API key's requests count for "
+                                                           f"its own tenant: send {key_name!r} or leave it out",
+                              TENANT_HEADER)
+        return key_name
     return values[0] if values else ""
 
 

@@ -7,9 +7,6 @@ from dataclasses import dataclass, field
 from pagedserve_common.sampling import SamplingParams
 
 INPUTS = ("prompt", "prompt_token_ids", "messages")
-# The tenant a request's service counts for under --scheduling-policy fair: an HTTP header, or gRPC metadata.
-TENANT_HEADER = "x-pagedserve-tenant"
-MAX_TENANT_CHARS = 128
 
 
 @dataclass(slots=True)

@@ -11,11 +11,13 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from pagedserve.v1 import generate_pb2
 
+from pagedserve_common.defaults import TENANT_HEADER
 from pagedserve_common.wire import logprobs_to_pb, sampling_from_pb
 from scheduler_svc.core.kv_snapshot import KVPoolSnapshot
 from scheduler_svc.errors import EngineError, ErrorCode
+from scheduler_svc.auth import ApiKeys
 from scheduler_svc.frontend.api import invalid, tenant_of as api_tenant_of
-from scheduler_svc.frontend.inputs import TENANT_HEADER, GenerateInput
+from scheduler_svc.frontend.inputs import GenerateInput
 from scheduler_svc.frontend.limits import Limits
 from scheduler_svc.frontend.stream import StreamItem
 
@@ -160,9 +162,11 @@ def input_from_pb(pb: generate_pb2.GenerateRequest, limits: Limits) -> GenerateI
                          echo=pb.echo, priority=pb.priority)
 
 
-def tenant_of(metadata) -> str:
-    """The request's tenant from its gRPC metadata (frontend.api.tenant_of)."""
-    return api_tenant_of([v for k, v in metadata or () if k == TENANT_HEADER])
+def tenant_of(metadata, api_keys: ApiKeys | None = None) -> str:
+    """The request's tenant from its gRPC metadata: its API key's name, else its tenant header (frontend.api)."""
+    metadata = metadata or ()
+    key_name = api_keys.name_of([v for k, v in metadata if k == "authorization"]) if api_keys else ""
+    return api_tenant_of([v for k, v in metadata if k == TENANT_HEADER], key_name)
 
 
 def _check_structured(so: generate_pb2.StructuredOutput) -> None:
@@ -211,5 +215,6 @@ def kv_state_to_pb(snap: KVPoolSnapshot) -> generate_pb2.KVState:
         bytes_per_token=snap.bytes_per_token)
     add = pb.sequences.add
     for s in snap.sequences:
-        add(request_id=s.request_id, seq_id=s.seq_id, block_ids=s.block_ids, num_tokens=s.num_tokens)
+        add(request_id=s.request_id, seq_id=s.seq_id, block_ids=s.block_ids, num_tokens=s.num_tokens,
+            tenant=s.tenant)
     return pb

@@ -10,6 +10,7 @@ import structlog
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2_grpc
 from pagedserve_common import wire
 from scheduler_svc import request_log
+from scheduler_svc.auth import ApiKeys
 from scheduler_svc.engine import Engine
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend.api import FrontEnd
@@ -65,14 +66,15 @@ def add_generation_servicer(servicer: GenerationServicer, server) -> None:
 class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     """Served with add_generation_servicer: a request may be a convert.Undecodable."""
 
-    def __init__(self, frontend: FrontEnd) -> None:
+    def __init__(self, frontend: FrontEnd, api_keys: ApiKeys | None = None) -> None:
         self.frontend = frontend
+        self.api_keys = api_keys  # NOTE: checked by ApiKeyInterceptor; here for the key's name (the tenant)
 
     async def Generate(self, request, context):
         await _refuse_undecodable(request, context)
         try:
             inp = convert.input_from_pb(request, self.frontend.limits)
-            inp.tenant = convert.tenant_of(context.invocation_metadata())
+            inp.tenant = convert.tenant_of(context.invocation_metadata(), self.api_keys)
             stream = await self.frontend.generate(inp, None
                                                   if self.frontend.tracing is None else
                                                   grpc_trace_headers(context.invocation_metadata()))

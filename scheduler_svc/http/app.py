@@ -15,12 +15,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from pagedserve_common.defaults import TENANT_HEADER
 from scheduler_svc.auth import ApiKeyMiddleware, ApiKeys
 from scheduler_svc import request_log
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend import FrontEnd, RequestStream, StreamItem
 from scheduler_svc.frontend.api import tenant_of
-from scheduler_svc.frontend.inputs import TENANT_HEADER
 from scheduler_svc.http import convert, fields, tools
 from scheduler_svc.http.convert import Job, UsageCount
 from scheduler_svc.http.limits import BodyLimit
@@ -196,7 +196,8 @@ def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None, tool_call_pa
             rid = convert.request_id(body, frontend.limits) or rid
             convert.check_model(frontend, body.model)
             job = make_job(body, rid, frontend)
-            tenant = tenant_of(request.headers.getlist(TENANT_HEADER))
+            key_name = api_keys.name_of(request.headers.getlist("authorization")) if api_keys else ""
+            tenant = tenant_of(request.headers.getlist(TENANT_HEADER), key_name)
             for inp in job.inputs:
                 inp.tenant = tenant
         except EngineError as e:

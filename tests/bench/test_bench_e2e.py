@@ -136,3 +136,24 @@ def test_spawn_reports_the_model_flops_share_of_the_peak_and_each_process_cpu_se
     assert cpu["server_cpu_s"] == pytest.approx(sum(v for k, v in cpu["by_role"].items() if k != "client"))
     summary = (tmp_path / "summary.md").read_text()
     assert "## Model FLOP/s" in summary and "| worker |" in summary and lines[-2] in summary
+
+
+def test_tenant_tags_every_request_of_a_run_on_both_apis(service, tmp_path):
+    """--tenant sends x-pagedserve-tenant: two runs, two tenants, each request in its tenant's TTFT series."""
+    from tests.service.conftest import metric_value, scrape
+
+    grpc_run = bench(service, tmp_path / "a", "--num-requests", "4", "--prompt-len", "8:16", "--output-len", "2:4",
+                     "--tenant", "bench-team-a", "--no-progress")
+    assert grpc_run.returncode == 0, grpc_run.stderr
+    cmd = [sys.executable, "-m", "pagedserve_cli.main", "bench", "--openai-url", f"http://{service.http}/v1",
+           "--metrics-url", "", "--tokenizer", service.model_dir, "--ignore-eos", "--out", str(tmp_path / "b"),
+           "--num-requests", "3", "--prompt-len", "8:16", "--output-len", "2:4", "--tenant", "bench team b",
+           "--no-progress"]
+    http_run = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert http_run.returncode == 0, http_run.stderr
+    text = scrape(service.metrics)
+    assert metric_value(text, "pagedserve_tenant_ttft_seconds_count", tenant="bench-team-a") == 4
+    assert metric_value(text, "pagedserve_tenant_ttft_seconds_count", tenant="bench team b") == 3
+    assert json.loads((tmp_path / "a" / "results.json").read_text())["config"]["tenant"] == "bench-team-a"
+    bad = bench(service, tmp_path / "c", "--num-requests", "1", "--tenant", "caf\u00e9")
+    assert bad.returncode != 0 and "--tenant: at most 128 visible ASCII characters" in bad.stderr

@@ -20,7 +20,7 @@ def snap(block_size: int, num_blocks: int, sequences: list[KVSequence], cached=(
 
 def static_layout() -> KVSnapshot:
     """Whole reservations (a static allocator's), with holes between them: blocks 3-4, 7-8 and 11 are free."""
-    return snap(4, 12, [KVSequence("a", 1, [0, 1, 2], 5), KVSequence("b", 2, [5, 6], 8),
+    return snap(4, 12, [KVSequence("a", 1, [0, 1, 2], 5), KVSequence("b", 2, [5, 6], 8, "team b"),
                         KVSequence("c", 3, [9, 10], 3)], cached={4}, kv_allocation="static-request", num_steps=7,
                 num_waiting=2)
 
@@ -108,7 +108,7 @@ def test_render_without_colour_is_plain_text_with_one_cell_per_block():
     for words in ("kv allocation static-request", "step 7", "block size 4 tokens · 12 blocks · 1 cell = 1 block",
                   "used 7 (0 shared) · free 5 (1 cached)", "running 3 · waiting 2", "16/28 filled (57.1%)",
                   "internal fragmentation 42.9%", "external fragmentation 60.0%: largest free run 2 of 5",
-                  "a  seq 1 · 5 tokens · 3 blocks"):
+                  "a  seq 1 · 5 tokens · 3 blocks\n", "b  seq 2 · 8 tokens · 2 blocks · tenant 'team b'\n"):
         assert words in text, words
     big = render(snap(16, 1000, []), width=10)
     assert "1 cell = 3 blocks" in big and sum(map(len, grid(big))) == 334 and len(grid(big)) == 34

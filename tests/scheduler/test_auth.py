@@ -10,7 +10,8 @@ import pytest
 from pagedserve_cli.certs_cmd import dev_certificates
 from pagedserve_cli.main import main
 from pagedserve_common.tls import TlsConfigError, TlsFiles, certificate_names
-from scheduler_svc.auth import DUPLICATE, INVALID, MISSING, ApiKeyFileError, ApiKeys, load_keys, read_keys
+from scheduler_svc.auth import (DUPLICATE, INVALID, MISSING, ApiKeyFileError, ApiKeys, load_keys, read_keys,
+                                read_named_keys)
 
 
 def write(tmp_path, text: str, name: str = "keys"):
@@ -36,8 +37,33 @@ def test_a_key_file_without_keys_is_an_error(tmp_path, text):
 
 def test_a_bad_line_names_its_number_not_the_key(tmp_path):
     with pytest.raises(ApiKeyFileError, match="line 3") as e:
-        load_keys(write(tmp_path, "# x\nok-key\nsecret with spaces\n"))
-    assert "secret" not in str(e.value)
+        load_keys(write(tmp_path, "# x\nok-key\nsecr\u00e9t team\n"))
+    assert "secr" not in str(e.value)
+
+
+def test_a_key_may_be_named_by_the_rest_of_its_line_its_tenant(tmp_path):
+    path = write(tmp_path, "alpha-1 team a\nbeta-2\t \n gamma-3   team-b  \ndelta-4 team a\n")
+    assert read_named_keys(path) == [("alpha-1", "team a"), ("beta-2", ""), ("gamma-3", "team-b"),
+                                     ("delta-4", "team a")]
+    assert read_keys(path) == ["alpha-1", "beta-2", "gamma-3", "delta-4"]  # what a client sends: the key alone
+    keys = load_keys(path)
+    assert [keys.name_of([f"Bearer {k}"]) for k in ("alpha-1", "beta-2", "gamma-3", "delta-4")] == \
+        ["team a", "", "team-b", "team a"]
+    assert keys.name_of(["Bearer nope"]) == "" and keys.name_of([]) == ""
+
+
+def test_a_key_name_is_visible_ascii_up_to_the_tenant_limit(tmp_path):
+    with pytest.raises(ApiKeyFileError, match="line 2: KEY \\[NAME\\]: the name is at most 128"):
+        load_keys(write(tmp_path, "k1 ok\nk2 " + "n" * 129 + "\n"))
+    with pytest.raises(ApiKeyFileError, match="line 1: KEY \\[NAME\\]: the name"):
+        load_keys(write(tmp_path, "k1 caf\u00e9\n"))
+    assert load_keys(write(tmp_path, "k1 " + "n" * 128 + "\n")).names == ("n" * 128,)
+
+
+def test_a_worker_token_file_has_no_names(tmp_path):
+    with pytest.raises(ApiKeyFileError, match="--worker-token-file .*: line 1: a token is printable ASCII without "
+                                              "spaces"):
+        read_keys(write(tmp_path, "tok-1 name\n"), "--worker-token-file", "token", named=False)
 
 
 def test_an_unreadable_key_file_names_the_flag(tmp_path):

@@ -6,7 +6,7 @@ import itertools
 
 from scheduler_svc.core.request import FinishReason, RequestStatus
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from tests.support.scheduler import BS, FakeWorker, drive, req, step, toks
+from tests.support.scheduler import BS, FakeWorker, config, drive, req, step, toks
 
 
 def by_position(seq_id: int, position: int) -> int:
@@ -16,7 +16,7 @@ def by_position(seq_id: int, position: int) -> int:
 
 def pair(num_blocks: int = 16) -> tuple[Scheduler, Scheduler]:
     ids = itertools.count()
-    return tuple(Scheduler(SchedulerConfig(num_blocks=num_blocks, max_model_len=256, block_size=BS), seq_ids=ids)
+    return tuple(Scheduler(config(num_blocks=num_blocks, max_model_len=256), seq_ids=ids)
                  for _ in range(2))
 
 

@@ -11,7 +11,7 @@ from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve.v1 import worker_pb2
-from tests.support.scheduler import FakeWorker, drive, make, position_token, random_steps, req, step, toks
+from tests.support.scheduler import FakeWorker, config, drive, make, position_token, random_steps, req, step, toks
 
 
 def test_running_decodes_go_first_then_admission_within_the_token_budget():
@@ -230,7 +230,7 @@ def test_convert_round_trip():
 
 
 def decode_plan_bytes_per_seq(context: int, num_seqs: int = 8, num_steps: int = 32) -> list[float]:
-    s = Scheduler(SchedulerConfig(num_blocks=2048, max_model_len=4096, block_size=16))
+    s = Scheduler(config(num_blocks=2048, max_model_len=4096, block_size=16))
     for i in range(num_seqs):
         s.add_request(req(str(i), toks(context * i, context), max_tokens=1000))
     w = FakeWorker(block_size=16)
@@ -267,9 +267,11 @@ def test_random_workloads_keep_the_worker_protocol_and_free_every_block(seed):
 
     def new_request(i: int) -> Request:
         shared = rng.choice([[], toks(0, 9), toks(0, 17)])
+        # NOTE: tenants and priorities too: the priority and fair policies then preempt for them (the policy matrix)
         return Request(str(i), shared + [rng.randrange(100, 200) for _ in range(rng.randint(1, 12))],
                        SamplingParams(max_tokens=rng.randint(1, 20), n=rng.choice([1, 1, 2, 3])),
-                       cache_salt=rng.choice([None, None, "x"]))
+                       cache_salt=rng.choice([None, None, "x"]), priority=rng.choice([0, 0, 1, -1]),
+                       tenant=rng.choice(["", "a", "b"]))
 
     def check(w: FakeWorker) -> None:
         for q in s.running:  # NOTE: what the worker built from deltas is the scheduler's table, exactly

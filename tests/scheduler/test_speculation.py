@@ -173,11 +173,13 @@ def deterministic_model(w: FakeWorker, rng_seed: int):
     return next_token
 
 
-accepted: list[tuple[int, int, int]] = []  # each random workload's (accepted drafts, preemptions, swaps)
+# each random workload's (accepted drafts, preemptions, swaps), by scheduling policy (tests/scheduler/conftest.py)
+accepted: dict[str, list[tuple[int, int, int]]] = {}
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_random_workloads_with_drafts_keep_the_protocol_free_every_block_and_give_the_tokens_of_plain_decoding(seed):
+def test_random_workloads_with_drafts_keep_the_protocol_free_every_block_and_give_the_tokens_of_plain_decoding(
+        seed, scheduling_policy):
     outputs = {}
     for method in ("none", "ngram"):
         rng = random.Random(seed)
@@ -187,7 +189,8 @@ def test_random_workloads_with_drafts_keep_the_protocol_free_every_block_and_giv
 
         def new_request(i: int) -> Request:
             return Request(str(i), [rng.randrange(3, 7) for _ in range(rng.randint(1, 20))],
-                           SamplingParams(max_tokens=rng.randint(1, 30), n=rng.choice([1, 1, 2])))
+                           SamplingParams(max_tokens=rng.randint(1, 30), n=rng.choice([1, 1, 2])),
+                           priority=i % 3 - 1, tenant="ab"[i % 2])  # NOTE: not drawn: the same rng draws as ever
 
         def check(w: FakeWorker) -> None:
             for q in s.running:
@@ -214,14 +217,16 @@ def test_random_workloads_with_drafts_keep_the_protocol_free_every_block_and_giv
         assert s.kv.pool.num_free_blocks == s.config.num_blocks and w.seqs == {}
         outputs[method] = [[list(q.output_token_ids) for q in r.children or [r]] for r in reqs]
         if method == "ngram":
-            accepted.append((s.spec.counters.num_accepted_tokens, s.num_preemptions, s.num_swaps))
+            accepted.setdefault(scheduling_policy, []).append((s.spec.counters.num_accepted_tokens,
+                                                               s.num_preemptions, s.num_swaps))
             assert s.spec.counters.num_draft_tokens > 0  # it did draft: the comparison below means something
     assert outputs["ngram"] == outputs["none"]
 
 
-def test_the_random_workloads_accepted_drafts_and_preempted_drafting_sequences():
-    assert len(accepted) == 12 and sum(n > 0 for n, _, _ in accepted) >= 6
-    assert sum(p > 0 for _, p, _ in accepted) >= 3 and sum(w > 0 for _, _, w in accepted) >= 1  # recompute, swap
+def test_the_random_workloads_accepted_drafts_and_preempted_drafting_sequences(scheduling_policy):
+    runs = accepted[scheduling_policy]
+    assert len(runs) == 12 and sum(n > 0 for n, _, _ in runs) >= 6
+    assert sum(p > 0 for _, p, _ in runs) >= 3 and sum(w > 0 for _, _, w in runs) >= 1  # recompute, swap
 
 
 def test_export_adds_the_drafts_since_the_last_export_to_both_metric_families():

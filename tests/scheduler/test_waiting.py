@@ -90,8 +90,8 @@ def test_fair_alternates_between_backlogged_tenants_by_counted_service():
         q.append(Req(f"A{i}", tenant="A"))
     for i in range(2):
         q.append(Req(f"B{i}", tenant="B"))
-    # both at 0: A's head arrived first; then whoever has been served less
-    assert drain(q, charge=lambda r: 10) == ["A0", "B0", "A1", "B1", "A2", "A3", "A4"]
+    # both at 0: B first, having fewer requests waiting; then whoever has been served less (ties: fewer waiting)
+    assert drain(q, charge=lambda r: 10) == ["B0", "A0", "B1", "A1", "A2", "A3", "A4"]
     assert q.counter.service == {"A": 50.0, "B": 20.0}
 
 
@@ -103,9 +103,9 @@ def test_fair_a_tenant_returning_from_idle_banks_no_credit():
         q.counter.charge(q.popleft().tenant, num_prefill_tokens=20)
     q.append(Req("B0", tenant="B"))
     assert q.counter.service["B"] == 100.0  # lifted to the least backlogged counter, not left at 0
-    assert q.head().name == "A5"  # a tie at 100: A's head arrived first
+    assert q.head().name == "B0"  # a tie at 100: B has fewer requests waiting (1 against A's 5)
     q.counter.charge(q.popleft().tenant, num_prefill_tokens=20)
-    assert q.head().name == "B0"  # then B, at 100 against A's 120
+    assert q.head().name == "A5"  # then A, at 100 against B's 120
 
 
 def test_fair_lifts_to_where_the_queue_stood_when_it_drained():
@@ -187,3 +187,15 @@ def test_tenant_weights_file(tmp_path):
             read_tenant_weights(str(f))
     with pytest.raises(ValueError, match="cannot be read"):
         read_tenant_weights(str(tmp_path / "missing"))
+
+
+def test_prune_drops_the_least_served_idle_tenants_never_an_active_one():
+    c = ServiceCounter()
+    c.service.update(a=5.0, b=1.0, c=3.0, d=0.5, e=9.0)
+    assert c.prune(active={"d"}, keep=3) == ["b", "c"]  # d (0.5) is active: kept although the least served
+    assert c.service == {"a": 5.0, "d": 0.5, "e": 9.0}
+    assert c.prune(active={"a", "d", "e"}, keep=1) == []  # nobody idle: nothing dropped, whatever `keep` says
+    q = WaitingQueue("fair", c)
+    q.append(Req("B0", tenant="b"))
+    assert c.service["b"] == 0.0  # a dropped tenant comes back as a new one: lifted to the floor (0 here)
+

@@ -26,9 +26,10 @@ STEP_TIMEOUT = 10  # seconds; the stopped worker's requests move after this (and
 
 
 class Fleet:
-    def __init__(self, model: str, worker_args: tuple[str, ...] = ()) -> None:
+    def __init__(self, model: str, worker_args: tuple[str, ...] = (), scheduling_policy: str = "fcfs") -> None:
         self.model = model
         self.worker_args = worker_args  # every worker's extra flags
+        self.scheduling_policy = scheduling_policy  # the scheduler's --scheduling-policy
         self.listen, self.worker_listen, self.metrics = (f"127.0.0.1:{free_port()}" for _ in range(3))
         self.scheduler = self.start_scheduler()
         self.workers: list[subprocess.Popen] = []
@@ -36,7 +37,8 @@ class Fleet:
     def start_scheduler(self) -> subprocess.Popen:
         return subprocess.Popen([*EXE, "scheduler", "--model", self.model, "--listen", self.listen,
                                  "--worker-listen", self.worker_listen, "--metrics", self.metrics,
-                                 "--max-num-batched-tokens", "64", "--step-timeout", str(STEP_TIMEOUT)])
+                                 "--max-num-batched-tokens", "64", "--step-timeout", str(STEP_TIMEOUT),
+                                 "--scheduling-policy", self.scheduling_policy])
 
     def add_worker(self) -> subprocess.Popen:
         p = subprocess.Popen([*EXE, "worker", "--scheduler", self.worker_listen, "--model", self.model,
@@ -82,10 +84,12 @@ class Fleet:
 
 
 class Streams:
-    """Greedy streams in threads: tokens per stream, and the error of any that fails."""
+    """Greedy streams in threads: tokens per stream, and the error of any that fails. NOTE: stream i is tenant
+    t{i % 3}'s, and under the priority policy has priority i % 3: the policies' own paths run as workers go."""
 
     def __init__(self, fleet: Fleet, prompts, **sampling) -> None:
         self.sampling = pb.SamplingParams(**{"max_tokens": NEW, "temperature": 0, "ignore_eos": True, **sampling})
+        self.priority = fleet.scheduling_policy == "priority"
         self.tokens = [[] for _ in prompts]
         self.logprobs = [[] for _ in prompts]  # each token's PositionLogprobs, when `sampling` asks for them
         self.errors: list = []
@@ -97,7 +101,8 @@ class Streams:
         try:
             with grpc.insecure_channel(address) as ch:
                 for msg in generate_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
-                        prompt_token_ids=prompt, sampling=self.sampling), timeout=300):
+                        prompt_token_ids=prompt, sampling=self.sampling, priority=i % 3 if self.priority else 0),
+                        metadata=(("x-pagedserve-tenant", f"t{i % 3}"),), timeout=300):
                     self.tokens[i].extend(msg.token_ids)
                     self.logprobs[i].extend(msg.logprobs)
         except grpc.RpcError as e:
@@ -115,9 +120,9 @@ class Streams:
 
 
 @contextmanager
-def fleet_of(model: str, num_workers: int, *worker_args: str) -> Iterator[Fleet]:
+def fleet_of(model: str, num_workers: int, *worker_args: str, scheduling_policy: str = "fcfs") -> Iterator[Fleet]:
     """A scheduler and `num_workers` workers (with `worker_args`), all attached; stopped on exit."""
-    f = Fleet(model, worker_args)
+    f = Fleet(model, worker_args, scheduling_policy)
     try:
         for _ in range(num_workers):
             f.add_worker()

@@ -31,9 +31,9 @@ def tokenizer() -> Tokenizer:
     return Tokenizer.from_model_dir(resolve_model(DEFAULT_MODEL))
 
 
-def with_server(api_keys: list[str] | None = None, **engine_kwargs):
+def with_server(api_keys: list[str] | ApiKeys | None = None, **engine_kwargs):
     """Runs an async test against a real gRPC server in this process: test(engine, channel). With `api_keys`, the
-    client API requires one (scheduler_svc.auth.ApiKeyInterceptor)."""
+    client API requires one (scheduler_svc.auth.ApiKeyInterceptor); an ApiKeys may name them (tenants)."""
     config = {"model_id": "m", "max_model_len": 128, "vocab_size": 49152, "max_num_seqs": 1,
               "max_queued_requests": 2, "no_worker_timeout": 0, **engine_kwargs}
 
@@ -41,9 +41,10 @@ def with_server(api_keys: list[str] | None = None, **engine_kwargs):
         def run():
             async def main():
                 engine = Engine(EngineConfig(**config))
-                interceptors = [ApiKeyInterceptor(ApiKeys.of(api_keys))] if api_keys else None
+                keys = api_keys if isinstance(api_keys, ApiKeys) or not api_keys else ApiKeys.of(api_keys)
+                interceptors = [ApiKeyInterceptor(keys)] if keys else None
                 server, address = grpc.aio.server(interceptors=interceptors), f"127.0.0.1:{free_port()}"
-                servicer = GenerationServicer(FrontEnd(engine, tokenizer()))
+                servicer = GenerationServicer(FrontEnd(engine, tokenizer()), keys or None)
                 add_generation_servicer(servicer, server)
                 worker_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(engine), server)
                 server.add_insecure_port(address)

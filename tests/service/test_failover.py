@@ -7,14 +7,17 @@ import signal
 
 import pytest
 
+from pagedserve_common.config import SCHEDULING_POLICIES
 from tests.service.conftest import metric_value, scrape
 from tests.service.fleet import NEW, PROMPTS, Streams, busiest_worker, fleet_of, kill_busiest
 from tests.support.worker import assert_same_greedy, reference_greedy, reference_model
 
 
-@pytest.fixture(scope="module")
-def fleet(tiny_served_model):
-    with fleet_of(tiny_served_model, 3) as f:
+@pytest.fixture(scope="module", params=SCHEDULING_POLICIES)
+def fleet(tiny_served_model, request):
+    """Under each scheduling policy: a worker's loss, a hang, a late worker, a restarted scheduler and a drain keep
+    every stream's greedy tokens whatever the admission order (Streams: three tenants, three priorities)."""
+    with fleet_of(tiny_served_model, 3, scheduling_policy=request.param) as f:
         yield f
 
 

@@ -7,6 +7,7 @@ import grpc
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
+from scheduler_svc.auth import ApiKeys
 from tests.service.inproc import Front, ScriptedWorker, status_of, tokens_of, wait_for, with_server
 
 
@@ -106,3 +107,85 @@ async def test_per_tenant_service_queue_and_ttft_series(engine, channel):
     assert 'pagedserve_tenant_requests_waiting{tenant="team-a"} 0.0' in text
     assert 'pagedserve_tenant_ttft_seconds_count{tenant="team-a"} 2.0' in text
     assert 'pagedserve_tenant_ttft_seconds_count{tenant="team-b"} 1.0' in text
+
+
+NAMED_KEYS = ApiKeys.of(["k-a", "k-a2", "k-free"], ["team-a", "team-a", ""])
+
+
+def bearer(key: str) -> tuple[str, str]:
+    return ("authorization", f"Bearer {key}")
+
+
+@with_server(api_keys=NAMED_KEYS, scheduling_policy="fair", max_queued_requests=8)
+async def test_a_named_api_key_is_its_requests_tenant_and_may_not_name_another(engine, channel):
+    ScriptedWorker(channel, answer=True)
+    await wait_for(lambda: engine.workers)
+    # two keys of one name count for one tenant; the header may repeat the key's name
+    assert await tokens_of(generate(channel, [1, 2, 3], metadata=(bearer("k-a"),))) == [[7, 7]]
+    assert await tokens_of(generate(channel, [1, 2, 3], metadata=(bearer("k-a2"),
+                                                                  ("x-pagedserve-tenant", "team-a")))) == [[7, 7]]
+    # an unnamed key: the header names the tenant, else the shared one
+    assert await tokens_of(generate(channel, [1, 2, 3], metadata=(bearer("k-free"),
+                                                                  ("x-pagedserve-tenant", "team-z")))) == [[7, 7]]
+    assert await tokens_of(generate(channel, [1, 2, 3], metadata=(bearer("k-free"),))) == [[7, 7]]
+    service = engine.service.service
+    assert set(service) == {"team-a", "team-z", ""}
+    assert service["team-a"] == 12.0  # both of team-a's requests (2 prompt tokens at 1 + 2 outputs at 2, each)
+    code, details = await status_of(generate(channel, [1, 2], metadata=(bearer("k-a"),
+                                                                        ("x-pagedserve-tenant", "team-z"))))
+    assert code is grpc.StatusCode.PERMISSION_DENIED
+    assert details == ("x-pagedserve-tenant: this API key's requests count for its own tenant: send 'team-a' or "
+                       "leave it out")
+    async with Front(engine, api_keys=NAMED_KEYS) as http:
+        body = {"model": "m", "prompt": [1, 2], "max_tokens": 2, "ignore_eos": True}
+        before = dict(service)
+        r = await http.post("/v1/completions", json=body, headers={"authorization": "Bearer k-a"})
+        assert r.status_code == 200, r.text
+        assert service["team-a"] > before["team-a"] and service[""] == before[""]
+        r = await http.post("/v1/completions", json=body, headers={"authorization": "Bearer k-a",
+                                                                   "x-pagedserve-tenant": "team-z"})
+        assert r.status_code == 403 and r.json()["error"]["param"] == "x-pagedserve-tenant"
+        assert r.json()["error"]["type"] == "permission_error"
+        before = dict(service)
+        r = await http.post("/v1/completions", json=body, headers={"authorization": "Bearer k-free",
+                                                                   "x-pagedserve-tenant": "team-z"})
+        assert r.status_code == 200, r.text
+        assert service["team-z"] > before["team-z"] and service["team-a"] == before["team-a"]
+    assert set(service) == {"team-a", "team-z", ""}
+    assert await tokens_of(generate(channel, [1, 2, 3], metadata=(bearer("k-a"),))) == [[7, 7]]  # still serving
+
+
+@with_server(api_keys=NAMED_KEYS, scheduling_policy="fair", max_num_seqs=2, max_queued_requests=8)
+async def test_get_kv_state_names_each_running_sequences_tenant(engine, channel):
+    worker = ScriptedWorker(channel)  # silent: both sequences stay running
+    await wait_for(lambda: engine.workers)
+    calls = [generate(channel, [1, 2, 3], metadata=(bearer("k-a"),)),
+             generate(channel, [4, 5, 6], metadata=(bearer("k-free"), ("x-pagedserve-tenant", "team z")))]
+    await wait_for(lambda: worker.plans and engine.num_unfinished == 2)
+    worker.reply(worker.plans[0])  # the first step's answer: the next one admits the other request too
+    await wait_for(lambda: engine.workers["worker-0"].scheduler.num_running == 2)
+    state = await generate_pb2_grpc.GenerationStub(channel).GetKVState(pb.GetKVStateRequest(),
+                                                                      metadata=(bearer("k-free"),))
+    assert sorted(s.tenant for s in state.sequences) == ["team z", "team-a"]
+    for call in calls:
+        call.cancel()
+
+
+def test_the_engine_bounds_the_tenant_counters(monkeypatch):
+    from scheduler_svc import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "MAX_TENANT_COUNTERS", 8)
+
+    @with_server(scheduling_policy="fair", max_queued_requests=8)
+    async def run(engine, channel):
+        ScriptedWorker(channel, answer=True)
+        await wait_for(lambda: engine.workers)
+        for i in range(8):
+            assert await tokens_of(generate(channel, [1, 2, 3], metadata=(("x-pagedserve-tenant", f"t{i}"),))) == \
+                [[7, 7]]
+        assert len(engine.service.service) == 8
+        # a 9th tenant: the counters are pruned to half first (the idle ones, the least served first)
+        assert await tokens_of(generate(channel, [1, 2, 3], metadata=(("x-pagedserve-tenant", "new"),))) == [[7, 7]]
+        assert len(engine.service.service) == 5 and "new" in engine.service.service
+
+    run()

@@ -10,10 +10,19 @@ from scheduler_svc.core.request import Request
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 
 BS = 8
+# the scheduling policy make() and config() default to: tests/scheduler/conftest.py runs the scheduler's own tests
+# under each one (a single tenant and priority 0 admit in arrival order under all three)
+DEFAULT_POLICY = "fcfs"
+
+
+def config(num_blocks: int = 64, max_model_len: int = 256, **kw) -> SchedulerConfig:
+    kw.setdefault("scheduling_policy", DEFAULT_POLICY)
+    kw.setdefault("block_size", BS)
+    return SchedulerConfig(num_blocks=num_blocks, max_model_len=max_model_len, **kw)
 
 
 def make(num_blocks: int = 64, max_model_len: int = 256, **kw) -> Scheduler:
-    return Scheduler(SchedulerConfig(num_blocks=num_blocks, max_model_len=max_model_len, block_size=BS, **kw))
+    return Scheduler(config(num_blocks, max_model_len, **kw))
 
 
 def req(rid: str, prompt: list[int], max_tokens: int = 4, **kw) -> Request:

@@ -213,16 +213,18 @@ class GetKVStateRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
 
 class KVSequence(_message.Message):
-    __slots__ = ("request_id", "seq_id", "block_ids", "num_tokens")
+    __slots__ = ("request_id", "seq_id", "block_ids", "num_tokens", "tenant")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     SEQ_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     seq_id: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+    tenant: str
+    def __init__(self, request_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class KVState(_message.Message):
     __slots__ = ("worker_id", "block_size", "num_blocks", "ref_counts", "cached", "sequences", "kv_allocation", "num_steps", "num_waiting", "prefix_query_tokens", "prefix_hit_tokens", "num_evictions", "num_preemptions", "num_prefill_tokens", "time", "waiting_for_blocks", "kv_cache_dtype", "bytes_per_token")
