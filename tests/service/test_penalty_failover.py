@@ -67,7 +67,7 @@ def test_a_penalised_greedy_stream_migrated_mid_way_equals_one_that_stays(fleet,
 def test_a_penalised_greedy_stream_preempted_equals_one_that_is_not(tiny_served_model, stay, refs):
     # the tests' small pool (40 blocks of 16 tokens) for 4 streams of up to 200 tokens each: they preempt each other
     with started_service(tiny_served_model, "--max-num-seqs", "4") as service:
-        streams = Streams(SimpleNamespace(listen=service.address), PROMPTS[:4], **PENALTIES)
+        streams = Streams(SimpleNamespace(listen=service.address, scheduling_policy="fcfs"), PROMPTS[:4], **PENALTIES)
         streams.join()
         assert streams.errors == []
         assert service.metric("pagedserve_preemptions_total") > 0
