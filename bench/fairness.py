@@ -39,7 +39,7 @@ class Run:
     # whole next step (the earliest one that can compute its prompt)
     floor: dict[str, list[float]] = field(default_factory=dict)
     served: list[tuple[float, dict[str, float]]] = field(default_factory=list)  # (time, tenant -> cumulative service)
-    backlogged: list[tuple[float, frozenset[str]]] = field(default_factory=list)  # (time, tenants with requests waiting)
+    backlogged: list[tuple[float, frozenset[str]]] = field(default_factory=list)  # (time, tenants with some waiting)
     num_tokens: int = 0  # output tokens
     end_s: float = 0.0
     max_cost: float = 0.0  # the largest request's cost: prefill_weight * prompt + decode_weight * max_tokens

@@ -17,17 +17,14 @@ class PolicyRoom:
         memory pressure (recomputed or swapped; its client sees no gap). NOTE: a running sequence is judged by the
         effective priority it was admitted with, so one that aged its way in is not preempted by the next urgent
         request: aging then bounds every request's wait."""
-        waiting, running, cfg = self.waiting, self.running, self.config
-        pool = getattr(self.kv, "pool", None)  # NOTE: a static kv_allocation reserves at admission: slots only
+        waiting, running = self.waiting, self.running
         while waiting and running:
             head = waiting.head()
             rank = waiting.effective_priority(head)
             at = max(range(len(running)), key=lambda i: (running[i].admitted_priority, i))
             if running[at].admitted_priority <= rank:
                 return
-            num_new = min(head.num_target_tokens() - head.num_computed_tokens, budget)
-            slots_ok = self._num_seq_slots + (head.fork_into or 1) <= cfg.max_num_seqs
-            if slots_ok and (pool is None or pool.num_free_blocks >= self.kv.num_blocks_for(num_new)):
+            if self._has_room(head, budget):
                 return
             victim = running.pop(at)
             self._preempt(victim, plan)
@@ -42,15 +39,12 @@ class PolicyRoom:
         served less than the head's, so two backlogged tenants cannot preempt each other back and forth."""
         waiting, running, cfg = self.waiting, self.running, self.config
         counter = waiting.counter
-        pool = getattr(self.kv, "pool", None)  # NOTE: a static kv_allocation reserves at admission: slots only
         slots: dict[str, int] | None = None
         while waiting and running:
             head = waiting.head()
-            width = head.fork_into or 1
-            num_new = min(head.num_target_tokens() - head.num_computed_tokens, budget)
-            if (self._num_seq_slots + width <= cfg.max_num_seqs
-                    and (pool is None or pool.num_free_blocks >= self.kv.num_blocks_for(num_new))):
+            if self._has_room(head, budget):
                 return
+            width = head.fork_into or 1
             if slots is None:
                 slots = {}
                 for r in running:
@@ -65,11 +59,20 @@ class PolicyRoom:
             if slots[over] - (running[at].fork_into or 1) < share[over]:
                 return  # nobody holds more than a share
             if counter.service.get(over, 0.0) < counter.service.get(head.tenant, 0.0):
-                return  # it was served less than the head's tenant: it took a free slot the head's tenant had no claim to
+                return  # served less than the head's tenant: it took a free slot that tenant had no claim to
             victim = running.pop(at)
             slots[over] -= victim.fork_into or 1
             self._preempt(victim, plan)
             self.num_policy_preemptions += 1
+
+    def _has_room(self, head: Request, budget: int) -> bool:
+        """Whether the waiting head can be admitted now: a sequence slot, and free blocks for its first chunk (prefix
+        hits not counted). NOTE: a static kv_allocation reserves at admission: slots only."""
+        if self._num_seq_slots + (head.fork_into or 1) > self.config.max_num_seqs:
+            return False
+        pool = getattr(self.kv, "pool", None)
+        num_new = min(head.num_target_tokens() - head.num_computed_tokens, budget)
+        return pool is None or pool.num_free_blocks >= self.kv.num_blocks_for(num_new)
 
     def _resume_yielded(self, yielded: list[Request], plan: StepPlan, scheduled: list, budget: int, cap: int) -> int:
         """fair: the budget the admissions left (the head may have found no room) goes to the running chunks that

@@ -20,7 +20,8 @@ from scheduler_svc.http.tools import Shaper, ToolPlan
 FINISH_REASONS = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop", FinishReason.STOP_STRING: "stop",
                   FinishReason.ABORT: "abort"}
 HTTP_STATUS = {ErrorCode.INVALID_ARGUMENT: 400, ErrorCode.NOT_FOUND: 404, ErrorCode.FAILED_PRECONDITION: 400,
-               ErrorCode.ALREADY_EXISTS: 409, ErrorCode.PERMISSION_DENIED: 403, ErrorCode.RESOURCE_EXHAUSTED: 429, ErrorCode.UNAVAILABLE: 503,
+               ErrorCode.ALREADY_EXISTS: 409, ErrorCode.PERMISSION_DENIED: 403, ErrorCode.RESOURCE_EXHAUSTED: 429,
+               ErrorCode.UNAVAILABLE: 503,
                ErrorCode.INTERNAL: 500}
 ERROR_TYPES = {400: "invalid_request_error", 403: "permission_error", 404: "invalid_request_error",
                409: "invalid_request_error",
