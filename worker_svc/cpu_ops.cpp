@@ -70,6 +70,27 @@ inline void vstore(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast
 inline __m512 vrbf(__m512 v) {  // rounded through bfloat16
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(vround(v)), 16));
 }
+// The two-vector forms below split 32 bfloat16 (one 64-byte load) into their even and odd elements as float32 lanes
+// with a shift and a mask, and merge two results back the same way: no cross-lane conversions (vpmovzxwd, vpmovdw,
+// each bound to one port), which made the 16-lane forms above port-bound. Elementwise ops only: lane order differs.
+inline void vload2(const uint16_t* p, __m512& even, __m512& odd) {
+  const __m512i w = _mm512_loadu_si512(p);
+  even = _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
+  odd = _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+// vround's bfloat16 (same bits: nearest even, NaN -> quiet NaN) left in each lane's high half, the low half zero.
+inline __m512i vround_hi(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i hi_mask = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_and_si512(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), hi_mask);
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_mask_mov_epi32(r, nan, _mm512_and_si512(_mm512_or_si512(u, _mm512_set1_epi32(0x400000)), hi_mask));
+}
+inline __m512 vrbf_hi(__m512 v) { return _mm512_castsi512_ps(vround_hi(v)); }  // vrbf's value
+inline void vstore2(uint16_t* p, __m512 even, __m512 odd) {  // the 32 values vload2 split, rounded as vround
+  _mm512_storeu_si512(p, _mm512_or_si512(vround_hi(odd), _mm512_srli_epi32(vround_hi(even), 16)));
+}
 inline __m512 vexp(__m512 x) {  // exp_clamped, 16 lanes
   x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(87.0f));
   const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
@@ -108,6 +129,12 @@ inline void norm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t di
   d = 0;
 #if defined(PS_OPS_AVX512)
   const __m512 vi = _mm512_set1_ps(inv);
+  for (; d + 32 <= dim; d += 32) {
+    __m512 xe, xo, we, wo;
+    vload2(x + d, xe, xo);
+    vload2(w + d, we, wo);
+    vstore2(out + d, _mm512_mul_ps(we, vrbf_hi(_mm512_mul_ps(xe, vi))), _mm512_mul_ps(wo, vrbf_hi(_mm512_mul_ps(xo, vi))));
+  }
   for (; d + 16 <= dim; d += 16) vstore(out + d, _mm512_mul_ps(vload(w + d), vrbf(_mm512_mul_ps(vload(x + d), vi))));
 #endif
   for (; d < dim; ++d) out[d] = f2bf(bf2f(w[d]) * rbf(bf2f(x[d]) * inv));
@@ -132,6 +159,12 @@ void ps_add_rms_norm_bf16(uint16_t* x, const uint16_t* delta, const uint16_t* w,
     const uint16_t* dr = delta + r * dim;
     int64_t d = 0;
 #if defined(PS_OPS_AVX512)
+    for (; d + 32 <= dim; d += 32) {
+      __m512 xe, xo, de, dd;
+      vload2(xr + d, xe, xo);
+      vload2(dr + d, de, dd);
+      vstore2(xr + d, _mm512_add_ps(xe, de), _mm512_add_ps(xo, dd));
+    }
     for (; d + 16 <= dim; d += 16) vstore(xr + d, _mm512_add_ps(vload(xr + d), vload(dr + d)));
 #endif
     for (; d < dim; ++d) xr[d] = f2bf(bf2f(xr[d]) + bf2f(dr[d]));
@@ -149,6 +182,14 @@ void ps_silu_mul_bf16(const uint16_t* gu, int64_t rows, int64_t inter, uint16_t*
     int64_t i = 0;
 #if defined(PS_OPS_AVX512)
     const __m512 one = _mm512_set1_ps(1.0f);
+    for (; i + 32 <= inter; i += 32) {
+      __m512 ge, go, ue, uo;
+      vload2(g + i, ge, go);
+      vload2(u + i, ue, uo);
+      const __m512 se = _mm512_div_ps(ge, _mm512_add_ps(one, vexp(_mm512_sub_ps(_mm512_setzero_ps(), ge))));
+      const __m512 so = _mm512_div_ps(go, _mm512_add_ps(one, vexp(_mm512_sub_ps(_mm512_setzero_ps(), go))));
+      vstore2(o + i, _mm512_mul_ps(vrbf_hi(se), ue), _mm512_mul_ps(vrbf_hi(so), uo));
+    }
     for (; i + 16 <= inter; i += 16) {
       const __m512 v = vload(g + i);
       const __m512 s = _mm512_div_ps(v, _mm512_add_ps(one, vexp(_mm512_sub_ps(_mm512_setzero_ps(), v))));
@@ -174,6 +215,23 @@ void ps_rope_bf16(uint16_t* x, int64_t x_stride, const uint16_t* cos, const uint
     for (int64_t h = 0; h < heads; ++h) {
       uint16_t* v = x + t * x_stride + h * hd;
 #if defined(PS_OPS_AVX512)
+      if (half % 32 == 0) {
+        for (int64_t d = 0; d < half; d += 32) {
+          __m512 le, lo, he, ho, cle, clo, che, cho, sle, slo, she, sho;
+          vload2(v + d, le, lo);
+          vload2(v + d + half, he, ho);
+          vload2(c + d, cle, clo);
+          vload2(c + d + half, che, cho);
+          vload2(s + d, sle, slo);
+          vload2(s + d + half, she, sho);
+          const __m512 z = _mm512_setzero_ps();
+          vstore2(v + d, _mm512_add_ps(vrbf_hi(_mm512_mul_ps(le, cle)), vrbf_hi(_mm512_mul_ps(_mm512_sub_ps(z, he), sle))),
+                  _mm512_add_ps(vrbf_hi(_mm512_mul_ps(lo, clo)), vrbf_hi(_mm512_mul_ps(_mm512_sub_ps(z, ho), slo))));
+          vstore2(v + d + half, _mm512_add_ps(vrbf_hi(_mm512_mul_ps(he, che)), vrbf_hi(_mm512_mul_ps(le, she))),
+                  _mm512_add_ps(vrbf_hi(_mm512_mul_ps(ho, cho)), vrbf_hi(_mm512_mul_ps(lo, sho))));
+        }
+        continue;
+      }
       if (half % 16 == 0) {
         for (int64_t d = 0; d < half; d += 16) {
           const __m512 lo = vload(v + d), hi = vload(v + d + half);

@@ -10,16 +10,30 @@ decode step's 16-64 rows. So on the CPU:
   F.linear at 16-64 bfloat16 rows (AMX or AVX512-BF16), 1.3-1.8x for the float32 lm_head. That is a second copy
   of those weights (the modules keep theirs for the transformers path).
 Elsewhere (a GPU, a CPU build without oneDNN, a kernel that fails its self-check) F.linear, unchanged.
+
+oneDNN's prepacked kernel falls off a cliff on some shapes past a few hundred rows (a prefill chunk): measured
+here (bfloat16, 2 threads, AMX), o_proj and down (N = 576) ran 1.4x slower than F.linear at 384-512 rows while
+1.5x faster at 64. Which shapes and where depends on the CPU, so each onednn shape is timed once at load at
+PLAIN_ROWS rows (`plain_rows`), and from the row count where F.linear won clearly the layer calls F.linear on the
+[out, in] weight the transformers module holds anyway (no copy). NOTE: bfloat16 GEMMs were not batch invariant
+before this either (oneDNN's own kernels give another row's bits at 64 rows than at 512).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import time
+
+import structlog
 import torch
 import torch.nn.functional as F
 
+log = structlog.get_logger("pagedserve.worker")
+
 KINDS = ("linear", "mm", "onednn")
+PLAIN_ROWS = (256, 384, 512)  # the row counts an onednn shape is timed at against F.linear
+PLAIN_MARGIN = 1.15  # F.linear must be this much faster at a row count (and every larger one) to take it
 
 
 @dataclass(slots=True)
@@ -30,11 +44,15 @@ class Linear:
     weight: torch.Tensor  # linear: [out, in]; mm: [in, out] contiguous; onednn: oneDNN's reordered tensor
     bias: torch.Tensor | None
     out_features: int
+    plain: torch.Tensor | None = None  # onednn only: the [out, in] weight F.linear takes from plain_rows rows on
+    plain_rows: int = 0
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "mm":
             return torch.mm(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
         if self.kind == "onednn":
+            if self.plain is not None and x.shape[0] >= self.plain_rows:
+                return F.linear(x, self.plain, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
 
@@ -80,9 +98,54 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, *, vocab: bool 
     if (weight.dtype == torch.bfloat16 or (vocab and weight.dtype == torch.float32)) and \
             onednn_available(weight.dtype):
         # NOTE: the row count is only a hint for the blocked layout; any row count runs on it.
-        return Linear("onednn", torch.ops.mkldnn._reorder_linear_weight(weight, 64), bias, out)
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
+        rows = None if vocab else _calibrated_plain_rows(weight, bias, packed)
+        return Linear("onednn", packed, bias, out, weight if rows else None, rows or 0)
     if weight.dtype == torch.float32 and not vocab:
         # NOTE: a [in, out] contiguous tensor: when `weight` is already the view transposed() made, no copy
         wt = weight.t() if weight.t().is_contiguous() else weight.t().contiguous()
         return Linear("mm", wt, bias, out)
     return Linear("linear", weight, bias, out)
+
+
+def choose_plain_rows(seconds: dict[int, tuple[float, float]], margin: float = PLAIN_MARGIN) -> int | None:
+    """From {rows: (onednn s, F.linear s)}: the fewest rows from which on F.linear is `margin` times faster at
+    every measured row count, or None."""
+    best = None
+    for rows in sorted(seconds, reverse=True):
+        onednn_s, plain_s = seconds[rows]
+        if plain_s * margin >= onednn_s:
+            break
+        best = rows
+    return best
+
+
+_PLAIN_ROWS: dict[tuple, int | None] = {}
+
+
+def _calibrated_plain_rows(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> int | None:
+    """choose_plain_rows over this shape's timings (once per shape, dtype and thread count: ~10 ms)."""
+    key = (tuple(weight.shape), weight.dtype, bias is not None, torch.get_num_threads())
+    if key not in _PLAIN_ROWS:
+        seconds = {}
+        for rows in PLAIN_ROWS:
+            x = torch.randn(rows, weight.shape[1], generator=torch.Generator().manual_seed(rows)).to(weight.dtype)
+            seconds[rows] = (_best_of(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")),
+                             _best_of(lambda: F.linear(x, weight, bias)))
+        _PLAIN_ROWS[key] = choose_plain_rows(seconds)
+        log.info("linear layout timed", out_features=int(weight.shape[0]), in_features=int(weight.shape[1]),
+                 dtype=str(weight.dtype).removeprefix("torch."), plain_from_rows=_PLAIN_ROWS[key],
+                 ms={rows: [round(t * 1e3, 3) for t in pair] for rows, pair in seconds.items()})
+    return _PLAIN_ROWS[key]
+
+
+def _best_of(fn, repeats: int = 5) -> float:
+    """The fastest of `repeats` calls after a warm-up (best-of: a busy neighbour only slows some)."""
+    with torch.inference_mode():
+        fn()
+        best = float("inf")
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            fn()
+            best = min(best, time.perf_counter() - t0)
+    return best

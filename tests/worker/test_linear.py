@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_svc.lean_model import LeanModel
-from worker_svc.linear import Linear, make_linear, onednn_available, transposed
+from worker_svc.linear import PLAIN_ROWS, Linear, choose_plain_rows, make_linear, onednn_available, transposed
 from worker_svc.models import load_model
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -45,6 +45,29 @@ def test_the_cpu_picks_the_layouts_the_measurements_chose():
     w16, _, _ = _data(torch.bfloat16)
     assert make_linear(w16, None).kind == ("onednn" if onednn_available(torch.bfloat16) else "linear")
     assert make_linear(w32.half(), None).kind == "linear"  # float16 on a CPU: F.linear, unchanged
+
+
+def test_f_linear_takes_over_from_the_fewest_rows_where_it_wins_at_every_larger_count():
+    # {rows: (onednn s, F.linear s)}; F.linear must be 1.15x faster to count as a win
+    assert choose_plain_rows({256: (1.0, 1.2), 384: (2.0, 1.0), 512: (2.5, 1.4)}) == 384
+    assert choose_plain_rows({256: (2.0, 1.0), 384: (1.0, 1.2), 512: (2.5, 1.4)}) == 512  # not at 384: from 512
+    assert choose_plain_rows({256: (2.0, 1.0), 384: (2.0, 1.0), 512: (2.0, 1.0)}) == 256
+    assert choose_plain_rows({256: (1.0, 1.0), 384: (1.1, 1.0), 512: (1.0, 2.0)}) is None  # 1.1x is no win
+    assert choose_plain_rows({}) is None
+
+
+@pytest.mark.skipif(not onednn_available(torch.bfloat16), reason="oneDNN's bfloat16 linear does not run here")
+def test_an_onednn_layer_runs_f_linear_on_its_plain_weight_from_plain_rows_on():
+    w, b, _ = _data(torch.bfloat16, out=64, inp=96)
+    lin = make_linear(w, b)
+    assert lin.kind == "onednn" and (lin.plain is None) == (lin.plain_rows == 0)
+    assert lin.plain is None or (lin.plain.data_ptr() == w.data_ptr() and lin.plain_rows in PLAIN_ROWS)  # no copy
+    lin = Linear("onednn", lin.weight, b, 64, w, 40)
+    for rows in (1, 39, 40, 300):
+        x = torch.randn(rows, 96, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16)
+        want = F.linear(x, w, b) if rows >= 40 else torch.ops.mkldnn._linear_pointwise(x, lin.weight, b, "none", [], "")
+        assert torch.equal(lin(x), want), rows
+    assert make_linear(w, None, vocab=True).plain is None  # the lm_head runs on sampled rows only: never timed
 
 
 def test_a_transposed_weight_is_used_in_place():

@@ -46,6 +46,25 @@ def test_all_decode_batch_with_long_contexts(backend, block_size):
     check(backend, torch.randn(len(lens), 9, 64), pool, meta, torch.float32)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_large_decode_batch_gives_each_sequence_its_bits_alone(backend, dtype):
+    # 96 decodes: the kernel takes them 4 a chunk and prefetches each thread's next item (and next kv head) while it
+    # finishes the last; every sequence must get the reference's values and the very bits it gets attended alone.
+    rng = np.random.default_rng(96)
+    lens = rng.integers(1, 300, size=96).tolist()
+    need = [-(-s // 16) for s in lens]
+    ids = rng.permutation(sum(need) + 1)[: sum(need)].tolist()  # scattered blocks
+    tables = [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(len(lens))]
+    pool = torch.randn(2, sum(need) + 1, 16, 3, 64).to(dtype)
+    query = torch.randn(len(lens), 9, 64).to(dtype)
+    meta = AttentionMetadata.build([1] * len(lens), lens, tables, 16)
+    check(backend, query, pool, meta, dtype)
+    batch = backend.forward(query, pool, meta, 0.125)
+    for i in (0, 1, 2, 3, 4, 47, 95):
+        alone = backend.forward(query[i:i + 1], pool, AttentionMetadata.build([1], [lens[i]], [tables[i]], 16), 0.125)
+        assert torch.equal(batch[i:i + 1], alone), i
+
+
 def test_long_chunks_go_to_sdpa_and_short_ones_to_the_kernel(backend, monkeypatch):
     # q_len above MAX_KERNEL_Q_LEN is computed by the SDPA path: poison it, and only those rows change.
     long_q = cpu_backend.MAX_KERNEL_Q_LEN + 5
