@@ -34,6 +34,9 @@ log = structlog.get_logger("pagedserve.worker")
 KINDS = ("linear", "mm", "onednn")
 PLAIN_ROWS = (256, 384, 512)  # the row counts an onednn shape is timed at against F.linear
 PLAIN_MARGIN = 1.15  # F.linear must be this much faster at a row count (and every larger one) to take it
+# Shapes past this many FLOPs a 512-row call keep oneDNN untimed: timing them would add seconds to a large model's
+# load (a 7B MLP's 512-row call is ~90 GFLOP), and the cliff was measured on small-N shapes only.
+PLAIN_MAX_FLOP = 4e9
 
 
 @dataclass(slots=True)
@@ -124,7 +127,10 @@ _PLAIN_ROWS: dict[tuple, int | None] = {}
 
 
 def _calibrated_plain_rows(weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> int | None:
-    """choose_plain_rows over this shape's timings (once per shape, dtype and thread count: ~10 ms)."""
+    """choose_plain_rows over this shape's timings (once per shape, dtype and thread count: ~10 ms), or None
+    untimed for a shape past PLAIN_MAX_FLOP."""
+    if 2 * max(PLAIN_ROWS) * weight.shape[0] * weight.shape[1] > PLAIN_MAX_FLOP:
+        return None
     key = (tuple(weight.shape), weight.dtype, bias is not None, torch.get_num_threads())
     if key not in _PLAIN_ROWS:
         seconds = {}

@@ -68,6 +68,8 @@ def test_an_onednn_layer_runs_f_linear_on_its_plain_weight_from_plain_rows_on():
         want = F.linear(x, w, b) if rows >= 40 else torch.ops.mkldnn._linear_pointwise(x, lin.weight, b, "none", [], "")
         assert torch.equal(lin(x), want), rows
     assert make_linear(w, None, vocab=True).plain is None  # the lm_head runs on sampled rows only: never timed
+    big = torch.zeros(4096, 2048, dtype=torch.bfloat16)  # a 512-row call of 8.6 GFLOP: kept on oneDNN, untimed
+    assert make_linear(big, None).plain is None
 
 
 def test_a_transposed_weight_is_used_in_place():
