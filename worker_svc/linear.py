@@ -21,9 +21,8 @@ before this either (oneDNN's own kernels give another row's bits at 64 rows than
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import time
+from dataclasses import dataclass
 
 import structlog
 import torch
