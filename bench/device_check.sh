@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one prepared run for a lent GPU (about 6 minutes): GPU kernel and token tests (float and 8-bit caches), then
-# bench/kernels.py (float16/bfloat16 decode and prefill vs SDPA, then the 8-bit caches' quantising write, decode at
+# bench/gpu_kernels.py (float16/bfloat16 decode and prefill vs SDPA, then the 8-bit caches' quantising write, decode at
 # 4k/32k contexts and prefill, each with its achieved bandwidth in bytes of codes + scales per second).
 # Run on the device machine from the repo root: `bash bench/device_check.sh` (its output lands in $OUT).
 # That machine has python3 with torch, cupy, transformers and pytest but no registry: carry anything missing
@@ -20,4 +20,4 @@ export PYTHONPATH="${site:+$site:}$PWD${PYTHONPATH:+:$PYTHONPATH}"
   python3 -c "import torch, cupy, google.protobuf as p; print('torch', torch.__version__, 'cupy', cupy.__version__, 'protobuf', p.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
 timeout 220 python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt"
-timeout 240 python3 bench/kernels.py 2>&1 | tee "$OUT/kernels.txt"
+timeout 240 python3 bench/gpu_kernels.py 2>&1 | tee "$OUT/kernels.txt"

@@ -2,7 +2,7 @@
 
 Each case builds real plans over the real ModelRunner (model loading and the KV fill are never timed), times
 `--steps` steps without the profiler (wall ms/step), then profiles the same steps with torch.profiler and splits
-the time into: matmuls (aten::linear or mm/addmm/oneDNN linear: QKV/O/MLP/lm_head), attention (the backend's forward), KV writes,
+the time into: matmuls (aten::linear or mm/addmm/oneDNN linear/the AMX kernel: QKV/O/MLP/lm_head), attention (the backend's forward), KV writes,
 sampling, plan (persistent batch), and the rest: other torch ops (norms, rotary, activations, embedding) plus
 Python and dispatcher time between ops.
 
@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from worker_step import BLOCK_SIZE, GREEDY, prefill_template  # noqa: E402
 
+from worker_svc.cpu_ops import CpuOps  # noqa: E402
 from worker_svc.kv_pool import KVPool  # noqa: E402
 from worker_svc.model_store import DEFAULT_MODEL, resolve_model  # noqa: E402
 from worker_svc.models import load_model  # noqa: E402
@@ -35,6 +36,7 @@ from worker_svc.worker import make_backend  # noqa: E402
 ARGS: argparse.Namespace
 
 REGIONS = ("ps.attention", "ps.write_kv", "ps.sample", "ps.plan")
+AMX_LINEAR = CpuOps.amx_linear
 
 
 def traced(fn, label):
@@ -42,6 +44,9 @@ def traced(fn, label):
         with record_function(label):
             return fn(*a, **k)
     return wrapper
+
+
+labelled = traced  # run_case's loop variable is named traced
 
 
 def make_runner(loaded, num_blocks, traced_run: bool):
@@ -85,6 +90,7 @@ def run_case(loaded, name: str, plans_fn, steps: int) -> dict:
         times = []
         prof = profile(activities=[ProfilerActivity.CPU]) if traced else None
         if prof:
+            CpuOps.amx_linear = labelled(AMX_LINEAR, "ps.amx_linear")  # the AMX kernel is no torch op: name it
             prof.__enter__()
         for i, plan in enumerate(plans):
             t0 = time.perf_counter()
@@ -93,6 +99,7 @@ def run_case(loaded, name: str, plans_fn, steps: int) -> dict:
                 times.append(time.perf_counter() - t0)
         if prof:
             prof.__exit__(None, None, None)
+            CpuOps.amx_linear = AMX_LINEAR
         times.sort()
         if not traced:
             res["wall_ms"] = times[len(times) // 2] * 1e3
@@ -107,7 +114,7 @@ def run_case(loaded, name: str, plans_fn, steps: int) -> dict:
         # (worker_svc/linear.py). NOTE: attention calls no mm on the cpu backend's paths up to 512-token chunks.
         tops = ("aten::linear", "mkldnn::_linear_pointwise") if "aten::linear" in by else \
             ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")
-        linear = sum(by[k].cpu_time_total for k in tops if k in by) / 1e3 / n
+        linear = sum(by[k].cpu_time_total for k in (*tops, "ps.amx_linear") if k in by) / 1e3 / n
         # NOTE: the regions' times are inclusive (the C++ kernel is no torch op, so only its region sees it);
         # the rest is every other op (norms, rotary, activations, embedding, residual adds) plus the Python and
         # dispatcher time between ops.

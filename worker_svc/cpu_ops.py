@@ -1,6 +1,6 @@
 """The CPU worker's fused ops (cpu_ops.cpp, in the CPU kernel library): the bfloat16 lean forward's RMSNorm, residual
-add + RMSNorm, SiLU-gated product and rotary (one pass each instead of torch's 5-10 bfloat16 kernels), and greedy
-sampling's row argmax."""
+add + RMSNorm, SiLU-gated product and rotary (one pass each instead of torch's 5-10 bfloat16 kernels), its AMX
+small-batch matmul (amx_gemm.cpp), and greedy sampling's row argmax."""
 
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ class CpuOps:
         self._rope.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64]
         for fn in (self._norm, self._add_norm, self._silu_mul, self._rope):
             fn.restype = None
+        self._amx_init, self._amx_pack, self._amx_linear = lib.ps_amx_init, lib.ps_amx_pack_bf16, lib.ps_amx_linear_bf16
+        self._amx_init.argtypes, self._amx_init.restype = [], ctypes.c_int
+        self._amx_pack.argtypes, self._amx_pack.restype = [_ptr, _i64, _i64, _ptr], ctypes.c_int
+        self._amx_linear.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]
+        self._amx_linear.restype = ctypes.c_int
         self._argmax = lib.ps_argmax_rows
         self._argmax.argtypes = [_ptr, ctypes.c_int, _i64, _i64, _i64, _ptr]
         self._argmax.restype = ctypes.c_int
@@ -66,6 +71,33 @@ class CpuOps:
             raise ValueError("cpu_ops.rope_: bfloat16 [T, heads, hd] with contiguous heads, even hd <= 512")
         self._check(cos, sin)
         self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, hd)
+
+    def amx_available(self) -> bool:
+        """Whether this CPU and kernel let this process run the AMX matmul (AMX-BF16, tile state granted)."""
+        return bool(self._amx_init())
+
+    def amx_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] bfloat16 (N % 16 == 0, K % 32 == 0) in the AMX kernel's tile order: a new [N * K] tensor."""
+        self._check(weight)
+        if weight.dim() != 2 or weight.shape[0] % 16 or weight.shape[1] % 32:
+            raise ValueError(f"cpu_ops.amx_pack: [N, K] with N % 16 == 0 and K % 32 == 0, got {tuple(weight.shape)}")
+        packed = torch.empty(weight.numel(), dtype=torch.bfloat16)
+        self._amx_pack(weight.data_ptr(), weight.shape[0], weight.shape[1], packed.data_ptr())
+        return packed
+
+    def amx_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] @ W.T (+ bias) for the W that amx_pack packed: [M, out_features] bfloat16."""
+        self._check(x, packed, *(() if bias is None else (bias,)))
+        m, k = x.shape
+        if packed.numel() != out_features * k:
+            raise ValueError(f"cpu_ops.amx_linear: x has {k} features, the packed weight {packed.numel()} elements")
+        out = torch.empty((m, out_features), dtype=torch.bfloat16)
+        rc = self._amx_linear(x.data_ptr(), m, k, packed.data_ptr(), out_features,
+                              None if bias is None else bias.data_ptr(), out.data_ptr())
+        if rc != 0:
+            raise ValueError(f"ps_amx_linear_bf16 refused the call (code {rc})")
+        return out
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's lowest index of its maximum, as torch.argmax(dim=-1) for rows without NaN: float32 or bfloat16

@@ -36,6 +36,11 @@ PLAIN_MARGIN = 1.15  # F.linear must be this much faster at a row count (and eve
 # Shapes past this many FLOPs a 512-row call keep oneDNN untimed: timing them would add seconds to a large model's
 # load (a 7B MLP's 512-row call is ~90 GFLOP), and the cliff was measured on small-N shapes only.
 PLAIN_MAX_FLOP = 4e9
+# Calls of at most this many rows take the AMX kernel (amx_gemm.cpp) where the CPU has AMX-BF16: the default model's
+# 121 decode matmuls back to back, weights read from memory (2 threads, best of 4: bench/amx_chain.py) took
+# 11.4 / 12.2 / 16.8 ms at 1 / 32 / 64 rows against oneDNN's 14.0 / 16.3 / 18.1, and 24.6 against 24.1 at 96 rows,
+# 42.7 against 34.6 at 256: a prefill chunk keeps oneDNN.
+AMX_MAX_ROWS = 64
 
 
 @dataclass(slots=True)
@@ -48,11 +53,15 @@ class Linear:
     out_features: int
     plain: torch.Tensor | None = None  # onednn only: the [out, in] weight F.linear takes from plain_rows rows on
     plain_rows: int = 0
+    amx: torch.Tensor | None = None  # onednn only: the weight in the AMX kernel's order, for calls of <= AMX_MAX_ROWS
+    ops: object | None = None  # the CpuOps that runs `amx`
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "mm":
             return torch.mm(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
         if self.kind == "onednn":
+            if self.amx is not None and x.shape[0] <= AMX_MAX_ROWS and x.is_contiguous():
+                return self.ops.amx_linear(x, self.amx, self.out_features, self.bias)
             if self.plain is not None and x.shape[0] >= self.plain_rows:
                 return F.linear(x, self.plain, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -102,12 +111,44 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, *, vocab: bool 
         # NOTE: the row count is only a hint for the blocked layout; any row count runs on it.
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, 64)
         rows = None if vocab else _calibrated_plain_rows(weight, bias, packed)
-        return Linear("onednn", packed, bias, out, weight if rows else None, rows or 0)
+        ops = amx_ops(weight)
+        amx = None if ops is None else ops.amx_pack(weight.contiguous())
+        return Linear("onednn", packed, bias, out, weight if rows else None, rows or 0, amx, ops)
     if weight.dtype == torch.float32 and not vocab:
         # NOTE: a [in, out] contiguous tensor: when `weight` is already the view transposed() made, no copy
         wt = weight.t() if weight.t().is_contiguous() else weight.t().contiguous()
         return Linear("mm", wt, bias, out)
     return Linear("linear", weight, bias, out)
+
+
+def amx_ops(weight: torch.Tensor):
+    """The CpuOps whose AMX kernel can run `weight` [out, in] (bfloat16, out % 16 == 0, in % 32 == 0) in this
+    process, after a self-check against F.linear; else None (no AMX or no kernel library)."""
+    if weight.dtype != torch.bfloat16 or weight.device.type != "cpu" or weight.shape[0] % 16 or weight.shape[1] % 32:
+        return None
+    if not _AMX_OK:
+        _AMX_OK.append(_check_amx())
+    return _AMX_OK[0]
+
+
+_AMX_OK: list = []
+
+
+def _check_amx():
+    from worker_svc.cpu_ops import shared_ops  # NOTE: here, not at the top: cpu_ops builds the kernel library
+
+    ops = shared_ops()
+    if ops is None or not ops.amx_available():
+        return None
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(48, 64, generator=gen).bfloat16()
+    b = torch.randn(48, generator=gen).bfloat16()
+    x = torch.randn(21, 64, generator=gen).bfloat16()
+    got = ops.amx_linear(x, ops.amx_pack(w), 48, b).float()
+    want = F.linear(x.float(), w.float(), b.float())
+    ok = torch.allclose(got, want, atol=5e-2, rtol=1e-2)
+    log.info("amx matmul", available=bool(ok), max_rows=AMX_MAX_ROWS)
+    return ops if ok else None
 
 
 def choose_plain_rows(seconds: dict[int, tuple[float, float]], margin: float = PLAIN_MARGIN) -> int | None:

@@ -22,12 +22,18 @@ from worker_svc.attention.torch_backend import TorchAttentionBackend
 log = structlog.get_logger("pagedserve.worker")
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
-# Built into the same library: the bfloat16 lean forward's fused elementwise ops (worker_svc/cpu_ops.py).
+# Built into the same library: the bfloat16 lean forward's fused elementwise ops and its AMX matmuls
+# (worker_svc/cpu_ops.py).
 OPS_SOURCE = Path(__file__).parents[1] / "cpu_ops.cpp"
+AMX_SOURCE = Path(__file__).parents[1] / "amx_gemm.cpp"
+
+
+def _sources() -> tuple[Path, ...]:
+    return SOURCE, OPS_SOURCE, AMX_SOURCE  # NOTE: read at each build: tests swap SOURCE for a broken copy
 
 
 def _sources_text() -> str:
-    return SOURCE.read_text() + "\0" + OPS_SOURCE.read_text()
+    return "\0".join(path.read_text() for path in _sources())
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")
 # The kernel's dtype codes (paged_attention_cpu.cpp's Dtype): float pools, and 8-bit caches (codes + scales).
 POOL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
@@ -72,7 +78,7 @@ def _compile(cxx: str, flags: tuple[str, ...], out: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        res = subprocess.run([cxx, *flags, "-o", tmp, str(SOURCE), str(OPS_SOURCE)], capture_output=True, text=True)
+        res = subprocess.run([cxx, *flags, "-o", tmp, *map(str, _sources())], capture_output=True, text=True)
         if res.returncode != 0:
             raise RuntimeError(f"building {SOURCE.name} failed:\n{res.stderr[-2000:]}")
         os.chmod(tmp, 0o755)

@@ -208,6 +208,13 @@ def test_the_portable_avx512_build_computes_the_native_builds_bits(builds):
     assert torch.equal(x1, x2)
     assert torch.equal(ops_native.silu_mul(gu), ops_portable.silu_mul(gu))
     assert torch.equal(ops_native.argmax(gu), ops_portable.argmax(gu))
+    if ops_native.amx_available():  # the AMX matmul: compiled into every build (target attributes), same bits
+        wq = (0.1 * torch.randn(960, 576, generator=gen)).bfloat16()
+        for name, lib in builds.items():
+            ops = CpuOps(lib)
+            assert ops.amx_available(), name
+            assert torch.equal(ops.amx_linear(x, ops.amx_pack(wq), 960, None),
+                               ops_native.amx_linear(x, ops_native.amx_pack(wq), 960, None)), name
 
 
 # The int8 Q.K path (VNNI).

@@ -1,6 +1,6 @@
 """Device benchmark of cuda/paged_attention.cu (issue #5): decode bandwidth and prefill TFLOP/s vs torch SDPA.
 
-    python bench/kernels.py            # one run takes well under 5 minutes on an H100/H200
+    python bench/gpu_kernels.py            # one run takes well under 5 minutes on an H100/H200
 
 Decode: batch {1, 32, 128} x context {512, 4k, 32k}, 32 query heads, 8 kv heads, head_dim 128, block 16,
 float16 and bfloat16. Achieved bandwidth = (K/V bytes read + q/out bytes) / time (CUDA events, median of many
@@ -271,13 +271,13 @@ def quant_section(be, rng, float16_times: dict) -> int:
 
 def main() -> int:
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA device (torch.cuda.is_available() is False); nothing to measure.")
+        print("bench/gpu_kernels.py needs a CUDA device (torch.cuda.is_available() is False); nothing to measure.")
         ptxas_notes()  # the one part that runs without a GPU
         return 2
     try:
         import cupy  # noqa: F401
     except ImportError:
-        print("bench/kernels.py needs cupy (cupy-cuda12x / cupy-cuda13x); nothing to measure.")
+        print("bench/gpu_kernels.py needs cupy (cupy-cuda12x / cupy-cuda13x); nothing to measure.")
         return 2
     print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  cupy {cupy.__version__}")
     be = CupyAttentionBackend()
