@@ -38,6 +38,18 @@ struct alignas(64) TileConfig {  // LDTILECFG's 64-byte operand, palette 1
   uint8_t rows[16] = {};
 };
 
+// Every tile 16 rows of 64 bytes, on the calling thread.
+PS_AMX_TARGET void configure_tiles() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  // NOTE: not _tile_loadconfig: GCC 12 declares its operand as 8 bytes, so the stores of rows and colsb above were
+  // dropped as dead (seen: ldtilecfg of a zeroed config, #GP). The whole 64-byte object is the operand here.
+  __asm__ volatile("ldtilecfg %0" : : "m"(cfg));
+}
+
 constexpr int64_t kPrefetchTiles = 2;  // B/A tiles prefetched this many K steps ahead (1-4 measured alike; 0 worse)
 
 // 16 float32 -> bfloat16, nearest even, by AVX512-BF16's instruction (every CPU with AMX-BF16 has it: ps_amx_init
@@ -110,12 +122,7 @@ PS_AMX_TARGET void linear(const uint16_t* x, int64_t m, int64_t k, const uint16_
   }
 #pragma omp parallel if (npairs > 1)
   {
-    TileConfig cfg;
-    for (int t = 0; t < 8; ++t) {
-      cfg.rows[t] = 16;
-      cfg.colsb[t] = 64;
-    }
-    _tile_loadconfig(&cfg);  // per thread, per call: oneDNN loads its own configurations on these threads
+    configure_tiles();  // per thread, per call: oneDNN loads its own configurations on these threads
     alignas(64) float acc[4][256];
     const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
     // Contiguous column ranges a thread: each streams its own part of the weight front to back.
@@ -183,6 +190,14 @@ int ps_amx_init() {
   return ok;
 #else
   return 0;
+#endif
+}
+
+// Loads the kernel's tile configuration (8 tiles of 16 rows x 64 bytes) on the calling thread: what the attention
+// kernel's AMX scores (paged_attention_cpu.cpp) use. Only after ps_amx_init() returned 1.
+void ps_amx_configure() {
+#if defined(__x86_64__)
+  configure_tiles();
 #endif
 }
 

@@ -395,6 +395,54 @@ inline __m512 key_scales(const float* ks, int64_t ks_stride, int64_t cnt) {
   return _mm512_load_ps(v);
 }
 
+#if defined(__x86_64__)
+// Prefill tiles of a bfloat16 pool score on AMX tiles (amx_gemm.cpp grants and configures them): S = Q . K^T with
+// Q's rows as A tiles and each 32-dim chunk of the block's keys transposed into a B tile (load_transposed: a key's
+// dim pair is one dword), float32 accumulation of exact bfloat16 products. A 48-row prefill tile's Q.K was ~half of
+// its FLOPs on FMAs; AMX does a block's in 2 products a row tile.
+extern "C" int ps_amx_init();
+extern "C" void ps_amx_configure();
+#define PS_AMX_SCORES 1
+constexpr int64_t kAmxMinRows = 16;  // items of fewer rows (decodes: the group's heads) keep the FMA path
+
+// s [16 * row_tiles, 16] = qb [16 * row_tiles, D] . keys 0..n-1 of the block (rows `stride` elements apart; keys
+// from n on score 0), unscaled. kt: 64-byte aligned scratch of D * 16 bfloat16. D: 64 or 128.
+template <int D>
+__attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-bf16")))
+void amx_scores16(const uint16_t* qb, int64_t row_tiles, const uint16_t* kb, int64_t stride, int64_t n,
+                  uint16_t* kt, float* s) {
+  __m512i col[16];
+  for (int c = 0; c < D / 32; ++c) {
+    load_transposed(reinterpret_cast<const int8_t*>(kb + 32 * c), stride * 2, n, col);
+    for (int i = 0; i < 16; ++i) _mm512_store_si512(kt + c * 512 + i * 32, col[i]);
+  }
+#define PS_QK_TILE(t)                                                                       \
+  if (row_tiles > t) {                                                                    \
+    _tile_loadd(4, qb + t * 16 * D + c * 32, D * 2);                                      \
+    _tile_loadd(5, qb + t * 16 * D + (c + 1) * 32, D * 2);                                \
+    _tile_dpbf16ps(t, 4, 6);                                                              \
+    _tile_dpbf16ps(t, 5, 7);                                                              \
+  }
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int c = 0; c < D / 32; c += 2) {
+    _tile_loadd(6, kt + c * 512, 64);
+    _tile_loadd(7, kt + (c + 1) * 512, 64);
+    PS_QK_TILE(0)
+    PS_QK_TILE(1)
+    PS_QK_TILE(2)
+    PS_QK_TILE(3)
+  }
+#undef PS_QK_TILE
+  _tile_stored(0, s, 64);
+  if (row_tiles > 1) _tile_stored(1, s + 256, 64);
+  if (row_tiles > 2) _tile_stored(2, s + 512, 64);
+  if (row_tiles > 3) _tile_stored(3, s + 768, 64);
+}
+#endif
+
 // Dequantise-then-float Q.K for an int8 block, D % 64 == 0: sc[r * ld + k] = (q_r . codes_k) * ks[k] for k < n.
 // kt: scratch of 16 * D floats (the group's keys as floats, dim-major).
 inline void dequant_scores_t(const float* q, int64_t rows, const int64_t* nr, const int8_t* keys, int64_t stride,
@@ -652,7 +700,7 @@ constexpr int kPrefetchPerKey = 4;
 template <int D, typename E>
 inline void group_step(const float* q, float* acc, float* m, float* l, const int64_t* pos, int64_t rows,
                        const E* const* kb, const E* const* vb, int64_t stride, int nb, int64_t j0, int64_t last,
-                       float* p, const char* const* pf, int npf) {
+                       float* p, const char* const* pf, int npf, const uint16_t* qb, float qscale) {
   constexpr int NV = D / 16;
   constexpr int RG = 16 / NV;
   float corr[kMaxRows];
@@ -666,6 +714,24 @@ inline void group_step(const float* q, float* acc, float* m, float* l, const int
                                                           pos[r] + 1 - base));  // causal: keys 0..pos[r]
       nmax = std::max(nmax, nk[r][b]);
     }
+#if defined(PS_AMX_SCORES)
+    if constexpr (std::is_same_v<E, uint16_t>) {
+      if (qb != nullptr) {  // AMX: qb holds the rows' unscaled bfloat16 queries, padded to whole row tiles
+        alignas(64) uint16_t kt[D * 16];
+        alignas(64) float st[kMaxRows * 16];
+        if (nmax > 0) amx_scores16<D>(qb, (rows + 15) / 16, kb[b], stride, nmax, kt, st);
+        const __m512 sv = _mm512_set1_ps(qscale);
+        for (int64_t r = 0; r < rows; ++r) {
+          const __mmask16 valid = static_cast<__mmask16>((1u << nk[r][b]) - 1u);
+          _mm512_store_ps(sbuf + (r * kGroup + b) * 16,
+                          nmax > 0 ? _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),
+                                                          _mm512_mul_ps(_mm512_load_ps(st + r * 16), sv))
+                                   : _mm512_set1_ps(-INFINITY));
+        }
+        continue;
+      }
+    }
+#endif
     for (int64_t r0 = 0; r0 < rows; r0 += 4) {
       const int64_t rs = std::min<int64_t>(4, rows - r0);
       __m512 sc[4];
@@ -747,7 +813,7 @@ template <int D, typename E>
 void attend_grouped(const float* q, float* acc, float* m, float* l,
                     const int64_t* pos, int64_t rows, const E* K, const E* V, const int32_t* table,
                     int64_t num_kv_blocks, int64_t last, int64_t tok_stride, int64_t head_off,
-                    const NextWalk& next) {
+                    const NextWalk& next, const uint16_t* qb, float qscale) {
   thread_local std::vector<float> pbuf;
   pbuf.resize(kMaxRows * 16 * kGroup);
   float* const p = pbuf.data();
@@ -785,7 +851,7 @@ void attend_grouped(const float* q, float* acc, float* m, float* l,
         }
       }
     }
-    group_step<D>(q, acc, m, l, pos, rows, kb, vb, tok_stride, nb, j0, last, p, pf, npf);
+    group_step<D>(q, acc, m, l, pos, rows, kb, vb, tok_stride, nb, j0, last, p, pf, npf, qb, qscale);
   }
 }
 #endif
@@ -845,6 +911,32 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, co
   int64_t pos[kMaxRows], nr[kMaxRows];
   if (int8_qk) qcodes.resize(kMaxRows * D);
 
+  // AMX scores (prefill tiles of a bfloat16 pool): the queries as bfloat16, only when every one of them is a
+  // bfloat16 value (a bfloat16 model's are; a float32 model's over a bfloat16 cache keep the exact FMA path).
+  const uint16_t* qb = nullptr;
+#if defined(PS_AMX_SCORES)
+  thread_local std::vector<uint16_t> qbits;
+  bool amx = std::is_same_v<T, uint16_t> && fast16 && rows >= kAmxMinRows && ps_amx_init();
+  if (amx) {
+    qbits.assign(((rows + 15) / 16 * 16) * D + 32, 0);  // + 32: room to align to 64 bytes
+    uint16_t* qa = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(qbits.data()) + 63) & ~uintptr_t{63});
+    for (int64_t r = 0; r < rows && amx; ++r) {
+      const int64_t t = t0 + r / G, head = h * G + r % G;
+      const float* src = a.q + (q_begin + t) * a.q_stride_t + head * a.q_stride_h;
+      for (int64_t d = 0; d < D; ++d) {
+        uint32_t u;
+        std::memcpy(&u, src + d, 4);
+        amx = amx && (u & 0xFFFFu) == 0;
+        qa[r * D + d] = static_cast<uint16_t>(u >> 16);
+      }
+    }
+    if (amx) {
+      ps_amx_configure();
+      qb = qa;
+    }
+  }
+#endif
+  (void)qb;  // builds without AMX scores never read it
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = t0 + r / G, head = h * G + r % G;
     const float* src = a.q + (q_begin + t) * a.q_stride_t + head * a.q_stride_h;
@@ -863,9 +955,9 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, co
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, uint16_t>) {
     if (fast16) {
       if (D == 64) attend_grouped<64>(qbuf, abuf, m, l, pos, rows, K, V, table, num_kv_blocks, last,
-                                      tok_stride, h * D, next);
+                                      tok_stride, h * D, next, qb, a.scale);
       else attend_grouped<128>(qbuf, abuf, m, l, pos, rows, K, V, table, num_kv_blocks, last,
-                               tok_stride, h * D, next);
+                               tok_stride, h * D, next, qb, a.scale);
       grouped = true;
     }
   }
