@@ -7,6 +7,7 @@ sampling, plan (persistent batch), and the rest: other torch ops (norms, rotary,
 Python and dispatcher time between ops.
 
 usage: python bench/profile_step.py [--model smollm2-135m-instruct] [--dtype float32] [--threads N] [--ctx 256] [--steps 5]
+       [--batches 1,16,64] [--prefill 2048] [--top N]
        [--backend auto|cpu|torch] [--transformers]      (the last two: the path before the lean forward)
 """
 
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from worker_step import BLOCK_SIZE, GREEDY, prefill_template  # noqa: E402
 
 from worker_svc.cpu_ops import CpuOps  # noqa: E402
+from worker_svc.heap import keep_heap_mapped  # noqa: E402
 from worker_svc.kv_pool import KVPool  # noqa: E402
 from worker_svc.model_store import DEFAULT_MODEL, resolve_model  # noqa: E402
 from worker_svc.models import load_model  # noqa: E402
@@ -121,6 +123,9 @@ def run_case(loaded, name: str, plans_fn, steps: int) -> dict:
         rest = total - linear - sum(region.values())
         res.update(prof_ms=total, matmul=linear, **{k.removeprefix("ps."): v for k, v in region.items()},
                    rest=max(0.0, rest))
+    if ARGS.top:
+        for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:ARGS.top]:
+            print(f"    {e.key[:60]:<60} self {e.self_cpu_time_total / 1e3 / n:7.2f} ms  calls {e.count // n}")
     print(f"{name:<22} wall {res['wall_ms']:8.1f} ms | profiled {res['prof_ms']:8.1f}: matmul {res['matmul']:7.1f}"
           f"  attention {res['attention']:6.1f}  write_kv {res['write_kv']:5.1f}  sample {res['sample']:5.1f}"
           f"  plan {res['plan']:5.1f}  other ops + python {res['rest']:6.1f}", flush=True)
@@ -135,10 +140,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--dtype", default="float32", help="the weights' and KV cache's dtype (float32, bfloat16, ...)")
     ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--prefill", type=int, default=2048, help="the prefill chunk's tokens (past 512: SDPA's)")
+    ap.add_argument("--top", type=int, default=0, help="also list the N ops of most self time per step")
     ap.add_argument("--backend", default="auto", help="attention backend: auto (the worker's default), cpu, torch")
     ap.add_argument("--transformers", action="store_true", help="the transformers modules, not the lean forward")
     global ARGS
     args = ARGS = ap.parse_args()
+    keep_heap_mapped()  # as the worker does at start
     if args.threads:
         torch.set_num_threads(args.threads)
     loaded = load_model(resolve_model(args.model), args.dtype, "cpu")
@@ -155,11 +163,11 @@ def main() -> None:
             return plans, nb, fill
         run_case(loaded, f"decode b={batch} ctx={args.ctx}", plans_fn, args.steps + 1)
 
-    def prefill_fn(n=2048):
+    def prefill_fn(n=args.prefill):
         toks = list(range(100, 100 + n + 1))
         nb = -(-(n + 1) // BLOCK_SIZE)
         return [StepPlan(0, new_seqs=[NewSequence(0, toks, list(range(nb)), 0, n, GREEDY)])], nb, lambda r: None
-    run_case(loaded, "prefill chunk 2048", prefill_fn, 1)
+    run_case(loaded, f"prefill chunk {args.prefill}", prefill_fn, 1)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pagedserve_common.kv_geometry import KVGeometry
 from pagedserve_common.registration import WorkerRegistration
 from pagedserve_common.startup import USAGE, StartupError, one_line
 from worker_svc.attention.quant import STORAGE
+from worker_svc.heap import keep_heap_mapped
 from worker_svc.kv_pool import KVPool
 from worker_svc.model_store import resolve_model
 from worker_svc.models import ATTN_IMPLEMENTATION, load_model
@@ -123,6 +124,8 @@ def _pick_backend(name: str, device: str, geometry: KVGeometry) -> AttentionBack
 def create_runner(cfg: WorkerConfig, backend: AttentionBackend | None = None) -> tuple[ModelRunner,
                                                                                     WorkerRegistration]:
     """The runner, and what the worker registers with (its name is filled in when it dials in)."""
+    heap = keep_heap_mapped()
+    log.info("heap kept mapped between steps" if heap.applied else "heap settings unchanged", detail=heap.reason)
     if cfg.device == "cpu":
         torch.set_num_threads(cfg.threads or available_cores())
     set_device(cfg.device)

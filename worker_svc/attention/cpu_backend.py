@@ -141,7 +141,7 @@ def load_library(path: Path | None = None) -> ctypes.CDLL:
     fn = lib.ps_paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int, _ptr, ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
-                   _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64, _i64]
+                   _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64, _i64, ctypes.c_int]
     lib.ps_write_kv.restype = ctypes.c_int
     lib.ps_write_kv.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64]
     lib.ps_dequantize.restype = ctypes.c_int
@@ -157,6 +157,11 @@ def int8_qk_width(lib: ctypes.CDLL) -> int:
 def simd_width(lib: ctypes.CDLL) -> int:
     """The library's float path: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (scalar)."""
     return int(lib.ps_simd_width())
+
+
+def bf16_dot(lib: ctypes.CDLL) -> bool:
+    """Whether a bfloat16 query over a bfloat16 pool takes the bf16 dot products (AVX512-BF16) in this library."""
+    return bool(lib.ps_bf16_dot())
 
 
 def dequantize(lib: ctypes.CDLL, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -224,8 +229,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
             raise ValueError("the CPU kernel needs a contiguous float32, bfloat16, int8 or float8 pool layer")
         if kv_scales is not None and not kv_scales.is_contiguous():
             raise ValueError("the CPU kernel needs contiguous kv_scales")
-        q = query if query.dtype == torch.float32 and query.stride(2) == 1 else query.float().contiguous()
-        out = torch.empty((q.shape[0], num_heads, head_dim), dtype=torch.float32)
+        # A bfloat16 model's query goes in as it is and its output comes back in bfloat16 (no conversions); on a
+        # bfloat16 pool the kernel then runs Q.K and P.V as bf16 dot products where the CPU has AVX512-BF16.
+        io_bf16 = query.dtype == torch.bfloat16 and query.stride(2) == 1
+        q = query if io_bf16 or (query.dtype == torch.float32 and query.stride(2) == 1) else query.float().contiguous()
+        out = torch.empty((q.shape[0], num_heads, head_dim), dtype=q.dtype)
         bt = meta.block_tables
         qsl, lens = np.ascontiguousarray(meta.query_start_loc_host), np.ascontiguousarray(meta.seq_lens_host)
         int8_qk = self.int8_qk and kv_layer.dtype == torch.int8
@@ -234,12 +242,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
                       out.data_ptr(), qsl.ctypes.data, lens.ctypes.data,
                       bt.data_ptr(), bt.stride(0) if bt.dim() == 2 else 0, meta.num_seqs, num_heads,
                       num_kv_heads, head_dim, kv_layer.shape[1], kv_layer.shape[2], float(scale), Q_TILE,
-                      MAX_KERNEL_Q_LEN)
+                      MAX_KERNEL_Q_LEN, int(io_bf16))
         if rc != 0:
             raise ValueError(f"paged_attention_cpu rejected the shapes (code {rc})")
         if meta.max_query_len > MAX_KERNEL_Q_LEN:
             self._prefills(q, kv_layer, meta, scale, out, min_q_len=MAX_KERNEL_Q_LEN + 1, kv_scales=kv_scales)
-        return out if query.dtype == torch.float32 else out.to(query.dtype)
+        return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
 if __name__ == "__main__":  # python -m worker_svc.attention.cpu_backend --prebuild [DIR]

@@ -25,6 +25,7 @@
 
 #include <omp.h>
 #if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -43,6 +44,13 @@ struct NextWalk {
 };
 
 inline float to_f32(float x) { return x; }
+// float32 -> bfloat16, round to nearest even (torch's conversion: NaN stays a quiet NaN, denormals are kept).
+inline uint16_t to_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
 inline float to_f32(uint16_t x) {  // bfloat16: the high half of a float32
   uint32_t u = static_cast<uint32_t>(x) << 16;
   float f;
@@ -578,6 +586,23 @@ inline __m512 scores16(const float* q, const E* kb, int64_t stride, int64_t n) {
   return _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), transpose_sum16(part));
 }
 
+// The transpose-add tree of scores16, a quarter at a time: after quarter kc (keys 4kc..4kc+3 of each row's partial
+// sums in part[r]), y0/s01 hold the partial folds and after the last out[r] the row's 16 scores.
+template <int RS>
+inline void fold_keys(int kc, const __m512 (*part)[4], __m512* y0, __m512* s01, __m512* out) {
+#pragma GCC unroll 4
+  for (int r = 0; r < RS; ++r) {
+    const __m512 y = sum4(part[r][0], part[r][1], part[r][2], part[r][3]);
+    if (kc == 0 || kc == 2) {
+      y0[r] = y;
+    } else {
+      const __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(y0[r], y, 0x88), _mm512_shuffle_f32x4(y0[r], y, 0xDD));
+      if (kc == 1) s01[r] = s;
+      else out[r] = _mm512_add_ps(_mm512_shuffle_f32x4(s01[r], s, 0x88), _mm512_shuffle_f32x4(s01[r], s, 0xDD));
+    }
+  }
+}
+
 // scores16 for RS rows at once: each key row is loaded (bf16: widened) once for all RS rows, where scores16 per
 // row reloads it (bf16 decode, 64 x 192, 1 thread: 40 -> 36 ms a step of 30 layers; prefill 2 x 256: 49 -> 44). Keys k < n (the block's furthest-seeing row's count) are scored for every row; the caller masks
 // each row's own causal tail. Per (row, key) the same chain of FMAs and the same transpose-add tree as scores16,
@@ -610,17 +635,7 @@ inline void scores_rows16(const float* q, const E* kb, int64_t stride, int64_t n
         for (int r = 0; r < RS; ++r) part[r][j] = _mm512_setzero_ps();
       }
     }
-#pragma GCC unroll 4
-    for (int r = 0; r < RS; ++r) {
-      const __m512 y = sum4(part[r][0], part[r][1], part[r][2], part[r][3]);
-      if (kc == 0 || kc == 2) {
-        y0[r] = y;
-      } else {
-        const __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(y0[r], y, 0x88), _mm512_shuffle_f32x4(y0[r], y, 0xDD));
-        if (kc == 1) s01[r] = s;
-        else out[r] = _mm512_add_ps(_mm512_shuffle_f32x4(s01[r], s, 0x88), _mm512_shuffle_f32x4(s01[r], s, 0xDD));
-      }
-    }
+    fold_keys<RS>(kc, part, y0, s01, out);
   }
 }
 
@@ -694,6 +709,93 @@ constexpr int kGroup = 4;
 // (bf16 decode, 64 x 192, 2 threads: 20.7 -> 19.5 ms a step with 4 a row; 2 and 8 measured no better).
 constexpr int kPrefetchPerKey = 4;
 
+// Keys of the group's block b (its first key `base`) that each row sees (causal: keys 0..pos[r], none past `last`)
+// into nk[r][b]; returns the most any row sees.
+inline int64_t key_counts(const int64_t* pos, int64_t rows, int64_t base, int64_t last, int b,
+                          int64_t (*nk)[kGroup]) {
+  int64_t nmax = 0;
+  for (int64_t r = 0; r < rows; ++r) {
+    nk[r][b] = std::max<int64_t>(0, std::min<int64_t>(std::min<int64_t>(16, last + 1 - base), pos[r] + 1 - base));
+    nmax = std::max(nmax, nk[r][b]);
+  }
+  return nmax;
+}
+
+// sbuf's row r, block b: the 16 scores sc where the row sees the key (its first nk), -inf elsewhere (and all of
+// them when no row of the item sees one: nmax 0, sc unset).
+inline void put_scores(float* sbuf, int64_t r, int b, int64_t nk, int64_t nmax, __m512 sc) {
+  const __mmask16 valid = static_cast<__mmask16>((1u << nk) - 1u);
+  _mm512_store_ps(sbuf + (r * kGroup + b) * 16,
+                  nmax > 0 ? _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sc) : _mm512_set1_ps(-INFINITY));
+}
+
+#if defined(PS_AMX_SCORES)
+// Block b's scores for all rows on AMX tiles (qb: the rows' unscaled bfloat16 queries, padded to whole row tiles),
+// times qscale, into sbuf.
+template <int D>
+inline void amx_block_scores(const uint16_t* qb, int64_t rows, const uint16_t* kb, int64_t stride, int64_t nmax,
+                             const int64_t (*nk)[kGroup], int b, float qscale, float* sbuf) {
+  alignas(64) uint16_t kt[D * 16];
+  alignas(64) float st[kMaxRows * 16];
+  if (nmax > 0) amx_scores16<D>(qb, (rows + 15) / 16, kb, stride, nmax, kt, st);
+  const __m512 sv = _mm512_set1_ps(qscale);
+  for (int64_t r = 0; r < rows; ++r)
+    put_scores(sbuf, r, b, nk[r][b], nmax, _mm512_mul_ps(_mm512_load_ps(st + r * 16), sv));
+}
+#endif
+
+// 16 float32 -> bfloat16, round to nearest even (finite values: probabilities).
+inline __m256i round_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16));
+}
+
+// The group's online softmax, row by row over sbuf's scores: the new running max m, the correction corr of what
+// was accumulated under the old one, P = exp(s - m) (0 where the row sees no key) and the sum l. kBf16: P rounded
+// to bfloat16 into pb and l summing the rounded values; else P in float32 into p.
+template <bool kBf16>
+inline void group_softmax(const float* sbuf, const int64_t (*nk)[kGroup], int64_t rows, int nb, float* m, float* l,
+                          float* corr, float* p, uint16_t* pb) {
+  for (int64_t r = 0; r < rows; ++r) {
+    __m512 sv[kGroup];
+    __m512 vmax = _mm512_set1_ps(-INFINITY);
+    __mmask16 valid[kGroup];
+    for (int b = 0; b < nb; ++b) {
+      valid[b] = static_cast<__mmask16>((1u << nk[r][b]) - 1u);
+      sv[b] = _mm512_load_ps(sbuf + (r * kGroup + b) * 16);
+      vmax = _mm512_max_ps(vmax, sv[b]);
+    }
+    const float bmax = _mm512_reduce_max_ps(vmax);
+    if (bmax == -INFINITY) {  // no key of this group is visible to this row
+      corr[r] = 1.0f;
+      for (int b = 0; b < nb; ++b) {
+        if constexpr (kBf16) _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + (r * kGroup + b) * 16),
+                                                 _mm256_setzero_si256());
+        else _mm512_storeu_ps(p + (r * kGroup + b) * 16, _mm512_setzero_ps());
+      }
+      continue;
+    }
+    const float m_new = bmax > m[r] ? bmax : m[r];
+    corr[r] = fast_exp(m[r] - m_new);  // m[r] = -inf on the first group: corr = 0
+    const __m512 mv = _mm512_set1_ps(m_new);
+    __m512 psum = _mm512_setzero_ps();
+    for (int b = 0; b < nb; ++b) {
+      const __m512 pv = _mm512_maskz_mov_ps(valid[b], fast_exp16(_mm512_sub_ps(sv[b], mv)));
+      if constexpr (kBf16) {
+        const __m256i h = round_bf16(pv);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + (r * kGroup + b) * 16), h);
+        psum = _mm512_add_ps(psum, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+      } else {
+        _mm512_storeu_ps(p + (r * kGroup + b) * 16, pv);
+        psum = _mm512_add_ps(psum, pv);
+      }
+    }
+    l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(psum);
+    m[r] = m_new;
+  }
+}
+
 // One group of nb <= kGroup blocks for `rows` rows: scores (scores_rows16, 4 rows a key row read), the online-softmax
 // update of m/l, acc = acc * corr + P.V. kb[b]/vb[b]: block b's key/value rows, `stride` elements apart. pf[0..npf):
 // cache lines to prefetch meanwhile (the next group's).
@@ -707,27 +809,11 @@ inline void group_step(const float* q, float* acc, float* m, float* l, const int
   int64_t nk[kMaxRows][kGroup];
   alignas(64) float sbuf[kMaxRows * kGroup * 16];  // row r, block b: 16 scores (-inf past the row's keys)
   for (int b = 0; b < nb; ++b) {
-    const int64_t base = (j0 + b) * 16;
-    int64_t nmax = 0;
-    for (int64_t r = 0; r < rows; ++r) {
-      nk[r][b] = std::max<int64_t>(0, std::min<int64_t>(std::min<int64_t>(16, last + 1 - base),
-                                                          pos[r] + 1 - base));  // causal: keys 0..pos[r]
-      nmax = std::max(nmax, nk[r][b]);
-    }
+    const int64_t nmax = key_counts(pos, rows, (j0 + b) * 16, last, b, nk);
 #if defined(PS_AMX_SCORES)
     if constexpr (std::is_same_v<E, uint16_t>) {
       if (qb != nullptr) {  // AMX: qb holds the rows' unscaled bfloat16 queries, padded to whole row tiles
-        alignas(64) uint16_t kt[D * 16];
-        alignas(64) float st[kMaxRows * 16];
-        if (nmax > 0) amx_scores16<D>(qb, (rows + 15) / 16, kb[b], stride, nmax, kt, st);
-        const __m512 sv = _mm512_set1_ps(qscale);
-        for (int64_t r = 0; r < rows; ++r) {
-          const __mmask16 valid = static_cast<__mmask16>((1u << nk[r][b]) - 1u);
-          _mm512_store_ps(sbuf + (r * kGroup + b) * 16,
-                          nmax > 0 ? _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY),
-                                                          _mm512_mul_ps(_mm512_load_ps(st + r * 16), sv))
-                                   : _mm512_set1_ps(-INFINITY));
-        }
+        amx_block_scores<D>(qb, rows, kb[b], stride, nmax, nk, b, qscale, sbuf);
         continue;
       }
     }
@@ -741,41 +827,10 @@ inline void group_step(const float* q, float* acc, float* m, float* l, const int
         else if (rs == 2) scores_rows16<D, 2>(q + r0 * D, kb[b], stride, nmax, sc);
         else scores_rows16<D, 1>(q + r0 * D, kb[b], stride, nmax, sc);
       }
-      for (int64_t i = 0; i < rs; ++i) {
-        const __mmask16 valid = static_cast<__mmask16>((1u << nk[r0 + i][b]) - 1u);
-        _mm512_store_ps(sbuf + ((r0 + i) * kGroup + b) * 16,
-                        nmax > 0 ? _mm512_mask_blend_ps(valid, _mm512_set1_ps(-INFINITY), sc[i])
-                                 : _mm512_set1_ps(-INFINITY));
-      }
+      for (int64_t i = 0; i < rs; ++i) put_scores(sbuf, r0 + i, b, nk[r0 + i][b], nmax, sc[i]);
     }
   }
-  for (int64_t r = 0; r < rows; ++r) {
-    __m512 sv[kGroup];
-    __m512 vmax = _mm512_set1_ps(-INFINITY);
-    __mmask16 valid[kGroup];
-    for (int b = 0; b < nb; ++b) {
-      valid[b] = static_cast<__mmask16>((1u << nk[r][b]) - 1u);
-      sv[b] = _mm512_load_ps(sbuf + (r * kGroup + b) * 16);
-      vmax = _mm512_max_ps(vmax, sv[b]);
-    }
-    const float bmax = _mm512_reduce_max_ps(vmax);
-    if (bmax == -INFINITY) {  // no key of this group is visible to this row
-      corr[r] = 1.0f;
-      for (int b = 0; b < nb; ++b) _mm512_storeu_ps(p + (r * kGroup + b) * 16, _mm512_setzero_ps());
-      continue;
-    }
-    const float m_new = bmax > m[r] ? bmax : m[r];
-    corr[r] = fast_exp(m[r] - m_new);  // m[r] = -inf on the first group: corr = 0
-    const __m512 mv = _mm512_set1_ps(m_new);
-    __m512 psum = _mm512_setzero_ps();
-    for (int b = 0; b < nb; ++b) {
-      const __m512 pv = _mm512_maskz_mov_ps(valid[b], fast_exp16(_mm512_sub_ps(sv[b], mv)));
-      _mm512_storeu_ps(p + (r * kGroup + b) * 16, pv);
-      psum = _mm512_add_ps(psum, pv);
-    }
-    l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(psum);
-    m[r] = m_new;
-  }
+  group_softmax<false>(sbuf, nk, rows, nb, m, l, corr, p, nullptr);
   int ip = 0;  // pf[ip..npf): the next group's lines not yet prefetched
   for (int64_t r0 = 0; r0 < rows; r0 += RG) {
     const int64_t g = std::min<int64_t>(RG, rows - r0);
@@ -809,11 +864,251 @@ inline void group_step(const float* q, float* acc, float* m, float* l, const int
   while (ip < npf) _mm_prefetch(pf[ip++], _MM_HINT_T0);
 }
 
+#if defined(PS_AMX_SCORES)
+// --- bfloat16 queries over a bfloat16 pool (a bfloat16 model's steps), on CPUs with AVX512-BF16 ---
+// Q.K and P.V as bfloat16 dot products (vdpbf16ps: two exact bf16 products summed into a float32 lane). Where the
+// float path widens a key row's 64 dims (2 ops a 16) and runs 4 FMAs a query row, this loads 2 vectors and runs 2
+// dot products a row; P.V takes two keys a product. P is rounded to bfloat16 for P.V (as flash attention does on
+// GPUs) and the row sums l add up the rounded p, so the weights applied are exactly the ones normalised. Every
+// build compiles these by target attribute (the same code, the same bits); bf16_dot_available() says at run time
+// whether this CPU has the instructions. Only a caller that handed bfloat16 queries (and takes bfloat16 out)
+// gets this path: a float32 model over a bfloat16 cache keeps the float path's precision.
+#define PS_BF16_DOT 1
+#define PS_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+bool bf16_dot_available() {
+  static const bool ok = [] {
+    unsigned a, b, c, d;
+    return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5)) != 0;  // CPUID.(7,1):EAX[5] AVX512_BF16
+  }();
+  return ok;
+}
+
+PS_BF16_TARGET inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
+
+// scores_rows16 on bf16 dot products: out[r] lane k = q_r . key_k (unscaled) for keys k < n; qb: RS rows of D
+// bfloat16, D apart. Per (row, key) one chain of D / 32 dot products, then scores_rows16's transpose-add tree.
+template <int D, int RS>
+PS_BF16_TARGET inline void dot_scores_rows16(const uint16_t* qb, const uint16_t* kb, int64_t stride, int64_t n,
+                                             __m512 out[RS]) {
+  constexpr int NC = D / 32;
+  __m512bh qv[RS][NC];
+#pragma GCC unroll 4
+  for (int r = 0; r < RS; ++r)
+#pragma GCC unroll 4
+    for (int c = 0; c < NC; ++c) qv[r][c] = as_bh(_mm512_loadu_si512(qb + r * D + 32 * c));
+  __m512 y0[RS], s01[RS];
+#pragma GCC unroll 4
+  for (int kc = 0; kc < 4; ++kc) {
+    __m512 part[RS][4];
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const int k = kc * 4 + j;
+      if (k < n) {
+        const uint16_t* kr = kb + k * stride;
+        __m512bh kv[NC];
+#pragma GCC unroll 4
+        for (int c = 0; c < NC; ++c) kv[c] = as_bh(_mm512_loadu_si512(kr + 32 * c));
+#pragma GCC unroll 4
+        for (int r = 0; r < RS; ++r) {
+          __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[r][0], kv[0]);
+#pragma GCC unroll 4
+          for (int c = 1; c < NC; ++c) a = _mm512_dpbf16_ps(a, qv[r][c], kv[c]);
+          part[r][j] = a;
+        }
+      } else {
+#pragma GCC unroll 4
+        for (int r = 0; r < RS; ++r) part[r][j] = _mm512_setzero_ps();
+      }
+    }
+    fold_keys<RS>(kc, part, y0, s01, out);
+  }
+}
+
+// P.V of a prefill tile's group on AMX tiles: acc[r] = acc[r] * corr[r] + P_r . V for the group's nb blocks. pb: the
+// rows' bfloat16 probabilities (row r, block b at pb[(r * kGroup + b) * 16]; zeroed here past the rows and the
+// blocks); V's rows `stride` elements apart, slots past `last` never read (their keys' B-tile rows are zeros: AMX
+// would carry a garbage NaN through p = 0). V goes into B tiles two keys a row (VNNI order), 16 output dims a tile;
+// P's 32-key chunks are the A tiles. A 63-row tile's P.V took 4 dot products a row a key pair on vectors; here
+// 2 tile products per 16 rows x 16 dims x 64 keys.
+template <int D>
+__attribute__((target("avx512f,avx512bw,avx512vl,amx-tile,amx-bf16")))
+void amx_pv(uint16_t* pb, int64_t rows, int nb, const uint16_t* const* vb, int64_t stride, int64_t j0, int64_t last,
+            const float* corr, float* acc) {
+  constexpr int NCH = D / 16;  // 16-dim output chunks
+  const int64_t row_tiles = (rows + 15) / 16;
+  const int nkc = (nb * 16 + 31) / 32;  // 32-key chunks (A tiles a row tile)
+  for (int64_t r = 0; r < row_tiles * 16; ++r)
+    for (int b = 0; b < kGroup; ++b)
+      if (r >= rows || b >= nb)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb + (r * kGroup + b) * 16), _mm256_setzero_si256());
+  alignas(64) uint16_t inter_idx[32];
+  for (int j = 0; j < 16; ++j) {
+    inter_idx[2 * j] = static_cast<uint16_t>(j);
+    inter_idx[2 * j + 1] = static_cast<uint16_t>(32 + j);
+  }
+  const __m512i inter = _mm512_load_si512(inter_idx);  // x[0], y[0], x[1], y[1], ...: a key pair a dword
+  alignas(64) uint16_t vt[NCH * 2 * 512];  // chunk c, 32-key chunk kc: one B tile
+  for (int kc = 0; kc < nkc; ++kc) {
+    for (int i = 0; i < 16; ++i) {
+      const int k = 32 * kc + 2 * i, b = k / 16, kin = k % 16;
+      const int64_t nvalid = b < nb ? std::min<int64_t>(16, last + 1 - (j0 + b) * 16) : 0;
+      const uint16_t* v0 = b < nb ? vb[b] + kin * stride : nullptr;
+      for (int c = 0; c < NCH; ++c) {
+        const __m512i x = kin < nvalid ? _mm512_castsi256_si512(_mm256_loadu_si256(
+                                             reinterpret_cast<const __m256i*>(v0 + 16 * c)))
+                                       : _mm512_setzero_si512();
+        const __m512i y = kin + 1 < nvalid ? _mm512_castsi256_si512(_mm256_loadu_si256(
+                                                 reinterpret_cast<const __m256i*>(v0 + stride + 16 * c)))
+                                           : _mm512_setzero_si512();
+        _mm512_store_si512(vt + (c * 2 + kc) * 512 + i * 32, _mm512_permutex2var_epi16(x, inter, y));
+      }
+    }
+  }
+  alignas(64) float ct[4][256];
+  for (int64_t rt = 0; rt < row_tiles; ++rt) {
+    for (int c0 = 0; c0 < NCH; c0 += 4) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int kc = 0; kc < nkc; ++kc) {
+        _tile_loadd(4, pb + rt * 16 * kGroup * 16 + kc * 32, kGroup * 16 * 2);
+        _tile_loadd(5, vt + ((c0 + 0) * 2 + kc) * 512, 64);
+        _tile_loadd(6, vt + ((c0 + 1) * 2 + kc) * 512, 64);
+        _tile_loadd(7, vt + ((c0 + 2) * 2 + kc) * 512, 64);
+        _tile_dpbf16ps(0, 4, 5);
+        _tile_dpbf16ps(1, 4, 6);
+        _tile_dpbf16ps(2, 4, 7);
+        _tile_loadd(5, vt + ((c0 + 3) * 2 + kc) * 512, 64);
+        _tile_dpbf16ps(3, 4, 5);
+      }
+      _tile_stored(0, ct[0], 64);
+      _tile_stored(1, ct[1], 64);
+      _tile_stored(2, ct[2], 64);
+      _tile_stored(3, ct[3], 64);
+      for (int64_t r = 0; r < 16 && rt * 16 + r < rows; ++r) {
+        const int64_t row = rt * 16 + r;
+        const __m512 cr = _mm512_set1_ps(corr[row]);
+        for (int cc = 0; cc < 4; ++cc) {
+          float* dst = acc + row * D + (c0 + cc) * 16;
+          _mm512_storeu_ps(dst, _mm512_fmadd_ps(_mm512_loadu_ps(dst), cr, _mm512_load_ps(ct[cc] + r * 16)));
+        }
+      }
+    }
+  }
+}
+
+// group_step for bfloat16 queries (qb: the item's rows, D apart, padded to whole row tiles): scores on AMX tiles
+// (amx_qk: a prefill tile) or bf16 dot products, scaled by qscale; the online softmax as group_step's with p
+// rounded to bf16; P.V two keys a dot product. The accumulators of P.V hold a 32-dim chunk as the two vectors
+// vpunpck{l,h}wd make of two key rows (dims 0-3, 8-11, 16-19, 24-27 and 4-7, 12-15, ...): acc is permuted into
+// that order at the group's start and back at its end.
+template <int D>
+PS_BF16_TARGET void group_step_bf16(const uint16_t* qb, bool amx_qk, float qscale, float* acc, float* m, float* l,
+                                    const int64_t* pos, int64_t rows, const uint16_t* const* kb,
+                                    const uint16_t* const* vb, int64_t stride, int nb, int64_t j0, int64_t last,
+                                    const char* const* pf, int npf) {
+  constexpr int NC = D / 32;
+  constexpr int RG = 8 / NC;  // rows per P.V group: RG * 2 * NC = 16 accumulators
+  float corr[kMaxRows];
+  int64_t nk[kMaxRows][kGroup];
+  alignas(64) float sbuf[kMaxRows * kGroup * 16];  // row r, block b: 16 scores (-inf past the row's keys)
+  alignas(64) uint16_t pb[kMaxRows * kGroup * 16];  // row r, block b: 16 probabilities in bfloat16
+  const __m512 sv = _mm512_set1_ps(qscale);
+  for (int b = 0; b < nb; ++b) {
+    const int64_t nmax = key_counts(pos, rows, (j0 + b) * 16, last, b, nk);
+    if (amx_qk) {
+      amx_block_scores<D>(qb, rows, kb[b], stride, nmax, nk, b, qscale, sbuf);
+      continue;
+    }
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+      const int64_t rs = std::min<int64_t>(4, rows - r0);
+      __m512 sc[4];
+      if (nmax > 0) {
+        if (rs == 4) dot_scores_rows16<D, 4>(qb + r0 * D, kb[b], stride, nmax, sc);
+        else if (rs == 3) dot_scores_rows16<D, 3>(qb + r0 * D, kb[b], stride, nmax, sc);
+        else if (rs == 2) dot_scores_rows16<D, 2>(qb + r0 * D, kb[b], stride, nmax, sc);
+        else dot_scores_rows16<D, 1>(qb + r0 * D, kb[b], stride, nmax, sc);
+      }
+      for (int64_t i = 0; i < rs; ++i) put_scores(sbuf, r0 + i, b, nk[r0 + i][b], nmax, _mm512_mul_ps(sc[i], sv));
+    }
+  }
+  group_softmax<true>(sbuf, nk, rows, nb, m, l, corr, nullptr, pb);
+  if (amx_qk) {  // a prefill tile: P.V on tiles too
+    for (int i = 0; i < npf; ++i) _mm_prefetch(pf[i], _MM_HINT_T0);  // the tile products hide these
+    amx_pv<D>(pb, rows, nb, vb, stride, j0, last, corr, acc);
+    return;
+  }
+  const __m512i lo_dims = _mm512_setr_epi32(0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27);
+  const __m512i hi_dims = _mm512_setr_epi32(4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+  const __m512i back0 = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i back1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  int ip = 0;  // pf[ip..npf): the next group's lines not yet prefetched
+  for (int64_t r0 = 0; r0 < rows; r0 += RG) {
+    const int64_t g = std::min<int64_t>(RG, rows - r0);
+    __m512 a[RG][2 * NC];
+#pragma GCC unroll 8
+    for (int r = 0; r < RG; ++r) {
+      if (r >= g) break;
+      const __m512 c = _mm512_set1_ps(corr[r0 + r]);
+      const float* src = acc + (r0 + r) * D;
+#pragma GCC unroll 4
+      for (int ch = 0; ch < NC; ++ch) {
+        const __m512 x0 = _mm512_loadu_ps(src + 32 * ch), x1 = _mm512_loadu_ps(src + 32 * ch + 16);
+        a[r][2 * ch] = _mm512_mul_ps(_mm512_permutex2var_ps(x0, lo_dims, x1), c);
+        a[r][2 * ch + 1] = _mm512_mul_ps(_mm512_permutex2var_ps(x0, hi_dims, x1), c);
+      }
+    }
+    for (int b = 0; b < nb; ++b) {
+      int64_t nmax = 0;
+      for (int64_t r = r0; r < r0 + g; ++r) nmax = std::max(nmax, nk[r][b]);
+      for (int64_t k = 0; k < nmax; k += 2) {  // p is 0 past a row's own keys; a key past nmax is never read
+        for (int t = 0; t < 2 * kPrefetchPerKey && ip < npf; ++t) _mm_prefetch(pf[ip++], _MM_HINT_T0);
+        const uint16_t* v0 = vb[b] + k * stride;
+        const bool pair = k + 1 < nmax;
+        __m512i lo[NC], hi[NC];
+#pragma GCC unroll 4
+        for (int ch = 0; ch < NC; ++ch) {
+          const __m512i x = _mm512_loadu_si512(v0 + 32 * ch);
+          const __m512i y = pair ? _mm512_loadu_si512(v0 + stride + 32 * ch) : _mm512_setzero_si512();
+          lo[ch] = _mm512_unpacklo_epi16(x, y);
+          hi[ch] = _mm512_unpackhi_epi16(x, y);
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < RG; ++r) {
+          if (r >= g) break;
+          uint32_t two;  // p[k] in the low half, p[k + 1] in the high: lane pairs (key k, key k + 1)
+          std::memcpy(&two, pb + ((r0 + r) * kGroup + b) * 16 + k, 4);
+          const __m512bh pp = as_bh(_mm512_set1_epi32(static_cast<int>(two)));
+#pragma GCC unroll 4
+          for (int ch = 0; ch < NC; ++ch) {
+            a[r][2 * ch] = _mm512_dpbf16_ps(a[r][2 * ch], as_bh(lo[ch]), pp);
+            a[r][2 * ch + 1] = _mm512_dpbf16_ps(a[r][2 * ch + 1], as_bh(hi[ch]), pp);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < RG; ++r) {
+      if (r >= g) break;
+      float* dst = acc + (r0 + r) * D;
+#pragma GCC unroll 4
+      for (int ch = 0; ch < NC; ++ch) {
+        _mm512_storeu_ps(dst + 32 * ch, _mm512_permutex2var_ps(a[r][2 * ch], back0, a[r][2 * ch + 1]));
+        _mm512_storeu_ps(dst + 32 * ch + 16, _mm512_permutex2var_ps(a[r][2 * ch], back1, a[r][2 * ch + 1]));
+      }
+    }
+  }
+  while (ip < npf) _mm_prefetch(pf[ip++], _MM_HINT_T0);
+}
+#endif
+
 template <int D, typename E>
 void attend_grouped(const float* q, float* acc, float* m, float* l,
                     const int64_t* pos, int64_t rows, const E* K, const E* V, const int32_t* table,
                     int64_t num_kv_blocks, int64_t last, int64_t tok_stride, int64_t head_off,
-                    const NextWalk& next, const uint16_t* qb, float qscale) {
+                    const NextWalk& next, const uint16_t* qb, float qscale, bool amx_qk, bool dot) {
   thread_local std::vector<float> pbuf;
   pbuf.resize(kMaxRows * 16 * kGroup);
   float* const p = pbuf.data();
@@ -851,17 +1146,27 @@ void attend_grouped(const float* q, float* acc, float* m, float* l,
         }
       }
     }
-    group_step<D>(q, acc, m, l, pos, rows, kb, vb, tok_stride, nb, j0, last, p, pf, npf, qb, qscale);
+#if defined(PS_BF16_DOT)
+    if constexpr (std::is_same_v<E, uint16_t>) {
+      if (dot) {
+        group_step_bf16<D>(qb, amx_qk, qscale, acc, m, l, pos, rows, kb, vb, tok_stride, nb, j0, last, pf, npf);
+        continue;
+      }
+    }
+#endif
+    group_step<D>(q, acc, m, l, pos, rows, kb, vb, tok_stride, nb, j0, last, p, pf, npf, amx_qk ? qb : nullptr,
+                  qscale);
   }
 }
 #endif
 
 struct Args {
-  const float* q;
+  const void* q;  // float32, or bfloat16 where io_bf16
   int64_t q_stride_t, q_stride_h;
   const void* kv;
   const float* scales;  // 8-bit caches: [2, num_blocks, block_size, kv_heads]; else null
-  float* out;  // contiguous [T, H, D]
+  void* out;  // contiguous [T, H, D]: float32, or bfloat16 where io_bf16
+  bool io_bf16;
   const int64_t* qsl;
   const int64_t* seq_lens;
   const int32_t* block_tables;
@@ -911,36 +1216,53 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, co
   int64_t pos[kMaxRows], nr[kMaxRows];
   if (int8_qk) qcodes.resize(kMaxRows * D);
 
-  // AMX scores (prefill tiles of a bfloat16 pool): the queries as bfloat16, only when every one of them is a
-  // bfloat16 value (a bfloat16 model's are; a float32 model's over a bfloat16 cache keep the exact FMA path).
+  // Query row r's first element (float32, or bfloat16 where io_bf16).
+  const auto q_row = [&](int64_t r) {
+    const int64_t t = t0 + r / G, head = h * G + r % G;
+    return (q_begin + t) * a.q_stride_t + head * a.q_stride_h;
+  };
+  const float* const qf = static_cast<const float*>(a.q);
+  const uint16_t* const qh = static_cast<const uint16_t*>(a.q);
+  // The queries as bfloat16 rows (qb) for AMX scores (prefill tiles of a bfloat16 pool) and the bf16 dot path
+  // (bfloat16 queries handed over: a bfloat16 model's steps). AMX scores take float32 queries too where every one
+  // is a bfloat16 value (exact products either way); a float32 model's other queries keep the exact FMA path.
   const uint16_t* qb = nullptr;
-#if defined(PS_AMX_SCORES)
+  bool amx_qk = false, dot = false;
+#if defined(PS_BF16_DOT)
   thread_local std::vector<uint16_t> qbits;
-  bool amx = std::is_same_v<T, uint16_t> && fast16 && rows >= kAmxMinRows && ps_amx_init();
-  if (amx) {
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    amx_qk = fast16 && rows >= kAmxMinRows && ps_amx_init();
+    dot = fast16 && a.io_bf16 && bf16_dot_available();
+  }
+  if (amx_qk || dot) {
     qbits.assign(((rows + 15) / 16 * 16) * D + 32, 0);  // + 32: room to align to 64 bytes
     uint16_t* qa = reinterpret_cast<uint16_t*>((reinterpret_cast<uintptr_t>(qbits.data()) + 63) & ~uintptr_t{63});
-    for (int64_t r = 0; r < rows && amx; ++r) {
-      const int64_t t = t0 + r / G, head = h * G + r % G;
-      const float* src = a.q + (q_begin + t) * a.q_stride_t + head * a.q_stride_h;
+    bool exact = true;
+    for (int64_t r = 0; r < rows; ++r) {
+      if (a.io_bf16) {
+        std::memcpy(qa + r * D, qh + q_row(r), D * sizeof(uint16_t));
+        continue;
+      }
       for (int64_t d = 0; d < D; ++d) {
         uint32_t u;
-        std::memcpy(&u, src + d, 4);
-        amx = amx && (u & 0xFFFFu) == 0;
+        std::memcpy(&u, qf + q_row(r) + d, 4);
+        exact = exact && (u & 0xFFFFu) == 0;
         qa[r * D + d] = static_cast<uint16_t>(u >> 16);
       }
     }
-    if (amx) {
-      ps_amx_configure();
-      qb = qa;
-    }
+    amx_qk = amx_qk && exact;
+    if (amx_qk) ps_amx_configure();
+    if (amx_qk || dot) qb = qa;
   }
 #endif
   (void)qb;  // builds without AMX scores never read it
   for (int64_t r = 0; r < rows; ++r) {
-    const int64_t t = t0 + r / G, head = h * G + r % G;
-    const float* src = a.q + (q_begin + t) * a.q_stride_t + head * a.q_stride_h;
-    for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = src[d] * a.scale;  // scale the query, not every score
+    const int64_t t = t0 + r / G;
+    if (a.io_bf16) {
+      for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = to_f32(qh[q_row(r) + d]) * a.scale;
+    } else {
+      for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = qf[q_row(r) + d] * a.scale;  // scale the query, not every score
+    }
     if (int8_qk) qs[r] = quantize_query(qbuf + r * D, D, qcodes.data() + r * D);
     std::memset(abuf + r * D, 0, sizeof(float) * D);
     m[r] = -INFINITY;
@@ -955,9 +1277,9 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, co
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, uint16_t>) {
     if (fast16) {
       if (D == 64) attend_grouped<64>(qbuf, abuf, m, l, pos, rows, K, V, table, num_kv_blocks, last,
-                                      tok_stride, h * D, next, qb, a.scale);
+                                      tok_stride, h * D, next, qb, a.scale, amx_qk, dot);
       else attend_grouped<128>(qbuf, abuf, m, l, pos, rows, K, V, table, num_kv_blocks, last,
-                               tok_stride, h * D, next, qb, a.scale);
+                               tok_stride, h * D, next, qb, a.scale, amx_qk, dot);
       grouped = true;
     }
   }
@@ -1048,10 +1370,17 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, co
   }
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t t = t0 + r / G, head = h * G + r % G;
-    float* dst = a.out + ((q_begin + t) * a.num_heads + head) * D;
+    const int64_t o = ((q_begin + t) * a.num_heads + head) * D;
     const float inv = 1.0f / l[r];
+    if (a.io_bf16) {
+      uint16_t* dst = static_cast<uint16_t*>(a.out) + o;
 #pragma omp simd
-    for (int64_t d = 0; d < D; ++d) dst[d] = abuf[r * D + d] * inv;
+      for (int64_t d = 0; d < D; ++d) dst[d] = to_bf16(abuf[r * D + d] * inv);
+    } else {
+      float* dst = static_cast<float*>(a.out) + o;
+#pragma omp simd
+      for (int64_t d = 0; d < D; ++d) dst[d] = abuf[r * D + d] * inv;
+    }
   }
 }
 
@@ -1120,6 +1449,15 @@ int ps_max_block_size() { return kMaxBlock; }
 int ps_max_group() { return kMaxRows; }
 // The int8 Q.K path this build has: 512 (AVX-512 VNNI), 256 (AVX-VNNI) or 0 (none).
 int ps_int8_qk_width() { return PS_INT8_QK; }
+// 1 where a bfloat16 query over a bfloat16 pool takes the bf16 dot products (this CPU has AVX512-BF16, this build
+// AVX-512), else 0.
+int ps_bf16_dot() {
+#if defined(PS_BF16_DOT)
+  return bf16_dot_available() ? 1 : 0;
+#else
+  return 0;
+#endif
+}
 // The widest float path this build has: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (scalar).
 int ps_simd_width() {
 #if defined(PS_AVX512)
@@ -1146,24 +1484,25 @@ int ps_dequantize(const void* codes, int dtype, const float* scales, int64_t n, 
   return 0;
 }
 
-// dtype: a Dtype. The query and output are float32. scales: an 8-bit cache's float32 scales (see the top), null
+// dtype: a Dtype. io_bf16 = 0: the query and output are float32; 1: bfloat16 (a bfloat16 model's: on a bfloat16
+// pool and a CPU with AVX512-BF16 its steps take the bf16 dot products, P rounded to bf16). scales: an 8-bit cache's float32 scales (see the top), null
 // for float pools. int8_qk: Q.K in int8 (an int8 cache, a build with ps_int8_qk_width() > 0). Sequences whose
 // q_len exceeds max_q_len are skipped (their rows of `out` are left as they are): long prefill chunks are
 // GEMM-shaped work that the caller hands to a matmul-based attention instead.
 // Returns 0, or 1 (shapes the kernel has no instance for), 2 (unknown dtype), 3 (scales missing or given to a
 // float pool), 4 (int8_qk for another dtype or in a build without it).
-int ps_paged_attention(const float* q, int64_t q_stride_t, int64_t q_stride_h, const void* kv, int dtype,
-                       const float* scales, int int8_qk, float* out, const int64_t* qsl, const int64_t* seq_lens,
+int ps_paged_attention(const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* kv, int dtype,
+                       const float* scales, int int8_qk, void* out, const int64_t* qsl, const int64_t* seq_lens,
                        const int32_t* block_tables, int64_t bt_stride, int64_t num_seqs, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale,
-                       int64_t q_tile, int64_t max_q_len) {
+                       int64_t q_tile, int64_t max_q_len, int io_bf16) {
   if (head_dim > kMaxHeadDim || block_size > kMaxBlock || num_heads % num_kv_heads ||
       num_heads / num_kv_heads > kMaxRows)
     return 1;
   if (dtype < kFloat32 || dtype > kE5M2) return 2;
   if ((dtype >= kInt8) != (scales != nullptr)) return 3;
   if (int8_qk && (dtype != kInt8 || PS_INT8_QK == 0)) return 4;
-  Args a{q, q_stride_t, q_stride_h, kv, scales, out, qsl, seq_lens, block_tables, bt_stride, num_heads,
+  Args a{q, q_stride_t, q_stride_h, kv, scales, out, io_bf16 != 0, qsl, seq_lens, block_tables, bt_stride, num_heads,
          num_kv_heads, head_dim, num_blocks, block_size, q_tile, max_q_len, scale, int8_qk != 0};
   switch (dtype) {
     case kFloat32: run<float>(a, num_seqs); break;

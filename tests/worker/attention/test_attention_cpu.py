@@ -264,3 +264,53 @@ def test_a_broken_rescale_in_the_16_key_block_paths_fails_the_comparison(backend
     check(backend, query, pool, meta, torch.float32)  # the real kernel (built before the patch) passes
     with pytest.raises(AssertionError):
         check(bad, query, pool, meta, torch.float32)
+
+
+
+# Breaks of the bfloat16-query paths: the bf16 dot path's P.V accumulators put back in the wrong order (decodes and
+# prefill tiles below 16 rows, or every tile without AMX), and AMX P.V without the online-softmax rescale (prefill
+# tiles of 16 rows or more on an AMX CPU).
+BF16_BREAKS = {
+    "dot": ("back1 = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31)",
+            "back1 = _mm512_setr_epi32(12, 13, 14, 15, 28, 29, 30, 31, 8, 9, 10, 11, 24, 25, 26, 27)"),
+    "amx": ("_mm512_fmadd_ps(_mm512_loadu_ps(dst), cr, _mm512_load_ps(ct[cc] + r * 16))",
+            "_mm512_add_ps(_mm512_loadu_ps(dst), _mm512_load_ps(ct[cc] + r * 16))"),
+}
+
+
+@pytest.mark.parametrize("path", list(BF16_BREAKS))
+def test_bfloat16_queries_take_the_bf16_paths_and_float32_ones_do_not(tmp_path, monkeypatch, path):
+    # Teeth for the paths only a bfloat16 model's queries take over a bfloat16 pool: broken, they must fail the
+    # comparison (decodes on the dot path; prefill tiles on AMX where the CPU has it), while float32 queries over the
+    # same pool (which never take them) still pass at float32's tolerance.
+    src = cpu_backend.SOURCE.read_text()
+    right, wrong = BF16_BREAKS[path]
+    broken = src.replace(right, wrong)
+    assert broken != src
+    (tmp_path / "broken.cpp").write_text(broken)
+    monkeypatch.setattr(cpu_backend, "SOURCE", tmp_path / "broken.cpp")
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    bad = CpuAttentionBackend()
+    if not cpu_backend.bf16_dot(bad.lib):
+        pytest.skip("this CPU has no AVX512-BF16 (or its build no AVX-512): bfloat16 queries take the float path")
+    amx = bool(bad.lib.ps_amx_init())
+    if path == "amx" and not amx:
+        pytest.skip("this CPU has no AMX-BF16: prefill tiles take the dot path")
+    rng = np.random.default_rng(11)
+    lens, q_lens = [300, 17, 90, 48], [1, 1, 30, 48]  # two decodes; prefill tiles of 63 rows over 2 and 1 groups
+    need = [-(-s // 16) for s in lens]
+    ids = rng.permutation(sum(need) + 1)[: sum(need)].tolist()
+    tables = [ids[sum(need[:i]):sum(need[:i + 1])] for i in range(4)]
+    pool = torch.randn(2, sum(need) + 1, 16, 3, 64).to(torch.bfloat16)
+    query = torch.randn(sum(q_lens), 9, 64).to(torch.bfloat16)
+    mixed = AttentionMetadata.build(q_lens, lens, tables, 16)
+    decodes = AttentionMetadata.build([1] * 4, lens, tables, 16)
+    prefills = AttentionMetadata.build(q_lens[2:], lens[2:], tables[2:], 16)
+    check(bad, query.float(), pool, mixed, torch.float32)
+    breaks = {"dot": [(decodes, query[:4])] + ([] if amx else [(prefills, query[2:])]),
+              "amx": [(prefills, query[2:])]}[path]
+    for meta, q in breaks:
+        with pytest.raises(AssertionError):
+            check(bad, q, pool, meta, torch.bfloat16)
+    if path == "amx":
+        check(bad, query[:4], pool, decodes, torch.bfloat16)  # decodes never take AMX
