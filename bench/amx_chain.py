@@ -5,7 +5,11 @@ down 1,536 -> 576, then the lm_head 576 -> 49,152), each with its own random wei
 memory as in a real step (270 MB, past the L2), back to back at each row count; best of 4 passes. Needs a CPU with
 AMX-BF16.
 
-usage: python bench/amx_chain.py [--threads 2] [--rows 1,8,16,32,48,64,96,128,192,256]
+usage: python bench/amx_chain.py [--threads 2] [--rows 1,8,16,32,48,64,96,128,192,256] [--float32]
+
+--float32: the float32 layer matmuls (the 120 of the layers; the lm_head is oneDNN's either way) instead: torch.mm
+over the transposed weight against oneDNN's prepacked float32 weight, what worker_svc/linear.py's F32_ONEDNN_ROWS
+chooses between. Needs no AMX.
 """
 
 from __future__ import annotations
@@ -28,8 +32,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,8,16,32,48,64,96,128,192,256")
+    ap.add_argument("--float32", action="store_true", help="float32 layer matmuls: torch.mm against oneDNN")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.float32:
+        return float32_chain(args)
     ops = shared_ops()
     if ops is None or not ops.amx_available():
         sys.exit("this CPU (or kernel) gives no AMX-BF16 to this process: nothing to compare")
@@ -55,6 +62,32 @@ def main() -> None:
                     best[name] = min(best[name], time.perf_counter() - t0)
             print(f"rows {m:4d}  onednn {best['onednn'] * 1e3:7.2f}  amx {best['amx'] * 1e3:7.2f}  "
                   f"onednn/amx {best['onednn'] / best['amx']:.2f}", flush=True)
+
+
+def float32_chain(args) -> None:
+    gen = torch.Generator().manual_seed(0)
+    weights = []
+    for n, k in SHAPES[:-1]:
+        w = torch.randn(n, k, generator=gen) * 0.05
+        weights.append((w.t().contiguous(), torch.ops.mkldnn._reorder_linear_weight(w, 32), k))
+    print(f"threads {args.threads}, {sum(n * k for n, k in SHAPES[:-1]) * 4 / 1e6:.0f} MB of float32 weights; "
+          "ms per step")
+    with torch.inference_mode():
+        for m in (int(r) for r in args.rows.split(",")):
+            xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
+            best = {}
+            for name in ("mm", "onednn"):
+                best[name] = float("inf")
+                for _ in range(4):
+                    t0 = time.perf_counter()
+                    for wt, packed, k in weights:
+                        if name == "mm":
+                            torch.mm(xs[k], wt)
+                        else:
+                            torch.ops.mkldnn._linear_pointwise(xs[k], packed, None, "none", [], "")
+                    best[name] = min(best[name], time.perf_counter() - t0)
+            print(f"rows {m:4d}  mm {best['mm'] * 1e3:7.2f}  onednn {best['onednn'] * 1e3:7.2f}  "
+                  f"mm/onednn {best['mm'] / best['onednn']:.2f}", flush=True)
 
 
 if __name__ == "__main__":

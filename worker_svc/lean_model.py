@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_svc.cpu_ops import shared_ops
-from worker_svc.linear import Linear, make_linear, transposed
+from worker_svc.linear import Linear, f32_copies_fit, make_linear, transposed
 from worker_svc.models import LoadedModel
 
 
@@ -56,12 +56,12 @@ def _layout(weight: torch.Tensor) -> torch.Tensor:
     return transposed(weight) if weight.device.type == "cpu" and weight.dtype == torch.float32 else weight
 
 
-def _own(linear: torch.nn.Linear) -> Linear:
+def _own(linear: torch.nn.Linear, f32_copy: bool) -> Linear:
     """A Linear over `linear`'s weight, re-laid out (the module keeps a view of the new storage)."""
     weight = _layout(linear.weight.detach())
     if weight.data_ptr() != linear.weight.data_ptr():
         linear.weight = torch.nn.Parameter(weight, requires_grad=False)
-    return make_linear(weight, _bias(linear))
+    return make_linear(weight, _bias(linear), f32_copy=f32_copy)
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -98,13 +98,18 @@ class LeanModel:
         self.scaling = float(first.scaling)
         self.ops = shared_ops() if self.embed.dtype == torch.bfloat16 and self.embed.device.type == "cpu" else None
         self.layers: list[LeanLayer] = []
+        # float32 layer weights on the CPU: oneDNN copies for small calls where they fit (linear.py)
+        f32 = [m.weight for layer in inner.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)
+               and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+        f32_copy = bool(f32) and f32_copies_fit(sum(w.numel() * 4 for w in f32))
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv_w, qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
             gu_w, gu_b = _fuse([mlp.gate_proj, mlp.up_proj])
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             self.layers.append(LeanLayer(
-                make_linear(qkv_w, qkv_b), _own(attn.o_proj), make_linear(gu_w, gu_b), _own(mlp.down_proj),
+                make_linear(qkv_w, qkv_b, f32_copy=f32_copy), _own(attn.o_proj, f32_copy),
+                make_linear(gu_w, gu_b, f32_copy=f32_copy), _own(mlp.down_proj, f32_copy),
                 layer.input_layernorm.weight.detach(),
                 layer.post_attention_layernorm.weight.detach(),
                 None if q_norm is None else q_norm.weight.detach(), None if k_norm is None else k_norm.weight.detach()))

@@ -11,6 +11,13 @@ decode step's 16-64 rows. So on the CPU:
   of those weights (the modules keep theirs for the transformers path).
 Elsewhere (a GPU, a CPU build without oneDNN, a kernel that fails its self-check) F.linear, unchanged.
 
+MKL's sgemm on the transposed float32 weight is slowest at a shrinking decode batch's 4-32 rows, where oneDNN's
+prepacked float32 kernel is 1.2-1.5x faster (the default model's 120 layer matmuls back to back, weights read from
+memory, `python bench/amx_chain.py --float32`: 16 rows 73.8 -> 47.8 ms on 1 thread, 37.9 -> 27.2 on 2; torch.mm
+keeps 1 row, 13.9 against 19.1 on 2 threads, and 48-64 rows). So
+where the copies fit (F32_COPY_SHARE of the memory available at load: a small model on a CPU box), float32 layer
+weights get that prepacked copy too, for calls of F32_ONEDNN_ROWS rows.
+
 oneDNN's prepacked kernel falls off a cliff on some shapes past a few hundred rows (a prefill chunk): measured
 here (bfloat16, 2 threads, AMX), o_proj and down (N = 576) ran 1.4x slower than F.linear at 384-512 rows while
 1.5x faster at 64. Which shapes and where depends on the CPU, so each onednn shape is timed once at load at
@@ -41,6 +48,8 @@ PLAIN_MAX_FLOP = 4e9
 # 11.4 / 12.2 / 16.8 ms at 1 / 32 / 64 rows against oneDNN's 14.0 / 16.3 / 18.1, and 24.6 against 24.1 at 96 rows,
 # 42.7 against 34.6 at 256: a prefill chunk keeps oneDNN.
 AMX_MAX_ROWS = 64
+F32_ONEDNN_ROWS = (4, 32)  # float32 calls of this many rows (inclusive) take the prepacked copy where there is one
+F32_COPY_SHARE = 0.25  # the prepacked float32 copies may take this share of the memory available at load
 
 
 @dataclass(slots=True)
@@ -55,9 +64,12 @@ class Linear:
     plain_rows: int = 0
     amx: torch.Tensor | None = None  # onednn only: the weight in the AMX kernel's order, for calls of <= AMX_MAX_ROWS
     ops: object | None = None  # the CpuOps that runs `amx`
+    small: torch.Tensor | None = None  # mm only: oneDNN's prepacked copy, for calls of F32_ONEDNN_ROWS rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kind == "mm":
+            if self.small is not None and F32_ONEDNN_ROWS[0] <= x.shape[0] <= F32_ONEDNN_ROWS[1]:
+                return torch.ops.mkldnn._linear_pointwise(x, self.small, self.bias, "none", [], "")
             return torch.mm(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
         if self.kind == "onednn":
             if self.amx is not None and x.shape[0] <= AMX_MAX_ROWS and x.is_contiguous():
@@ -100,8 +112,10 @@ def _check_onednn(dtype: torch.dtype) -> bool:
     return bool(got.shape == want.shape and torch.allclose(got.float(), want, atol=tol, rtol=tol))
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, *, vocab: bool = False) -> Linear:
-    """The fastest layout for `weight` [out, in] on its device; vocab=True for the lm_head (a short K, a long N)."""
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, *, vocab: bool = False,
+                f32_copy: bool = False) -> Linear:
+    """The fastest layout for `weight` [out, in] on its device; vocab=True for the lm_head (a short K, a long N);
+    f32_copy: a float32 layer weight also gets oneDNN's prepacked copy for small calls (f32_copies_fit)."""
     out = int(weight.shape[0])
     weight, bias = weight.detach(), None if bias is None else bias.detach()
     if weight.device.type != "cpu":
@@ -117,8 +131,25 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, *, vocab: bool 
     if weight.dtype == torch.float32 and not vocab:
         # NOTE: a [in, out] contiguous tensor: when `weight` is already the view transposed() made, no copy
         wt = weight.t() if weight.t().is_contiguous() else weight.t().contiguous()
-        return Linear("mm", wt, bias, out)
+        small = None
+        if f32_copy and onednn_available(torch.float32):
+            small = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), F32_ONEDNN_ROWS[1])
+        return Linear("mm", wt, bias, out, small=small)
     return Linear("linear", weight, bias, out)
+
+
+def f32_copies_fit(num_bytes: int) -> bool:
+    """Whether prepacked copies of `num_bytes` of float32 layer weights fit in F32_COPY_SHARE of the memory
+    available now (/proc/meminfo's MemAvailable; elsewhere, no copies)."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return False
+    fits = num_bytes <= F32_COPY_SHARE * available
+    log.info("float32 small-call copies", fit=fits, gib=round(num_bytes / 2**30, 2),
+             available_gib=round(available / 2**30, 1), rows=list(F32_ONEDNN_ROWS))
+    return fits
 
 
 def amx_ops(weight: torch.Tensor):

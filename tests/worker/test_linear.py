@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from worker_svc.lean_model import LeanModel
-from worker_svc.linear import PLAIN_ROWS, Linear, choose_plain_rows, make_linear, onednn_available, transposed
+from worker_svc.linear import (F32_COPY_SHARE, F32_ONEDNN_ROWS, PLAIN_ROWS, Linear, choose_plain_rows, f32_copies_fit,
+                               make_linear, onednn_available, transposed)
 from worker_svc.models import load_model
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
@@ -72,6 +73,32 @@ def test_an_onednn_layer_runs_f_linear_on_its_plain_weight_from_plain_rows_on():
     assert make_linear(big, None).plain is None
 
 
+@pytest.mark.skipif(not onednn_available(torch.float32), reason="oneDNN's float32 linear does not run here")
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_float32_layer_with_its_copy_runs_onednn_for_small_calls_and_mm_otherwise(with_bias):
+    w, b, _ = _data(torch.float32, out=96, inp=64)
+    bias = b if with_bias else None
+    lin = make_linear(transposed(w), bias, f32_copy=True)
+    assert lin.kind == "mm" and lin.small is not None
+    assert make_linear(transposed(w), bias).small is None  # no copy unless asked (f32_copies_fit)
+    lo, hi = F32_ONEDNN_ROWS
+    for rows in (1, lo - 1, lo, 16, hi, hi + 1, 64):
+        x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+        small = lo <= rows <= hi
+        want = torch.ops.mkldnn._linear_pointwise(x, lin.small, bias, "none", [], "") if small else \
+            (torch.mm(x, lin.weight) if bias is None else torch.addmm(bias, x, lin.weight))
+        assert torch.equal(lin(x), want), rows  # the call goes where the row count says
+        ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        assert ((lin(x).double() - ref).abs().max() / ref.abs().max()).item() < TOL[torch.float32], rows
+
+
+def test_float32_copies_are_made_only_where_they_fit_in_a_share_of_available_memory():
+    with open("/proc/meminfo", encoding="ascii") as f:
+        available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    assert f32_copies_fit(2**20)  # a megabyte fits on any machine that runs this suite
+    assert not f32_copies_fit(int(2 * F32_COPY_SHARE * available))  # twice the share never does
+
+
 def test_a_transposed_weight_is_used_in_place():
     w, _, x = _data(torch.float32)
     view = transposed(w)
@@ -105,3 +132,5 @@ def test_float32_lean_weights_are_the_modules_storage(tiny_llama_dir):
     # a second lean model over the same modules (two runners on one model) lays nothing out again
     again = LeanModel(loaded.model)
     assert again.layers[0].o.weight.data_ptr() == layer.o.weight.data_ptr()
+    # a tiny model's oneDNN copies for small calls fit anywhere (where oneDNN's float32 linear runs)
+    assert (layer.o.small is not None) == onednn_available(torch.float32)
