@@ -48,9 +48,6 @@ def traced(fn, label):
     return wrapper
 
 
-labelled = traced  # run_case's loop variable is named traced
-
-
 def make_runner(loaded, num_blocks, traced_run: bool):
     backend = make_backend(ARGS.backend, "cpu", loaded.kv_geometry(BLOCK_SIZE))
     runner = ModelRunner(loaded, KVPool(loaded.kv_geometry(BLOCK_SIZE), num_blocks), backend, lean=not ARGS.transformers)
@@ -85,14 +82,14 @@ def decode_plans(tpl, batch: int, steps: int):
 def run_case(loaded, name: str, plans_fn, steps: int) -> dict:
     """Wall ms/step (median of `steps`, no profiler) and a per-category split from a profiled rerun."""
     res = {}
-    for traced in (False, True):
+    for profiled in (False, True):
         plans, num_blocks, fill = plans_fn()
-        runner = make_runner(loaded, num_blocks, traced)
+        runner = make_runner(loaded, num_blocks, profiled)
         fill(runner)
         times = []
-        prof = profile(activities=[ProfilerActivity.CPU]) if traced else None
+        prof = profile(activities=[ProfilerActivity.CPU]) if profiled else None
         if prof:
-            CpuOps.amx_linear = labelled(AMX_LINEAR, "ps.amx_linear")  # the AMX kernel is no torch op: name it
+            CpuOps.amx_linear = traced(AMX_LINEAR, "ps.amx_linear")  # the AMX kernel is no torch op: name it
             prof.__enter__()
         for i, plan in enumerate(plans):
             t0 = time.perf_counter()
@@ -103,7 +100,7 @@ def run_case(loaded, name: str, plans_fn, steps: int) -> dict:
             prof.__exit__(None, None, None)
             CpuOps.amx_linear = AMX_LINEAR
         times.sort()
-        if not traced:
+        if not profiled:
             res["wall_ms"] = times[len(times) // 2] * 1e3
             continue
         n = len(times)

@@ -14,9 +14,9 @@ Elsewhere (a GPU, a CPU build without oneDNN, a kernel that fails its self-check
 MKL's sgemm on the transposed float32 weight is slowest at a shrinking decode batch's 4-32 rows, where oneDNN's
 prepacked float32 kernel is 1.2-1.5x faster (the default model's 120 layer matmuls back to back, weights read from
 memory, `python bench/amx_chain.py --float32`: 16 rows 73.8 -> 47.8 ms on 1 thread, 37.9 -> 27.2 on 2; torch.mm
-keeps 1 row, 13.9 against 19.1 on 2 threads, and 48-64 rows). So
-where the copies fit (F32_COPY_SHARE of the memory available at load: a small model on a CPU box), float32 layer
-weights get that prepacked copy too, for calls of F32_ONEDNN_ROWS rows.
+keeps 1 row, 13.9 against 19.1 on 2 threads, and 48-64 rows). So where the copies fit (F32_COPY_SHARE of the memory
+available at load: a small model on a CPU box), float32 layer weights get that prepacked copy too, for calls of
+F32_ONEDNN_ROWS rows.
 
 oneDNN's prepacked kernel falls off a cliff on some shapes past a few hundred rows (a prefill chunk): measured
 here (bfloat16, 2 threads, AMX), o_proj and down (N = 576) ran 1.4x slower than F.linear at 384-512 rows while

@@ -748,7 +748,8 @@ inline void amx_block_scores(const uint16_t* qb, int64_t rows, const uint16_t* k
 inline __m256i round_bf16(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd)), 16));
+  const __m512i bias = _mm512_add_epi32(_mm512_set1_epi32(0x7FFF), odd);
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, bias), 16));
 }
 
 // The group's online softmax, row by row over sbuf's scores: the new running max m, the correction corr of what
