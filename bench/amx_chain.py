@@ -7,9 +7,9 @@ AMX-BF16.
 
 usage: python bench/amx_chain.py [--threads 2] [--rows 1,8,16,32,48,64,96,128,192,256] [--float32]
 
---float32: the float32 layer matmuls (the 120 of the layers; the lm_head is oneDNN's either way) instead: torch.mm
-over the transposed weight against oneDNN's prepacked float32 weight, what worker_svc/linear.py's F32_ONEDNN_ROWS
-chooses between. Needs no AMX.
+--float32: the float32 layer matmuls (the 120 of the layers) instead: torch.mm over the transposed weight, oneDNN's
+prepacked float32 weight and, where the CPU has AVX-512, our panel kernel (worker_svc/f32_gemm.cpp), what
+worker_svc/linear.py chooses between (F32_PANEL_ROWS, F32_ONEDNN_ROWS). Needs no AMX.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,8,16,32,48,64,96,128,192,256")
-    ap.add_argument("--float32", action="store_true", help="float32 layer matmuls: torch.mm against oneDNN")
+    ap.add_argument("--float32", action="store_true", help="float32 layer matmuls: torch.mm, oneDNN, our panels")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.float32:
@@ -65,29 +65,36 @@ def main() -> None:
 
 
 def float32_chain(args) -> None:
+    ops = shared_ops()
+    names = ("mm", "onednn", "panels") if ops is not None and ops.f32_panels_available() else ("mm", "onednn")
     gen = torch.Generator().manual_seed(0)
     weights = []
     for n, k in SHAPES[:-1]:
         w = torch.randn(n, k, generator=gen) * 0.05
-        weights.append((w.t().contiguous(), torch.ops.mkldnn._reorder_linear_weight(w, 32), k))
+        weights.append((w.t().contiguous(), torch.ops.mkldnn._reorder_linear_weight(w, 32),
+                        ops.f32_pack(w) if "panels" in names else None, n, k))
     print(f"threads {args.threads}, {sum(n * k for n, k in SHAPES[:-1]) * 4 / 1e6:.0f} MB of float32 weights; "
           "ms per step")
     with torch.inference_mode():
         for m in (int(r) for r in args.rows.split(",")):
             xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
             best = {}
-            for name in ("mm", "onednn"):
+            for name in names:
                 best[name] = float("inf")
                 for _ in range(4):
                     t0 = time.perf_counter()
-                    for wt, packed, k in weights:
+                    for wt, packed, panels, n, k in weights:
                         if name == "mm":
                             torch.mm(xs[k], wt)
-                        else:
+                        elif name == "onednn":
                             torch.ops.mkldnn._linear_pointwise(xs[k], packed, None, "none", [], "")
+                        else:
+                            ops.f32_linear(xs[k], panels, n, None)
                     best[name] = min(best[name], time.perf_counter() - t0)
-            print(f"rows {m:4d}  mm {best['mm'] * 1e3:7.2f}  onednn {best['onednn'] * 1e3:7.2f}  "
-                  f"mm/onednn {best['mm'] / best['onednn']:.2f}", flush=True)
+            line = "  ".join(f"{name} {best[name] * 1e3:7.2f}" for name in names)
+            ratios = "  ".join(f"{name}/panels {best[name] / best['panels']:.2f}" for name in names[:2]
+                               if "panels" in best)
+            print(f"rows {m:4d}  {line}  {ratios}", flush=True)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 Each case builds real plans over the real ModelRunner (model loading and the KV fill are never timed), times
 `--steps` steps without the profiler (wall ms/step), then profiles the same steps with torch.profiler and splits
-the time into: matmuls (aten::linear or mm/addmm/oneDNN linear/the AMX kernel: QKV/O/MLP/lm_head), attention (the backend's forward), KV writes,
+the time into: matmuls (aten::linear or mm/addmm/oneDNN linear/the AMX and float32 panel kernels: QKV/O/MLP/lm_head), attention (the backend's forward), KV writes,
 sampling, plan (persistent batch), and the rest: other torch ops (norms, rotary, activations, embedding) plus
 Python and dispatcher time between ops.
 
@@ -38,7 +38,7 @@ from worker_svc.worker import make_backend  # noqa: E402
 ARGS: argparse.Namespace
 
 REGIONS = ("ps.attention", "ps.write_kv", "ps.sample", "ps.plan")
-AMX_LINEAR = CpuOps.amx_linear
+AMX_LINEAR, F32_LINEAR = CpuOps.amx_linear, CpuOps.f32_linear
 
 
 def traced(fn, label):
@@ -89,7 +89,8 @@ def run_case(loaded, name: str, plans_fn, steps: int) -> dict:
         times = []
         prof = profile(activities=[ProfilerActivity.CPU]) if profiled else None
         if prof:
-            CpuOps.amx_linear = traced(AMX_LINEAR, "ps.amx_linear")  # the AMX kernel is no torch op: name it
+            CpuOps.amx_linear = traced(AMX_LINEAR, "ps.amx_linear")  # our kernels are no torch ops: name them
+            CpuOps.f32_linear = traced(F32_LINEAR, "ps.f32_linear")
             prof.__enter__()
         for i, plan in enumerate(plans):
             t0 = time.perf_counter()
@@ -98,7 +99,7 @@ def run_case(loaded, name: str, plans_fn, steps: int) -> dict:
                 times.append(time.perf_counter() - t0)
         if prof:
             prof.__exit__(None, None, None)
-            CpuOps.amx_linear = AMX_LINEAR
+            CpuOps.amx_linear, CpuOps.f32_linear = AMX_LINEAR, F32_LINEAR
         times.sort()
         if not profiled:
             res["wall_ms"] = times[len(times) // 2] * 1e3
@@ -113,7 +114,7 @@ def run_case(loaded, name: str, plans_fn, steps: int) -> dict:
         # (worker_svc/linear.py). NOTE: attention calls no mm on the cpu backend's paths up to 512-token chunks.
         tops = ("aten::linear", "mkldnn::_linear_pointwise") if "aten::linear" in by else \
             ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")
-        linear = sum(by[k].cpu_time_total for k in (*tops, "ps.amx_linear") if k in by) / 1e3 / n
+        linear = sum(by[k].cpu_time_total for k in (*tops, "ps.amx_linear", "ps.f32_linear") if k in by) / 1e3 / n
         # NOTE: the regions' times are inclusive (the C++ kernel is no torch op, so only its region sees it);
         # the rest is every other op (norms, rotary, activations, embedding, residual adds) plus the Python and
         # dispatcher time between ops.

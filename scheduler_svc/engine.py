@@ -34,6 +34,17 @@ if TYPE_CHECKING:  # NOTE: the front end makes the streams; the engine only feed
 log = structlog.get_logger("pagedserve.scheduler")
 
 LEAVING_POLL_SECONDS = 0.5  # a leaving worker with nothing to run still has its drain deadline checked
+NOT_YET = object()  # _next_plan(wait=False): nothing to run now
+
+
+@dataclass(slots=True)
+class Published:
+    """A step whose results the scheduler has taken in (update) and its clients not yet (_publish)."""
+
+    plan: StepPlan
+    outputs: list[RequestOutput]
+    result: StepResult
+    step_seconds: float  # sent -> answer taken in: the step as the scheduler saw it
 
 
 @dataclass(slots=True, kw_only=True)
@@ -77,11 +88,20 @@ class Engine(Fleet):
 
     # -- a worker's steps ----------------------------------------------------------------------------------
     async def _serve(self, w: WorkerHandle) -> None:
-        """A worker's step loop: schedule -> [bitmasks] -> send -> receive -> update -> publish, one plan in flight,
-        until the worker detaches (it left, or the server stops) or is lost (the one place a loss is handled)."""
+        """A worker's step loop: schedule -> [bitmasks] -> send -> [publish the step before] -> receive -> update,
+        one plan in flight, until the worker detaches (it left, or the server stops) or is lost (the one place a loss
+        is handled). A step's tokens are published (detokenized, streamed) once the next plan is on its way: the
+        worker computes meanwhile instead of waiting for 64 streams' writes (float32, 64 requests: 0.65 -> 0.52 s idle).
+        A sample whose text hits a stop string there has one more token computed in the plan already sent, which
+        update() drops as it does an abort's."""
+        pending: Published | None = None
         try:
             while True:
-                plan = await self._next_plan(w)  # schedule: waits while there is nothing to run
+                plan = await self._next_plan(w, wait=pending is None)  # schedule: waits while there is nothing to run
+                if plan is NOT_YET:  # nothing to run before the streams have this step: publish it, then wait
+                    self._publish(w, pending)
+                    pending = None
+                    continue
                 if not isinstance(plan, StepPlan):
                     break
                 t0 = time.perf_counter()
@@ -91,12 +111,18 @@ class Engine(Fleet):
                 if self.tracing is not None:
                     self.tracing.step(w, plan, self.streams)
                 w.outbox.put_nowait(plan)  # send: the Attach stream encodes it
+                if pending is not None:
+                    await asyncio.sleep(0)  # NOTE: the Attach stream takes the plan (and starts its write) first
+                    self._publish(w, pending)
+                    pending = None
                 result = await self._receive(w, plan)
                 if not isinstance(result, StepResult):
                     plan = result
                     break
                 outputs = w.scheduler.update(plan, result.sampled, result.num_accepted_drafts)
-                self._publish(w, plan, outputs, result, t0)
+                pending = Published(plan, outputs, result, time.perf_counter() - t0)
+            if pending is not None:  # NOTE: before a loss recomputes its requests elsewhere
+                self._publish(w, pending)
             if isinstance(plan, Lost):
                 self.lose_worker(w, plan)
         except Exception as e:  # a bug: end this worker's requests loudly rather than leave them hanging
@@ -131,8 +157,9 @@ class Engine(Fleet):
         w.num_steps += 1
         return answer
 
-    async def _next_plan(self, w: WorkerHandle) -> StepPlan | Lost | None:
-        """The worker's next plan; a Lost when its stream broke or its drain ran out; None once it is detached."""
+    async def _next_plan(self, w: WorkerHandle, wait: bool = True) -> StepPlan | Lost | object | None:
+        """The worker's next plan; a Lost when its stream broke or its drain ran out; None once it is detached;
+        NOT_YET when there is nothing to run now and `wait` is False."""
         while w.attached:
             if w.lost is not None:
                 return w.lost
@@ -143,6 +170,8 @@ class Engine(Fleet):
             plan = w.scheduler.schedule()
             if plan is not None:
                 return plan
+            if not wait:
+                return NOT_YET
             w.wakeup.clear()
             w.back_to_back = False
             if w.leaving:  # re-check its deadline now and then, even with nothing to run
@@ -154,10 +183,10 @@ class Engine(Fleet):
                 await w.wakeup.wait()
         return None
 
-    def _publish(self, w: WorkerHandle, plan: StepPlan, outputs: list[RequestOutput], result: StepResult,
-                 t0: float) -> None:
+    def _publish(self, w: WorkerHandle, step: Published) -> None:
         """Streams a step's tokens to their clients and finishes the samples whose text hit a stop string (the
         scheduler cannot: stop strings need detokenized text); then the step's metrics."""
+        plan, outputs, result = step.plan, step.outputs, step.result
         now, logprobs = time.monotonic(), result.logprobs
         for out in outputs:
             self.router.prefilled(out.request_id)  # its prompt's blocks are in the worker's cache now
@@ -172,7 +201,7 @@ class Engine(Fleet):
                 self.placement.pop(out.request_id, None)
                 request_log.finished(stream, w.worker_id)
         m, wid = self.metrics, w.label
-        m.step.labels(wid).observe(time.perf_counter() - t0)
+        m.step.labels(wid).observe(step.step_seconds)
         if w.back_to_back:
             m.worker_idle.labels(wid).observe(result.idle_seconds)
         w.back_to_back = True

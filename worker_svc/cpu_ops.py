@@ -1,6 +1,7 @@
-"""The CPU worker's fused ops (cpu_ops.cpp, in the CPU kernel library): the bfloat16 lean forward's RMSNorm, residual
-add + RMSNorm, SiLU-gated product and rotary (one pass each instead of torch's 5-10 bfloat16 kernels), its AMX
-small-batch matmul (amx_gemm.cpp), and greedy sampling's row argmax."""
+"""The CPU worker's fused ops (in the CPU kernel library): the lean forward's RMSNorm, residual add + RMSNorm, SiLU-gated
+product and rotary (one pass each instead of torch's 3-10 kernels; bfloat16: cpu_ops.cpp, float32: f32_ops.cpp), the
+bfloat16 AMX small-batch matmul (amx_gemm.cpp), the float32 panel matmul (f32_gemm.cpp), and greedy sampling's row
+argmax."""
 
 from __future__ import annotations
 
@@ -14,63 +15,80 @@ _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
 
 class CpuOps:
-    """Each op takes contiguous bfloat16 CPU tensors (rope: rows of heads, any row stride) and returns new ones
-    except where it says in place."""
+    """Each fused op takes contiguous CPU tensors of one dtype, bfloat16 or float32 (rope: rows of heads, any row
+    stride), and returns new ones except where it says in place."""
 
     def __init__(self, lib: ctypes.CDLL | None = None) -> None:
         lib = lib or load_library()
-        self._norm, self._add_norm = lib.ps_rms_norm_bf16, lib.ps_add_rms_norm_bf16
-        self._silu_mul, self._rope = lib.ps_silu_mul_bf16, lib.ps_rope_bf16
-        self._norm.argtypes = [_ptr, _ptr, _f32, _i64, _i64, _ptr]
-        self._add_norm.argtypes = [_ptr, _ptr, _ptr, _f32, _i64, _i64, _ptr]
-        self._silu_mul.argtypes = [_ptr, _i64, _i64, _ptr]
-        self._rope.argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64]
-        for fn in (self._norm, self._add_norm, self._silu_mul, self._rope):
-            fn.restype = None
+        # the fused ops by dtype: the bfloat16 ones (cpu_ops.cpp) and the float32 ones (f32_ops.cpp)
+        self._norm, self._add_norm, self._silu_mul, self._rope = {}, {}, {}, {}
+        for dtype, suffix in ((torch.bfloat16, "bf16"), (torch.float32, "f32")):
+            self._norm[dtype], self._add_norm[dtype] = getattr(lib, f"ps_rms_norm_{suffix}"), \
+                getattr(lib, f"ps_add_rms_norm_{suffix}")
+            self._silu_mul[dtype], self._rope[dtype] = getattr(lib, f"ps_silu_mul_{suffix}"), \
+                getattr(lib, f"ps_rope_{suffix}")
+            self._norm[dtype].argtypes = [_ptr, _ptr, _f32, _i64, _i64, _ptr]
+            self._add_norm[dtype].argtypes = [_ptr, _ptr, _ptr, _f32, _i64, _i64, _ptr]
+            self._silu_mul[dtype].argtypes = [_ptr, _i64, _i64, _ptr]
+            self._rope[dtype].argtypes = [_ptr, _i64, _ptr, _ptr, _i64, _i64, _i64]
+            for fn in (self._norm[dtype], self._add_norm[dtype], self._silu_mul[dtype], self._rope[dtype]):
+                fn.restype = None
         self._amx_init, self._amx_pack, self._amx_linear = lib.ps_amx_init, lib.ps_amx_pack_bf16, lib.ps_amx_linear_bf16
         self._amx_init.argtypes, self._amx_init.restype = [], ctypes.c_int
         self._amx_pack.argtypes, self._amx_pack.restype = [_ptr, _i64, _i64, _ptr], ctypes.c_int
         self._amx_linear.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]
         self._amx_linear.restype = ctypes.c_int
+        self._f32_ok, self._f32_size = lib.ps_f32_panels_available, lib.ps_f32_packed_size
+        self._f32_pack, self._f32_linear = lib.ps_f32_pack_panels, lib.ps_f32_linear
+        self._f32_ok.argtypes, self._f32_ok.restype = [], ctypes.c_int
+        self._f32_size.argtypes, self._f32_size.restype = [_i64, _i64], _i64
+        self._f32_pack.argtypes, self._f32_pack.restype = [_ptr, _i64, _i64, _i64, _i64, _ptr], ctypes.c_int
+        self._f32_linear.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]
+        self._f32_linear.restype = ctypes.c_int
+        self._simd_width = lib.ps_simd_width
+        self._simd_width.argtypes, self._simd_width.restype = [], ctypes.c_int
         self._argmax = lib.ps_argmax_rows
         self._argmax.argtypes = [_ptr, ctypes.c_int, _i64, _i64, _i64, _ptr]
         self._argmax.restype = ctypes.c_int
 
     @staticmethod
-    def _check(*tensors: torch.Tensor) -> None:
+    def _check(*tensors: torch.Tensor, dtypes=(torch.bfloat16,)) -> None:
         for t in tensors:
-            if t.dtype != torch.bfloat16 or t.device.type != "cpu" or not t.is_contiguous():
-                raise ValueError("cpu_ops: contiguous bfloat16 CPU tensors only")
+            if t.dtype not in dtypes or t.dtype != tensors[0].dtype or t.device.type != "cpu" or \
+                    not t.is_contiguous():
+                names = " or ".join(str(d).removeprefix("torch.") for d in dtypes)
+                raise ValueError(f"cpu_ops: contiguous {names} CPU tensors only, all of one dtype")
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        self._check(x, weight)
+        self._check(x, weight, dtypes=FUSED_DTYPES)
         out = torch.empty_like(x)
-        self._norm(x.data_ptr(), weight.data_ptr(), eps, x.numel() // x.shape[-1], x.shape[-1], out.data_ptr())
+        self._norm[x.dtype](x.data_ptr(), weight.data_ptr(), eps, x.numel() // x.shape[-1], x.shape[-1],
+                            out.data_ptr())
         return out
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """x += delta (in place, rounded as torch's bfloat16 add); returns rms_norm(x)."""
-        self._check(x, delta, weight)
+        """x += delta (in place, rounded as torch's add in x's dtype); returns rms_norm(x)."""
+        self._check(x, delta, weight, dtypes=FUSED_DTYPES)
         out = torch.empty_like(x)
-        self._add_norm(x.data_ptr(), delta.data_ptr(), weight.data_ptr(), eps, x.numel() // x.shape[-1],
-                       x.shape[-1], out.data_ptr())
+        self._add_norm[x.dtype](x.data_ptr(), delta.data_ptr(), weight.data_ptr(), eps, x.numel() // x.shape[-1],
+                                x.shape[-1], out.data_ptr())
         return out
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up for gate_up [T, 2 * inter] = gate | up."""
-        self._check(gate_up)
+        self._check(gate_up, dtypes=FUSED_DTYPES)
         t, inter = gate_up.shape[0], gate_up.shape[1] // 2
         out = torch.empty((t, inter), dtype=gate_up.dtype)
-        self._silu_mul(gate_up.data_ptr(), t, inter, out.data_ptr())
+        self._silu_mul[gate_up.dtype](gate_up.data_ptr(), t, inter, out.data_ptr())
         return out
 
     def rope_(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """Rotate-half rotary in place on x [T, heads, hd] (heads contiguous, rows any stride); cos/sin [T, hd]."""
         t, heads, hd = x.shape
-        if x.dtype != torch.bfloat16 or x.stride(2) != 1 or x.stride(1) != hd or hd % 2 or hd > 512:
-            raise ValueError("cpu_ops.rope_: bfloat16 [T, heads, hd] with contiguous heads, even hd <= 512")
-        self._check(cos, sin)
-        self._rope(x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, hd)
+        if x.dtype not in FUSED_DTYPES or x.stride(2) != 1 or x.stride(1) != hd or hd % 2 or hd > 512:
+            raise ValueError("cpu_ops.rope_: bfloat16 or float32 [T, heads, hd] with contiguous heads, even hd <= 512")
+        self._check(cos, sin, dtypes=(x.dtype,))
+        self._rope[x.dtype](x.data_ptr(), x.stride(0), cos.data_ptr(), sin.data_ptr(), t, heads, hd)
 
     def amx_available(self) -> bool:
         """Whether this CPU and kernel let this process run the AMX matmul (AMX-BF16, tile state granted)."""
@@ -99,6 +117,43 @@ class CpuOps:
             raise ValueError(f"ps_amx_linear_bf16 refused the call (code {rc})")
         return out
 
+    def vector_f32(self) -> bool:
+        """Whether this build's float32 fused ops are vectorised (AVX2 or AVX-512; a portable x86-64-v2 build's are
+        scalar)."""
+        return self._simd_width() >= 256
+
+    def f32_panels_available(self) -> bool:
+        """Whether this CPU runs the float32 panel matmul (AVX-512)."""
+        return bool(self._f32_ok())
+
+    def f32_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """weight [N, K] float32 (any strides) in the panel kernel's order: a new 1-D tensor (N rounded up to 48
+        columns)."""
+        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+            raise ValueError("cpu_ops.f32_pack: a [N, K] float32 CPU tensor")
+        packed = torch.empty(self._f32_size(weight.shape[0], weight.shape[1]), dtype=torch.float32)
+        rc = self._f32_pack(weight.data_ptr(), weight.shape[0], weight.shape[1], weight.stride(0), weight.stride(1),
+                            packed.data_ptr())
+        if rc != 0:
+            raise ValueError(f"ps_f32_pack_panels refused the weight (code {rc})")
+        return packed
+
+    def f32_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] @ W.T (+ bias) for the W that f32_pack packed: [M, out_features] float32."""
+        for t in (x, packed, *(() if bias is None else (bias,))):
+            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+                raise ValueError("cpu_ops.f32_linear: contiguous float32 CPU tensors only")
+        m, k = x.shape
+        if packed.numel() != self._f32_size(out_features, k):
+            raise ValueError(f"cpu_ops.f32_linear: x has {k} features, the packed weight {packed.numel()} elements")
+        out = torch.empty((m, out_features), dtype=torch.float32)
+        rc = self._f32_linear(x.data_ptr(), m, k, packed.data_ptr(), out_features,
+                              None if bias is None else bias.data_ptr(), out.data_ptr())
+        if rc != 0:
+            raise ValueError(f"ps_f32_linear refused the call (code {rc})")
+        return out
+
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's lowest index of its maximum, as torch.argmax(dim=-1) for rows without NaN: float32 or bfloat16
         [B, V] on the CPU with contiguous rows."""
@@ -114,6 +169,7 @@ class CpuOps:
 
 
 _ARGMAX_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+FUSED_DTYPES = (torch.bfloat16, torch.float32)
 _SHARED: list[CpuOps | None] = []
 
 

@@ -1,7 +1,9 @@
 """The lean forward: Llama-family decoders run as plain torch ops over fused weights, without the HF modules.
 
-Same math as transformers' modeling code, op for op (so float32 greedy tokens match it bit for bit): RMSNorm in
-float32, rotate-half rotary from the model's own rotary embedding, SiLU-gated MLP. What changes is the plumbing:
+Same math as transformers' modeling code (float32 greedy tokens match its generate: tests/worker): RMSNorm in
+float32, rotate-half rotary from the model's own rotary embedding, SiLU-gated MLP; on the CPU the norms, residual
+adds, SiLU product and rotary run as fused kernels (cpu_ops.py: torch's roundings, but the RMSNorm's sum in an order
+of its own, so an ulp away at most there), and the matmuls as linear.py lays them out. What changes is the plumbing:
 one QKV matmul and one gate/up matmul per layer over fused weights, no per-layer module calls, kwargs or
 reshapes/transposes, and the packed [T, ...] layout end to end. A config outside what it knows (another
 activation, sliding windows, ...) returns None from `build_lean`, and the runner keeps the transformers path.
@@ -14,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from worker_svc.cpu_ops import shared_ops
+from worker_svc.cpu_ops import FUSED_DTYPES, shared_ops
 from worker_svc.linear import Linear, f32_copies_fit, make_linear, transposed
 from worker_svc.models import LoadedModel
 
@@ -88,7 +90,14 @@ class LeanModel:
         inner = model.model
         self.embed = inner.embed_tokens.weight
         self.final_norm = inner.norm.weight
-        self.lm_head = make_linear(model.lm_head.weight, None, vocab=True)
+        # float32 weights on the CPU: the panel kernel's copies (else oneDNN's for small calls) where they fit
+        f32 = [m.weight for layer in inner.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)
+               and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
+        head = model.lm_head.weight
+        head_f32 = head.dtype == torch.float32 and head.device.type == "cpu"
+        f32_copy = bool(f32 or head_f32) and f32_copies_fit(sum(w.numel() * 4 for w in f32) +
+                                                             head_f32 * head.numel() * 4)
+        self.lm_head = make_linear(head, None, vocab=True, f32_copy=f32_copy)
         self.rotary = inner.rotary_emb
         self.eps = float(cfg.rms_norm_eps)
         first = inner.layers[0].self_attn
@@ -96,12 +105,10 @@ class LeanModel:
         self.num_heads = int(cfg.num_attention_heads)
         self.num_kv_heads = int(cfg.num_key_value_heads)
         self.scaling = float(first.scaling)
-        self.ops = shared_ops() if self.embed.dtype == torch.bfloat16 and self.embed.device.type == "cpu" else None
+        self.ops = shared_ops() if self.embed.dtype in FUSED_DTYPES and self.embed.device.type == "cpu" else None
+        if self.ops is not None and self.embed.dtype == torch.float32 and not self.ops.vector_f32():
+            self.ops = None  # a build without AVX2: its scalar SiLU is slower than torch's
         self.layers: list[LeanLayer] = []
-        # float32 layer weights on the CPU: oneDNN copies for small calls where they fit (linear.py)
-        f32 = [m.weight for layer in inner.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)
-               and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
-        f32_copy = bool(f32) and f32_copies_fit(sum(w.numel() * 4 for w in f32))
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
             qkv_w, qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
@@ -120,8 +127,8 @@ class LeanModel:
         nq, nk = nh * hd, nkv * hd
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(x[None], positions[None])
-        ops = self.ops if x.dtype == torch.bfloat16 and x.device.type == "cpu" else None
-        if ops is not None:  # the bfloat16 CPU path: fused norms, residual adds, SiLU product and rotary
+        ops = self.ops if x.dtype in FUSED_DTYPES and x.device.type == "cpu" else None
+        if ops is not None:  # the CPU path: fused norms, residual adds, SiLU product and rotary
             cos2, sin2 = cos[0].contiguous(), sin[0].contiguous()  # [T, hd]
             h = ops.rms_norm(x, self.layers[0].input_norm, eps)
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, hd]: broadcast over heads

@@ -11,12 +11,16 @@ decode step's 16-64 rows. So on the CPU:
   of those weights (the modules keep theirs for the transformers path).
 Elsewhere (a GPU, a CPU build without oneDNN, a kernel that fails its self-check) F.linear, unchanged.
 
-MKL's sgemm on the transposed float32 weight is slowest at a shrinking decode batch's 4-32 rows, where oneDNN's
-prepacked float32 kernel is 1.2-1.5x faster (the default model's 120 layer matmuls back to back, weights read from
-memory, `python bench/amx_chain.py --float32`: 16 rows 73.8 -> 47.8 ms on 1 thread, 37.9 -> 27.2 on 2; torch.mm
-keeps 1 row, 13.9 against 19.1 on 2 threads, and 48-64 rows). So where the copies fit (F32_COPY_SHARE of the memory
-available at load: a small model on a CPU box), float32 layer weights get that prepacked copy too, for calls of
-F32_ONEDNN_ROWS rows.
+MKL's sgemm on the transposed float32 weight and oneDNN's prepacked one read the weights at about half the plain
+read rate at a decode batch's 4-32 rows and overlap neither the read nor the arithmetic at 64. So where the copies
+fit (F32_COPY_SHARE of the memory available at load: a small model on a CPU box), float32 weights get a copy packed
+for our panel kernel (f32_gemm.cpp, AVX-512), which runs layer calls of up to F32_PANEL_ROWS rows and the lm_head's
+of up to F32_VOCAB_PANEL_ROWS (the default model's 120 layer matmuls, weights read from memory, 2 threads,
+`python bench/amx_chain.py --float32`: 1 / 16 / 64 / 256 rows 15.9 / 23.1 / 44.7 / 138.6 ms against the best of
+torch.mm and oneDNN 14.6 / 28.0 / 52.6 / 149.2; at 512 all ~270, and in process a 512-token prefill step 2% slower:
+prefill steps keep MKL; the lm_head at 64 rows 9.8 against oneDNN's 12.3, at 256 47.6 against 43.7). On a CPU
+without AVX-512, layer weights get oneDNN's prepacked float32 copy instead, for calls of F32_ONEDNN_ROWS rows
+(16 rows 73.8 -> 47.8 ms on 1 thread, 37.9 -> 27.2 on 2, against torch.mm).
 
 oneDNN's prepacked kernel falls off a cliff on some shapes past a few hundred rows (a prefill chunk): measured
 here (bfloat16, 2 threads, AMX), o_proj and down (N = 576) ran 1.4x slower than F.linear at 384-512 rows while
@@ -50,6 +54,8 @@ PLAIN_MAX_FLOP = 4e9
 AMX_MAX_ROWS = 64
 F32_ONEDNN_ROWS = (4, 32)  # float32 calls of this many rows (inclusive) take the prepacked copy where there is one
 F32_COPY_SHARE = 0.25  # the prepacked float32 copies may take this share of the memory available at load
+F32_PANEL_ROWS = 256  # float32 layer calls of at most this many rows take the panel kernel where there is a copy
+F32_VOCAB_PANEL_ROWS = 128  # the float32 lm_head's calls of at most this many rows take its panel copy
 
 
 @dataclass(slots=True)
@@ -65,8 +71,12 @@ class Linear:
     amx: torch.Tensor | None = None  # onednn only: the weight in the AMX kernel's order, for calls of <= AMX_MAX_ROWS
     ops: object | None = None  # the CpuOps that runs `amx`
     small: torch.Tensor | None = None  # mm only: oneDNN's prepacked copy, for calls of F32_ONEDNN_ROWS rows
+    panels: torch.Tensor | None = None  # float32: the panel kernel's copy (f32_gemm.cpp), run by `ops`
+    panel_rows: int = 0  # calls of at most this many rows take `panels`
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None and x.shape[0] <= self.panel_rows and x.is_contiguous():
+            return self.ops.f32_linear(x, self.panels, self.out_features, self.bias)
         if self.kind == "mm":
             if self.small is not None and F32_ONEDNN_ROWS[0] <= x.shape[0] <= F32_ONEDNN_ROWS[1]:
                 return torch.ops.mkldnn._linear_pointwise(x, self.small, self.bias, "none", [], "")
@@ -115,7 +125,8 @@ def _check_onednn(dtype: torch.dtype) -> bool:
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, *, vocab: bool = False,
                 f32_copy: bool = False) -> Linear:
     """The fastest layout for `weight` [out, in] on its device; vocab=True for the lm_head (a short K, a long N);
-    f32_copy: a float32 layer weight also gets oneDNN's prepacked copy for small calls (f32_copies_fit)."""
+    f32_copy: a float32 weight also gets the panel kernel's copy (else, a layer's: oneDNN's prepacked copy) for
+    small calls (f32_copies_fit)."""
     out = int(weight.shape[0])
     weight, bias = weight.detach(), None if bias is None else bias.detach()
     if weight.device.type != "cpu":
@@ -127,15 +138,28 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, *, vocab: bool 
         rows = None if vocab else _calibrated_plain_rows(weight, bias, packed)
         ops = amx_ops(weight)
         amx = None if ops is None else ops.amx_pack(weight.contiguous())
-        return Linear("onednn", packed, bias, out, weight if rows else None, rows or 0, amx, ops)
+        lin = Linear("onednn", packed, bias, out, weight if rows else None, rows or 0, amx, ops)
+        return _with_panels(lin, weight, F32_VOCAB_PANEL_ROWS) if vocab and f32_copy else lin
     if weight.dtype == torch.float32 and not vocab:
         # NOTE: a [in, out] contiguous tensor: when `weight` is already the view transposed() made, no copy
         wt = weight.t() if weight.t().is_contiguous() else weight.t().contiguous()
-        small = None
+        lin = Linear("mm", wt, bias, out)
+        if f32_copy and panel_ops(weight) is not None:
+            return _with_panels(lin, weight, F32_PANEL_ROWS)
         if f32_copy and onednn_available(torch.float32):
-            small = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), F32_ONEDNN_ROWS[1])
-        return Linear("mm", wt, bias, out, small=small)
-    return Linear("linear", weight, bias, out)
+            lin.small = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), F32_ONEDNN_ROWS[1])
+        return lin
+    lin = Linear("linear", weight, bias, out)
+    return _with_panels(lin, weight, F32_VOCAB_PANEL_ROWS) if vocab and f32_copy else lin
+
+
+def _with_panels(lin: Linear, weight: torch.Tensor, rows: int) -> Linear:
+    """`lin` with the panel kernel's copy of `weight` for calls of at most `rows` rows, where the kernel runs."""
+    ops = panel_ops(weight)
+    if ops is not None:
+        lin.panels, lin.panel_rows, lin.ops = ops.f32_pack(weight), rows, ops
+    return lin
+
 
 
 def f32_copies_fit(num_bytes: int) -> bool:
@@ -147,8 +171,10 @@ def f32_copies_fit(num_bytes: int) -> bool:
     except (OSError, StopIteration, ValueError, IndexError):
         return False
     fits = num_bytes <= F32_COPY_SHARE * available
+    panels = fits and panel_ops(torch.empty(0)) is not None
     log.info("float32 small-call copies", fit=fits, gib=round(num_bytes / 2**30, 2),
-             available_gib=round(available / 2**30, 1), rows=list(F32_ONEDNN_ROWS))
+             available_gib=round(available / 2**30, 1), kernel="panels" if panels else "onednn",
+             rows=[1, F32_PANEL_ROWS] if panels else list(F32_ONEDNN_ROWS))
     return fits
 
 
@@ -163,6 +189,35 @@ def amx_ops(weight: torch.Tensor):
 
 
 _AMX_OK: list = []
+
+
+def panel_ops(weight: torch.Tensor):
+    """The CpuOps whose float32 panel kernel can run `weight` in this process (a float32 CPU weight, AVX-512),
+    after a self-check against F.linear; else None."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return None
+    if not _PANELS_OK:
+        _PANELS_OK.append(_check_panels())
+    return _PANELS_OK[0]
+
+
+_PANELS_OK: list = []
+
+
+def _check_panels():
+    from worker_svc.cpu_ops import shared_ops  # NOTE: here, not at the top: cpu_ops builds the kernel library
+
+    ops = shared_ops()
+    if ops is None or not ops.f32_panels_available():
+        return None
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(53, 40, generator=gen)
+    b = torch.randn(53, generator=gen)
+    x = torch.randn(11, 40, generator=gen)
+    got = ops.f32_linear(x, ops.f32_pack(w), 53, b)
+    ok = torch.allclose(got, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    log.info("float32 panel matmul", available=bool(ok), max_rows=F32_PANEL_ROWS)
+    return ops if ok else None
 
 
 def _check_amx():

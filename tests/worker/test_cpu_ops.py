@@ -1,5 +1,5 @@
-"""worker_svc/cpu_ops.py: the bfloat16 lean forward's fused ops against the torch ops they replace (transformers'
-bfloat16 math op for op), on the vector paths and the scalar tails, and the lean forward with and without them."""
+"""worker_svc/cpu_ops.py: the lean forward's fused ops (bfloat16 and float32) against the torch ops they replace
+(transformers' math op for op), on the vector paths and the scalar tails, and the lean forward with and without them."""
 
 from __future__ import annotations
 
@@ -62,19 +62,66 @@ def test_rope_in_place_equals_rotate_half_and_leaves_the_rest(ops, heads, hd):
     assert torch.equal(got[:, heads * hd:], packed[:, heads * hd:])
 
 
+@pytest.mark.parametrize("rows, dim", [(1, 576), (7, 576), (64, 576), (300, 576), (5, 100), (3, 12)])
+def test_float32_rms_norm_is_torchs_but_for_its_sums_order_and_the_residual_add_is_bit_equal(ops, rows, dim):
+    x, w, d = (torch.randn(rows, dim, generator=torch.Generator().manual_seed(s)) for s in (1, 2, 3))
+    w = w[0]
+    want = _norm(x, w, 1e-5)
+    got = ops.rms_norm(x, w, 1e-5)
+    # the sum of squares in another order: each order is within (dim - 1) roundings of the exact sum (2^-24 each),
+    # the scale within half that relatively, and each output two products rounded once each
+    bound = (dim + 4) * 2.0 ** -24
+    assert torch.allclose(got, want, rtol=bound, atol=0) and got.dtype == torch.float32
+    exact = w.double() * x.double() / (x.double().pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()
+    assert torch.allclose(got.double(), exact, rtol=bound, atol=0)
+    x2 = x.clone()
+    normed = ops.add_rms_norm(x2, d, w, 1e-5)
+    assert torch.equal(x2, x + d)  # in place, torch's float32 add
+    assert torch.allclose(normed, _norm(x + d, w, 1e-5), rtol=bound, atol=0)
+
+
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (64, 1536), (4, 40)])
+def test_float32_silu_mul_is_torchs_within_its_exp_and_rope_is_bit_equal(ops, rows, inter):
+    gen = torch.Generator().manual_seed(4)
+    gu = 4.0 * torch.randn(rows, 2 * inter, generator=gen)
+    gu[0, :5] = torch.tensor([-100.0, -88.8, 88.0, 90.0, 0.0])  # exp's overflow and underflow ends
+    want = F.silu(gu[:, :inter]) * gu[:, inter:]
+    got = ops.silu_mul(gu)
+    # exp is Cephes', not Sleef's: a few ulps at most, and most products bit-equal
+    assert torch.allclose(got, want, rtol=2 ** -21, atol=1e-30)
+    assert (got == want).float().mean().item() > 0.95
+    assert torch.equal(got[0, :5], want[0, :5])
+    # the 16-lane path and the scalar tail are the same operations: the same bits (inter 1: the tail alone)
+    g = gu[0, :64]
+    alone = torch.stack([ops.silu_mul(torch.stack([v, torch.tensor(1.0)])[None])[0, 0] for v in g])
+    assert torch.equal(ops.silu_mul(torch.cat([g, torch.ones(64)])[None])[0], alone)
+    t, heads, hd = 9, 12, 64
+    packed = torch.randn(t, heads * hd + 3 * hd, generator=gen)
+    cos, sin = torch.randn(t, hd, generator=gen), torch.randn(t, hd, generator=gen)
+    want = _rotate(packed[:, :heads * hd].reshape(t, heads, hd), cos[:, None, :], sin[:, None, :])
+    got = packed.clone()
+    ops.rope_(got[:, :heads * hd].view(t, heads, hd), cos, sin)
+    assert torch.equal(got[:, :heads * hd].view(t, heads, hd), want)  # each product rounded, as torch: no FMA
+    assert torch.equal(got[:, heads * hd:], packed[:, heads * hd:])
+
+
 def test_wrong_inputs_are_refused(ops):
-    with pytest.raises(ValueError):
-        ops.rms_norm(torch.randn(2, 8), torch.randn(8), 1e-5)  # float32
+    with pytest.raises(ValueError, match="of one dtype"):
+        ops.rms_norm(torch.randn(2, 8), _randn(8), 1e-5)  # float32 rows, a bfloat16 weight
+    with pytest.raises(ValueError, match="bfloat16 or float32"):
+        ops.rms_norm(torch.randn(2, 8).double(), torch.randn(8).double(), 1e-5)
     with pytest.raises(ValueError):
         ops.silu_mul(_randn(8, 4).t())  # not contiguous
     with pytest.raises(ValueError):
         ops.rope_(_randn(2, 3, 7), _randn(2, 7), _randn(2, 7))  # odd head_dim
 
 
-def test_the_bfloat16_lean_forward_gives_the_torch_ops_logits(tiny_llama_dir):
-    loaded = load_model(tiny_llama_dir, dtype="bfloat16")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_the_lean_forward_gives_the_torch_ops_logits(tiny_llama_dir, dtype):
+    loaded = load_model(tiny_llama_dir, dtype=dtype)
     lean = LeanModel(loaded.model)
-    assert lean.ops is not None
+    # float32 takes the fused ops where this build vectorises them (AVX2 or AVX-512)
+    assert (lean.ops is not None) == (dtype == "bfloat16" or CpuOps().vector_f32())
     geo = loaded.kv_geometry(16)
     backend = make_backend("auto", "cpu", geo)
     q_lens, seq_lens = np.array([5, 1, 1]), np.array([5, 9, 30])
@@ -92,8 +139,10 @@ def test_the_bfloat16_lean_forward_gives_the_torch_ops_logits(tiny_llama_dir):
             outs.append(lean.forward(ids, positions, StepContext(pool.kv, meta, backend, pool.scales), keep).float())
     fused, plain = outs
     assert fused.shape == plain.shape
-    # bit-equal ops but for silu's rare one-step differences: the logits agree to bfloat16 noise
-    assert (fused - plain).abs().max().item() <= 0.05 * plain.abs().max().item()
+    # bit-equal ops but for silu's rare one-step differences (and float32's norm sums): the logits agree to the
+    # dtype's noise
+    tol = 0.05 if dtype == "bfloat16" else 1e-5
+    assert (fused - plain).abs().max().item() <= tol * plain.abs().max().item()
     assert torch.equal(fused.argmax(-1), plain.argmax(-1))
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from worker_svc import linear
 from worker_svc.lean_model import LeanModel
 from worker_svc.linear import (F32_COPY_SHARE, F32_ONEDNN_ROWS, PLAIN_ROWS, Linear, choose_plain_rows, f32_copies_fit,
                                make_linear, onednn_available, transposed)
@@ -75,10 +76,13 @@ def test_an_onednn_layer_runs_f_linear_on_its_plain_weight_from_plain_rows_on():
 
 @pytest.mark.skipif(not onednn_available(torch.float32), reason="oneDNN's float32 linear does not run here")
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_a_float32_layer_with_its_copy_runs_onednn_for_small_calls_and_mm_otherwise(with_bias):
+def test_without_the_panel_kernel_a_float32_layer_with_its_copy_runs_onednn_for_small_calls_and_mm_otherwise(
+        with_bias, monkeypatch):
+    monkeypatch.setattr(linear, "_PANELS_OK", [None])  # a CPU without AVX-512 (test_f32_gemm.py covers those)
     w, b, _ = _data(torch.float32, out=96, inp=64)
     bias = b if with_bias else None
     lin = make_linear(transposed(w), bias, f32_copy=True)
+    assert lin.panels is None
     assert lin.kind == "mm" and lin.small is not None
     assert make_linear(transposed(w), bias).small is None  # no copy unless asked (f32_copies_fit)
     lo, hi = F32_ONEDNN_ROWS
@@ -132,5 +136,7 @@ def test_float32_lean_weights_are_the_modules_storage(tiny_llama_dir):
     # a second lean model over the same modules (two runners on one model) lays nothing out again
     again = LeanModel(loaded.model)
     assert again.layers[0].o.weight.data_ptr() == layer.o.weight.data_ptr()
-    # a tiny model's oneDNN copies for small calls fit anywhere (where oneDNN's float32 linear runs)
-    assert (layer.o.small is not None) == onednn_available(torch.float32)
+    # a tiny model's copies for small calls fit anywhere: the panel kernel's where it runs, else oneDNN's
+    panels = linear.panel_ops(qkv) is not None
+    assert (layer.o.panels is not None) == panels and (lean.lm_head.panels is not None) == panels
+    assert (layer.o.small is not None) == (not panels and onednn_available(torch.float32))

@@ -22,14 +22,16 @@ from worker_svc.attention.torch_backend import TorchAttentionBackend
 log = structlog.get_logger("pagedserve.worker")
 
 SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
-# Built into the same library: the bfloat16 lean forward's fused elementwise ops and its AMX matmuls
-# (worker_svc/cpu_ops.py).
+# Built into the same library: the lean forward's fused elementwise ops (bfloat16 and float32), the bfloat16 AMX
+# matmuls and the float32 panel matmuls (worker_svc/cpu_ops.py).
 OPS_SOURCE = Path(__file__).parents[1] / "cpu_ops.cpp"
 AMX_SOURCE = Path(__file__).parents[1] / "amx_gemm.cpp"
+F32_SOURCE = Path(__file__).parents[1] / "f32_gemm.cpp"
+F32_OPS_SOURCE = Path(__file__).parents[1] / "f32_ops.cpp"
 
 
 def _sources() -> tuple[Path, ...]:
-    return SOURCE, OPS_SOURCE, AMX_SOURCE  # NOTE: read at each build: tests swap SOURCE for a broken copy
+    return SOURCE, OPS_SOURCE, AMX_SOURCE, F32_SOURCE, F32_OPS_SOURCE  # NOTE: read at each build: tests swap SOURCE for a broken copy
 
 
 def _sources_text() -> str:
