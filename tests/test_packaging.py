@@ -4,6 +4,7 @@ mirror the packages without importing one another."""
 import subprocess
 import sys
 import tomllib
+from fnmatch import fnmatch
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -19,6 +20,16 @@ def test_every_python_package_is_listed_in_pyproject():
         found |= {".".join((name, *p.parent.relative_to(ROOT / where).parts))
                   for p in (ROOT / where).rglob("__init__.py")}
     assert found == set(cfg["packages"])
+
+
+def test_every_kernel_source_ships_as_package_data():
+    # The CPU kernel library is compiled at first use from these files: an install without one cannot build it.
+    from worker_svc.attention.cpu_backend import _sources
+
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    for path in _sources():
+        package = ".".join(path.parent.relative_to(ROOT).parts)
+        assert any(fnmatch(path.name, pattern) for pattern in data.get(package, ())), path
 
 
 def test_kv_manager_imports_neither_torch_nor_grpc():
