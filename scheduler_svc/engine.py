@@ -38,7 +38,7 @@ NOT_YET = object()  # _next_plan(wait=False): nothing to run now
 
 
 @dataclass(slots=True)
-class Published:
+class PendingStep:
     """A step whose results the scheduler has taken in (update) and its clients not yet (_publish)."""
 
     plan: StepPlan
@@ -94,7 +94,7 @@ class Engine(Fleet):
         worker computes meanwhile instead of waiting for 64 streams' writes (float32, 64 requests: 0.65 -> 0.52 s idle).
         A sample whose text hits a stop string there has one more token computed in the plan already sent, which
         update() drops as it does an abort's."""
-        pending: Published | None = None
+        pending: PendingStep | None = None
         try:
             while True:
                 plan = await self._next_plan(w, wait=pending is None)  # schedule: waits while there is nothing to run
@@ -120,7 +120,7 @@ class Engine(Fleet):
                     plan = result
                     break
                 outputs = w.scheduler.update(plan, result.sampled, result.num_accepted_drafts)
-                pending = Published(plan, outputs, result, time.perf_counter() - t0)
+                pending = PendingStep(plan, outputs, result, time.perf_counter() - t0)
             if pending is not None:  # NOTE: before a loss recomputes its requests elsewhere
                 self._publish(w, pending)
             if isinstance(plan, Lost):
@@ -183,7 +183,7 @@ class Engine(Fleet):
                 await w.wakeup.wait()
         return None
 
-    def _publish(self, w: WorkerHandle, step: Published) -> None:
+    def _publish(self, w: WorkerHandle, step: PendingStep) -> None:
         """Streams a step's tokens to their clients and finishes the samples whose text hit a stop string (the
         scheduler cannot: stop strings need detokenized text); then the step's metrics."""
         plan, outputs, result = step.plan, step.outputs, step.result

@@ -69,7 +69,7 @@ class Linear:
     plain: torch.Tensor | None = None  # onednn only: the [out, in] weight F.linear takes from plain_rows rows on
     plain_rows: int = 0
     amx: torch.Tensor | None = None  # onednn only: the weight in the AMX kernel's order, for calls of <= AMX_MAX_ROWS
-    ops: object | None = None  # the CpuOps that runs `amx`
+    ops: object | None = None  # the CpuOps that runs `amx` or `panels`
     small: torch.Tensor | None = None  # mm only: oneDNN's prepacked copy, for calls of F32_ONEDNN_ROWS rows
     panels: torch.Tensor | None = None  # float32: the panel kernel's copy (f32_gemm.cpp), run by `ops`
     panel_rows: int = 0  # calls of at most this many rows take `panels`
@@ -161,17 +161,16 @@ def _with_panels(lin: Linear, weight: torch.Tensor, rows: int) -> Linear:
     return lin
 
 
-
 def f32_copies_fit(num_bytes: int) -> bool:
-    """Whether prepacked copies of `num_bytes` of float32 layer weights fit in F32_COPY_SHARE of the memory
-    available now (/proc/meminfo's MemAvailable; elsewhere, no copies)."""
+    """Whether prepacked copies of `num_bytes` of float32 weights fit in F32_COPY_SHARE of the memory available
+    now (/proc/meminfo's MemAvailable; elsewhere, no copies)."""
     try:
         with open("/proc/meminfo", encoding="ascii") as f:
             available = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
     except (OSError, StopIteration, ValueError, IndexError):
         return False
     fits = num_bytes <= F32_COPY_SHARE * available
-    panels = fits and panel_ops(torch.empty(0)) is not None
+    panels = fits and panel_kernel() is not None
     log.info("float32 small-call copies", fit=fits, gib=round(num_bytes / 2**30, 2),
              available_gib=round(available / 2**30, 1), kernel="panels" if panels else "onednn",
              rows=[1, F32_PANEL_ROWS] if panels else list(F32_ONEDNN_ROWS))
@@ -192,10 +191,14 @@ _AMX_OK: list = []
 
 
 def panel_ops(weight: torch.Tensor):
-    """The CpuOps whose float32 panel kernel can run `weight` in this process (a float32 CPU weight, AVX-512),
-    after a self-check against F.linear; else None."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu":
-        return None
+    """The CpuOps whose float32 panel kernel can run `weight` in this process (a float32 CPU weight): panel_kernel()'s,
+    else None."""
+    return panel_kernel() if weight.dtype == torch.float32 and weight.device.type == "cpu" else None
+
+
+def panel_kernel():
+    """The CpuOps that runs the float32 panel kernel in this process (AVX-512), after a self-check against F.linear
+    (once); else None."""
     if not _PANELS_OK:
         _PANELS_OK.append(_check_panels())
     return _PANELS_OK[0]
