@@ -95,6 +95,9 @@ def run_worker(args: argparse.Namespace) -> int:
     from pagedserve_common.descriptors import raise_open_files_limit
 
     raise_open_files_limit("worker")
+    from worker_svc.threads import bound_openmp_spin
+
+    bound_openmp_spin()  # NOTE: before torch loads libgomp, on the next import
     from worker_svc.client import run_worker as run
     from worker_svc.worker import WorkerConfig
 

@@ -51,6 +51,8 @@ class WorkerHandle:
     outbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # StepPlan to send; None closes the stream
     inbox: asyncio.Queue = field(default_factory=asyncio.Queue)  # StepResult | StepError | Lost | None
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)  # new work, a leave or a loss: plan again
+    # set by the Attach stream once it has written the last plan queued (and when the stream ends)
+    plan_sent: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task | None = None
     attached: bool = True  # False once detached (lost, or left); its step loop then ends
     lost: Lost | None = None  # set by the Attach stream when it breaks; the step loop ends on it
@@ -75,6 +77,7 @@ class WorkerHandle:
             self.lost = lost
         self.inbox.put_nowait(lost)
         self.wakeup.set()
+        self.plan_sent.set()
 
 
 def export(w: WorkerHandle, m: Metrics) -> None:

@@ -164,6 +164,7 @@ class WorkerControlServicer(worker_pb2_grpc.WorkerControlServicer):
         try:
             while (plan := await handle.outbox.get()) is not None:
                 yield wire.plan_to_pb(plan)
+                handle.plan_sent.set()  # NOTE: the generator resumes once gRPC has written the message
         finally:
             reader.cancel()
             handle.fail(Lost("stream", "its stream ended"))

@@ -77,3 +77,39 @@ def test_one_core_means_no_governing():
     calls = []
     gov = ThreadGovernor(1, calls.append, read=FakeCpu().read)
     assert not gov.enabled and calls == [1]
+
+
+def test_openmp_spin_is_bounded_unless_the_user_chose():
+    env: dict[str, str] = {}
+    assert th.bound_openmp_spin(env) is True
+    assert env == {"GOMP_SPINCOUNT": str(th.OMP_SPIN_COUNT)}
+    mine = {"GOMP_SPINCOUNT": "infinite"}
+    assert th.bound_openmp_spin(mine) is False and mine == {"GOMP_SPINCOUNT": "infinite"}
+    passive = {"OMP_WAIT_POLICY": "passive"}  # a spin count would override the user's policy
+    assert th.bound_openmp_spin(passive) is False and passive == {"OMP_WAIT_POLICY": "passive"}
+
+
+def test_the_worker_command_bounds_the_spin_before_torch_loads():
+    """libgomp reads GOMP_SPINCOUNT once, when torch loads it: nothing the worker command imports before its call
+    may import torch, and the variable is set when torch comes in."""
+    import subprocess
+    import sys
+
+    code = ("import os, sys\n"
+            "os.environ.pop('GOMP_SPINCOUNT', None); os.environ.pop('OMP_WAIT_POLICY', None)\n"
+            "import pagedserve_cli.main, pagedserve_cli.serve_cmd, pagedserve_cli.access_args\n"
+            "import pagedserve_common.descriptors, worker_svc.threads\n"
+            "assert 'torch' not in sys.modules, 'torch came in before the spin count was set'\n"
+            "worker_svc.threads.bound_openmp_spin()\n"
+            "import worker_svc.client\n"
+            "assert 'torch' in sys.modules\n"
+            "print(os.environ['GOMP_SPINCOUNT'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(th.OMP_SPIN_COUNT)]
+    import inspect
+
+    from pagedserve_cli.serve_cmd import run_worker
+
+    source = inspect.getsource(run_worker)  # and the command calls it before it imports the worker
+    assert source.index("bound_openmp_spin()") < source.index("from worker_svc.client import")

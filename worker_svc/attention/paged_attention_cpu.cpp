@@ -706,8 +706,12 @@ inline void block16(const float* q, float* acc, float* m, float* l, const int64_
 constexpr int kGroup = 4;
 // The next group's lines are prefetched a few per V row of this group's P.V, not in one burst before it: a burst
 // fills the core's line-fill buffers and stalls it until they drain, so memory and compute did not overlap
-// (bf16 decode, 64 x 192, 2 threads: 20.7 -> 19.5 ms a step with 4 a row; 2 and 8 measured no better).
+// (bf16 decode, 64 x 192, 2 threads: 20.7 -> 19.5 ms a step with 4 a row; 2 and 8 measured no better). Into L2,
+// not L1: a group of one head's K and V is 32 KB in float32 (16 in bfloat16), and on top of the group being
+// computed in a 48 KB L1 it evicted that group's own lines (decode, 64 x 192, 2 threads, bench/attention_cpu.py:
+// float32 26.5 -> 24.6 ms a step, bfloat16 15.9 -> 15.0).
 constexpr int kPrefetchPerKey = 4;
+#define PS_NEXT_GROUP_HINT _MM_HINT_T1  // a macro: _mm_prefetch takes GCC's enum, clang's int
 
 // Keys of the group's block b (its first key `base`) that each row sees (causal: keys 0..pos[r], none past `last`)
 // into nk[r][b]; returns the most any row sees.
@@ -845,7 +849,7 @@ inline void group_step(const float* q, float* acc, float* m, float* l, const int
       int64_t nmax = 0;
       for (int64_t r = r0; r < r0 + g; ++r) nmax = std::max(nmax, nk[r][b]);
       for (int64_t k = 0; k < nmax; ++k) {  // p is 0 past a row's own keys
-        for (int t = 0; t < kPrefetchPerKey && ip < npf; ++t) _mm_prefetch(pf[ip++], _MM_HINT_T0);
+        for (int t = 0; t < kPrefetchPerKey && ip < npf; ++t) _mm_prefetch(pf[ip++], PS_NEXT_GROUP_HINT);
         const E* vr = vb[b] + k * stride;
         __m512 v[NV];
 #pragma GCC unroll 8
@@ -862,7 +866,7 @@ inline void group_step(const float* q, float* acc, float* m, float* l, const int
       for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + (r0 + r) * D + 16 * i, a[r][i]);
     }
   }
-  while (ip < npf) _mm_prefetch(pf[ip++], _MM_HINT_T0);
+  while (ip < npf) _mm_prefetch(pf[ip++], PS_NEXT_GROUP_HINT);
 }
 
 #if defined(PS_AMX_SCORES)
@@ -1037,7 +1041,7 @@ PS_BF16_TARGET void group_step_bf16(const uint16_t* qb, bool amx_qk, float qscal
   }
   group_softmax<true>(sbuf, nk, rows, nb, m, l, corr, nullptr, pb);
   if (amx_qk) {  // a prefill tile: P.V on tiles too
-    for (int i = 0; i < npf; ++i) _mm_prefetch(pf[i], _MM_HINT_T0);  // the tile products hide these
+    for (int i = 0; i < npf; ++i) _mm_prefetch(pf[i], PS_NEXT_GROUP_HINT);  // the tile products hide these
     amx_pv<D>(pb, rows, nb, vb, stride, j0, last, corr, acc);
     return;
   }
@@ -1065,7 +1069,7 @@ PS_BF16_TARGET void group_step_bf16(const uint16_t* qb, bool amx_qk, float qscal
       int64_t nmax = 0;
       for (int64_t r = r0; r < r0 + g; ++r) nmax = std::max(nmax, nk[r][b]);
       for (int64_t k = 0; k < nmax; k += 2) {  // p is 0 past a row's own keys; a key past nmax is never read
-        for (int t = 0; t < 2 * kPrefetchPerKey && ip < npf; ++t) _mm_prefetch(pf[ip++], _MM_HINT_T0);
+        for (int t = 0; t < 2 * kPrefetchPerKey && ip < npf; ++t) _mm_prefetch(pf[ip++], PS_NEXT_GROUP_HINT);
         const uint16_t* v0 = vb[b] + k * stride;
         const bool pair = k + 1 < nmax;
         __m512i lo[NC], hi[NC];
@@ -1101,7 +1105,7 @@ PS_BF16_TARGET void group_step_bf16(const uint16_t* qb, bool amx_qk, float qscal
       }
     }
   }
-  while (ip < npf) _mm_prefetch(pf[ip++], _MM_HINT_T0);
+  while (ip < npf) _mm_prefetch(pf[ip++], PS_NEXT_GROUP_HINT);
 }
 #endif
 
