@@ -141,9 +141,7 @@ class CpuOps:
     def f32_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                    bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] @ W.T (+ bias) for the W that f32_pack packed: [M, out_features] float32."""
-        for t in (x, packed, *(() if bias is None else (bias,))):
-            if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-                raise ValueError("cpu_ops.f32_linear: contiguous float32 CPU tensors only")
+        self._check(x, packed, *(() if bias is None else (bias,)), dtypes=(torch.float32,))
         m, k = x.shape
         if packed.numel() != self._f32_size(out_features, k):
             raise ValueError(f"cpu_ops.f32_linear: x has {k} features, the packed weight {packed.numel()} elements")

@@ -31,7 +31,8 @@ F32_OPS_SOURCE = Path(__file__).parents[1] / "f32_ops.cpp"
 
 
 def _sources() -> tuple[Path, ...]:
-    return SOURCE, OPS_SOURCE, AMX_SOURCE, F32_SOURCE, F32_OPS_SOURCE  # NOTE: read at each build: tests swap SOURCE for a broken copy
+    # NOTE: read at each build: tests swap SOURCE for a broken copy
+    return SOURCE, OPS_SOURCE, AMX_SOURCE, F32_SOURCE, F32_OPS_SOURCE
 
 
 def _sources_text() -> str:
