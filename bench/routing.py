@@ -1,10 +1,17 @@
-"""Scheduler-only simulation of routing multi-tenant requests over N fake workers: prefix hit rate, completion."""
+"""Scheduler-only simulation of routing over N fake workers: prefix hit rate, completion, per-worker load.
+
+Two workloads: chat (every request shares ONE system prefix, over 2 workers: issue 48, where kv routing sent
+every request to one worker; reported as `max_worker_share=`, the largest share of requests one worker took) and
+multi-tenant (12 tenants' system prompts over 3 workers whose caches hold 2/3 of them; `hit_rate_kv=… ratio=…`).
+"""
 
 from __future__ import annotations
 
 import argparse
 import heapq
 import itertools
+import math
+import os
 import random
 import statistics
 import sys
@@ -14,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere without installing
 
-from pagedserve_cli.bench.workloads import BenchRequest, build_workload  # noqa: E402
+from pagedserve_cli.bench.workloads import BenchRequest, TextSource, build_workload  # noqa: E402
 from pagedserve_common.step import StepPlan  # noqa: E402
 from scheduler_svc.core.request import Request  # noqa: E402
 from pagedserve_common.sampling import SamplingParams  # noqa: E402
@@ -62,6 +69,31 @@ class PolicyResult:
     def max_over_mean_load(self) -> float:
         busy = [w.busy_s for w in self.workers]
         return max(busy) / statistics.fmean(busy) if any(busy) else 1.0
+
+    @property
+    def max_worker_share(self) -> float:
+        """The largest share of the requests any one worker took (1/num_workers: perfectly spread)."""
+        routed = [w.num_routed for w in self.workers]
+        return max(routed) / sum(routed)
+
+
+def chat_workload(tokenizer, num_requests: int, seed: int = 0, system_len: int = 0) -> list[BenchRequest]:
+    """Chat requests through the model's chat template, one user turn each (32 to 96 tokens of the built-in text),
+    outputs lognormal like build_workload's (median 64, 16 to 256). Every prompt shares ONE system prefix: the
+    template's default system prompt (issue 48: 24 tokens with SmolLM2's, one full block), or a system message of
+    `system_len` tokens of the built-in text. The case where a prefix every worker can hold must not pin all traffic
+    to the worker that served it first."""
+    rng = random.Random(seed)
+    text = TextSource(tokenizer)
+    system = tokenizer.decode(text.take(rng, system_len)) if system_len else None
+    out = []
+    for _ in range(num_requests):
+        user = tokenizer.decode(text.take(rng, rng.randint(32, 96))).strip()
+        messages = [{"role": "system", "content": system}] if system else []
+        prompt = tokenizer.encode_chat([*messages, {"role": "user", "content": user}])
+        max_tokens = min(256, max(16, round(rng.lognormvariate(math.log(64), 0.8))))
+        out.append(BenchRequest(max_tokens, tuple(prompt)))
+    return out
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:
@@ -168,6 +200,24 @@ def report(r: PolicyResult) -> None:
           f"routed={[w.num_routed for w in ws]} max/mean busy={r.max_over_mean_load:.2f}")
 
 
+def run_chat(args, tok) -> None:
+    """Every request shares one system prefix (issue 48): kv routing must still spread them over the workers."""
+    requests = chat_workload(tok, args.chat_requests, args.seed, args.chat_system_len)
+    arrivals = poisson_arrivals(len(requests), args.chat_rate, args.seed)
+    shared = len(os.path.commonprefix([r.prompt_token_ids for r in requests]))
+    print(f"chat: {len(requests)} requests sharing a {shared}-token system prefix, {args.chat_workers} workers x "
+          f"{args.num_blocks} KV blocks, rate {args.chat_rate}/s, last arrival {arrivals[-1]:.1f} s")
+    shares = {}
+    for policy in ("kv", "round-robin", "least-loaded"):
+        r = simulate(policy, requests, arrivals, args.chat_workers, args.num_blocks, args.block_size,
+                     args.max_num_batched_tokens, args.max_num_seqs)
+        r.policy = f"chat {policy}"
+        report(r)
+        shares[policy] = r.max_worker_share
+    print(f"max_worker_share={shares['kv']:.3f} (kv on chat; round-robin {shares['round-robin']:.3f}, "
+          f"least-loaded {shares['least-loaded']:.3f})")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--num-requests", type=int, default=600)
@@ -180,11 +230,18 @@ def main() -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=512)
     ap.add_argument("--max-num-seqs", type=int, default=64)
     ap.add_argument("--model", default=DEFAULT_MODEL, help="only its tokenizer is used")
+    ap.add_argument("--chat-requests", type=int, default=200, help="the chat workload's requests (0: skip it)")
+    ap.add_argument("--chat-workers", type=int, default=2)
+    ap.add_argument("--chat-rate", type=float, default=2.0, help="chat arrivals, requests/s (Poisson)")
+    ap.add_argument("--chat-system-len", type=int, default=0,
+                    help="tokens of the chat workload's one system message (0: the template's default system prompt)")
     args = ap.parse_args()
 
     from scheduler_svc.frontend.tokenizer import Tokenizer
     from worker_svc.model_store import resolve_model
     tok = Tokenizer.from_model_dir(resolve_model(args.model))
+    if args.chat_requests:
+        run_chat(args, tok)  # NOTE: first, so the multi-tenant lines stay the output's last, as parsers expect
     requests = build_workload("multi-tenant", tok, args.num_requests, args.seed, num_tenants=args.num_tenants,
                               max_model_len=MAX_MODEL_LEN)
     arrivals = poisson_arrivals(len(requests), args.rate, args.seed)

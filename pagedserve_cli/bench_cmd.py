@@ -13,7 +13,7 @@ from pagedserve_cli.bench.workloads import WORKLOADS, build_requests, parse_rang
 from pagedserve_common.config import DTYPES, SPECULATIVE
 from pagedserve_common.defaults import (DEFAULT_LISTEN, DEFAULT_MODEL, MAX_TENANT_CHARS, METRICS_PORT, TENANT_HEADER,
                                          metrics_url)
-COMPARISON_NAMES = ("static-prealloc", "no-prefix-cache", "kv-int8")
+COMPARISON_NAMES = ("static-prealloc", "no-prefix-cache", "kv-int8", "batch-invariant")
 # NOTE: a comparison needs a pool that memory, not --max-num-seqs, fills: 512 MiB holds 11,650 tokens of the
 # default model in float32 (46,080 bytes each), 5 sequences of 2,048 slots, or about 45 of the mixed workload's.
 COMPARE_KV_MEMORY = "512MiB"
@@ -68,7 +68,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "kv-int8: a float32 KV cache vs an int8 one in the same --kv-memory (defaults: 128MiB, 96 "
                         "requests at once, prompts 32:64, outputs 192:256 with EOS ignored, --max-num-seqs 256, "
                         "--max-model-len 512, so that the float32 pool, not max-num-seqs, bounds the batch: ~10 "
-                        "sequences fit in float32, ~38 in int8), then both caches' perplexity (--ppl-tokens)")
+                        "sequences fit in float32, ~38 in int8), then both caches' perplexity (--ppl-tokens); "
+                        "batch-invariant: --batch-invariant on vs off (defaults: bench/vs_vllm.sh's 64 requests at "
+                        "once, prompts 32:256, outputs 16:128, EOS ignored)")
     s.add_argument("--ppl-tokens", type=int, metavar="N",
                    help="with --compare kv-int8: the tokens of the corpus (Newton's Opticks) whose teacher-forced "
                         "perplexity is measured with each cache, after the servers stop (default 4096)")

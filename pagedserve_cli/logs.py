@@ -1,5 +1,5 @@
 """structlog set-up: JSON lines when stderr is not a terminal, readable lines when it is (PAGEDSERVE_LOG_FORMAT
-decides instead when set); long values cut short."""
+decides instead when set); info and above unless PAGEDSERVE_LOG_LEVEL says otherwise; long values cut short."""
 
 from __future__ import annotations
 
@@ -17,6 +17,9 @@ FORMAT_VARIABLE, FORMATS = "PAGEDSERVE_LOG_FORMAT", ("json", "console")
 MAX_VALUE_CHARS = 300
 MAX_EVENT_CHARS = 1000  # the message itself (the standard library's loggers put their data in it)
 MAX_TRACEBACK_CHARS = 8000  # a traceback keeps its end: the frames that raised and the exception itself
+# NOTE: debug holds detail a user cannot act on (the worker's per-shape layout timings: worker_svc/linear.py);
+# `up`'s children inherit the variable with the rest of its environment.
+LEVEL_VARIABLE, LEVELS = "PAGEDSERVE_LOG_LEVEL", ("debug", "info", "warning", "error")
 
 
 def cut(text: str, limit: int = MAX_VALUE_CHARS) -> str:
@@ -79,7 +82,18 @@ def json_wanted() -> bool:
     return chosen == "json" if chosen else not sys.stderr.isatty()
 
 
-def configure(level: str = "info") -> None:
+def level_wanted(default: str = "info") -> str:
+    """PAGEDSERVE_LOG_LEVEL (debug, info, warning or error), else `default`."""
+    chosen = os.environ.get(LEVEL_VARIABLE, "").strip().lower()
+    if chosen not in ("", *LEVELS):
+        raise StartupError(f"environment variable {LEVEL_VARIABLE}: expected {', '.join(LEVELS)}, got {chosen!r}",
+                           USAGE)
+    return chosen or default
+
+
+def configure(level: str | None = None) -> None:
+    """structlog's and the standard library's logging, at `level` (default: level_wanted())."""
+    level = level_wanted() if level is None else level
     json_lines = json_wanted()
     if json_lines:
         disable_progress_bars()

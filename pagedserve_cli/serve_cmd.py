@@ -98,6 +98,9 @@ def run_worker(args: argparse.Namespace) -> int:
     from worker_svc.threads import bound_openmp_spin
 
     bound_openmp_spin()  # NOTE: before torch loads libgomp, on the next import
+    from worker_svc import cpu_path
+
+    cpu_path.apply(args.cpu_path)  # NOTE: before torch loads too: oneDNN and ATen read their ISA caps once
     from worker_svc.client import run_worker as run
     from worker_svc.worker import WorkerConfig
 

@@ -2,13 +2,17 @@
 
 The children run in sessions of their own (Ctrl-C in the terminal reaches only `up`) and get SIGTERM if `up` dies.
 `up` restarts a child that dies, with a back-off when it keeps dying right after starting, and stops them in order:
-the scheduler first (it drains its streams), then the workers."""
+the scheduler first (it drains its streams), then the workers. It knows its own children: it refuses to start on a
+port in use (another `up`, most likely), and marks its children with a nonce (make_children) that its health wait
+checks and that keeps its workers off another up's scheduler."""
 
 from __future__ import annotations
 
 import argparse
 import ctypes
+import errno
 import os
+import secrets
 import select
 import signal
 import subprocess
@@ -16,15 +20,16 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve_cli import access_args
 from pagedserve_cli.flags import DefaultsFormatter, add_flags, forward_argv
 from pagedserve_cli.serve_cmd import model_dir
 from pagedserve_cli.up_logs import Relay
-from pagedserve_common.config import EngineOptions, RunnerOptions, SchedulerOptions, UpOptions, WorkerOptions
+from pagedserve_common.config import (UP_NONCE_METADATA, UP_NONCE_VARIABLE, EngineOptions, RunnerOptions,
+                                      SchedulerOptions, UpOptions, WorkerOptions)
 from pagedserve_common.model_spec import ModelFetchError, snapshot_commit
-from pagedserve_common.startup import USAGE, StartupError
+from pagedserve_common.startup import BIND_ERRORS, USAGE, StartupError, check_bindable
 
 CRASH_LOOP_SECONDS = 10.0  # a child that dies sooner than this after starting is restarted after a back-off
 FIRST_BACKOFF, MAX_BACKOFF = 1.0, 30.0  # that back-off doubles from 1 s up to 30 s
@@ -55,6 +60,36 @@ def worker_argv(args: argparse.Namespace, device: str) -> list[str]:
     return ["--scheduler", args.worker_listen, "--device", device, *forward_argv(args, RunnerOptions), *token]
 
 
+def listening_addresses(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(flag, HOST:PORT) of each port `up`'s scheduler will listen on ('' is off: none)."""
+    named = (("--listen", args.listen), ("--worker-listen", args.worker_listen), ("--http", args.http),
+             ("--metrics", args.metrics))
+    return [(flag, address) for flag, address in named if address]
+
+
+def check_ports_free(args: argparse.Namespace) -> None:
+    """Raises StartupError naming the flag and the address when a port the scheduler will listen on is taken, before
+    anything starts. NOTE: most likely by another `up`: without this check, this one's scheduler would crash-loop on
+    the port while its health wait and its workers found the other's. The same bind as the scheduler's
+    (check_bindable: SO_REUSEADDR, as gRPC, the HTTP front and the metrics server bind)."""
+    in_use = f": {BIND_ERRORS[errno.EADDRINUSE]} ("  # bind_failure's words for EADDRINUSE
+    for flag, address in listening_addresses(args):
+        try:
+            check_bindable(flag, address)
+        except StartupError as e:
+            if in_use not in str(e):
+                raise  # a host that is not this one, a port that needs privileges: said as the scheduler says it
+            raise StartupError(f"{flag} {address} is in use (another pagedserve up? stop it, or pass another "
+                               f"{flag} HOST:PORT)") from None
+
+
+class NotOurScheduler(RuntimeError):
+    """The server answering `up`'s health wait is not the scheduler this `up` started (another nonce, or none)."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(f"{address} is answered by a server this `up` did not start (another pagedserve up?)")
+
+
 class ChildExited(RuntimeError):
     """A service `up` started (one of `wait_healthy`'s processes) exited before all were up."""
 
@@ -64,9 +99,12 @@ class ChildExited(RuntimeError):
 
 
 def wait_healthy(address: str, timeout: float, procs: list[subprocess.Popen], stopping=lambda: False,
-                 num_workers: int = 1, credentials=None, server_name: str | None = None, metadata=()) -> bool:
+                 num_workers: int = 1, credentials=None, server_name: str | None = None, metadata=(),
+                 up_nonce: str | None = None) -> bool:
     """True once `address` is SERVING with `num_workers` attached; False if `stopping()` turns true first.
-    `credentials`, `server_name` and `metadata` (an API key) as for a TLS client (access_args)."""
+    `credentials`, `server_name` and `metadata` (an API key) as for a TLS client (access_args). With `up_nonce`
+    (up's, which its scheduler answers health checks with), a server answering with another (or none) raises
+    NotOurScheduler: another process owns the port, and its health is not ours to report."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -82,17 +120,23 @@ def wait_healthy(address: str, timeout: float, procs: list[subprocess.Popen], st
             if exited := [p for p in procs if p.poll() is not None]:
                 raise ChildExited(exited[0])
             try:
+                answer, call = health.Check.with_call(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                if up_nonce is not None and answered_nonce(call) != up_nonce:
+                    raise NotOurScheduler(address)
                 # NOTE: SERVING means one worker is in; the others may still be loading their model.
-                if health.Check(health_pb2.HealthCheckRequest(service=""), timeout=1).status == \
-                        health_pb2.HealthCheckResponse.SERVING and \
+                if answer.status == health_pb2.HealthCheckResponse.SERVING and \
                         len(generation.GetModelInfo(generate_pb2.GetModelInfoRequest(), timeout=1,
-                                                    metadata=metadata).workers) \
-                        >= num_workers:
+                                                    metadata=metadata).workers) >= num_workers:
                     return True
             except grpc.RpcError:
                 pass
             time.sleep(0.2)
     raise TimeoutError(f"{address} not healthy with {num_workers} worker(s) after {timeout:.0f} s")
+
+
+def answered_nonce(call) -> str | None:
+    """The `up` nonce a health check's answer (`call`) came with: its scheduler's (scheduler_svc.server.UpHealth)."""
+    return next((v for k, v in call.trailing_metadata() or () if k == UP_NONCE_METADATA), None)
 
 
 def core_shares(cores: list[int], num_workers: int) -> list[list[int]]:
@@ -169,10 +213,11 @@ class Child:
     delay: float = 0.0  # the back-off before its latest start
     restart_at: float = 0.0  # while dead: when to start it again
     reader: threading.Thread | None = None  # relays its stderr (Relay.follow)
+    env: dict[str, str] = field(default_factory=dict)  # on top of Relay.child_env: up's nonce (UP_NONCE_VARIABLE)
 
     def start(self) -> None:
         self.proc = subprocess.Popen(self.cmd, start_new_session=True, preexec_fn=child_setup(self.cores),
-                                     stderr=subprocess.PIPE, env=self.relay.child_env())
+                                     stderr=subprocess.PIPE, env={**self.relay.child_env(), **self.env})
         self.reader = self.relay.follow(self.name, self.proc.stderr)
         self.started = time.monotonic()
 
@@ -245,8 +290,48 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
+def make_children(args: argparse.Namespace, relay: Relay, tls: access_args.UpTls,
+                  up_nonce: str) -> tuple[Child, list[Child], list[str]]:
+    """The scheduler, the workers (not started yet) and the workers' devices. Each child gets `up_nonce` in its
+    environment: the scheduler answers health checks with it and refuses a worker of another `up` (one with another
+    nonce), so that this `up` reports its own scheduler and its workers attach to no other."""
+    exe, env = [sys.executable, "-m", "pagedserve_cli.main"], {UP_NONCE_VARIABLE: up_nonce}
+    num_gpus = visible_gpus() if args.device in (None, "cuda") else 0
+    device = args.device or ("cuda" if num_gpus else "cpu")
+    devices = worker_devices(device, args.workers, num_gpus)
+    # NOTE: a CPU worker is pinned to its share, so its default thread count is that share's size.
+    shares = core_shares(sorted(os.sched_getaffinity(0)), args.workers) \
+        if hasattr(os, "sched_getaffinity") and device == "cpu" else [None] * args.workers
+    scheduler = Child("scheduler", [*exe, "scheduler", *scheduler_argv(args)], relay, env=env)
+    workers = [Child(f"worker-{i}", [*exe, "worker", *worker_argv(args, dev), *tls.worker_argv], relay, share,
+                     env=env)
+               for i, (dev, share) in enumerate(zip(devices, shares))]
+    return scheduler, workers, devices
+
+
+def wait_started(args: argparse.Namespace, children: list[Child], tls: access_args.UpTls, up_nonce: str,
+                 stopping: Callable[[], bool]) -> bool:
+    """wait_healthy on up's own scheduler (`up_nonce`), its failures as StartupErrors; False if stopped first.
+    Start-up fails fast if a service exits: that is usually a configuration error, not worth retrying."""
+    try:
+        return wait_healthy(args.listen, args.startup_timeout, [c.proc for c in children], stopping, args.workers,
+                            tls.credentials, tls.server_name, tls.metadata, up_nonce)
+    except TimeoutError as e:
+        raise StartupError(f"--startup-timeout {args.startup_timeout:g}: {e} (a slow model load or pull: pass "
+                           f"a longer --startup-timeout)") from None
+    except NotOurScheduler as e:
+        raise StartupError(f"--listen {e}: pass another --listen HOST:PORT, or stop the other") from None
+    except ChildExited as e:
+        child = next(c for c in children if c.proc is e.proc)
+        child.drained()
+        why = child.relay.last_error.get(child.name, "see its log above")
+        raise StartupError(f"{child.name} exited during start-up ({describe_exit(e.proc.returncode)}): "
+                           f"{why}") from None
+
+
 def serve(args: argparse.Namespace, relay: Relay) -> int:
     tls = access_args.up_tls(args)  # first: a bad file fails before anything starts
+    check_ports_free(args)  # NOTE: before the model pull and the GPU count, which start processes of their own
     # NOTE: pulled once, up front (the children then find it in the cache); a Hub repo's children get the commit
     # it resolved to, so that the scheduler's tokenizer and every worker's weights are one snapshot.
     path = model_dir(args.model, args.revision, relay)
@@ -267,37 +352,14 @@ def serve(args: argparse.Namespace, relay: Relay) -> int:
     # NOTE: handlers go in before the first child starts, so a signal never leaves orphans behind.
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGTERM, stop)
-    exe = [sys.executable, "-m", "pagedserve_cli.main"]
-    sched_cmd = [*exe, "scheduler", *scheduler_argv(args)]
-    num_gpus = visible_gpus() if args.device in (None, "cuda") else 0
-    device = args.device or ("cuda" if num_gpus else "cpu")
-    devices = worker_devices(device, args.workers, num_gpus)
-    # NOTE: a CPU worker is pinned to its share, so its default thread count is that share's size.
-    shares = core_shares(sorted(os.sched_getaffinity(0)), args.workers) \
-        if hasattr(os, "sched_getaffinity") and device == "cpu" else [None] * args.workers
-    scheduler = Child("scheduler", sched_cmd, relay)
-    workers = []
-    for i, (dev, share) in enumerate(zip(devices, shares)):
-        cmd = [*exe, "worker", *worker_argv(args, dev)]
-        workers.append(Child(f"worker-{i}", cmd + tls.worker_argv, relay, share))
+    up_nonce = secrets.token_hex(16)  # this `up`'s mark on its children (make_children)
+    scheduler, workers, devices = make_children(args, relay, tls, up_nonce)
     children = [scheduler, *workers]
     try:
         for c in children:
             c.start()
-        # Start-up fails fast if a service exits: that is usually a configuration error, not worth retrying.
-        try:
-            if not wait_healthy(args.listen, args.startup_timeout, [c.proc for c in children], lambda: stopping,
-                                args.workers, tls.credentials, tls.server_name, tls.metadata):
-                return 0
-        except TimeoutError as e:
-            raise StartupError(f"--startup-timeout {args.startup_timeout:g}: {e} (a slow model load or pull: pass "
-                               f"a longer --startup-timeout)") from None
-        except ChildExited as e:
-            child = next(c for c in children if c.proc is e.proc)
-            child.drained()
-            why = relay.last_error.get(child.name, "see its log above")
-            raise StartupError(f"{child.name} exited during start-up ({describe_exit(e.proc.returncode)}): "
-                               f"{why}") from None
+        if not wait_started(args, children, tls, up_nonce, lambda: stopping):
+            return 0
         on = ", ".join(dict.fromkeys(devices))
         scheme = "https" if args.tls_cert else "http"
         http = f"OpenAI-compatible API {scheme}://{args.http}/v1, " if args.http else ""

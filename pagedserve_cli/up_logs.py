@@ -72,7 +72,10 @@ class Relay:
         """A line the child `name` wrote: tagged with `process` (JSON), or prefixed with it (a terminal)."""
         record = parse(text)
         if record is not None and record.get("level") in ("error", "critical"):
-            self.last_error[name] = str(record.get("event", text))
+            # NOTE: with its details, when it has some: a refusal's reason (the worker's "the scheduler refused this
+            # worker") is there, and up's last line should say it
+            details = record.get("details")
+            self.last_error[name] = str(record.get("event", text)) + (f": {details}" if details else "")
         elif record is None and (m := ERROR_LINE.match(text)):
             self.last_error[name] = m.group(1)
         if not self.json:

@@ -21,6 +21,9 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = ("auto", *DTYPE_BYTES)  # --kv-cache-dtype: auto (the model's) or a cache element type
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "cupy")
 INT8_QK = ("auto", "on", "off")
+BATCH_INVARIANT = ("on", "off")
+# worker_svc.cpu_path.PATHS, best first: what the CPU has, or a lesser CPU's path forced (tests, benchmarks)
+CPU_PATHS = ("native", "amx", "avx512-bf16", "avx512", "avx2")
 SPECULATIVE = ("none", "ngram")  # scheduler_svc.core.speculation
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")  # scheduler_svc.core.waiting
 
@@ -46,6 +49,13 @@ MAX_WORKER_BLOCKS = 1 << 22
 # tokenizing.
 PROMPT_CHARS_PER_TOKEN = 32
 DEFAULT_MAX_CONNECTIONS = 4096  # --max-http-connections and --max-grpc-connections at most, when not set
+
+# `pagedserve up`'s mark on the processes it starts (pagedserve_cli.up_cmd): a random nonce in this variable of its
+# scheduler's and its workers' environment. The scheduler answers health checks with it in this trailing metadata
+# key (so that `up` knows its own scheduler from another on the port) and refuses a worker that presents another in
+# this call metadata key when it attaches (one of another `up`). NOTE: no credential: a worker with none attaches.
+UP_NONCE_VARIABLE = "PAGEDSERVE_UP_NONCE"
+UP_NONCE_METADATA = "x-pagedserve-up-nonce"
 
 TLS_SERVER_NAME_HELP = "check the server's certificate for NAME instead of the host dialled"
 WORKER_TOKEN_HELP = "worker tokens, one a line (# comments)"
@@ -102,8 +112,9 @@ class EngineOptions:
               "tenants and the shared one weigh 1", metavar="FILE", default_text="none: every tenant weighs 1",
         up=GIVEN)
     routing: str = option("kv", "which worker takes a new request: kv (the one holding the longest prefix of the "
-                                "prompt, unless it is much busier than the others), least-loaded (fewest pending "
-                                "tokens) or round-robin", choices=ROUTING, up=GIVEN)
+                                "prompt, among those within 1.5x the average load, while what it holds outweighs "
+                                "its extra load: a prefix every request shares spreads by load), least-loaded "
+                                "(fewest pending tokens) or round-robin", choices=ROUTING, up=GIVEN)
     step_timeout: float = option(60.0, "a worker that takes longer for one step is declared lost and its requests "
                                        "are recomputed elsewhere; a worker's first step may take 4x that, for "
                                        "kernel compilation", type=at_least(float, 1e-3, "seconds > 0"),
@@ -259,7 +270,15 @@ class RunnerOptions:
                                   "a float32 cache, +0.13% dequantised)",
                           choices=INT8_QK)
     transformers_forward: bool = option(False, "run the model through the transformers modules instead of the "
-                                               "lean forward")
+                                               "lean forward (not batch invariant)")
+    batch_invariant: str = option("on", "on: a sequence's logits do not depend on the sequences sharing its steps, "
+                                        "how its prompt was chunked or whether it was recomputed (each matmul on "
+                                        "one M-invariant kernel, attention rows on one path); off: the fastest "
+                                        "kernel for each call's size (docs: the cost of on)",
+                                  choices=BATCH_INVARIANT, up=GIVEN)
+    cpu_path: str = option("native", "the CPU kernels' path: native (the best this CPU has) or a lesser CPU's, "
+                                     "forced to run and test it here (amx, avx512-bf16: no AMX, avx512: no BF16 "
+                                     "or VNNI, avx2)", choices=CPU_PATHS, up=GIVEN)
     swap_space: int = option(0, "host memory for swapped-out KV blocks, e.g. 4GiB (0: preemption recomputes)",
                              type=byte_size(), metavar="BYTES", show=format_bytes, up=GIVEN)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +16,8 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 
 from pagedserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
-from pagedserve_common.config import DEFAULT_MAX_CONNECTIONS, ConnectionOptions, SchedulerOptions
+from pagedserve_common.config import (DEFAULT_MAX_CONNECTIONS, UP_NONCE_METADATA, UP_NONCE_VARIABLE, ConnectionOptions,
+                                      SchedulerOptions)
 from pagedserve_common.descriptors import AcceptErrors, raise_open_files_limit
 from pagedserve_common.options import values
 from pagedserve_common.startup import USAGE, StartupError, bind_failure, host_port, one_line
@@ -49,6 +51,20 @@ def engine_config(cfg: ServerConfig, tokenizer: Tokenizer) -> EngineConfig:
     return EngineConfig(**values(cfg.engine), model_id=cfg.model,
                         max_model_len=min(cfg.max_model_len or max_len, max_len),
                         vocab_size=int(model["vocab_size"]), eos_token_ids=tokenizer.eos_token_ids)
+
+
+class UpHealth(HealthServicer):
+    """Health that names the `pagedserve up` that started this scheduler: its nonce (UP_NONCE_VARIABLE) in each
+    Check's trailing metadata, so that up's health wait (pagedserve_cli.up_cmd.wait_healthy) tells its own scheduler
+    from another one answering on the port (a second `up` would otherwise report the first's as its own)."""
+
+    def __init__(self, up_nonce: str) -> None:
+        super().__init__()
+        self.up_nonce = up_nonce
+
+    async def Check(self, request, context):
+        context.set_trailing_metadata(((UP_NONCE_METADATA, self.up_nonce),))
+        return await super().Check(request, context)
 
 
 # NOTE: keepalive on the worker endpoint finds a dead peer (a killed host, a stopped process, a cut cable) in
@@ -149,7 +165,8 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None, traces: t
     engine.service.weights.update(weights)
     limits = input_limits(cfg, engine.config.max_model_len)
     frontend = FrontEnd(engine, tokenizer, limits, tracing=traces)
-    health = HealthServicer()
+    up_nonce = os.environ.get(UP_NONCE_VARIABLE) or None  # set by `pagedserve up` alone
+    health = UpHealth(up_nonce) if up_nonce else HealthServicer()
     for name in SERVICES:
         await health.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     await health.set(LIVENESS, health_pb2.HealthCheckResponse.SERVING)
@@ -179,7 +196,7 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None, traces: t
     workers = grpc.aio.server(options=(*WORKER_SERVER_OPTIONS, ("grpc.max_concurrent_streams", MAX_WORKER_STREAMS),
                                        *connection_options(caps.workers, cfg.connections.header_timeout)),
                               maximum_concurrent_rpcs=MAX_WORKER_RPCS)
-    worker_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(engine, gate.tokens), workers)
+    worker_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(engine, gate.tokens, up_nonce), workers)
     reflection.enable_server_reflection(
         (worker_pb2.DESCRIPTOR.services_by_name["WorkerControl"].full_name, reflection.SERVICE_NAME), workers)
     add_port(workers, "--worker-listen", net.worker_listen, access.workers)

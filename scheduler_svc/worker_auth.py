@@ -1,9 +1,10 @@
 """Who may attach as a worker: worker tokens (--worker-token-file), the start-up check that a reachable worker port
-authenticates its workers, and what the log says of an attaching peer."""
+authenticates its workers, what the log says of an attaching peer, and `up`'s nonce (a worker of another `up`)."""
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import ipaddress
 from dataclasses import dataclass, field
 
@@ -14,6 +15,9 @@ TOKEN_ID_DIGITS = 12  # the log's token_id: the first 12 hex digits of the token
 MISSING_TOKEN = "no worker token: this scheduler requires one (the worker's --worker-token-file)"
 INVALID_TOKEN = "invalid worker token"  # NOTE: never echo what was sent
 TWO_TOKENS = "more than one authorization entry in the call's metadata"
+OTHER_UP = ("this scheduler belongs to another `pagedserve up` than this worker (their up nonces differ): a worker "
+            "that `up` starts attaches only to its own up's scheduler; is another `pagedserve up` on this "
+            "--worker-listen?")
 
 
 class InsecureWorkersError(ValueError):
@@ -77,6 +81,16 @@ class WorkerTokens:
         if token is None:
             return None, MISSING_TOKEN
         return (token_id(token), None) if self.keys.check(token) else (None, INVALID_TOKEN)
+
+
+def other_up(up_nonce: str | None, nonces: list[str | bytes]) -> str | None:
+    """Why a worker is refused for the `up` that started it (OTHER_UP), or None. `up_nonce`: the nonce of the `up`
+    that started this scheduler (None: started by hand); `nonces`: the worker's, its call's UP_NONCE_METADATA values
+    (pagedserve_common.config). NOTE: a worker that presents none was started by hand and attaches as before."""
+    if up_nonce is None or not nonces:
+        return None
+    theirs = nonces[0].encode() if isinstance(nonces[0], str) else nonces[0]
+    return None if len(nonces) == 1 and hmac.compare_digest(theirs, up_nonce.encode()) else OTHER_UP
 
 
 @dataclass(slots=True, frozen=True)

@@ -27,6 +27,8 @@
 #include <unistd.h>
 #endif
 
+extern "C" int ps_cpu_path_cap();  // cpu_path.cpp
+
 namespace {
 
 #if defined(__x86_64__)
@@ -182,6 +184,7 @@ extern "C" {
 // process its use (Linux: ARCH_REQ_XCOMP_PERM, once a process, for all its threads); else 0.
 int ps_amx_init() {
 #if defined(__x86_64__)
+  if (ps_cpu_path_cap() < 4) return 0;  // a process capped below the amx path (cpu_path.cpp)
   static const int ok = [] {
     if (!cpu_has_amx_bf16()) return 0;
     constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtileData = 18;

@@ -18,9 +18,11 @@ import torch
 
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from pagedserve_common import wire
+from pagedserve_common.config import UP_NONCE_METADATA, UP_NONCE_VARIABLE
 from pagedserve_common.registration import WorkerRegistration
 from pagedserve_common.step import StepError, StepErrorKind
 from pagedserve_common.signals import exit_now
+from worker_svc import cpu_path
 from worker_svc.batch import BadPlan
 from worker_svc.threads import ThreadGovernor
 from worker_svc.warm_up import warm_up
@@ -97,6 +99,10 @@ def run_worker(scheduler: str, cfg: WorkerConfig, shutdown: Shutdown | None = No
     """Serves until asked to leave; returns the exit status (1 when the scheduler refuses this worker's
     configuration). With `credentials` it dials in over TLS (`channel_options` may name the certificate's expected
     host); `metadata` goes with its Attach call (its worker token)."""
+    # NOTE: a worker that `pagedserve up` started says so (its nonce): the scheduler of another `up` refuses it
+    # (FAILED_PRECONDITION, fatal below) instead of taking it in, when two `up`s meet on one --worker-listen.
+    if up_nonce := os.environ.get(UP_NONCE_VARIABLE):
+        metadata = (*metadata, (UP_NONCE_METADATA, up_nonce))
     runner, reg = create_runner(cfg)
     if shutdown is None:
         shutdown = Shutdown()
@@ -111,7 +117,8 @@ def run_worker(scheduler: str, cfg: WorkerConfig, shutdown: Shutdown | None = No
              kv_bytes=runner.pool.nbytes, threads=torch.get_num_threads(),
              cores=available_cores(), adaptive_threads=bool(governor and governor.enabled),
              attention=runner.backend.name, int8_qk=bool(getattr(runner.backend, "int8_qk", False)),
-             forward=runner.forward_path, warm_up_steps=warm_up_steps,
+             forward=runner.forward_path, batch_invariant=runner.batch_invariant,
+             cpu_path=cpu_path.current().name, warm_up_steps=warm_up_steps,
              warm_up_s=round(warm_up_s, 3))
     backoff, last_warning = Backoff(), float("-inf")
     while not shutdown.requested:

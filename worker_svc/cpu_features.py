@@ -6,6 +6,8 @@ import platform
 from collections.abc import Collection
 from pathlib import Path
 
+from worker_svc import cpu_path
+
 CPUINFO = Path("/proc/cpuinfo")
 # NOTE: Linux's names for the x86 features under which a bfloat16 matmul runs in hardware (AVX512-BF16 dot
 # products, AMX tiles), best first. Without either, torch's bfloat16 GEMM widens to float32 and narrows back in
@@ -28,10 +30,10 @@ def cpu_signature(path: Path = CPUINFO) -> str:
 
 
 def cpu_flags(path: Path = CPUINFO) -> frozenset[str]:
-    """The CPU's feature flags as Linux names them (avx2, avx512f, avx512_bf16, amx_bf16, ...); empty off x86
-    (an ARM /proc/cpuinfo says "Features") or without /proc."""
+    """The CPU's feature flags as Linux names them (avx2, avx512f, avx512_bf16, amx_bf16, ...), less those the
+    process's CPU path hides (cpu_path.py); empty off x86 (an ARM /proc/cpuinfo says "Features") or without /proc."""
     line = next((ln for ln in _lines(path) if ln.startswith("flags")), "")
-    return frozenset(line.partition(":")[2].split())
+    return cpu_path.visible(line.partition(":")[2].split())
 
 
 def native_bf16_flags(flags: Collection[str]) -> tuple[str, ...]:

@@ -45,6 +45,9 @@ class CpuOps:
         self._f32_pack.argtypes, self._f32_pack.restype = [_ptr, _i64, _i64, _i64, _i64, _ptr], ctypes.c_int
         self._f32_linear.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr]
         self._f32_linear.restype = ctypes.c_int
+        self._bf16_pack, self._bf16_linear = lib.ps_bf16_pack_panels, lib.ps_bf16_panel_linear
+        self._bf16_pack.argtypes, self._bf16_pack.restype = [_ptr, _i64, _i64, _i64, _i64, _ptr], ctypes.c_int
+        self._bf16_linear.argtypes, self._bf16_linear.restype = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr], ctypes.c_int
         self._simd_width = lib.ps_simd_width
         self._simd_width.argtypes, self._simd_width.restype = [], ctypes.c_int
         self._argmax = lib.ps_argmax_rows
@@ -123,33 +126,53 @@ class CpuOps:
         return self._simd_width() >= 256
 
     def f32_panels_available(self) -> bool:
-        """Whether this CPU runs the float32 panel matmul (AVX-512)."""
+        """Whether this CPU runs the panel matmuls (AVX-512, or AVX2 + FMA) within the process's CPU path."""
         return bool(self._f32_ok())
+
+    def panel_width(self) -> int:
+        """The panel kernel that runs here: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (none). Both give the same bits."""
+        return int(self._f32_ok())
 
     def f32_pack(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [N, K] float32 (any strides) in the panel kernel's order: a new 1-D tensor (N rounded up to 48
         columns)."""
-        if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
-            raise ValueError("cpu_ops.f32_pack: a [N, K] float32 CPU tensor")
-        packed = torch.empty(self._f32_size(weight.shape[0], weight.shape[1]), dtype=torch.float32)
-        rc = self._f32_pack(weight.data_ptr(), weight.shape[0], weight.shape[1], weight.stride(0), weight.stride(1),
-                            packed.data_ptr())
+        return self._pack(weight, torch.float32, self._f32_pack)
+
+    def bf16_pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """f32_pack for a bfloat16 weight."""
+        return self._pack(weight, torch.bfloat16, self._bf16_pack)
+
+    def _pack(self, weight: torch.Tensor, dtype: torch.dtype, fn) -> torch.Tensor:
+        if weight.dtype != dtype or weight.device.type != "cpu" or weight.dim() != 2:
+            raise ValueError(f"cpu_ops: the panels take a [N, K] {str(dtype).removeprefix('torch.')} CPU tensor")
+        # NOTE: 64-byte aligned (the kernel's loads): torch's CPU allocator aligns to 64 bytes
+        packed = torch.empty(self._f32_size(weight.shape[0], weight.shape[1]), dtype=dtype)
+        rc = fn(weight.data_ptr(), weight.shape[0], weight.shape[1], weight.stride(0), weight.stride(1),
+                packed.data_ptr())
         if rc != 0:
-            raise ValueError(f"ps_f32_pack_panels refused the weight (code {rc})")
+            raise ValueError(f"the panel packing refused the weight (code {rc})")
         return packed
 
     def f32_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                    bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] @ W.T (+ bias) for the W that f32_pack packed: [M, out_features] float32."""
         self._check(x, packed, *(() if bias is None else (bias,)), dtypes=(torch.float32,))
+        return self.panel_linear(x, packed, out_features, bias)
+
+    def panel_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] @ W.T (+ bias) for the W that f32_pack or bf16_pack packed: [M, out_features] of x's dtype,
+        float32 sums (one FMA chain an output: the same bits at any M)."""
+        self._check(x, packed, *(() if bias is None else (bias,)), dtypes=(torch.float32, torch.bfloat16))
         m, k = x.shape
         if packed.numel() != self._f32_size(out_features, k):
-            raise ValueError(f"cpu_ops.f32_linear: x has {k} features, the packed weight {packed.numel()} elements")
-        out = torch.empty((m, out_features), dtype=torch.float32)
-        rc = self._f32_linear(x.data_ptr(), m, k, packed.data_ptr(), out_features,
-                              None if bias is None else bias.data_ptr(), out.data_ptr())
+            raise ValueError(f"cpu_ops.panel_linear: x has {k} features, the packed weight {packed.numel()} elements")
+        out = torch.empty((m, out_features), dtype=x.dtype)
+        fn = self._f32_linear if x.dtype == torch.float32 else self._bf16_linear
+        rc = fn(x.data_ptr(), m, k, packed.data_ptr(), out_features, None if bias is None else bias.data_ptr(),
+                out.data_ptr())
         if rc != 0:
-            raise ValueError(f"ps_f32_linear refused the call (code {rc})")
+            raise ValueError(f"the panel matmul refused the call (code {rc})")
         return out
 
     def argmax(self, logits: torch.Tensor) -> torch.Tensor:

@@ -58,12 +58,12 @@ def _layout(weight: torch.Tensor) -> torch.Tensor:
     return transposed(weight) if weight.device.type == "cpu" and weight.dtype == torch.float32 else weight
 
 
-def _own(linear: torch.nn.Linear, f32_copy: bool) -> Linear:
+def _own(linear: torch.nn.Linear, f32_copy: bool, invariant: bool) -> Linear:
     """A Linear over `linear`'s weight, re-laid out (the module keeps a view of the new storage)."""
     weight = _layout(linear.weight.detach())
     if weight.data_ptr() != linear.weight.data_ptr():
         linear.weight = torch.nn.Parameter(weight, requires_grad=False)
-    return make_linear(weight, _bias(linear), f32_copy=f32_copy)
+    return make_linear(weight, _bias(linear), f32_copy=f32_copy, invariant=invariant)
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -82,9 +82,13 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 class LeanModel:
-    """forward(input_ids [T], positions [T], step, keep) -> logits [len(keep), vocab]."""
+    """forward(input_ids [T], positions [T], step, keep) -> logits [len(keep), vocab].
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    batch_invariant (asked for): every matmul on one M-invariant kernel (linear.invariant_linear); the norms, adds,
+    SiLU and rotary are row by row already. `self.batch_invariant` says whether that held for every weight (the
+    kernels exist on this CPU, the float32 copies fit)."""
+
+    def __init__(self, model: torch.nn.Module, batch_invariant: bool = False) -> None:
         cfg = model.config
         self.model = model
         inner = model.model
@@ -97,7 +101,8 @@ class LeanModel:
         head_f32 = head.dtype == torch.float32 and head.device.type == "cpu"
         f32_copy = bool(f32 or head_f32) and f32_copies_fit(sum(w.numel() * 4 for w in f32) +
                                                              head_f32 * head.numel() * 4)
-        self.lm_head = make_linear(head, None, vocab=True, f32_copy=f32_copy)
+        inv = batch_invariant
+        self.lm_head = make_linear(head, None, vocab=True, f32_copy=f32_copy, invariant=inv)
         self.rotary = inner.rotary_emb
         self.eps = float(cfg.rms_norm_eps)
         first = inner.layers[0].self_attn
@@ -115,11 +120,14 @@ class LeanModel:
             gu_w, gu_b = _fuse([mlp.gate_proj, mlp.up_proj])
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             self.layers.append(LeanLayer(
-                make_linear(qkv_w, qkv_b, f32_copy=f32_copy), _own(attn.o_proj, f32_copy),
-                make_linear(gu_w, gu_b, f32_copy=f32_copy), _own(mlp.down_proj, f32_copy),
+                make_linear(qkv_w, qkv_b, f32_copy=f32_copy, invariant=inv), _own(attn.o_proj, f32_copy, inv),
+                make_linear(gu_w, gu_b, f32_copy=f32_copy, invariant=inv), _own(mlp.down_proj, f32_copy, inv),
                 layer.input_layernorm.weight.detach(),
                 layer.post_attention_layernorm.weight.detach(),
                 None if q_norm is None else q_norm.weight.detach(), None if k_norm is None else k_norm.weight.detach()))
+        linears = [self.lm_head, *(lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up,
+                                                                              layer.down))]
+        self.batch_invariant = batch_invariant and all(lin.invariant for lin in linears)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step, keep: torch.Tensor) -> torch.Tensor:
         t = input_ids.shape[0]
@@ -171,8 +179,9 @@ def _bias(linear: torch.nn.Linear) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.detach()
 
 
-def build_lean(loaded: LoadedModel) -> tuple[LeanModel | None, str]:
-    """A LeanModel for `loaded`, or None and the reason the transformers path must run it."""
+def build_lean(loaded: LoadedModel, batch_invariant: bool = False) -> tuple[LeanModel | None, str]:
+    """A LeanModel for `loaded` (batch_invariant: see LeanModel), or None and the reason the transformers path must
+    run it."""
     cfg = loaded.model.config
     if getattr(cfg, "hidden_act", None) != "silu":
         return None, f"hidden_act {getattr(cfg, 'hidden_act', None)!r} (lean path: silu only)"
@@ -184,4 +193,4 @@ def build_lean(loaded: LoadedModel) -> tuple[LeanModel | None, str]:
         return None, "not a Llama-family decoder layout"
     if getattr(cfg, "pretraining_tp", 1) != 1:
         return None, "pretraining_tp > 1"
-    return LeanModel(loaded.model), ""
+    return LeanModel(loaded.model, batch_invariant), ""

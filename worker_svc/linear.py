@@ -42,6 +42,7 @@ import torch.nn.functional as F
 log = structlog.get_logger("pagedserve.worker")
 
 KINDS = ("linear", "mm", "onednn")
+UNBOUNDED = 2**62  # an M-invariant kernel's row bound under batch invariance: every call
 PLAIN_ROWS = (256, 384, 512)  # the row counts an onednn shape is timed at against F.linear
 PLAIN_MARGIN = 1.15  # F.linear must be this much faster at a row count (and every larger one) to take it
 # Shapes past this many FLOPs a 512-row call keep oneDNN untimed: timing them would add seconds to a large model's
@@ -71,19 +72,23 @@ class Linear:
     amx: torch.Tensor | None = None  # onednn only: the weight in the AMX kernel's order, for calls of <= AMX_MAX_ROWS
     ops: object | None = None  # the CpuOps that runs `amx` or `panels`
     small: torch.Tensor | None = None  # mm only: oneDNN's prepacked copy, for calls of F32_ONEDNN_ROWS rows
-    panels: torch.Tensor | None = None  # float32: the panel kernel's copy (f32_gemm.cpp), run by `ops`
+    panels: torch.Tensor | None = None  # the panel kernel's copy (f32_gemm.cpp: float32 or bfloat16), run by `ops`
     panel_rows: int = 0  # calls of at most this many rows take `panels`
+    amx_rows: int = AMX_MAX_ROWS  # calls of at most this many rows take `amx`
+    # Batch invariant: every call, whatever its row count, runs one M-invariant kernel (the panels or AMX), so a
+    # row's bits do not depend on the rows beside it (--batch-invariant on).
+    invariant: bool = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.panels is not None and x.shape[0] <= self.panel_rows and x.is_contiguous():
-            return self.ops.f32_linear(x, self.panels, self.out_features, self.bias)
+        if self.panels is not None and x.shape[0] <= self.panel_rows:
+            return self.ops.panel_linear(x.contiguous(), self.panels, self.out_features, self.bias)
         if self.kind == "mm":
             if self.small is not None and F32_ONEDNN_ROWS[0] <= x.shape[0] <= F32_ONEDNN_ROWS[1]:
                 return torch.ops.mkldnn._linear_pointwise(x, self.small, self.bias, "none", [], "")
             return torch.mm(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
         if self.kind == "onednn":
-            if self.amx is not None and x.shape[0] <= AMX_MAX_ROWS and x.is_contiguous():
-                return self.ops.amx_linear(x, self.amx, self.out_features, self.bias)
+            if self.amx is not None and x.shape[0] <= self.amx_rows:
+                return self.ops.amx_linear(x.contiguous(), self.amx, self.out_features, self.bias)
             if self.plain is not None and x.shape[0] >= self.plain_rows:
                 return F.linear(x, self.plain, self.bias)
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
@@ -123,14 +128,19 @@ def _check_onednn(dtype: torch.dtype) -> bool:
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, *, vocab: bool = False,
-                f32_copy: bool = False) -> Linear:
+                f32_copy: bool = False, invariant: bool = False) -> Linear:
     """The fastest layout for `weight` [out, in] on its device; vocab=True for the lm_head (a short K, a long N);
     f32_copy: a float32 weight also gets the panel kernel's copy (else, a layer's: oneDNN's prepacked copy) for
-    small calls (f32_copies_fit)."""
+    small calls (f32_copies_fit); invariant: one M-invariant kernel for every call where this CPU has one
+    (invariant_linear), else the fastest layout and Linear.invariant False."""
     out = int(weight.shape[0])
     weight, bias = weight.detach(), None if bias is None else bias.detach()
     if weight.device.type != "cpu":
         return Linear("linear", weight, bias, out)
+    if invariant:
+        lin = invariant_linear(weight, bias, f32_copy)
+        if lin is not None:
+            return lin
     if (weight.dtype == torch.bfloat16 or (vocab and weight.dtype == torch.float32)) and \
             onednn_available(weight.dtype):
         # NOTE: the row count is only a hint for the blocked layout; any row count runs on it.
@@ -144,7 +154,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, *, vocab: bool 
         # NOTE: a [in, out] contiguous tensor: when `weight` is already the view transposed() made, no copy
         wt = weight.t() if weight.t().is_contiguous() else weight.t().contiguous()
         lin = Linear("mm", wt, bias, out)
-        if f32_copy and panel_ops(weight) is not None:
+        if f32_copy and panel_ops(weight) is not None and panel_ops(weight).panel_width() == 512:
             return _with_panels(lin, weight, F32_PANEL_ROWS)
         if f32_copy and onednn_available(torch.float32):
             lin.small = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), F32_ONEDNN_ROWS[1])
@@ -153,10 +163,39 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, *, vocab: bool 
     return _with_panels(lin, weight, F32_VOCAB_PANEL_ROWS) if vocab and f32_copy else lin
 
 
+def invariant_linear(weight: torch.Tensor, bias: torch.Tensor | None, f32_copy: bool) -> Linear | None:
+    """A Linear whose every call runs one M-invariant kernel: bfloat16 on AMX tiles (amx_gemm.cpp) or, on a CPU
+    without AMX, on the bfloat16 panels; float32 on the panels where their copy fits (f32_copy). None where this
+    CPU has no such kernel for the weight.
+
+    NOTE: the cost is the prefill's: oneDNN's and MKL's kernels are faster there at 256-512 rows (AMX 42.7 ms
+    against oneDNN's 34.6 for the default model's matmuls at 256 rows, bench/amx_chain.py), and which of their
+    kernels runs, so the order of each row's sums, depends on the row count."""
+    out = int(weight.shape[0])
+    if weight.dtype == torch.bfloat16:
+        ops = amx_ops(weight)
+        if ops is not None:
+            return Linear("onednn", weight, bias, out, amx=ops.amx_pack(weight.contiguous()), ops=ops,
+                          amx_rows=UNBOUNDED, invariant=True)
+        ops = panel_ops(weight)
+        if ops is not None:
+            return Linear("linear", weight, bias, out, ops=ops, panels=ops.bf16_pack(weight),
+                          panel_rows=UNBOUNDED, invariant=True)
+        return None
+    if weight.dtype == torch.float32 and f32_copy and panel_ops(weight) is not None:
+        ops = panel_ops(weight)
+        wt = weight.t() if weight.t().is_contiguous() else weight.t().contiguous()
+        return Linear("mm", wt, bias, out, ops=ops, panels=ops.f32_pack(weight), panel_rows=UNBOUNDED,
+                      invariant=True)
+    return None
+
+
 def _with_panels(lin: Linear, weight: torch.Tensor, rows: int) -> Linear:
     """`lin` with the panel kernel's copy of `weight` for calls of at most `rows` rows, where the kernel runs."""
     ops = panel_ops(weight)
-    if ops is not None:
+    # NOTE: the AVX2 kernel was written for batch invariance, not timed against oneDNN's small-call copy: the
+    # fastest layouts keep the panels for AVX-512
+    if ops is not None and ops.panel_width() == 512:
         lin.panels, lin.panel_rows, lin.ops = ops.f32_pack(weight), rows, ops
     return lin
 
@@ -191,14 +230,15 @@ _AMX_OK: list = []
 
 
 def panel_ops(weight: torch.Tensor):
-    """The CpuOps whose float32 panel kernel can run `weight` in this process (a float32 CPU weight): panel_kernel()'s,
-    else None."""
-    return panel_kernel() if weight.dtype == torch.float32 and weight.device.type == "cpu" else None
+    """The CpuOps whose panel kernel can run `weight` in this process (a float32 or bfloat16 CPU weight):
+    panel_kernel()'s, else None."""
+    ok = weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu"
+    return panel_kernel() if ok else None
 
 
 def panel_kernel():
-    """The CpuOps that runs the float32 panel kernel in this process (AVX-512), after a self-check against F.linear
-    (once); else None."""
+    """The CpuOps that runs the panel kernel in this process (AVX-512, or AVX2 + FMA), after a self-check against
+    F.linear (once); else None."""
     if not _PANELS_OK:
         _PANELS_OK.append(_check_panels())
     return _PANELS_OK[0]
@@ -211,15 +251,17 @@ def _check_panels():
     from worker_svc.cpu_ops import shared_ops  # NOTE: here, not at the top: cpu_ops builds the kernel library
 
     ops = shared_ops()
-    if ops is None or not ops.f32_panels_available():
+    if ops is None or not ops.panel_width():
         return None
     gen = torch.Generator().manual_seed(0)
     w = torch.randn(53, 40, generator=gen)
     b = torch.randn(53, generator=gen)
     x = torch.randn(11, 40, generator=gen)
-    got = ops.f32_linear(x, ops.f32_pack(w), 53, b)
-    ok = torch.allclose(got, F.linear(x, w, b), atol=1e-4, rtol=1e-4)
-    log.info("float32 panel matmul", available=bool(ok), max_rows=F32_PANEL_ROWS)
+    ok = torch.allclose(ops.panel_linear(x, ops.f32_pack(w), 53, b), F.linear(x, w, b), atol=1e-4, rtol=1e-4)
+    wb, bb, xb = w.bfloat16(), b.bfloat16(), x.bfloat16()
+    got = ops.panel_linear(xb, ops.bf16_pack(wb), 53, bb).float()
+    ok = ok and torch.allclose(got, F.linear(xb.float(), wb.float(), bb.float()), atol=5e-2, rtol=1e-2)
+    log.info("panel matmul", available=bool(ok), width=ops.panel_width(), max_rows=F32_PANEL_ROWS)
     return ops if ok else None
 
 
@@ -268,9 +310,10 @@ def _calibrated_plain_rows(weight: torch.Tensor, bias: torch.Tensor | None, pack
             seconds[rows] = (_best_of(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")),
                              _best_of(lambda: F.linear(x, weight, bias)))
         _PLAIN_ROWS[key] = choose_plain_rows(seconds)
-        log.info("linear layout timed", out_features=int(weight.shape[0]), in_features=int(weight.shape[1]),
-                 dtype=str(weight.dtype).removeprefix("torch."), plain_from_rows=_PLAIN_ROWS[key],
-                 ms={rows: [round(t * 1e3, 3) for t in pair] for rows, pair in seconds.items()})
+        # NOTE: debug: per-shape timings a user cannot act on (PAGEDSERVE_LOG_LEVEL=debug shows them)
+        log.debug("linear layout timed", out_features=int(weight.shape[0]), in_features=int(weight.shape[1]),
+                  dtype=str(weight.dtype).removeprefix("torch."), plain_from_rows=_PLAIN_ROWS[key],
+                  ms={rows: [round(t * 1e3, 3) for t in pair] for rows, pair in seconds.items()})
     return _PLAIN_ROWS[key]
 
 

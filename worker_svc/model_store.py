@@ -14,7 +14,7 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -210,8 +210,86 @@ def _first_line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
-def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
-    """Dequantise a GGUF checkpoint into an HF model dir (safetensors), writing MARKER last."""
+TENSOR_LOG_PARTS = 4  # without a terminal, `converting tensors` is logged at 0, 25, 50, 75 and 100% of them
+
+
+class TensorProgress:
+    """The tensors of a GGUF file dequantised so far: on a terminal (stderr, with progress bars on) a tqdm bar;
+    otherwise a `converting tensors` log line (converted, total) at the start, at each quarter and at the end."""
+
+    def __init__(self, bar: bool | None = None) -> None:
+        self.bar = _bars_wanted() if bar is None else bar
+        self.total = self.converted = 0
+        self.logged = -1  # the last part logged (0..TENSOR_LOG_PARTS)
+        self._tqdm = None
+
+    def track(self, tensors: Iterable) -> Iterator:
+        """`tensors`, counted as the caller goes through them."""
+        tensors = list(tensors)
+        self.start(len(tensors))
+        for tensor in tensors:
+            yield tensor
+            self.advance()
+
+    def start(self, total: int) -> None:
+        self.total, self.converted, self.logged = total, 0, -1
+        if self.bar:
+            from tqdm import tqdm
+
+            self.close()
+            self._tqdm = tqdm(total=total, desc="converting tensors", unit="tensor", leave=False,
+                              file=sys.stderr)
+        else:
+            self._log()
+
+    def advance(self, n: int = 1) -> None:
+        self.converted += n
+        if self._tqdm is not None:
+            self._tqdm.update(n)
+        elif not self.bar:
+            self._log()
+
+    def close(self) -> None:
+        if self._tqdm is not None:
+            self._tqdm.close()
+            self._tqdm = None
+
+    def _log(self) -> None:
+        part = self.converted * TENSOR_LOG_PARTS // self.total if self.total else TENSOR_LOG_PARTS
+        if part > self.logged:
+            self.logged = part
+            log.info("converting tensors", converted=self.converted, total=self.total)
+
+
+def _bars_wanted() -> bool:
+    """A bar where stderr is a terminal, unless bars are off (TQDM_DISABLE: pagedserve_cli.logs sets it for JSON
+    logs)."""
+    off = os.environ.get("TQDM_DISABLE", "").strip().lower() in ("1", "true", "yes")
+    return not off and sys.stderr.isatty()
+
+
+@contextmanager
+def _tensors_counted(progress: TensorProgress) -> Iterator[None]:
+    """transformers' GGUF loader counting its tensors into `progress`. NOTE: load_gguf_checkpoint goes through the
+    tensors in `for tensor in tqdm(reader.tensors, ...)`, its module's tqdm, with no callback of its own: that name
+    is swapped for progress.track while the loader runs (so not thread-safe: one conversion at a time a process)."""
+    import transformers.modeling_gguf_pytorch_utils as loader
+
+    original = getattr(loader, "tqdm", None)
+    loader.tqdm = lambda iterable, *args, **kwargs: progress.track(iterable)
+    try:
+        yield
+    finally:
+        if original is None:
+            del loader.tqdm
+        else:
+            loader.tqdm = original
+        progress.close()
+
+
+def convert_gguf(gguf_path: Path, out_dir: Path, progress: TensorProgress | None = None) -> None:
+    """Dequantise a GGUF checkpoint into an HF model dir (safetensors), writing MARKER last; the tensors' progress
+    as `progress` shows it (a bar on a terminal, else log lines)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -221,8 +299,14 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     # A model loaded with from_pretrained(gguf_file=...) needs accelerate and refuses save_pretrained,
     # so build the class from its config and load the dequantised tensors ourselves.
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)
+    progress = TensorProgress() if progress is None else progress
+    with _tensors_counted(progress):
+        parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)
     tensors = parsed["tensors"]
+    if not progress.total:  # a transformers that no longer counts through its tqdm: the count at least, once done
+        progress.start(len(tensors))
+        progress.advance(len(tensors))
+        progress.close()
     missing, unexpected = model.load_state_dict(tensors, strict=False)
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     if set(missing) - tied or unexpected:
@@ -235,6 +319,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path) -> None:
     theta = float(parsed["config"]["rope_theta"])
     _patch_json(out_dir / "config.json", rope_theta=theta)
 
+    log.info("converting tokenizer", gguf=fname)  # NOTE: seconds for a real vocabulary, with no bar of its own
     tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=fname)
     tokenizer.save_pretrained(out_dir)
     _patch_json(

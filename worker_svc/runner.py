@@ -34,7 +34,8 @@ class ModelRunner:
     """lean=True runs supported models through LeanModel (fused weights, no HF modules); False, or a model it
     does not support, runs the transformers modules with the pagedserve attention hook."""
 
-    def __init__(self, loaded: LoadedModel, pool: KVPool, backend: AttentionBackend, lean: bool = True) -> None:
+    def __init__(self, loaded: LoadedModel, pool: KVPool, backend: AttentionBackend, lean: bool = True,
+                 batch_invariant: bool = True) -> None:
         self.loaded = loaded
         self.pool = pool
         self.backend = backend
@@ -42,7 +43,27 @@ class ModelRunner:
         self.logits_processor = LogitsProcessor(loaded.vocab_size, loaded.eos_token_ids)
         self.batch = PersistentBatch()
         self.device = pool.kv.device
-        self.lean, self.lean_skip_reason = build_lean(loaded) if lean else (None, "disabled")
+        self.lean, self.lean_skip_reason = build_lean(loaded, batch_invariant) if lean else (None, "disabled")
+        self._invariant_asked = batch_invariant
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Whether a sequence's logits are independent of the batch: the lean forward on M-invariant kernels and an
+        attention backend that keeps every row on one path (the CPU kernel's batch_invariant)."""
+        return not self.batch_invariant_reason
+
+    @property
+    def batch_invariant_reason(self) -> str:
+        """Why the runner is not batch invariant ('' where it is)."""
+        if not self._invariant_asked:
+            return "--batch-invariant off"
+        if self.lean is None:
+            return f"the transformers forward ({self.lean_skip_reason})"
+        if not self.lean.batch_invariant:
+            return "a matmul without an M-invariant kernel on this CPU (or the float32 copies did not fit)"
+        if not getattr(self.backend, "batch_invariant", False):
+            return f"the {getattr(self.backend, 'name', 'attention')} backend"
+        return ""
 
     @property
     def forward_path(self) -> str:

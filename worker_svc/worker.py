@@ -74,7 +74,8 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def make_backend(name: str, device: str, geometry: KVGeometry, int8_qk: str = "auto") -> AttentionBackend:
+def make_backend(name: str, device: str, geometry: KVGeometry, int8_qk: str = "auto",
+                 batch_invariant: bool = True) -> AttentionBackend:
     """The attention backend `--attention-backend name` picks for `device` and the pool's geometry; int8_qk is
     `--int8-qk` (auto|on|off): on is refused (StartupError) wherever the int8 Q.K path cannot run."""
     if name not in ("auto", "cpu", "torch", "cupy"):
@@ -82,6 +83,8 @@ def make_backend(name: str, device: str, geometry: KVGeometry, int8_qk: str = "a
     if int8_qk not in ("auto", "on", "off"):
         raise ValueError(f"int8_qk must be auto, on or off, got {int8_qk!r}")
     backend = _pick_backend(name, device, geometry)
+    if hasattr(backend, "batch_invariant"):
+        backend.batch_invariant = batch_invariant
     if int8_qk == "on":
         if geometry.dtype != "int8":
             raise StartupError(f"--int8-qk on: needs --kv-cache-dtype int8 (this cache is {geometry.dtype})", USAGE)
@@ -145,8 +148,12 @@ def create_runner(cfg: WorkerConfig, backend: AttentionBackend | None = None) ->
         else:
             kv_memory = CPU_KV_MEMORY
     pool = KVPool(geometry, geometry.num_blocks_for(kv_memory), cfg.device, geometry.num_blocks_for(cfg.swap_space))
-    runner = ModelRunner(loaded, pool, backend or make_backend(cfg.attention_backend, cfg.device, geometry, cfg.int8_qk),
-                         lean=not cfg.transformers_forward)
+    invariant = cfg.batch_invariant == "on"
+    backend = backend or make_backend(cfg.attention_backend, cfg.device, geometry, cfg.int8_qk, invariant)
+    runner = ModelRunner(loaded, pool, backend, lean=not cfg.transformers_forward, batch_invariant=invariant)
+    if invariant and not runner.batch_invariant:
+        log.warning("batch invariance is off: a sequence's tokens may depend on the sequences beside it",
+                    reason=runner.batch_invariant_reason)
     reg = WorkerRegistration(model_id=cfg.model, max_model_len=loaded.max_model_len, device=cfg.device,
                              kv_geometry=geometry, num_blocks=pool.num_blocks, num_cpu_blocks=pool.num_cpu_blocks)
     return runner, reg

@@ -49,6 +49,13 @@ COMPARISONS = {
         Side("int8", ["--kv-cache-dtype", "int8"])],
         {"num_requests": 96, "prompt_len": (32, 64), "output_len": (192, 256), "ignore_eos": True,
          "kv_memory": "128MiB", "max_num_seqs": 256, "max_model_len": 512, "ppl_tokens": 4096}),
+    # The invariant side first: the ratios are on / off, the cost of --batch-invariant on (its M-invariant matmuls
+    # at prefill sizes, attention rows kept off AMX tiles). The workload is bench/vs_vllm.sh's headline: 64 requests
+    # at once, prompts 32-256, outputs 16-128, EOS ignored (the same tokens' count on both sides).
+    "batch-invariant": Comparison("mixed", [
+        Side("on", ["--batch-invariant", "on"]),
+        Side("off", ["--batch-invariant", "off"])],
+        {"num_requests": 64, "prompt_len": (32, 256), "output_len": (16, 128), "ignore_eos": True}),
 }
 
 
@@ -170,6 +177,19 @@ def no_prefix_cache_lines(results: list[SideResult]) -> tuple[list[str], str]:
     return rows, last
 
 
+def batch_invariant_lines(results: list[SideResult]) -> tuple[list[str], str]:
+    """The table and the last line: output tokens/s and TTFT with batch invariance on over off."""
+    rows = ["| side | output tok/s | TTFT p50 | ITL p50 | wall |", "| --- | --- | --- | --- | --- |"]
+    for r in results:
+        s = r.summary
+        rows.append(f"| {r.side.name} | {s['output_tok_s']:.1f} | {_f(s['ttft_s']['p50'], '.3f')} s | "
+                    f"{_f(s['itl_s']['p50'], '.4f')} s | {s['wall_s']:.1f} s |")
+    on, off = results
+    last = (f"throughput_ratio_invariant={_ratio(on.summary['output_tok_s'], off.summary['output_tok_s']):.3f} "
+            f"ttft_ratio_invariant={_ratio(on.summary['ttft_s']['p50'], off.summary['ttft_s']['p50']):.3f}")
+    return rows, last
+
+
 def write_outputs(out: Path, args: argparse.Namespace, config: dict, results: list[SideResult],
                   table: list[str], last: str, extra: dict | None = None) -> list[str]:
     """Each side's usual bench files in out/SIDE/, then compare.md, compare.json and the pictures; returns the
@@ -223,7 +243,8 @@ def run(args: argparse.Namespace) -> int:
 
         table, last, extra = kv_int8.report(args, model, results)
     else:
-        lines = static_prealloc_lines if args.compare == "static-prealloc" else no_prefix_cache_lines
+        lines = {"static-prealloc": static_prealloc_lines, "no-prefix-cache": no_prefix_cache_lines,
+                 "batch-invariant": batch_invariant_lines}[args.compare]
         table, last = lines(results)
     names = write_outputs(out, args, config, results, table, last, extra)
     print("\n".join(table))

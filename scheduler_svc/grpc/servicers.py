@@ -9,6 +9,7 @@ import structlog
 
 from pagedserve.v1 import generate_pb2, generate_pb2_grpc, worker_pb2_grpc
 from pagedserve_common import wire
+from pagedserve_common.config import UP_NONCE_METADATA
 from scheduler_svc import request_log
 from scheduler_svc.auth import ApiKeys
 from scheduler_svc.engine import Engine
@@ -17,7 +18,7 @@ from scheduler_svc.frontend.api import FrontEnd
 from scheduler_svc.grpc import convert
 from scheduler_svc.fleet import Lost, bad_result
 from scheduler_svc.tracing import grpc_trace_headers
-from scheduler_svc.worker_auth import WorkerTokens
+from scheduler_svc.worker_auth import WorkerTokens, other_up
 
 log = structlog.get_logger("pagedserve.scheduler")
 
@@ -107,23 +108,30 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
 
 
 class WorkerControlServicer(worker_pb2_grpc.WorkerControlServicer):
-    """With `tokens`, a worker attaches only with a valid `authorization: Bearer TOKEN` (worker_auth)."""
+    """With `tokens`, a worker attaches only with a valid `authorization: Bearer TOKEN`; with `up_nonce` (this
+    scheduler was started by `pagedserve up`), not when it presents another up's nonce (worker_auth)."""
 
-    def __init__(self, engine: Engine, tokens: WorkerTokens | None = None) -> None:
+    def __init__(self, engine: Engine, tokens: WorkerTokens | None = None, up_nonce: str | None = None) -> None:
         self.engine = engine
         self.tokens = tokens
+        self.up_nonce = up_nonce
 
     async def _authenticate(self, context) -> dict[str, str]:
-        """Who is attaching, for the log (peer, the certificate's subject, the token's id); aborts with
-        UNAUTHENTICATED, before anything the peer sent is read, when a token is required and not valid."""
+        """Who is attaching, for the log (peer, the certificate's subject, the token's id); aborts, before anything
+        the peer sent is read, with UNAUTHENTICATED when a token is required and not valid, and with
+        FAILED_PRECONDITION (which the worker exits on: retrying cannot help) when another `up` started it."""
         origin = peer_of(context)
-        if self.tokens is None:
-            return origin
-        token, why = self.tokens.check([v for k, v in context.invocation_metadata() or () if k == "authorization"])
-        if why is not None:
-            log.warning("worker refused", status="UNAUTHENTICATED", message=why, **origin)
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
-        return {**origin, "token_id": token}
+        metadata = context.invocation_metadata() or ()
+        if self.tokens is not None:
+            token, why = self.tokens.check([v for k, v in metadata if k == "authorization"])
+            if why is not None:
+                log.warning("worker refused", status="UNAUTHENTICATED", message=why, **origin)
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+            origin["token_id"] = token
+        if (why := other_up(self.up_nonce, [v for k, v in metadata if k == UP_NONCE_METADATA])) is not None:
+            log.warning("worker refused", status="FAILED_PRECONDITION", message=why, **origin)
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, why)
+        return origin
 
     async def Attach(self, request_iterator, context):
         origin = await self._authenticate(context)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from tests.support.network import CORPUS_MARK
 from worker_svc.models import resolve_dtype
 
 # The tiny model: 2 layers x 2 kv heads x 16 head_dim x 4 bytes x 2 (K, V) = 512 bytes per token, 8 KiB a block.
@@ -102,6 +103,7 @@ KV_INT8_LAST = re.compile(r"^blocks_ratio=(\d+\.\d{4}) concurrency_ratio=(\d+\.\
                           r"ppl_delta_pct=(-?\d+\.\d\d)$")
 
 
+@CORPUS_MARK  # --ppl-tokens: the perplexity corpus
 def test_kv_int8_registers_the_pool_bytes_blocks_of_each_cache_and_scores_both(tiny_served_model, tmp_path):
     # The tiny model's float32 cache takes 512 bytes a token (8 KiB a block: 80 blocks); int8 2 x 2 x 2 x (16 + 4)
     # = 160 (2,560 bytes a block: 256 blocks in the same bytes).

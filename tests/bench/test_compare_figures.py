@@ -13,8 +13,6 @@ from pagedserve_cli.bench.compare import COMPARISONS, Side, SideResult, no_prefi
     static_prealloc_lines
 from pagedserve_cli.bench.kv_sampler import KVUsage, summarize_usage, usage_of
 from pagedserve_cli.bench.spawn import SpawnConfig, up_argv
-from pagedserve_common.defaults import DEFAULT_MODEL
-from worker_svc.model_store import resolve_model
 
 
 def state(num_blocks: int, seqs: list[tuple[str, list[int], int]], mode: str = "paged", num_waiting: int = 0,
@@ -125,15 +123,15 @@ def test_each_side_changes_one_up_flag_and_shares_the_rest():
         "--max-model-len", "2048", "--no-prefix-caching"]
 
 
-def test_capacity_at_512mib_gives_int8_at_least_3_7_times_the_float32_blocks():
+def test_capacity_at_512mib_gives_int8_at_least_3_7_times_the_float32_blocks(default_model):
     # The default model's config.json (SmolLM2-135M: 30 layers, 3 kv heads, head_dim 64), as the bench reads it.
-    caps = kv_int8.model_capacities(str(resolve_model(DEFAULT_MODEL)), 512 << 20)
+    caps = kv_int8.model_capacities(str(default_model), 512 << 20)
     # bytes per token: 2 x 30 x 3 x 64 x dtype bytes, plus 2 x 30 x 3 x 4 of scales for the 8-bit caches
     assert [(c.dtype, c.bytes_per_token, c.num_blocks) for c in caps] == [
         ("float32", 46_080, 728), ("bfloat16", 23_040, 1456), ("int8", 12_240, 2741), ("fp8_e4m3", 12_240, 2741)]
     assert caps[2].num_blocks >= 3.7 * caps[0].num_blocks
     rows = kv_int8.capacity_lines({"512MiB": caps, "128MiB": kv_int8.model_capacities(
-        str(resolve_model(DEFAULT_MODEL)), 128 << 20)})
+        str(default_model), 128 << 20)})
     assert rows[0] == ("| KV cache | bytes per token | blocks at 512MiB | x float32 | blocks at 128MiB | "
                        "x float32 |")
     assert rows[2] == "| float32 | 46,080 | 728 | 1.00 | 182 | 1.00 |"

@@ -10,13 +10,11 @@ from pagedserve_cli.bench import workloads
 from pagedserve_cli.bench.workloads import (WORKLOADS, BenchRequest, build_workload, dump_jsonl, load_jsonl,
                                             parse_range)
 from scheduler_svc.frontend.tokenizer import Tokenizer
-from pagedserve_common.defaults import DEFAULT_MODEL
-from worker_svc.model_store import resolve_model
 
 
 @pytest.fixture(scope="module")
-def tok() -> Tokenizer:
-    return Tokenizer.from_model_dir(resolve_model(DEFAULT_MODEL))
+def tok(default_model) -> Tokenizer:
+    return Tokenizer.from_model_dir(default_model)
 
 
 def as_bytes(reqs: list[BenchRequest]) -> bytes:

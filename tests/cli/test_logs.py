@@ -80,3 +80,33 @@ def test_the_log_format_can_be_chosen():
                          timeout=300, env=env)
     assert (out.returncode, out.stderr.strip()) == (2, "pagedserve scheduler: error: environment variable "
                                                        "PAGEDSERVE_LOG_FORMAT: expected json or console, got 'yaml'")
+
+
+LEVELLED = """
+import structlog
+from pagedserve_cli.logs import configure
+configure()
+structlog.get_logger("t").debug("linear layout timed", ms={256: [0.1, 0.2]})
+structlog.get_logger("t").info("worker ready")
+"""
+
+
+def test_debug_lines_show_only_when_pagedserve_log_level_asks_for_them():
+    """Detail a user cannot act on (per-shape timings) is logged at debug: hidden by default,
+    PAGEDSERVE_LOG_LEVEL=debug shows it; a bad level is a usage error naming the variable."""
+    env = {k: v for k, v in os.environ.items() if k != "PAGEDSERVE_LOG_LEVEL"}
+
+    def events(**extra: str) -> list[tuple[str, str]]:
+        out = subprocess.run([sys.executable, "-c", LEVELLED], capture_output=True, text=True, timeout=300,
+                             env={**env, **extra})
+        assert out.returncode == 0, out.stderr
+        return [(e["level"], e["event"]) for e in map(json.loads, out.stderr.splitlines())]
+
+    assert events() == [("info", "worker ready")]
+    assert events(PAGEDSERVE_LOG_LEVEL="debug") == [("debug", "linear layout timed"), ("info", "worker ready")]
+    assert events(PAGEDSERVE_LOG_LEVEL="WARNING") == []
+    out = subprocess.run([sys.executable, "-m", "pagedserve_cli.main", "scheduler"], capture_output=True, text=True,
+                         timeout=300, env={**env, "PAGEDSERVE_LOG_LEVEL": "loud"})
+    assert (out.returncode, out.stderr.strip()) == (2, "pagedserve scheduler: error: environment variable "
+                                                       "PAGEDSERVE_LOG_LEVEL: expected debug, info, warning, error, "
+                                                       "got 'loud'")

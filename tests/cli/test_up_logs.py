@@ -37,9 +37,13 @@ def test_each_childs_last_error_is_kept(capfd):
     assert "scheduler" not in relay.last_error
     relay.line("scheduler", "pagedserve scheduler: error: --http 127.0.0.1:8000: address already in use")
     relay.line("worker-0", json.dumps({"event": "the scheduler refused this worker", "level": "error"}))
+    # an error's details (the reason of a refusal) are part of it
+    relay.line("worker-1", json.dumps({"event": "the scheduler refused this worker", "level": "error",
+                                       "code": "FAILED_PRECONDITION", "details": "another up's scheduler"}))
     assert relay.last_error == {"scheduler": "--http 127.0.0.1:8000: address already in use",
-                                "worker-0": "the scheduler refused this worker"}
-    assert [json.loads(line)["level"] for line in lines_of(capfd)] == ["info", "error", "error"]
+                                "worker-0": "the scheduler refused this worker",
+                                "worker-1": "the scheduler refused this worker: another up's scheduler"}
+    assert [json.loads(line)["level"] for line in lines_of(capfd)] == ["info", "error", "error", "error"]
 
 
 def test_on_a_terminal_lines_keep_their_text_behind_the_process_name(capfd):

@@ -14,8 +14,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scheduler_svc.frontend import DetokenizeResult, IncrementalDetokenizer, Tokenizer
-from pagedserve_common.defaults import DEFAULT_MODEL
-from worker_svc.model_store import resolve_model
 
 TEXTS = [
     "Hello, world!",
@@ -41,8 +39,8 @@ HYP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthChe
 
 
 @pytest.fixture(scope="module")
-def model_dir():
-    return resolve_model(DEFAULT_MODEL)
+def model_dir(default_model):
+    return default_model
 
 
 @pytest.fixture(scope="module")

@@ -10,15 +10,14 @@ import pytest
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend import Tokenizer
 from scheduler_svc.frontend.pool import INLINE_CHARS, INLINE_TOKENS, TokenizerPool
-from pagedserve_common.defaults import DEFAULT_MODEL
-from worker_svc.model_store import resolve_model
+from tests.support.network import default_model_dir
 
 LONG = "The quick brown fox jumps over the lazy dog. " * (INLINE_CHARS // 20)
 
 
 @functools.cache
 def tokenizer() -> Tokenizer:
-    return Tokenizer.from_model_dir(resolve_model(DEFAULT_MODEL))
+    return Tokenizer.from_model_dir(default_model_dir())
 
 
 def run(coro):

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import grpc
 import pytest
@@ -20,14 +21,15 @@ from pagedserve_common.ports import free_port
 from tests.service.conftest import save_tiny_served_model
 from tests.support.fake_hub import FakeHub, Repo, files_of
 from tests.support.processes import children, stop_all, up
+from tests.support.tiny_gguf import NUM_TENSORS, write_tiny_gguf
 
 PAGEDSERVE = [sys.executable, "-m", "pagedserve_cli.main"]
 LOCAL_HINT = "pass a local model instead: --model DIR (a Hugging Face model directory) or --model FILE.gguf"
 
 
 @pytest.fixture(scope="module")
-def tiny_files(tmp_path_factory) -> dict[str, bytes]:
-    return files_of(save_tiny_served_model(tmp_path_factory.mktemp("tiny-hub-model")))
+def tiny_files(tmp_path_factory, default_model) -> dict[str, bytes]:
+    return files_of(save_tiny_served_model(tmp_path_factory.mktemp("tiny-hub-model"), default_model))
 
 
 @pytest.fixture
@@ -105,6 +107,25 @@ def test_model_pull_fetches_a_hub_revision_logging_each_stage_and_prints_its_dir
     assert (fetching["model"], fetching["revision"], fetching["endpoint"]) == ("org/tiny", "v1", hub.url)
     assert fetched["commit"] == hub.v1 and fetched["bytes"] == sum(map(len, hub.repos["org/tiny"].commits[
         hub.v1].values())) and fetched["num_files"] == 6
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory) -> Path:
+    return write_tiny_gguf(tmp_path_factory.mktemp("gguf") / "tiny.gguf")
+
+
+def test_model_pull_converting_a_gguf_file_logs_each_stage_and_the_tensors_by_quarters(tiny_gguf, tmp_path):
+    """stderr no terminal: no bar, but the conversion's stages as lines, the tensors at 0, 25, 50, 75 and 100%."""
+    out = run(["model", "pull", str(tiny_gguf)], env_for(tmp_path))
+    assert out.returncode == 0, out.stderr
+    logs, other = split_stderr(out.stderr)
+    assert other == [], out.stderr  # no progress bars in a log
+    assert [e["event"] for e in logs] == ["converting model", *["converting tensors"] * 5, "converting tokenizer",
+                                          "pulled model"], out.stderr
+    quarter = NUM_TENSORS // 4
+    assert [(e["converted"], e["total"]) for e in logs if e["event"] == "converting tensors"] == [
+        (n, NUM_TENSORS) for n in (0, quarter, 2 * quarter, 3 * quarter, NUM_TENSORS)]
+    assert out.stdout.strip() == logs[-1]["path"]
 
 
 @pytest.mark.parametrize("command", ["scheduler", "worker"])

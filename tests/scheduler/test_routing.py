@@ -1,4 +1,5 @@
-"""The router over real per-worker Schedulers: exact prefix holdings, pending prefills, the load bound."""
+"""The router over real per-worker Schedulers: exact prefix holdings, pending prefills, the load bound, and when
+a prefix is worth a busier worker."""
 
 from __future__ import annotations
 
@@ -10,10 +11,12 @@ import pytest
 from scheduler_svc.core.request import Request
 from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from scheduler_svc.routing import Router, chain_hashes
+from scheduler_svc.routing import Load, RouteDecision, Router, chain_hashes
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 SYSTEM = list(range(100, 132))  # two full blocks of 16
+CHAT = list(range(200, 224))  # a chat template's system prefix: 24 tokens, one full block (SmolLM2's is 24)
+DOC = list(range(1000, 1160))  # a long shared document: ten full blocks
 
 
 @dataclass
@@ -33,6 +36,33 @@ def prefill(w: W, request_id: str, prompt: list[int]) -> None:
     w.scheduler.add_request(Request(request_id, prompt, GREEDY))
     plan = w.scheduler.schedule()
     w.scheduler.update(plan, {s.seq_id: 1 for s in plan.new_seqs})
+
+
+def cache(w: W, prompt: list[int]) -> None:
+    """`prompt`'s full blocks in the worker's prefix cache, and nothing left running there (load 0)."""
+    prefill(w, "warm", prompt)
+    w.scheduler.abort("warm")
+    assert w.scheduler.num_pending_tokens == 0
+
+
+def load(w: W, tokens: int) -> None:
+    """Adds `tokens` pending tokens to the worker: queued requests of filler prompt tokens (sharing nothing with
+    the tests' prefixes) + 4 to generate each."""
+    before = w.scheduler.num_pending_tokens
+    for i, start in enumerate(range(0, tokens, 200)):
+        w.scheduler.add_request(Request(f"load{before}-{i}", [9] * (min(200, tokens - start) - 4), GREEDY))
+    assert w.scheduler.num_pending_tokens == before + tokens
+
+
+def burst(router: Router, workers: list[W], prompts: list[list[int]]) -> list[str]:
+    """Routes and queues each prompt in turn, none of them run: the engine's path for a burst of requests."""
+    out = []
+    for i, prompt in enumerate(prompts):
+        w = next(w for w in workers if w.worker_id == router.choose(workers, prompt, None).worker_id)
+        w.scheduler.add_request(Request(f"b{i}", prompt, SamplingParams(max_tokens=16, ignore_eos=True)))
+        router.routed(f"b{i}", w.worker_id, prompt, 16)
+        out.append(w.worker_id)
+    return out
 
 
 def test_kv_routes_to_the_worker_that_holds_the_prefix_and_says_how_much():
@@ -62,23 +92,70 @@ def test_a_burst_sharing_a_prefix_follows_the_first_prompt_before_it_has_run():
     assert first.worker_id == "worker-0"  # nothing held anywhere, equal loads: the first worker
     a.scheduler.add_request(Request("r0", SYSTEM + [1], GREEDY))
     router.routed("r0", "worker-0", SYSTEM + [1], 16)
-    # worker-0 is now the loaded one, but it holds the prefix (queued there): it takes the next one too.
-    assert router.choose([a, b], SYSTEM + [2], None).worker_id == "worker-0"
-    assert router.choose([a, b], SYSTEM + [2], None).cached_tokens == 32
+    # worker-0 is now the loaded one (37 tokens), but it holds the prefix (queued there), worth 4 x 32: it takes
+    # the next one too.
+    assert router.choose([a, b], SYSTEM + [2], None) == RouteDecision("worker-0", 32)
     router.prefilled("r0")  # no longer pending (and it never ran, so nothing is cached): by load again
     assert router.choose([a, b], SYSTEM + [2], None).worker_id == "worker-1"
 
 
-def test_a_worker_loaded_beyond_the_bound_gets_no_more_of_its_hot_prefix():
+def test_a_shared_chat_system_prompt_spreads_over_two_workers():
+    # Issue 48: every chat request shares the template's system prefix. One block is worth 4 x 16 tokens of lead:
+    # the holder takes the second request (60 tokens ahead), not the third (121 ahead): that one goes to the idle
+    # worker, and once both hold the prefix, load alone decides.
     a, b = fleet(num_blocks=64)
-    prefill(a, "warm", SYSTEM + [1])
-    for i in range(4):  # each adds its prompt and its output budget to a's pending tokens
-        a.scheduler.add_request(Request(f"q{i}", [9] * 20, GREEDY))
-    # warm: 1 token to compute (the one it sampled) + 3 more to generate; each q: 20 + 4.
-    assert (a.scheduler.num_pending_tokens, b.scheduler.num_pending_tokens) == (4 + 4 * 24, 0)
-    # The bound is 1.5 x the least loaded worker's pending tokens (0) + the slack.
-    assert Router("kv", balance_slack_tokens=99).choose([a, b], SYSTEM + [2], None).worker_id == "worker-1"
-    assert Router("kv", balance_slack_tokens=100).choose([a, b], SYSTEM + [2], None).worker_id == "worker-0"
+    prompts = [CHAT + [300 + i] * (20 + i) for i in range(8)]  # 44 to 51 tokens, 16 to generate each
+    assert burst(Router("kv"), [a, b], prompts) == ["worker-0", "worker-0", "worker-1", "worker-1"] + \
+        ["worker-0", "worker-1"] * 2
+    # Both cache it now: the lighter one takes the next, even though the other one served it first.
+    a2, b2 = fleet()
+    cache(a2, CHAT + [1])
+    cache(b2, CHAT + [2])
+    load(a2, 10)
+    assert Router("kv").choose([a2, b2], CHAT + [3], None) == RouteDecision("worker-1", 16)
+
+
+def test_a_short_prefix_stays_with_its_holder_only_while_its_lead_is_under_4x_what_it_holds():
+    for lead, expected in [(127, "worker-1"), (128, "worker-0"), (129, "worker-0")]:  # 128: a tie, the lighter
+        a, b = fleet()
+        cache(b, SYSTEM + [1])
+        load(a, 100)
+        load(b, 100 + lead)
+        # Within the bound: b's 100 + lead <= 1.5 x the average (200 + lead + 74) / 2.
+        assert Router("kv").choose([a, b], SYSTEM + [5] * 42, None).worker_id == expected, lead
+
+
+def test_a_long_shared_document_goes_to_its_holder_while_within_the_bound():
+    # DOC is 160 tokens, worth 640 of lead: the bound decides here. With one idle worker, the holder is within
+    # 1.5 x the average while its load <= 0.75 x (its load + the 162-token prompt), i.e. <= 486 tokens.
+    for holder_load, expected in [(0, "worker-1"), (300, "worker-1"), (486, "worker-1"), (487, "worker-0")]:
+        a, b = fleet()
+        cache(b, DOC + [1])
+        if holder_load:
+            load(b, holder_load)
+        decision = Router("kv").choose([a, b], DOC + [7, 8], None)
+        assert (decision.worker_id, decision.cached_tokens) == \
+            (expected, 160 if expected == "worker-1" else 0), holder_load
+
+
+def test_a_hot_prefix_spreads_once_its_holder_exceeds_the_bound_and_its_overflow_follows_one_second_holder():
+    a, b, c = fleet(3, num_blocks=128)
+    cache(a, DOC + [1])
+    prompts = [DOC + [7, 8 + i] for i in range(10)]  # 162 tokens + 16 to generate each: 178 pending
+    # The second request finds worker-0 178 tokens ahead, beyond 1.5 x the average (178 + 162) / 3: the idle ones
+    # tie, the first of them takes it. From then on worker-1 holds the document too (queued there), so the
+    # overflow of either holder goes to the other, as bounded-load consistent hashing sends a key's overflow to
+    # its next worker, not everywhere; worker-2 gets the document once the holders are 712 tokens ahead of it,
+    # more than the 4 x 160 it saves.
+    assert burst(Router("kv"), [a, b, c], prompts) == ["worker-0", "worker-1"] * 4 + ["worker-2"] * 2
+
+
+def test_the_bound_is_relative_so_small_requests_balance_too():
+    router = Router("kv")
+    assert router.within_bound([Load(0, 0), Load(0, 0)], 50) == [0, 1]
+    assert router.within_bound([Load(60, 1), Load(0, 0)], 50) == [0, 1]  # 60 <= 1.5 x 110 / 2
+    assert router.within_bound([Load(151, 2), Load(0, 0)], 50) == [1]  # 151 > 1.5 x 201 / 2: no slack at all
+    assert router.within_bound([Load(10**6, 9), Load(10**6, 9), Load(0, 0)], 1) == [0, 1, 2]
 
 
 def test_least_loaded_and_round_robin():
@@ -98,6 +175,8 @@ def test_chain_hashes_cover_full_blocks_short_of_the_last_token():
     assert chain_hashes(list(range(33)), 16, "s") != chain_hashes(list(range(33)), 16)
 
 
-def test_unknown_policy_is_refused():
+def test_unknown_policy_and_negative_knobs_are_refused():
     with pytest.raises(ValueError, match="routing must be one of kv, least-loaded, round-robin"):
         Router("random")
+    with pytest.raises(ValueError, match="balance_eps and hit_weight must be >= 0"):
+        Router("kv", balance_eps=-0.1)

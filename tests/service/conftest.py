@@ -18,9 +18,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
+from tests.support.network import default_model_dir
 from tests.support.worker import TINY
-from pagedserve_common.defaults import DEFAULT_MODEL
-from worker_svc.model_store import resolve_model
 from pagedserve_common.ports import free_port  # noqa: F401 - the tests import it from here
 
 KV_MEMORY = 40 * 16 * 512  # 40 blocks of 16 tokens: 2 (K, V) x 2 layers x 2 kv heads x 16 head_dim x 4 bytes
@@ -135,14 +134,15 @@ def wait_until(cond, timeout: float = 120.0, interval: float = 0.05) -> None:
 
 
 @pytest.fixture(scope="session")
-def tiny_served_model(tmp_path_factory) -> str:
+def tiny_served_model(tmp_path_factory, default_model) -> str:
     """A tiny random Llama that speaks SmolLM2's vocabulary (so text prompts and stop strings work)."""
-    return save_tiny_served_model(tmp_path_factory.mktemp("tiny-served"))
+    return save_tiny_served_model(tmp_path_factory.mktemp("tiny-served"), default_model)
 
 
-def save_tiny_served_model(path) -> str:
-    """Writes tiny_served_model's model into the folder `path` (bench/load.py serves it too)."""
-    src = resolve_model(DEFAULT_MODEL)
+def save_tiny_served_model(path, default_model: Path | None = None) -> str:
+    """Writes tiny_served_model's model into the folder `path` (bench/load.py serves it too), with the tokenizer of
+    `default_model` (the default model's directory; found or pulled when not given)."""
+    src = Path(default_model) if default_model is not None else default_model_dir()
     torch.manual_seed(0)
     config = LlamaConfig(**{**TINY, "vocab_size": 49152, "eos_token_id": 2, "bos_token_id": 1})
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)

@@ -20,15 +20,14 @@ from scheduler_svc.http.app import create_app
 from scheduler_svc.http.connections import ConnectionLimits
 from scheduler_svc.http.server import HttpServer
 from tests.service.conftest import free_port
-from pagedserve_common.defaults import DEFAULT_MODEL
-from worker_svc.model_store import resolve_model
+from tests.support.network import default_model_dir
 
 TOKEN = 7  # what a ScriptedWorker samples, for every sequence
 
 
 @functools.cache
 def tokenizer() -> Tokenizer:
-    return Tokenizer.from_model_dir(resolve_model(DEFAULT_MODEL))
+    return Tokenizer.from_model_dir(default_model_dir())
 
 
 def with_server(api_keys: list[str] | ApiKeys | None = None, **engine_kwargs):

@@ -23,15 +23,22 @@ CASES = [
     {"name": "chat", "messages": [{"role": "user", "content": "Say hello."}]},
 ]
 
-pytestmark = pytest.mark.skipif(shutil.which("node") is None,
-                                reason="node is not on PATH: the Node.js example client cannot run")
+
+def _installed() -> bool:
+    """Whether examples/node/node_modules holds the lock file's dependencies (newer than the lock file)."""
+    marker = NODE_DIR / "node_modules" / ".package-lock.json"  # npm writes it on every install
+    return marker.exists() and marker.stat().st_mtime >= (NODE_DIR / "package-lock.json").stat().st_mtime
+
+
+pytestmark = [pytest.mark.skipif(shutil.which("node") is None,
+                                 reason="node is not on PATH: the Node.js example client cannot run"),
+              pytest.mark.network("npm", why="npm ci installs examples/node's locked dependencies",
+                                  unless=_installed)]
 
 
 def _npm_ci() -> None:
     """Installs examples/node's locked dependencies unless node_modules is already newer than the lock file."""
-    modules, lock = NODE_DIR / "node_modules", NODE_DIR / "package-lock.json"
-    marker = modules / ".package-lock.json"  # npm writes it on every install
-    if marker.exists() and marker.stat().st_mtime >= lock.stat().st_mtime:
+    if _installed():
         return
     assert shutil.which("npm"), "examples/node/node_modules needs installing, but npm is not on PATH"
     r = subprocess.run(["npm", "ci", "--no-audit", "--no-fund"], cwd=NODE_DIR, capture_output=True, text=True,

@@ -14,13 +14,11 @@ import torch
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from pagedserve_common.defaults import DEFAULT_MODEL
 from scheduler_svc.frontend import Tokenizer
 from tests.service.conftest import started_service, wait_until
 from tests.support.service import idle
 from pagedserve_common.sampling import SamplingParams
 from tests.support.worker import assert_same_within_ties, reference_model, reference_rules
-from worker_svc.model_store import resolve_model
 
 NEW = 40
 POEM = [{"role": "user", "content": "Write a short poem about the sea."}]
@@ -28,8 +26,8 @@ HI = [{"role": "user", "content": "Say hi."}]  # greedy: 24 tokens, then EOS
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(resolve_model(DEFAULT_MODEL))
+def model_dir(default_model) -> str:
+    return str(default_model)
 
 
 @pytest.fixture(scope="module")

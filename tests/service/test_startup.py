@@ -92,15 +92,19 @@ def test_a_model_directory_without_its_files_names_the_model(tiny_served_model, 
     assert failure(out, "worker").startswith(f"--model {half}: cannot load it from {half}: ")
 
 
-def test_under_up_a_child_that_fails_to_start_ends_up_with_its_line(tiny_served_model, taken):
-    """Every line JSON naming its process (stderr is a pipe here), the last one up's, quoting the scheduler's."""
-    out = subprocess.run([*EXE, "up", "--model", tiny_served_model, "--http", taken, "--listen",
-                          f"127.0.0.1:{free_port()}", "--worker-listen", f"127.0.0.1:{free_port()}", "--metrics", "",
+def test_under_up_a_child_that_fails_to_start_ends_up_with_its_line(tiny_served_model, tmp_path):
+    """Every line JSON naming its process (stderr is a pipe here), the last one up's, quoting the scheduler's.
+    (A taken port is up's own check now: the scheduler fails on a malformed --tenant-weights file instead.)"""
+    weights = tmp_path / "weights"
+    weights.write_text("# tenant weight\nteam a 2\nteam-b 0\n")
+    out = subprocess.run([*EXE, "up", "--model", tiny_served_model, "--http", f"127.0.0.1:{free_port()}",
+                          "--listen", f"127.0.0.1:{free_port()}", "--worker-listen", f"127.0.0.1:{free_port()}",
+                          "--metrics", "", "--tenant-weights", str(weights), "--scheduling-policy", "fair",
                           "--kv-memory", "4MiB", "--threads", "1"], capture_output=True, text=True, timeout=600)
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     lines = [json.loads(line) for line in out.stderr.splitlines()]
     assert {e["process"] for e in lines} <= {"up", "scheduler", "worker-0"}
-    why = f"--http {taken}: address already in use (pass another --http HOST:PORT, or '' for none)"
+    why = f"--tenant-weights {weights}:3: the weight must be > 0 and <= 1e+06, got 0"
     assert (lines[-1]["process"], lines[-1]["level"]) == ("up", "error")
     assert lines[-1]["event"] == f"scheduler exited during start-up (exit code 1): {why}"
     assert [e for e in lines if e["process"] == "scheduler" and e["level"] == "error"] == [

@@ -16,19 +16,17 @@ from pydantic import BaseModel, Field
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from pagedserve_common.defaults import DEFAULT_MODEL
 from tests.service.conftest import started_service
 from tests.support.service import assert_idle_and_serving, no_error_logged
 from tests.support.structured_schemas import SCHEMAS
-from worker_svc.model_store import resolve_model
 
 MAX_TOKENS = 512  # room: the longest of the twenty takes ~120 tokens greedy; a string of odd characters more
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(tmp_path_factory, default_model):
     log = tmp_path_factory.mktemp("structured") / "scheduler.log"
-    with started_service(str(resolve_model(DEFAULT_MODEL)), "--max-num-seqs", "32", kv_memory="256MiB",
+    with started_service(str(default_model), "--max-num-seqs", "32", kv_memory="256MiB",
                          log=log) as s:
         yield s
 

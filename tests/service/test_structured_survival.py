@@ -19,9 +19,8 @@ import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from pagedserve_common.defaults import DEFAULT_MODEL
 from tests.service.conftest import EXACT, free_port, metric_value, scrape
-from worker_svc.model_store import resolve_model
+from tests.support.network import default_model_dir
 
 EXE = [sys.executable, "-m", "pagedserve_cli.main"]
 # Exactly 24 numbers: ~50-75 tokens, long enough to be mid-way when disturbed, short enough to always complete.
@@ -35,7 +34,7 @@ STEP_TIMEOUT = 10
 
 class Fleet:
     def __init__(self) -> None:
-        self.model = str(resolve_model(DEFAULT_MODEL))
+        self.model = str(default_model_dir())
         self.listen, self.worker_listen, self.metrics = (f"127.0.0.1:{free_port()}" for _ in range(3))
         self.procs = [subprocess.Popen([*EXE, "scheduler", "--model", self.model, "--listen", self.listen,
                                         "--worker-listen", self.worker_listen, "--metrics", self.metrics,

@@ -10,9 +10,7 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from pagedserve_common.defaults import DEFAULT_MODEL
 from tests.service.conftest import started_service
-from worker_svc.model_store import resolve_model
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -82,8 +80,8 @@ def test_a_history_with_a_tool_call_and_the_tools_answer_renders(service, client
 
 # -- the default model, --tool-call-parser hermes ------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def model_service():
-    with started_service(str(resolve_model(DEFAULT_MODEL)), "--tool-call-parser", "hermes",
+def model_service(default_model):
+    with started_service(str(default_model), "--tool-call-parser", "hermes",
                          kv_memory=str(256 << 20)) as s:
         yield s
 

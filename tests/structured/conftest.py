@@ -6,18 +6,16 @@ import asyncio
 
 import pytest
 
-from pagedserve_common.defaults import DEFAULT_MODEL
 from scheduler_svc.frontend import Tokenizer
 from scheduler_svc.structured import GrammarCompiler
-from worker_svc.model_store import resolve_model
 
 VOCAB = 49152
 EOS = 2
 
 
 @pytest.fixture(scope="session")
-def tokenizer() -> Tokenizer:
-    return Tokenizer.from_model_dir(resolve_model(DEFAULT_MODEL))
+def tokenizer(default_model) -> Tokenizer:
+    return Tokenizer.from_model_dir(default_model)
 
 
 @pytest.fixture(scope="session")

@@ -47,6 +47,16 @@ class LocalDriver:
         self.logprobs[request_id] = [[] for _ in range(n)]
         return request_id
 
+    def move_to(self, other: LocalDriver) -> None:
+        """This worker is lost: its scheduler releases every unfinished request (Handover.release_all) and `other`
+        adopts them, recomputing each from its prompt and the tokens it has streamed (what the engine does)."""
+        for req in self.scheduler.release_all():
+            other.scheduler.adopt(req)
+            other.outputs[req.request_id] = self.outputs.pop(req.request_id)
+            other.logprobs[req.request_id] = self.logprobs.pop(req.request_id)
+        other.outputs.update(self.outputs)  # the finished ones, so that `other` answers for all
+        self.outputs = {}
+
     def run(self, max_steps: int = 1_000_000) -> dict[str, list[list[int]]]:
         """Runs until every request finished; returns each request's generated tokens, one list per sample."""
         sched = self.scheduler

@@ -1,7 +1,8 @@
 """worker_svc/f32_gemm.cpp through CpuOps: the float32 panel matmul against a float64 reference (row groups of 8
 and their remainders, a last panel of fewer than 48 columns, bias, K not a multiple of anything), its batch and
 thread-count invariance, weights packed from either storage order; Linear takes it up to its panel_rows and keeps
-its other path beyond. Skipped where the CPU has no AVX-512 (nothing runs it there)."""
+its other path beyond (batch invariance off; on, every call: tests/worker/test_panel_paths.py). Skipped where the CPU
+has no AVX-512 (the AVX2 kernel's bits are the same: test_panel_paths)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from worker_svc.cpu_ops import shared_ops
 from worker_svc.linear import F32_PANEL_ROWS, F32_VOCAB_PANEL_ROWS, make_linear, transposed
 
 OPS = shared_ops()
-pytestmark = pytest.mark.skipif(OPS is None or not OPS.f32_panels_available(),
+pytestmark = pytest.mark.skipif(OPS is None or OPS.panel_width() != 512,
                                 reason="no AVX-512 on this CPU: the kernel never runs here")
 
 
@@ -84,9 +85,9 @@ def test_a_float32_weight_with_its_copy_takes_the_panels_up_to_panel_rows_and_it
     calls = []
 
     class Watched:  # the real kernel, its calls counted (another kernel's bits may equal ours: not a sign)
-        def f32_linear(self, *args):
+        def panel_linear(self, *args):
             calls.append(args[0].shape[0])
-            return OPS.f32_linear(*args)
+            return OPS.panel_linear(*args)
 
     lin.ops = Watched()
     for rows in (1, limit, limit + 1):

@@ -10,7 +10,6 @@ from pagedserve_common.startup import USAGE, StartupError
 from tests.support.driver import GREEDY, LocalDriver
 from worker_svc.attention import cpu_backend
 from worker_svc.kv_pool import KVPool
-from worker_svc.model_store import resolve_model
 from worker_svc.models import load_model
 from worker_svc.runner import ModelRunner
 from worker_svc.worker import make_backend
@@ -83,7 +82,7 @@ def reference_gaps(loaded, prompt: list[int], tokens: list[int]) -> list[float]:
     return (top[:, 0] - top[:, 1]).tolist()
 
 
-def test_default_model_greedy_tokens_with_an_int8_cache_match_the_torch_backend():
+def test_default_model_greedy_tokens_with_an_int8_cache_match_the_torch_backend(default_model):
     # Both backends read the same int8 codes x scales (the write is quant.quantize in both): the kernel's
     # in-block dequantisation must give the torch backend's gather-and-dequantise greedy tokens. NOTE: not
     # bit-equal logits: each layer's K/V is quantised from the previous layers' outputs, where the two backends'
@@ -93,7 +92,7 @@ def test_default_model_greedy_tokens_with_an_int8_cache_match_the_torch_backend(
     from transformers import AutoTokenizer
 
     torch.set_num_threads(1)
-    model_dir = str(resolve_model("smollm2-135m-instruct"))
+    model_dir = str(default_model)
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tok(t)["input_ids"] for t in PROMPTS]
     loaded = load_model(model_dir, dtype="float32")

@@ -9,14 +9,14 @@ from transformers import AutoModelForCausalLM
 from pagedserve_cli.bench.corpus import corpus_token_ids
 from pagedserve_cli.bench.greedy import agreement, greedy_tokens, held_out_prompts
 from pagedserve_cli.bench.perplexity import compare, kl_sum, nll, perplexity, scoring_runner, sibling_runner
-from worker_svc.model_store import resolve_model
+from tests.support.network import CORPUS_MARK
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(resolve_model("smollm2-135m-instruct"))
+def model_dir(default_model) -> str:
+    return str(default_model)
 
 
 @pytest.fixture(scope="module")
@@ -30,6 +30,7 @@ def runner(model_dir):
     return scoring_runner(model_dir, "float32", kv_memory=64 << 20, threads=1)
 
 
+@CORPUS_MARK
 def test_float32_cache_perplexity_is_transformers_own(model_dir, text, runner):
     """One 512-token window prefilled 128 tokens per step (each chunk reading the earlier chunks' KV from the
     pool) scores the same summed NLL as transformers' forward over the whole window."""
@@ -43,6 +44,7 @@ def test_float32_cache_perplexity_is_transformers_own(model_dir, text, runner):
     assert abs(scored.nll_sum - expected) <= 1e-4 * expected, (scored.nll_sum, expected)
 
 
+@CORPUS_MARK
 def test_8bit_caches_stay_within_the_bounds_and_their_kl_against_float32_is_small(text, runner):
     runners = {"float32": runner, "int8": sibling_runner(runner, "int8"),
                "fp8_e4m3": sibling_runner(runner, "fp8_e4m3")}
@@ -55,6 +57,7 @@ def test_8bit_caches_stay_within_the_bounds_and_their_kl_against_float32_is_smal
     assert 0 < scored["int8"].mean_kl < scored["fp8_e4m3"].mean_kl < 0.05
 
 
+@CORPUS_MARK
 def test_a_cache_dtype_against_itself_on_another_pool_has_kl_zero(text, runner):
     twin = sibling_runner(runner, "float32")
     scored = compare({"float32": runner, "twin": twin}, "float32", text[:256], window=256, chunk=128)
@@ -67,6 +70,7 @@ def test_kl_of_a_distribution_against_itself_is_zero_and_positive_otherwise():
     assert kl_sum(p, p + 0.1 * torch.randn(300, 64)) > 0
 
 
+@CORPUS_MARK
 def test_greedy_agreement_of_a_runner_with_itself_is_total(text, runner):
     prompts = held_out_prompts(text, 1024, num_prompts=4, prompt_len=32)
     first, again = greedy_tokens(runner, prompts, 16, batch=3), greedy_tokens(runner, prompts, 16)

@@ -17,7 +17,6 @@ from scheduler_svc.core.scheduler import Scheduler
 from tests.support.driver import LocalDriver
 from tests.support.quantised import assert_same_up_to_noise
 from worker_svc.kv_pool import KVPool
-from worker_svc.model_store import resolve_model
 from worker_svc.models import load_model
 from worker_svc.runner import ModelRunner
 from worker_svc.worker import make_backend
@@ -35,8 +34,8 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True,
 
 
 @pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(resolve_model("smollm2-135m-instruct"))
+def model_dir(default_model) -> str:
+    return str(default_model)
 
 
 @pytest.fixture(scope="module")

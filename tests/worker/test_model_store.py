@@ -1,5 +1,6 @@
 """Tests for worker_svc.model_store: spec resolution, cache behaviour, and the real converted default model."""
 
+import io
 import json
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import torch
 
 from worker_svc import model_store
 from tests.service.conftest import wait_until
+from tests.support.tiny_gguf import NUM_TENSORS, write_tiny_gguf
 from worker_svc.model_store import DEFAULT_MODEL, MARKER, pull, resolve_model
 
 
@@ -135,6 +137,24 @@ def test_lossless_dtype_picks_smallest_exact_type():
     assert pick({"a": torch.tensor([1.0 + 2**-10])}) == torch.float16
     assert pick({"a": torch.tensor([1.0]), "b": torch.tensor([1.0 + 2**-20])}) == torch.float32
     assert pick({"a": torch.tensor([1e6 + 1.0])}) == torch.float32  # f16 overflows, bf16 rounds
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_converting_a_gguf_on_a_terminal_shows_a_bar_over_the_tensors_and_logs_no_quarters(tmp_path, monkeypatch):
+    """On a terminal a tqdm bar counts the tensors dequantised (elsewhere a line per quarter: tests/models)."""
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf")
+    monkeypatch.setattr(sys, "stderr", terminal := _Terminal())
+    monkeypatch.delenv("TQDM_DISABLE", raising=False)
+    progress = model_store.TensorProgress()
+    assert progress.bar
+    model_store.convert_gguf(gguf, tmp_path / "model", progress)
+    assert (tmp_path / "model" / MARKER).is_file()
+    assert progress.converted == progress.total == NUM_TENSORS and progress.logged == -1  # no line logged
+    assert "converting tensors:   0%|" in terminal.getvalue() and f"0/{NUM_TENSORS}" in terminal.getvalue()
 
 
 @pytest.mark.slow

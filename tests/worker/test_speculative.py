@@ -211,12 +211,11 @@ def test_plans_with_drafts_the_worker_cannot_verify_are_refused(runner):
 
 
 @pytest.mark.slow
-def test_the_default_models_greedy_tokens_are_the_same_with_drafts():
+def test_the_default_models_greedy_tokens_are_the_same_with_drafts(default_model):
     """SmolLM2 in float32 on the production path, asked to repeat a passage (drafts mostly accepted) and to write
     freely (mostly refused): the same tokens as plain decoding, and drafts accepted."""
     from transformers import AutoTokenizer
-    from worker_svc.model_store import resolve_model
-    model_dir = str(resolve_model("smollm2-135m-instruct"))
+    model_dir = str(default_model)
     tok = AutoTokenizer.from_pretrained(model_dir)
     passage = ("It was a bright cold day in April, and the clocks were striking thirteen. Winston Smith, his chin "
                "nuzzled into his breast in an effort to escape the vile wind, slipped quickly through the glass doors.")

@@ -14,7 +14,7 @@ import numpy as np
 import structlog
 import torch
 
-from worker_svc import cpu_features
+from worker_svc import cpu_features, cpu_path
 from worker_svc.attention.backend import check_shapes
 from worker_svc.attention.metadata import AttentionMetadata
 from worker_svc.attention.torch_backend import TorchAttentionBackend
@@ -28,11 +28,12 @@ OPS_SOURCE = Path(__file__).parents[1] / "cpu_ops.cpp"
 AMX_SOURCE = Path(__file__).parents[1] / "amx_gemm.cpp"
 F32_SOURCE = Path(__file__).parents[1] / "f32_gemm.cpp"
 F32_OPS_SOURCE = Path(__file__).parents[1] / "f32_ops.cpp"
+PATH_SOURCE = Path(__file__).parents[1] / "cpu_path.cpp"
 
 
 def _sources() -> tuple[Path, ...]:
     # NOTE: read at each build: tests swap SOURCE for a broken copy
-    return SOURCE, OPS_SOURCE, AMX_SOURCE, F32_SOURCE, F32_OPS_SOURCE
+    return SOURCE, OPS_SOURCE, AMX_SOURCE, F32_SOURCE, F32_OPS_SOURCE, PATH_SOURCE
 
 
 def _sources_text() -> str:
@@ -46,6 +47,7 @@ Q_TILE = 16  # prefill query tokens per work item (x group heads = rows sharing 
 # 512-token chunk after 1,536 tokens, and SDPA 1.2x faster for a fresh 2,048-token one; the CPU's default budget is
 # 512 tokens a step, so by default every chunk stays here.
 MAX_KERNEL_Q_LEN = 512
+NO_Q_LEN_LIMIT = 2**62  # a batch-invariant backend's: every chunk in the kernel, whatever its length
 
 # `--int8-qk auto`: whether an int8 cache takes the int8 Q.K path where the kernel has one (VNNI). Decided by
 # measurement (README "### Kernels"): bench/kv_attention_long.py for speed against dequantise-then-float, and the
@@ -121,30 +123,48 @@ def prebuilt_library(cpu_flags: set[str] | None = None) -> Path | None:
     return None
 
 
-def build_library(compiler: str = "g++") -> Path:
-    """The compiled kernel library: built for this CPU on first use (cached by source, flags, compiler and CPU);
-    without a compiler, the best prebuilt portable build."""
+def build_library(compiler: str = "g++", path: cpu_path.CpuPath | None = None) -> Path:
+    """The compiled kernel library for `path` (default: the process's CPU path): built for this CPU, or the path's
+    -march, on first use (cached by source, flags, compiler and CPU); without a compiler, the best prebuilt portable
+    build.
+
+    NOTE: each path has a file of its own, even where two share the flags (amx, avx512-bf16 and native): a file is
+    loaded once per process, and the cap load_library sets lives in it."""
+    path = path or cpu_path.current()
     cxx = shutil.which(compiler)
     if cxx is None:
         prebuilt = prebuilt_library()
         if prebuilt is not None:
             return prebuilt
         raise RuntimeError(f"{compiler} is not installed and no prebuilt kernel fits this CPU in {prebuilt_dir()}")
+    flags = FLAGS if path.target == "native" else _portable_flags(path.target)
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([_sources_text(), *FLAGS, version, cpu_features.cpu_signature()]).encode())
-    out = cache_dir() / f"paged_attention_cpu-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256("\0".join([_sources_text(), *flags, version, cpu_features.cpu_signature()]).encode())
+    digest = key.hexdigest()[:16]
+    out = cache_dir() / (f"paged_attention_cpu-{digest}.so" if path.name == "native" else
+                         f"paged_attention_cpu-{path.name}-{digest}.so")
     if out.exists():
         return out
-    return _compile(cxx, FLAGS, out)
+    same_build = cache_dir() / f"paged_attention_cpu-{digest}.so"
+    if path.target == "native" and same_build.exists():  # the native build's bits under another name (see NOTE)
+        tmp = out.with_suffix(f".{os.getpid()}.tmp")
+        shutil.copyfile(same_build, tmp)
+        os.replace(tmp, out)
+        return out
+    return _compile(cxx, flags, out)
 
 
-def load_library(path: Path | None = None) -> ctypes.CDLL:
-    """The kernel library at `path` (default: build_library's), with its function's signature declared."""
-    lib = ctypes.CDLL(str(path or build_library()))
+def load_library(path: Path | None = None, cpu: cpu_path.CpuPath | None = None) -> ctypes.CDLL:
+    """The kernel library at `path` (default: build_library's for `cpu`, the process's CPU path), with its functions'
+    signatures declared and its run-time feature checks capped to `cpu`."""
+    cpu = cpu or cpu_path.current()
+    lib = ctypes.CDLL(str(path or build_library(path=cpu)))
+    lib.ps_set_cpu_path_cap.argtypes, lib.ps_set_cpu_path_cap.restype = [ctypes.c_int], None
+    lib.ps_set_cpu_path_cap(cpu.cap)
     fn = lib.ps_paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int, _ptr, ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
-                   _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64, _i64, ctypes.c_int]
+                   _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64, _i64, ctypes.c_int, ctypes.c_int]
     lib.ps_write_kv.restype = ctypes.c_int
     lib.ps_write_kv.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64]
     lib.ps_dequantize.restype = ctypes.c_int
@@ -190,9 +210,13 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     name = "cpu"
 
-    def __init__(self, lib: ctypes.CDLL | None = None, int8_qk: bool = False) -> None:
+    def __init__(self, lib: ctypes.CDLL | None = None, int8_qk: bool = False, batch_invariant: bool = True) -> None:
         super().__init__()
         self.lib = lib or load_library()
+        # Batch invariant (--batch-invariant on): a query row's bits do not depend on the rows beside it, its
+        # chunk's length or whether it is a decode: no AMX tiles for 16-row prefill tiles, and no hand-off of long
+        # chunks to SDPA.
+        self.batch_invariant = batch_invariant
         self._fn = self.lib.ps_paged_attention
         if int8_qk and int8_qk_width(self.lib) == 0:
             raise ValueError("the int8 Q.K path needs a kernel built for a CPU with AVX-512 VNNI or AVX-VNNI")
@@ -240,15 +264,16 @@ class CpuAttentionBackend(TorchAttentionBackend):
         bt = meta.block_tables
         qsl, lens = np.ascontiguousarray(meta.query_start_loc_host), np.ascontiguousarray(meta.seq_lens_host)
         int8_qk = self.int8_qk and kv_layer.dtype == torch.int8
+        max_q_len = NO_Q_LEN_LIMIT if self.batch_invariant else MAX_KERNEL_Q_LEN
         rc = self._fn(q.data_ptr(), q.stride(0), q.stride(1), kv_layer.data_ptr(), POOL_DTYPES[kv_layer.dtype],
                       None if kv_scales is None else kv_scales.data_ptr(), int(int8_qk),
                       out.data_ptr(), qsl.ctypes.data, lens.ctypes.data,
                       bt.data_ptr(), bt.stride(0) if bt.dim() == 2 else 0, meta.num_seqs, num_heads,
                       num_kv_heads, head_dim, kv_layer.shape[1], kv_layer.shape[2], float(scale), Q_TILE,
-                      MAX_KERNEL_Q_LEN, int(io_bf16))
+                      max_q_len, int(io_bf16), int(self.batch_invariant))
         if rc != 0:
             raise ValueError(f"paged_attention_cpu rejected the shapes (code {rc})")
-        if meta.max_query_len > MAX_KERNEL_Q_LEN:
+        if meta.max_query_len > max_q_len:
             self._prefills(q, kv_layer, meta, scale, out, min_q_len=MAX_KERNEL_Q_LEN + 1, kv_scales=kv_scales)
         return out if out.dtype == query.dtype else out.to(query.dtype)
 

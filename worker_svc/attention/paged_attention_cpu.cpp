@@ -217,6 +217,12 @@ inline void scores(const float* q, const float* keys, int64_t stride, int64_t n,
       out[k + 2] = _mm512_reduce_add_ps(a2);
       out[k + 3] = _mm512_reduce_add_ps(a3);
     }
+    for (; k < n; ++k) {  // the last n % 4 keys: each the same FMA chain and sum as in a group of 4
+      const float* k0 = keys + k * stride;
+      __m512 a0 = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D; d += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), _mm512_loadu_ps(k0 + d), a0);
+      out[k] = _mm512_reduce_add_ps(a0);
+    }
   }
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
@@ -236,12 +242,19 @@ inline void scores(const float* q, const float* keys, int64_t stride, int64_t n,
       out[k + 2] = hsum8(a2);
       out[k + 3] = hsum8(a3);
     }
+    for (; k < n; ++k) {  // the last n % 4 keys: each the same FMA chain and sum as in a group of 4
+      const float* k0 = keys + k * stride;
+      __m256 a0 = _mm256_setzero_ps();
+      for (int64_t d = 0; d < D; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), _mm256_loadu_ps(k0 + d), a0);
+      out[k] = hsum8(a0);
+    }
   }
 #endif
+  // NOTE: in order, no `omp simd reduction`: how GCC splits a reduction depends on the alignment it peels for,
+  // which differs between threads' scratch rows, so a row's bits would depend on the thread and tile it ran in.
   for (; k < n; ++k) {
     const float* kk = keys + k * stride;
     float dot = 0.0f;
-#pragma omp simd reduction(+ : dot)
     for (int64_t d = 0; d < D; ++d) dot += q[d] * kk[d];
     out[k] = dot;
   }
@@ -881,12 +894,14 @@ inline void group_step(const float* q, float* acc, float* m, float* l, const int
 #define PS_BF16_DOT 1
 #define PS_BF16_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 
+extern "C" int ps_cpu_path_cap();  // cpu_path.cpp: 3 and up let a CPU's AVX512-BF16 be used
+
 bool bf16_dot_available() {
   static const bool ok = [] {
     unsigned a, b, c, d;
     return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5)) != 0;  // CPUID.(7,1):EAX[5] AVX512_BF16
   }();
-  return ok;
+  return ok && ps_cpu_path_cap() >= 3;
 }
 
 PS_BF16_TARGET inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh>(v); }
@@ -1179,6 +1194,7 @@ struct Args {
   int64_t num_heads, num_kv_heads, head_dim, num_blocks, block_size, q_tile, max_q_len;
   float scale;
   bool int8_qk;
+  bool invariant;  // batch invariant: a row's path never depends on how many rows its item holds (no AMX tiles)
 };
 
 // One work item: sequence b, kv head h, query tokens [t0, t1) of the sequence's chunk, all `group` query
@@ -1236,7 +1252,9 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, co
 #if defined(PS_BF16_DOT)
   thread_local std::vector<uint16_t> qbits;
   if constexpr (std::is_same_v<T, uint16_t>) {
-    amx_qk = fast16 && rows >= kAmxMinRows && ps_amx_init();
+    // NOTE: AMX's sums run in another order than the dot products' (other bits): a batch-invariant call keeps every
+    // row on the dot path, whether it is a decode's or one of a 16-token prefill tile's.
+    amx_qk = fast16 && !a.invariant && rows >= kAmxMinRows && ps_amx_init();
     dot = fast16 && a.io_bf16 && bf16_dot_available();
   }
   if (amx_qk || dot) {
@@ -1363,11 +1381,9 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, co
       const float m_new = bmax > m[r] ? bmax : m[r];
       const float corr = fast_exp(m[r] - m_new);  // m[r] = -inf on the first block: corr = 0
       float psum = 0.0f;
-#pragma omp simd reduction(+ : psum)
-      for (int64_t k = 0; k < n; ++k) {
-        p[k] = fast_exp(p[k] - m_new);
-        psum += p[k];
-      }
+#pragma omp simd
+      for (int64_t k = 0; k < n; ++k) p[k] = fast_exp(p[k] - m_new);
+      for (int64_t k = 0; k < n; ++k) psum += p[k];  // in order: see scores()
       l[r] = l[r] * corr + psum;
       m[r] = m_new;
       accumulate(abuf + r * D, corr, p, vb, stride, n, D);
@@ -1491,7 +1507,8 @@ int ps_dequantize(const void* codes, int dtype, const float* scales, int64_t n, 
 
 // dtype: a Dtype. io_bf16 = 0: the query and output are float32; 1: bfloat16 (a bfloat16 model's: on a bfloat16
 // pool and a CPU with AVX512-BF16 its steps take the bf16 dot products, P rounded to bf16). scales: an 8-bit cache's float32 scales (see the top), null
-// for float pools. int8_qk: Q.K in int8 (an int8 cache, a build with ps_int8_qk_width() > 0). Sequences whose
+// for float pools. batch_invariant: every query row takes the same arithmetic whatever its item's row count (a
+// decode's row and the same row in a prefill tile: the same bits). int8_qk: Q.K in int8 (an int8 cache, a build with ps_int8_qk_width() > 0). Sequences whose
 // q_len exceeds max_q_len are skipped (their rows of `out` are left as they are): long prefill chunks are
 // GEMM-shaped work that the caller hands to a matmul-based attention instead.
 // Returns 0, or 1 (shapes the kernel has no instance for), 2 (unknown dtype), 3 (scales missing or given to a
@@ -1500,7 +1517,7 @@ int ps_paged_attention(const void* q, int64_t q_stride_t, int64_t q_stride_h, co
                        const float* scales, int int8_qk, void* out, const int64_t* qsl, const int64_t* seq_lens,
                        const int32_t* block_tables, int64_t bt_stride, int64_t num_seqs, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale,
-                       int64_t q_tile, int64_t max_q_len, int io_bf16) {
+                       int64_t q_tile, int64_t max_q_len, int io_bf16, int batch_invariant) {
   if (head_dim > kMaxHeadDim || block_size > kMaxBlock || num_heads % num_kv_heads ||
       num_heads / num_kv_heads > kMaxRows)
     return 1;
@@ -1508,7 +1525,8 @@ int ps_paged_attention(const void* q, int64_t q_stride_t, int64_t q_stride_h, co
   if ((dtype >= kInt8) != (scales != nullptr)) return 3;
   if (int8_qk && (dtype != kInt8 || PS_INT8_QK == 0)) return 4;
   Args a{q, q_stride_t, q_stride_h, kv, scales, out, io_bf16 != 0, qsl, seq_lens, block_tables, bt_stride, num_heads,
-         num_kv_heads, head_dim, num_blocks, block_size, q_tile, max_q_len, scale, int8_qk != 0};
+         num_kv_heads, head_dim, num_blocks, block_size, q_tile, max_q_len, scale, int8_qk != 0,
+         batch_invariant != 0};
   switch (dtype) {
     case kFloat32: run<float>(a, num_seqs); break;
     case kBFloat16: run<uint16_t>(a, num_seqs); break;

@@ -65,8 +65,11 @@ def test_a_large_decode_batch_gives_each_sequence_its_bits_alone(backend, dtype)
         assert torch.equal(batch[i:i + 1], alone), i
 
 
-def test_long_chunks_go_to_sdpa_and_short_ones_to_the_kernel(backend, monkeypatch):
-    # q_len above MAX_KERNEL_Q_LEN is computed by the SDPA path: poison it, and only those rows change.
+@pytest.mark.parametrize("invariant", [False, True])
+def test_long_chunks_go_to_sdpa_and_short_ones_to_the_kernel(monkeypatch, invariant):
+    # q_len above MAX_KERNEL_Q_LEN is computed by the SDPA path: poison it, and only those rows change; a
+    # batch-invariant backend keeps every chunk in the kernel (SDPA's sums are another order).
+    backend = CpuAttentionBackend(batch_invariant=invariant)
     long_q = cpu_backend.MAX_KERNEL_Q_LEN + 5
     lens, q_lens = [300, 40, long_q, 90], [1, 40, long_q, 30]
     need = [-(-s // 16) for s in lens]
@@ -84,7 +87,7 @@ def test_long_chunks_go_to_sdpa_and_short_ones_to_the_kernel(backend, monkeypatc
     monkeypatch.setattr(backend, "_prefills", poison)
     out = backend.forward(query, pool, meta, 0.125)
     rows = torch.zeros(sum(q_lens), dtype=torch.bool)
-    rows[41:41 + long_q] = True  # after the decode row and the 40-token chunk
+    rows[41:41 + long_q] = not invariant  # after the decode row and the 40-token chunk
     assert (out[rows] == 7.0).all() and not (out[~rows] == 7.0).any()
 
 
@@ -290,10 +293,11 @@ def test_bfloat16_queries_take_the_bf16_paths_and_float32_ones_do_not(tmp_path, 
     (tmp_path / "broken.cpp").write_text(broken)
     monkeypatch.setattr(cpu_backend, "SOURCE", tmp_path / "broken.cpp")
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
-    bad = CpuAttentionBackend()
+    # AMX tiles run only where batch invariance is off (a batch-invariant call keeps every row on the dot path)
+    bad = CpuAttentionBackend(batch_invariant=path == "dot")
     if not cpu_backend.bf16_dot(bad.lib):
         pytest.skip("this CPU has no AVX512-BF16 (or its build no AVX-512): bfloat16 queries take the float path")
-    amx = bool(bad.lib.ps_amx_init())
+    amx = bool(bad.lib.ps_amx_init()) and not bad.batch_invariant
     if path == "amx" and not amx:
         pytest.skip("this CPU has no AMX-BF16: prefill tiles take the dot path")
     rng = np.random.default_rng(11)
