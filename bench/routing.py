@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere without installing
 
-from pagedserve_cli.bench.workloads import BenchRequest, TextSource, build_workload  # noqa: E402
+from pagedserve_cli.bench.workloads import BenchRequest, TextSource, build_workload, chat_requests  # noqa: E402
 from pagedserve_common.step import StepPlan  # noqa: E402
 from scheduler_svc.core.request import Request  # noqa: E402
 from pagedserve_common.sampling import SamplingParams  # noqa: E402
@@ -78,22 +78,12 @@ class PolicyResult:
 
 
 def chat_workload(tokenizer, num_requests: int, seed: int = 0, system_len: int = 0) -> list[BenchRequest]:
-    """Chat requests through the model's chat template, one user turn each (32 to 96 tokens of the built-in text),
-    outputs lognormal like build_workload's (median 64, 16 to 256). Every prompt shares ONE system prefix: the
-    template's default system prompt (issue 48: 24 tokens with SmolLM2's, one full block), or a system message of
-    `system_len` tokens of the built-in text. The case where a prefix every worker can hold must not pin all traffic
-    to the worker that served it first."""
+    """`pagedserve bench --workload chat`'s requests (workloads.chat_requests: user turns of 32 to 96 tokens, outputs
+    lognormal, median 64, 16 to 256), optionally with a system message of `system_len` tokens instead of the
+    template's default system prompt."""
     rng = random.Random(seed)
-    text = TextSource(tokenizer)
-    system = tokenizer.decode(text.take(rng, system_len)) if system_len else None
-    out = []
-    for _ in range(num_requests):
-        user = tokenizer.decode(text.take(rng, rng.randint(32, 96))).strip()
-        messages = [{"role": "system", "content": system}] if system else []
-        prompt = tokenizer.encode_chat([*messages, {"role": "user", "content": user}])
-        max_tokens = min(256, max(16, round(rng.lognormvariate(math.log(64), 0.8))))
-        out.append(BenchRequest(max_tokens, tuple(prompt)))
-    return out
+    outputs = [min(256, max(16, round(rng.lognormvariate(math.log(64), 0.8)))) for _ in range(num_requests)]
+    return chat_requests(rng, tokenizer, TextSource(tokenizer), outputs, (32, 96), system_len)
 
 
 def poisson_arrivals(n: int, rate: float, seed: int) -> list[float]:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-WORKLOADS = ("mixed", "shared-prefix", "multi-tenant", "edit")
+WORKLOADS = ("mixed", "shared-prefix", "multi-tenant", "edit", "chat")
 
 # Plain English written for this file; prompts are cut from it, sentence order shuffled by the seed.
 _TEXT = """\
@@ -154,6 +154,21 @@ def _edit_requests(rng: random.Random, tokenizer: TokenizerLike, num_requests: i
     return out
 
 
+def chat_requests(rng: random.Random, tokenizer, text: TextSource, outputs: list[int], turn_len: tuple[int, int],
+                  system_len: int = 0) -> list[BenchRequest]:
+    """One chat request a output length: a user turn of turn_len tokens of the built-in text through the model's
+    chat template (`tokenizer.encode_chat`). Every prompt shares ONE system prefix: the template's default system
+    prompt (24 tokens with SmolLM2's: one full block), or a system message of `system_len` tokens of the text. The
+    case where a prefix every worker can hold must not pin all traffic to one worker (issue 48)."""
+    system = tokenizer.decode(text.take(rng, system_len)) if system_len else None
+    out = []
+    for num_out in outputs:
+        user = tokenizer.decode(text.take(rng, rng.randint(*turn_len))).strip()
+        messages = [{"role": "system", "content": system}] if system else []
+        out.append(BenchRequest(num_out, tuple(tokenizer.encode_chat([*messages, {"role": "user", "content": user}]))))
+    return out
+
+
 def build_workload(name: str, tokenizer: TokenizerLike, num_requests: int, seed: int = 0,
                    prompt_len: tuple[int, int] | None = None, output_len: tuple[int, int] | None = None,
                    num_tenants: int = 4, max_model_len: int = 2048) -> list[BenchRequest]:
@@ -164,6 +179,8 @@ def build_workload(name: str, tokenizer: TokenizerLike, num_requests: int, seed:
     multi-tenant: num_tenants distinct ~500-token system prompts, one picked per request, plus a user turn.
     Outputs: lognormal (median 64, clipped to [16, 256]) or uniform in output_len.
     edit: _edit_requests (speculative decoding's case: outputs that copy the prompt).
+    chat: chat_requests (one user turn of prompt_len, default 32:96, through the chat template: every prompt shares
+    the template's system prefix).
     """
     if name not in WORKLOADS:
         raise ValueError(f"unknown workload {name!r} (expected one of {', '.join(WORKLOADS)} or a .jsonl file)")
@@ -174,6 +191,8 @@ def build_workload(name: str, tokenizer: TokenizerLike, num_requests: int, seed:
         return _edit_requests(rng, tokenizer, num_requests, prompt_len, output_len, max_model_len)
     text = TextSource(tokenizer)
     outputs = _lengths(rng, num_requests, output_len, 64, 0.8, 16, 256)
+    if name == "chat":
+        return chat_requests(rng, tokenizer, text, outputs, prompt_len or (32, 96))
     if name == "mixed":
         prompts = _lengths(rng, num_requests, prompt_len, 96, 1.0, 16, max(16, min(1024, max_model_len // 2)))
         return [BenchRequest(o, tuple(text.take(rng, p))) for p, o in zip(prompts, outputs)]
