@@ -120,6 +120,10 @@ class CpuOps:
             raise ValueError(f"ps_amx_linear_bf16 refused the call (code {rc})")
         return out
 
+    def simd_width(self) -> int:
+        """The build's widest vector path: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (scalar)."""
+        return int(self._simd_width())
+
     def vector_f32(self) -> bool:
         """Whether this build's float32 fused ops are vectorised (AVX2 or AVX-512; a portable x86-64-v2 build's are
         scalar)."""

@@ -154,7 +154,7 @@ def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, *, vocab: bool 
         # NOTE: a [in, out] contiguous tensor: when `weight` is already the view transposed() made, no copy
         wt = weight.t() if weight.t().is_contiguous() else weight.t().contiguous()
         lin = Linear("mm", wt, bias, out)
-        if f32_copy and panel_ops(weight) is not None and panel_ops(weight).panel_width() == 512:
+        if f32_copy and fast_panel_ops(weight) is not None:
             return _with_panels(lin, weight, F32_PANEL_ROWS)
         if f32_copy and onednn_available(torch.float32):
             lin.small = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), F32_ONEDNN_ROWS[1])
@@ -192,10 +192,8 @@ def invariant_linear(weight: torch.Tensor, bias: torch.Tensor | None, f32_copy: 
 
 def _with_panels(lin: Linear, weight: torch.Tensor, rows: int) -> Linear:
     """`lin` with the panel kernel's copy of `weight` for calls of at most `rows` rows, where the kernel runs."""
-    ops = panel_ops(weight)
-    # NOTE: the AVX2 kernel was written for batch invariance, not timed against oneDNN's small-call copy: the
-    # fastest layouts keep the panels for AVX-512
-    if ops is not None and ops.panel_width() == 512:
+    ops = fast_panel_ops(weight)
+    if ops is not None:
         lin.panels, lin.panel_rows, lin.ops = ops.f32_pack(weight), rows, ops
     return lin
 
@@ -234,6 +232,14 @@ def panel_ops(weight: torch.Tensor):
     panel_kernel()'s, else None."""
     ok = weight.dtype in (torch.float32, torch.bfloat16) and weight.device.type == "cpu"
     return panel_kernel() if ok else None
+
+
+def fast_panel_ops(weight: torch.Tensor):
+    """panel_ops(weight) where its kernel is the AVX-512 one, else None: the layouts chosen for speed (batch
+    invariance off) take the panels there only. NOTE: the AVX2 kernel was written for batch invariance and not timed
+    against oneDNN's small-call copy."""
+    ops = panel_ops(weight)
+    return ops if ops is not None and ops.panel_width() == 512 else None
 
 
 def panel_kernel():

@@ -32,13 +32,12 @@ NEW_TOKENS = 10
 RESULT = "invariance-result: "
 
 
-def _runner(model_dir: str, dtype: str, kv_cache_dtype: str, num_blocks: int):
+def _runner(loaded, kv_cache_dtype: str, num_blocks: int):
+    """A worker's runner over `loaded` (runners share a loaded model's weights: the lean layout is made once)."""
     from worker_svc.kv_pool import KVPool
-    from worker_svc.models import load_model
     from worker_svc.runner import ModelRunner
     from worker_svc.worker import make_backend
 
-    loaded = load_model(model_dir, dtype=dtype)
     pool = KVPool(loaded.kv_geometry(16, kv_cache_dtype), num_blocks)
     return ModelRunner(loaded, pool, make_backend("cpu", "cpu", pool.geometry), batch_invariant=True)
 
@@ -66,9 +65,12 @@ def run_cases(model_dir: str, dtype: str, kv_cache_dtype: str) -> dict:
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tok(t)["input_ids"] for t in PROMPTS]
-    big = _runner(model_dir, dtype, kv_cache_dtype, 256)
-    small = _runner(model_dir, dtype, kv_cache_dtype, 12)
-    other = _runner(model_dir, dtype, kv_cache_dtype, 256)  # the worker a migration moves to
+    from worker_svc.models import load_model
+
+    loaded = load_model(model_dir, dtype=dtype)
+    big = _runner(loaded, kv_cache_dtype, 256)
+    small = _runner(loaded, kv_cache_dtype, 12)
+    other = _runner(loaded, kv_cache_dtype, 256)  # the worker a migration moves to
     rng = random.Random(0)
     noise = _noise(rng, big.loaded.vocab_size, len(prompts))
     cases: dict[str, list[list[int]]] = {}

@@ -28,14 +28,27 @@ def _randn(*shape, seed=0, scale=1.0):
     return (scale * torch.randn(*shape, generator=torch.Generator().manual_seed(seed))).to(BF16)
 
 
+def _same_or_two_ulps(got: torch.Tensor, want: torch.Tensor, exact: bool) -> bool:
+    """Bit-equal where `exact`, else within two bfloat16 ulps: a sum of squares in another order than torch's moves
+    the row's scale by <= dim x 2^-24 relative (~3e-5, far below half a bfloat16 ulp, 2^-9), so each of the two
+    roundings to bfloat16 after it (x * scale, then w * that) may land one ulp away at most."""
+    if exact:
+        return torch.equal(got, want)
+    ulps = (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()  # same sign: one ulp a step
+    return bool((ulps <= 2).all())
+
+
 @pytest.mark.parametrize("rows, dim", [(1, 576), (7, 576), (64, 576), (300, 576), (5, 100), (3, 12)])
 def test_rms_norm_and_the_residual_add_equal_torch_bit_for_bit(ops, rows, dim):
+    # NOTE: bit for bit where the build's sum of squares is AVX-512's, the order of torch's own AVX-512 reduction;
+    # other builds (AVX2, scalar: --cpu-path avx2, an AVX2-only CPU) sum in order, within two bfloat16 ulps of torch
+    exact = ops.simd_width() == 512 and torch.backends.cpu.get_cpu_capability() == "AVX512"
     x, w, d = _randn(rows, dim, seed=1), _randn(dim, seed=2), _randn(rows, dim, seed=3)
-    assert torch.equal(ops.rms_norm(x, w, 1e-5), _norm(x, w, 1e-5))
+    assert _same_or_two_ulps(ops.rms_norm(x, w, 1e-5), _norm(x, w, 1e-5), exact)
     x2 = x.clone()
     normed = ops.add_rms_norm(x2, d, w, 1e-5)
     assert torch.equal(x2, x + d)  # in place, rounded as torch's bfloat16 add
-    assert torch.equal(normed, _norm(x + d, w, 1e-5))
+    assert _same_or_two_ulps(normed, _norm(x + d, w, 1e-5), exact)
 
 
 @pytest.mark.parametrize("rows, inter", [(1, 1536), (64, 1536), (300, 1536), (4, 40)])

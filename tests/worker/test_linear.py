@@ -136,7 +136,7 @@ def test_float32_lean_weights_are_the_modules_storage(tiny_llama_dir):
     # a second lean model over the same modules (two runners on one model) lays nothing out again
     again = LeanModel(loaded.model)
     assert again.layers[0].o.weight.data_ptr() == layer.o.weight.data_ptr()
-    # a tiny model's copies for small calls fit anywhere: the panel kernel's where it runs, else oneDNN's
-    panels = linear.panel_ops(qkv) is not None
+    # a tiny model's copies for small calls fit anywhere: the (AVX-512) panel kernel's where it runs, else oneDNN's
+    panels = linear.fast_panel_ops(qkv) is not None
     assert (layer.o.panels is not None) == panels and (lean.lm_head.panels is not None) == panels
     assert (layer.o.small is not None) == (not panels and onednn_available(torch.float32))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -47,12 +49,15 @@ def test_smollm2_greedy_matches_transformers_in_mixed_chunked_batches(model_dir,
     assert tok.decode(out[ids[0]][0]).startswith(" Paris")
 
 
-def test_smollm2_lean_decode_logits_are_as_close_to_float64_as_transformers_float32(model_dir):
+def test_smollm2_lean_decode_logits_are_within_float32s_rounding_bound_of_float64(model_dir):
     """The production path (lean forward, C++ attention): every decode step's logits against transformers' forward
-    over the whole sequence in float64, the exact reference. The bound is derived, not picked: our float32 forward
-    may be at most twice as far from float64 as transformers' own float32 forward (sdpa) is, position by position
-    (two float32 computations of the same sums in other orders have errors of the same size; a machine whose kernels
-    reduce in other orders moves both), plus the float32 rounding of the logit itself."""
+    over the whole sequence in float64, the exact reference. The bound is derived, not picked: the probabilistic
+    rounding-error bound of a computation of n sequential float32 roundings, sqrt(n) * u * |logits| (u = 2^-24;
+    Higham & Mary, "A new approach to probabilistic rounding error analysis", 2019), with n the reductions' lengths
+    along the network: per layer the q/k/v, o and gate/up matmuls (K = hidden), the down matmul (K = intermediate),
+    the scores (head_dim) and the softmax's sum (the context), then the lm_head. Machines whose kernels sum in other
+    orders (an AMD part measured 1.03e-4 against transformers' float32) stay inside it; a bfloat16 rounding
+    anywhere (u = 2^-8) does not."""
     torch.set_num_threads(1)
     tokens = list(range(1000, 1096))
     loaded = load_model(model_dir, dtype="float32")
@@ -71,13 +76,12 @@ def test_smollm2_lean_decode_logits_are_as_close_to_float64_as_transformers_floa
             ours.append(runner.lean.forward(torch.tensor([tokens[p]]), torch.tensor([p]),
                                             StepContext(runner.pool.kv, meta, backend), torch.tensor([0]))[0])
         ours = torch.stack(ours).double()
-        refs = {}
-        for dtype in (torch.float32, torch.float64):
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, attn_implementation="sdpa").eval()
-            refs[dtype] = model(torch.tensor([tokens])).logits[0, n:].double()
-            del model
-    exact = refs[torch.float64]
-    theirs = (refs[torch.float32] - exact).abs().amax(-1)
+        exact_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="sdpa")
+        exact = exact_model.eval()(torch.tensor([tokens])).logits[0, n:].double()
+    cfg = exact_model.config
+    head_dim = cfg.hidden_size // cfg.num_attention_heads
+    per_layer = 3 * cfg.hidden_size + cfg.intermediate_size + head_dim + len(tokens)
+    roundings = cfg.num_hidden_layers * per_layer + cfg.hidden_size
+    bound = math.sqrt(roundings) * 2.0 ** -24 * exact.abs().amax(-1)
     err = (ours - exact).abs().amax(-1)
-    bound = 2 * theirs + 2.0 ** -24 * exact.abs().amax(-1)
-    assert (err <= bound).all(), [(round(float(e), 7), round(float(b), 7)) for e, b in zip(err, bound)][:8]
+    assert (err <= bound).all(), [(round(float(e), 7), round(float(b), 7)) for e, b in zip(err, bound) if e > b][:8]
