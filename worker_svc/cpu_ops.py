@@ -160,7 +160,8 @@ class CpuOps:
     def f32_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                    bias: torch.Tensor | None) -> torch.Tensor:
         """x [M, K] @ W.T (+ bias) for the W that f32_pack packed: [M, out_features] float32."""
-        self._check(x, packed, *(() if bias is None else (bias,)), dtypes=(torch.float32,))
+        if x.dtype != torch.float32:
+            raise ValueError("cpu_ops.f32_linear: float32 tensors only (panel_linear takes bfloat16 too)")
         return self.panel_linear(x, packed, out_features, bias)
 
     def panel_linear(self, x: torch.Tensor, packed: torch.Tensor, out_features: int,

@@ -182,8 +182,8 @@ def invariant_linear(weight: torch.Tensor, bias: torch.Tensor | None, f32_copy: 
             return Linear("linear", weight, bias, out, ops=ops, panels=ops.bf16_pack(weight),
                           panel_rows=UNBOUNDED, invariant=True)
         return None
-    if weight.dtype == torch.float32 and f32_copy and panel_ops(weight) is not None:
-        ops = panel_ops(weight)
+    ops = panel_ops(weight) if weight.dtype == torch.float32 and f32_copy else None
+    if ops is not None:
         wt = weight.t() if weight.t().is_contiguous() else weight.t().contiguous()
         return Linear("mm", wt, bias, out, ops=ops, panels=ops.f32_pack(weight), panel_rows=UNBOUNDED,
                       invariant=True)
