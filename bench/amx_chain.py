@@ -29,7 +29,7 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)] * 30 + [(49152, 576)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rows", default="1,8,16,32,48,64,96,128,192,256")
     ap.add_argument("--float32", action="store_true", help="float32 layer matmuls: torch.mm, oneDNN, our panels")

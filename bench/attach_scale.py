@@ -48,6 +48,6 @@ async def main(num_blocks: int) -> None:
 
 
 if __name__ == "__main__":
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--num-blocks", type=int, default=10_000_000)
     asyncio.run(main(p.parse_args().num_blocks))

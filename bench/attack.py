@@ -128,7 +128,8 @@ def p99_ms(gaps: list[float]) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", help="model directory (default: the tests' tiny random Llama)")
     ap.add_argument("--idle", type=int, default=1100, help="idle connections held")
     ap.add_argument("--slowloris", type=int, default=200, help="slowloris connections held")

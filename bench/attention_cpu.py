@@ -27,7 +27,7 @@ LAYERS, BLOCK, HEADS, KV_HEADS, HEAD_DIM = 30, 16, 9, 3, 64
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--ctx", type=int, default=192)
     ap.add_argument("--batch", type=int, default=64)

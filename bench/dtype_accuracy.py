@@ -35,7 +35,7 @@ REFERENCE = "float32"
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default="bfloat16", help="comma-separated weight dtypes (float32 is added)")
     add_arguments(ap, 4096, "each pool's size")
     args = ap.parse_args(argv)

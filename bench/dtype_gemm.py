@@ -64,7 +64,7 @@ def child(cap: str, ms: list[int], num_layers: int) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--caps", default=",".join(CAPS), help=f"comma-separated, of {','.join(CAPS)}")
     ap.add_argument("--m", default="64,512", help="rows per matmul, comma-separated")
     ap.add_argument("--num-layers", type=int, default=30, help="layers of distinct weights (the model's: 30)")

@@ -150,7 +150,8 @@ def shares(run: Run, num_windows: int = 8) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--flood", type=int, default=200, help="tenant A's requests, all at t=0")
     ap.add_argument("--light", type=int, default=500,
                     help="tenant B's requests, one every --light-interval s (the default spans most of the flood)")

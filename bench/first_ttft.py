@@ -59,7 +59,7 @@ def one_run(args: argparse.Namespace, extra: list[str]) -> list[float]:
 def main() -> None:
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1:] if "--" in argv else []
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--requests", type=int, default=10)
     p.add_argument("--model", default=None)

@@ -45,7 +45,7 @@ def best_of(fn, iters: int, clock) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rows", default="1,16,64,512")
     ap.add_argument("--iters", type=int, default=20)

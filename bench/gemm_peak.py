@@ -171,7 +171,7 @@ def render(rows: list[dict], ms: list[int], peak: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="model dir (default: the default model, pulled if missing)")
     ap.add_argument("--out", default="bench/out/gemm_peak.json")
     ap.add_argument("--ms", default="1,16,64,256,512,2048", help="tokens per step, comma-separated")

@@ -41,7 +41,7 @@ def verdict(dtype: str, delta_pct: float) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--dtypes", default=",".join(DTYPES), help="comma-separated cache dtypes (float32 is added)")
     ap.add_argument("--attention-backend", default="auto", choices=("auto", "cpu", "torch", "cupy"))
     add_arguments(ap, 50_000, "the float32 pool's size")

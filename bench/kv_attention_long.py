@@ -70,7 +70,7 @@ def bench_point(lib, context: int, batch: int, iters: int, rng: np.random.Genera
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--contexts", default="4096,16384,32768")
     ap.add_argument("--batches", default="1,16")

@@ -128,7 +128,7 @@ def overhead(scheme: str, head_dim: int, block_size: int) -> Overhead:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--num-tokens", type=int, default=8192)
     ap.add_argument("--calib-tokens", type=int, default=2048)

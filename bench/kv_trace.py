@@ -37,7 +37,7 @@ def run(trace: list[dict], block_size: int, num_blocks: int) -> tuple[float, int
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("trace")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=8192)

@@ -167,7 +167,8 @@ def report(args, stats: Stats, wall: float, rss_start_kb: int, rss_peak_kb: int,
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--server", help="HOST:PORT of a running scheduler (default: start one here)")
     ap.add_argument("--scheduler-pid", type=int, help="with --server: the scheduler's pid, for its RSS")
     ap.add_argument("--metrics", help="with --server: its metrics HOST:PORT, to check it ends idle")

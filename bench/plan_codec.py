@@ -84,7 +84,7 @@ def time_build(make, steps: int) -> tuple[list[StepPlan], float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--steps", type=int, default=200)

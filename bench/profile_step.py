@@ -131,7 +131,7 @@ def run_case(loaded, name: str, plans_fn, steps: int) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--threads", type=int)
     ap.add_argument("--ctx", type=int, default=256)

@@ -209,7 +209,7 @@ def run_chat(args, tok) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     ap.add_argument("--num-requests", type=int, default=600)
     ap.add_argument("--num-tenants", type=int, default=12)
     ap.add_argument("--seed", type=int, default=0)

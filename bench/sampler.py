@@ -56,7 +56,7 @@ def zipf_logits(num_rows: int, vocab: int) -> torch.Tensor:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=64)
     ap.add_argument("--vocab", type=int, default=49_152)  # the default model's (SmolLM2)
     ap.add_argument("--calls", type=int, default=200)

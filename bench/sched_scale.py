@@ -223,7 +223,7 @@ def summarize(rows, axis, batch_size, num_cached, block_size, num_evictions, set
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--quick", action="store_true", help="test-sized: 2,000 requests, 50,000 blocks, few steps")
     p.add_argument("--requests", type=int, default=100_000)
     p.add_argument("--num-blocks", type=int, default=1_000_000)

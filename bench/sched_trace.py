@@ -53,7 +53,7 @@ def run(trace: list[dict], cfg: SchedulerConfig) -> tuple[float, int, int]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("trace")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-batched-tokens", type=int, default=8192)

@@ -128,7 +128,8 @@ def run_up(model: str, extra: list[str], log_path: str) -> tuple[subprocess.Pope
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--tokens", type=int, default=200, help="tokens of the measured stream, per phase")
     ap.add_argument("--senders", type=int, default=8)

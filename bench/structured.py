@@ -192,7 +192,8 @@ def line(kind: str, d: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=os.path.expanduser(f"~/.cache/pagedserve/models/{DEFAULT_MODEL}"))
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3, help="plain and structured runs, alternated; medians count")

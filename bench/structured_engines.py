@@ -151,7 +151,7 @@ def bench_outlines(model_dir: str, max_tokens: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=os.path.expanduser(f"~/.cache/pagedserve/models/{DEFAULT_MODEL}"))
     parser.add_argument("--tokens", type=int, default=40)
     args = parser.parse_args()

@@ -172,7 +172,7 @@ def main() -> int:
         model_dir, endpoint, concurrency, max_tokens = sys.argv[2:]
         asyncio.run(serve_rounds(model_dir, endpoint, int(concurrency), int(max_tokens)))
         return 0
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=100)
     p.add_argument("--requests", type=int, default=960, help="requests per round")
     p.add_argument("--concurrency", type=int, default=32)

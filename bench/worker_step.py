@@ -324,7 +324,7 @@ def end_to_end(loaded: LoadedModel, model_dir: Path, num_prompts: int, new_token
 
 # -- main ---------------------------------------------------------------------------------------------------
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n")[0])
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for sections 2 and 3")
     p.add_argument("--quick", action="store_true", help="a smaller grid and fewer steps (~1 minute)")

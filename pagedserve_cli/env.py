@@ -25,6 +25,15 @@ def _convert(action: argparse.Action, text: str):
         if lowered not in TRUE + FALSE:
             raise ValueError(f"expected one of {', '.join(TRUE + FALSE[:-1])}, got {text!r}")
         return action.const if lowered in TRUE else not action.const
+    if action.nargs == "+":  # NOTE: values space-separated, as on the command line
+        values = [_convert_one(action, word) for word in text.split()]
+        if not values:
+            raise ValueError("expected one or more values, got none")
+        return values
+    return _convert_one(action, text)
+
+
+def _convert_one(action: argparse.Action, text: str):
     value = action.type(text) if action.type is not None else text
     if action.choices is not None and value not in action.choices:
         raise ValueError(f"expected one of {', '.join(map(str, action.choices))}, got {text!r}")
@@ -40,6 +49,12 @@ class EnvArgumentParser(argparse.ArgumentParser):
     """
 
     env_errors: list[str]
+
+    def __init__(self, *args, **kwargs) -> None:
+        # NOTE: no prefix matching: `--api-key secret` once became `--api-key-file secret` (a file named "secret");
+        # a flag is spelled out or refused by name. Subcommands' parsers are made by this class, so this holds there.
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
 
     def parse_known_args(self, args=None, namespace=None):
         for message in getattr(self, "env_errors", []):

@@ -53,7 +53,7 @@ def add_flags(p: argparse.ArgumentParser, root: type, child: str | None = None) 
         if isinstance(leaf.default, bool):
             kw["action"] = "store_true"
         else:
-            kw.update(type=opt.type, choices=opt.choices, metavar=opt.metavar)
+            kw.update(type=opt.type, choices=opt.choices, metavar=opt.metavar, nargs=opt.nargs)
         action = where.add_argument(leaf.flag, **kw)
         action.leaf, action.child = leaf, child
         have.add(leaf.name)
@@ -70,6 +70,8 @@ def forward_argv(args: argparse.Namespace, root: type, given_only: bool = False)
         value = getattr(args, leaf.name)
         if value is True:
             argv.append(leaf.flag)
+        elif isinstance(value, list | tuple):  # nargs "+"
+            argv += [leaf.flag, *map(str, value)]
         elif up == ALWAYS or (value is not None and value is not False):
             argv += [leaf.flag, str(value)]
     return argv

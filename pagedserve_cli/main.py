@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from pagedserve_cli import (bench_cmd, certs_cmd, generate_cmd, health_cmd, kv_map_cmd, kv_plan, model_cmd,
-                            serve_cmd, up_cmd, worker_token_cmd)
+                            serve_cmd, up_cmd, vllm_serve_cmd, worker_token_cmd)
 from pagedserve_cli.env import EnvArgumentParser, apply_env
 from pagedserve_common.startup import USAGE, StartupError
 
@@ -15,6 +15,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = EnvArgumentParser(prog="pagedserve", description="LLM serving with PagedAttention")
     sub = p.add_subparsers(dest="command", required=True)
     up_cmd.add_parser(sub)
+    vllm_serve_cmd.add_parser(sub)
     generate_cmd.add_parser(sub)
     bench_cmd.add_parser(sub)
     serve_cmd.add_parsers(sub)

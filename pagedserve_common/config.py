@@ -119,6 +119,10 @@ class EngineOptions:
                                        "are recomputed elsewhere; a worker's first step may take 4x that, for "
                                        "kernel compilation", type=at_least(float, 1e-3, "seconds > 0"),
                                  metavar="SECONDS", up=GIVEN)
+    seed: int | None = option(None, "requests that bring no seed draw theirs from this one, in arrival order: the same "
+                                    "requests sent in the same order to a server started with the same seed sample "
+                                    "the same tokens", type=at_least(int, 0, "an integer >= 0"), metavar="N",
+                              default_text="none: each request's seed is random", up=GIVEN)
     max_migrations: int = option(3, "a request whose steps took down N workers ends with INTERNAL",
                                  type=at_least(int, 1, _POSITIVE), metavar="N", up=GIVEN)
     no_worker_timeout: float = option(60.0, "while no worker is attached requests wait this long, then UNAVAILABLE",
@@ -223,6 +227,16 @@ class SchedulerOptions:
     max_model_len: int | None = option(None, "longest sequence, prompt and output together",
                                        type=at_least(int, 1, _POSITIVE), metavar="N",
                                        default_text="the model's, also the upper bound", up=GIVEN)
+    served_model_name: tuple[str, ...] | None = option(
+        None, "the model's name in the API (/v1/models, the `model` field, metrics); more names are aliases a request "
+              "may use", nargs="+", metavar="NAME", default_text="--model", up=GIVEN)
+    chat_template: str | None = option(None, "a Jinja chat template, a file or the template itself, in place of the "
+                                             "model's", metavar="TEMPLATE", default_text="the model's", up=GIVEN)
+    generation_config: str = option(
+        "auto", "sampling defaults of requests that leave a field unset: auto (the model's generation_config.json: "
+                "temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens, as vLLM's auto), vllm (none: "
+                "the API's defaults) or a directory holding a generation_config.json", metavar="auto|vllm|DIR",
+        up=GIVEN)
     tool_call_parser: str = option("none", "the model family's tool-call format, which tool_choice auto parses: "
                                            "hermes (Hermes/Qwen <tool_call> blocks), llama3_json (Llama 3's JSON) or "
                                            "none (tool_choice auto is refused)", choices=TOOL_CALL_PARSERS, up=GIVEN)

@@ -35,6 +35,7 @@ class Option:
     default_text: str | None = None  # --help's default where the field's is None (worked out later)
     show: Callable[[Any], str] = show_default  # --help's spelling of a default
     up: str | None = None  # ALWAYS, GIVEN or None: `pagedserve up` has no such flag
+    nargs: str | None = None  # "+": one or more values (a tuple); its variable holds them space-separated
 
 
 def option(default: Any, help: str, **kw: Any) -> Any:

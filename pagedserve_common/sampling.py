@@ -54,6 +54,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; 0: the sampled token's only; N: also the top N
+    # None: none; 0: each prompt token's own logprob (position 0 has none: no token precedes it); N: also the top N
+    # at each prompt position (vLLM's prompt_logprobs). NOTE: a request asking for them takes no prefix-cache hit
+    # past the positions it already has (scheduler_svc.core.prompt_logprobs): the skipped rows' logits are needed.
+    prompt_logprobs: int | None = None
     # Penalties and biases, applied on the worker to the logits before sampling (and before temperature).
     presence_penalty: float = 0.0  # minus this, once, for each token in the sample's output
     frequency_penalty: float = 0.0  # minus this times the token's count in the sample's output
@@ -96,6 +100,9 @@ class SamplingParams:
             raise InvalidField("min_p", f"min_p must be in [0, 1], got {self.min_p}")
         if self.logprobs is not None and not (0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidField("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not (0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            raise InvalidField("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got "
+                                                  f"{self.prompt_logprobs}")
         if self.seed is not None and not (0 <= self.seed < 2**64):
             raise InvalidField("seed", f"seed must fit in 64 bits unsigned, got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):

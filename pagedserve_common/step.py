@@ -72,10 +72,25 @@ class TokenLogprob:
 
 @dataclass(slots=True, frozen=True)
 class PositionLogprobs:
-    """Logprobs of one generated position: the sampled token's, and the top ones, most likely first."""
+    """Logprobs of one position: the sampled token's (a prompt position: the prompt token's), and the top ones,
+    most likely first."""
 
     sampled: TokenLogprob
     top: tuple[TokenLogprob, ...] = ()
+    # `sampled`'s rank, vLLM's: the tokens whose logprob is >= its own (1: the most likely). 0: not computed (the
+    # sampled tokens' logprobs carry none; prompt positions always do).
+    rank: int = 0
+
+
+@dataclass(slots=True, frozen=True)
+class PromptLogprobs:
+    """One sequence's prompt logprobs from one step: positions first_position .. first_position + len(positions) - 1,
+    in order. Position p is the prompt token p given tokens 0 .. p - 1, read off the logits of row p - 1: a step that
+    computes rows [c, c + k) of a prompt of P tokens returns positions c + 1 .. min(c + k, P - 1) (position 0 has
+    none: no token precedes it)."""
+
+    first_position: int
+    positions: tuple[PositionLogprobs, ...]
 
 
 @dataclass(slots=True)
@@ -92,6 +107,9 @@ class StepResult:
     # seq_id -> how many of its drafts (SequenceDelta.draft_token_ids) it accepted, in order; absent: none. NOTE: a
     # count, not the tokens: the accepted ones are the scheduler's own drafts, so an answer cannot contradict them
     num_accepted_drafts: dict[int, int] = field(default_factory=dict)
+    # seq_id -> the prompt logprobs its scheduled prompt rows gave this step (SamplingParams.prompt_logprobs set),
+    # whether or not it samples this step (a chunk of a chunked prefill)
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)
 
 
 class StepErrorKind(enum.IntEnum):

@@ -3,10 +3,12 @@ result, a step error or a registration into protobuf or back. Both ends import i
 
 from __future__ import annotations
 
+import dataclasses
+
 from pagedserve.v1 import generate_pb2, worker_pb2
 from pagedserve_common.kv_geometry import DTYPE_BYTES, KVGeometry
-from pagedserve_common.step import (NewSequence, PositionLogprobs, SequenceDelta, StepError, StepErrorKind, StepPlan,
-                                    StepResult, TokenLogprob)
+from pagedserve_common.step import (NewSequence, PositionLogprobs, PromptLogprobs, SequenceDelta, StepError,
+                                    StepErrorKind, StepPlan, StepResult, TokenLogprob)
 from pagedserve_common.registration import WorkerRegistration
 from pagedserve_common.sampling import SamplingParams, StructuredOutput
 
@@ -28,6 +30,8 @@ def sampling_to_pb(sp: SamplingParams) -> generate_pb2.SamplingParams:
             pb.seed = sp.seed
         if sp.logprobs is not None:
             pb.logprobs = sp.logprobs
+        if sp.prompt_logprobs is not None:
+            pb.prompt_logprobs = sp.prompt_logprobs
         d = _DEFAULT
         for name in ("presence_penalty", "frequency_penalty", "repetition_penalty", "min_tokens"):
             if getattr(sp, name) != getattr(d, name):
@@ -80,6 +84,18 @@ def sampling_from_pb(pb: generate_pb2.SamplingParams) -> SamplingParams:
     return sp
 
 
+# The fields a model's generation_config.json may give defaults to (scheduler_svc.frontend.model_defaults)
+MODEL_DEFAULT_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def with_defaults(pb: generate_pb2.SamplingParams, sp: SamplingParams, defaults: SamplingParams) -> SamplingParams:
+    """`sp` (decoded from `pb`) with the fields `pb` leaves unset taken from `defaults` instead of the API's."""
+    if defaults == _DEFAULT:
+        return sp
+    unset = {name: getattr(defaults, name) for name in MODEL_DEFAULT_FIELDS if not pb.HasField(name)}
+    return dataclasses.replace(sp, **unset) if unset else sp
+
+
 def _decode_sampling(pb: generate_pb2.SamplingParams) -> SamplingParams:
     d = SamplingParams()
     return SamplingParams(max_tokens=_opt(pb, "max_tokens", d.max_tokens),
@@ -88,6 +104,7 @@ def _decode_sampling(pb: generate_pb2.SamplingParams) -> SamplingParams:
                           seed=_opt(pb, "seed", d.seed), n=_opt(pb, "n", d.n),
                           stop_token_ids=tuple(pb.stop_token_ids), ignore_eos=pb.ignore_eos,
                           logprobs=_opt(pb, "logprobs", d.logprobs),
+                          prompt_logprobs=_opt(pb, "prompt_logprobs", d.prompt_logprobs),
                           presence_penalty=_opt(pb, "presence_penalty", d.presence_penalty),
                           frequency_penalty=_opt(pb, "frequency_penalty", d.frequency_penalty),
                           repetition_penalty=_opt(pb, "repetition_penalty", d.repetition_penalty),
@@ -143,6 +160,8 @@ def plan_from_pb(pb: worker_pb2.StepPlan) -> StepPlan:
 def logprobs_to_pb(lp: PositionLogprobs, pb: generate_pb2.PositionLogprobs) -> None:
     """Fills `pb` (a message's sub-message, or a new one) from `lp`."""
     pb.sampled.token_id, pb.sampled.logprob = lp.sampled.token_id, lp.sampled.logprob
+    if lp.rank:
+        pb.rank = lp.rank
     add = pb.top.add
     for t in lp.top:
         add(token_id=t.token_id, logprob=t.logprob)
@@ -150,7 +169,7 @@ def logprobs_to_pb(lp: PositionLogprobs, pb: generate_pb2.PositionLogprobs) -> N
 
 def logprobs_from_pb(pb: generate_pb2.PositionLogprobs) -> PositionLogprobs:
     return PositionLogprobs(TokenLogprob(pb.sampled.token_id, pb.sampled.logprob),
-                            tuple(TokenLogprob(t.token_id, t.logprob) for t in pb.top))
+                            tuple(TokenLogprob(t.token_id, t.logprob) for t in pb.top), pb.rank)
 
 
 def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
@@ -164,11 +183,17 @@ def result_to_pb(result: StepResult) -> worker_pb2.StepResult:
         lp = logprobs.get(seq_id) if logprobs else None
         if lp is not None:
             logprobs_to_pb(lp, t.logprobs)
+    for seq_id, chunk in result.prompt_logprobs.items():
+        out = pb.prompt_logprobs.add(seq_id=seq_id, first_position=chunk.first_position)
+        add_position = out.positions.add
+        for lp in chunk.positions:
+            logprobs_to_pb(lp, add_position())
     return pb
 
 
 def result_from_pb(pb: worker_pb2.StepResult) -> StepResult:
-    """Raises ValueError when a seq_id appears twice (a dict would keep the last silently)."""
+    """Raises ValueError when a seq_id appears twice in tokens or in prompt_logprobs (a dict would keep the last
+    silently)."""
     sampled, logprobs, accepted = {}, {}, {}
     for t in pb.tokens:
         sampled[t.seq_id] = t.token_id
@@ -180,7 +205,11 @@ def result_from_pb(pb: worker_pb2.StepResult) -> StepResult:
         seen: set[int] = set()
         twice = next(t.seq_id for t in pb.tokens if t.seq_id in seen or seen.add(t.seq_id))
         raise ValueError(f"tokens: seq {twice} has more than one token")
-    return StepResult(pb.step_id, sampled, logprobs, pb.step_seconds, pb.idle_seconds, accepted)
+    prompt = {p.seq_id: PromptLogprobs(p.first_position, tuple(logprobs_from_pb(lp) for lp in p.positions))
+              for p in pb.prompt_logprobs}
+    if len(prompt) != len(pb.prompt_logprobs):
+        raise ValueError("prompt_logprobs: a seq has more than one entry")
+    return StepResult(pb.step_id, sampled, logprobs, pb.step_seconds, pb.idle_seconds, accepted, prompt)
 
 
 def step_error_to_pb(err: StepError) -> worker_pb2.StepError:

@@ -17,9 +17,12 @@ from pagedserve_common.tls import TlsFiles
 from scheduler_svc import request_log
 
 PROTECTED_GRPC = ("/pagedserve.v1.Generation/",)  # NOTE: health and reflection stay open
-PROTECTED_HTTP = "/v1/"  # NOTE: /health stays open
+# NOTE: liveness and the version stay open (probes, load balancers); every other route needs a key, /metrics and
+# /tokenize included (they show the server's load and spend its tokenizer)
+OPEN_HTTP = ("/health", "/ping", "/version")
 MISSING = "no API key: send the header `authorization: Bearer KEY`"
-DUPLICATE = "more than one authorization header: send exactly one, `authorization: Bearer KEY`"
+DUPLICATE = "more than one authorization header: send exactly one, `authorization: Bearer KEY` (or, over HTTP, " \
+            "`x-api-key: KEY`)"
 INVALID = "invalid API key"  # NOTE: never echo what was sent
 
 
@@ -143,6 +146,28 @@ class ApiKeys:
         at = self._match(key) if key is not None else -1
         return self.names[at] if at >= 0 and self.names else ""
 
+    def http_key(self, headers) -> tuple[str | None, str | None]:
+        """(key, refusal) of an HTTP request's `headers` ((name, value) pairs, names lower-case, str or bytes): the
+        key of its one `authorization: Bearer KEY` or `x-api-key: KEY` (Anthropic's header), or why it has none.
+        NOTE: two credentials are refused, not one picked: a proxy and the server could each read a different one."""
+        found = [(k if isinstance(k, str) else k.decode("latin-1"), v if isinstance(v, str) else v.decode("latin-1"))
+                 for k, v in headers if k in (b"authorization", "authorization", b"x-api-key", "x-api-key")]
+        if len(found) > 1:
+            return None, DUPLICATE
+        if not found:
+            return None, MISSING
+        name, value = found[0]
+        key = bearer(value) if name == "authorization" else value.strip() or None
+        if key is None:
+            return None, MISSING
+        return (key, None) if self.check(key) else (None, INVALID)
+
+    def name_of_http(self, headers) -> str:
+        """The name of the key an HTTP request presents (already let in by the middleware); "" for none."""
+        key, _ = self.http_key(headers)
+        at = self._match(key) if key is not None else -1
+        return self.names[at] if at >= 0 and self.names else ""
+
     def refusal_of(self, headers, name: str | bytes) -> str | None:
         """refusal() of the `name` header among `headers` ((name, value) pairs: gRPC metadata, ASGI headers).
         NOTE: two are refused rather than one picked: a proxy and the server could each read a different one."""
@@ -203,21 +228,23 @@ def _denying(handler, why: str):
 
 
 class ApiKeyMiddleware:
-    """ASGI: refuses requests under `prefix` without `Authorization: Bearer KEY` (a valid KEY) with a 401 whose
-    body is `error_body(message)`. Plain ASGI, not BaseHTTPMiddleware, so that streams pass through untouched."""
+    """ASGI: refuses requests to any path but `open_paths` without one valid key (`authorization: Bearer KEY` or
+    `x-api-key: KEY`) with a 401 whose body is `error_body(message, path)` (the path picks the API's error shape:
+    OpenAI's or Anthropic's). Plain ASGI, not BaseHTTPMiddleware, so that streams pass through untouched."""
 
-    def __init__(self, app, keys: ApiKeys, error_body: Callable[[str], dict], prefix: str = PROTECTED_HTTP) -> None:
+    def __init__(self, app, keys: ApiKeys, error_body: Callable[[str, str], dict],
+                 open_paths: tuple = OPEN_HTTP) -> None:
         self.app = app
         self.keys = keys
         self.error_body = error_body
-        self.prefix = prefix
+        self.open_paths = open_paths
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(self.prefix):
-            why = self.keys.refusal_of(scope["headers"], b"authorization")  # NOTE: ASGI: lower-case bytes
+        if scope["type"] == "http" and scope["path"] not in self.open_paths:
+            _, why = self.keys.http_key(scope["headers"])  # NOTE: ASGI: lower-case bytes
             if why is not None:
                 request_log.refused("http", "UNAUTHENTICATED", why)
-                body = json.dumps(self.error_body(why)).encode()
+                body = json.dumps(self.error_body(why, scope["path"])).encode()
                 await send({"type": "http.response.start", "status": 401,
                             "headers": [(b"content-type", b"application/json"), (b"www-authenticate", b"Bearer"),
                                         (b"content-length", str(len(body)).encode())]})

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
+import random
 import time
 import uuid
 from collections.abc import Callable
@@ -80,6 +82,9 @@ class Engine(Fleet):
         self.last_worker_left: float | None = None  # monotonic; None while no worker has ever left
         self._worker_ids = itertools.count()
         self._seq_ids = itertools.count()
+        # NOTE: --seed: the seeds of requests that bring none, drawn here in arrival order (not by each worker's
+        # scheduler, where routing would decide the order); None: each worker's scheduler draws a random one
+        self._seeds = None if config.seed is None else random.Random(config.seed)
         self.service = ServiceCounter()  # the fair policy's tenants' service, fleet-wide: every Scheduler's
         self.on_workers_changed = lambda num_workers: None  # health: SERVING iff a worker is attached
         self.tracing: Tracing | None = None  # --otlp-endpoint (scheduler_svc.tracing)
@@ -122,7 +127,7 @@ class Engine(Fleet):
                 if not isinstance(result, StepResult):
                     plan = result
                     break
-                outputs = w.scheduler.update(plan, result.sampled, result.num_accepted_drafts)
+                outputs = w.scheduler.update(plan, result.sampled, result.num_accepted_drafts, result.prompt_logprobs)
                 pending = PendingStep(plan, outputs, result, time.perf_counter() - t0)
             if pending is not None:  # NOTE: before a loss recomputes its requests elsewhere
                 self._publish(w, pending)
@@ -163,7 +168,7 @@ class Engine(Fleet):
         # but for the one whose own entry was wrong (Lost.charged_request_ids).
         wrong = check_result(plan.step_id, answer, w.scheduler.due_samples(), self.config.vocab_size,
                              bitmasks=plan.token_bitmasks, banned=w.scheduler.banned_samples(),
-                             drafted=w.scheduler.drafted_samples())
+                             drafted=w.scheduler.drafted_samples(), prompt_due=w.scheduler.prompt_logprobs_due())
         if wrong is not None:
             blamed = w.scheduler.request_id_of(wrong.seq_id) if wrong.seq_id is not None else None
             return bad_result(plan.step_id, wrong.message, frozenset(() if blamed is None else (blamed,)))
@@ -246,6 +251,8 @@ class Engine(Fleet):
         counters = self.service.service
         if tenant not in counters and len(counters) >= MAX_TENANT_COUNTERS:  # amortized: down to half at a time
             self.service.prune({s.request.tenant for s in self.streams.values()}, MAX_TENANT_COUNTERS // 2)
+        if sampling.seed is None and self._seeds is not None:
+            sampling = dataclasses.replace(sampling, seed=self._seeds.getrandbits(63))
         req = Request(request_id, list(prompt_token_ids), sampling, cache_salt or None, priority=priority,
                       tenant=tenant, constraint=grammar and grammar.constraint())
         try:

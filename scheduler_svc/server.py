@@ -26,8 +26,9 @@ from scheduler_svc.auth import Access, add_port
 from scheduler_svc.core.waiting import read_tenant_weights
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.errors import ErrorCode
+from scheduler_svc.metrics import Metrics
 from scheduler_svc.grpc.servicers import GenerationServicer, WorkerControlServicer, add_generation_servicer
-from scheduler_svc.frontend import FrontEnd, Tokenizer
+from scheduler_svc.frontend import FrontEnd, Tokenizer, model_defaults
 from scheduler_svc.frontend.limits import Limits
 from scheduler_svc.worker_auth import WorkerGate
 
@@ -161,10 +162,15 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None, traces: t
         raise StartupError(f"--model {cfg.model}: cannot load its tokenizer (tokenizer.json) from {cfg.model_dir}: "
                            f"{one_line(e)}") \
             from None
-    engine = Engine(engine_config(cfg, tokenizer))
+    if (template := model_defaults.chat_template(cfg.chat_template)) is not None:
+        tokenizer.chat_template = template
+    names = model_defaults.model_names(cfg.served_model_name, cfg.model)
+    config = engine_config(cfg, tokenizer)
+    engine = Engine(config, Metrics(names[0], config.max_model_len))
     engine.service.weights.update(weights)
     limits = input_limits(cfg, engine.config.max_model_len)
-    frontend = FrontEnd(engine, tokenizer, limits, tracing=traces)
+    frontend = FrontEnd(engine, tokenizer, limits, tracing=traces, model_names=names,
+                        sampling_defaults=model_defaults.sampling_defaults(cfg.generation_config, cfg.model_dir))
     up_nonce = os.environ.get(UP_NONCE_VARIABLE) or None  # set by `pagedserve up` alone
     health = UpHealth(up_nonce) if up_nonce else HealthServicer()
     for name in SERVICES:

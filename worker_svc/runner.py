@@ -16,6 +16,7 @@ from worker_svc.kv_pool import KVPool
 from worker_svc.lean_model import build_lean
 from worker_svc.logits import LogitsProcessor
 from worker_svc.models import LoadedModel
+from worker_svc.prompt_logprobs import PromptRows
 from worker_svc.sampling import Sampler
 from worker_svc.speculative import Verification
 
@@ -137,15 +138,27 @@ class ModelRunner:
         if not scheduled:
             return StepResult(plan.step_id, step_seconds=time.perf_counter() - t0)
         sampling_rows = [i for i, s in enumerate(scheduled) if s.samples_this_step]
-        spec = Verification.of(scheduled, sampling_rows)  # speculating sequences: their rows come last
+        spec = Verification.of(scheduled, sampling_rows)  # speculating sequences: their rows after the samplers'
         if spec is not None:
             sampling_rows = [i for i in sampling_rows if not scheduled[i].num_draft_tokens]
+        prompt = PromptRows.of(scheduled)  # prompt logprobs: their prompt rows come last
+        num_sampling = len(sampling_rows)
+        num_spec = spec.num_rows if spec is not None else 0
+
+        def rows(qsl: np.ndarray) -> np.ndarray:
+            picked = qsl[1:][sampling_rows] - 1
+            if spec is None and prompt is None:  # NOTE: the common case: no concatenation
+                return picked
+            return np.concatenate([picked, *(() if spec is None else (spec.rows(qsl),)),
+                                   *(() if prompt is None else (prompt.rows(qsl),))])
+
         with torch.inference_mode():
-            logits = self._forward(scheduled, lambda qsl: qsl[1:][sampling_rows] - 1 if spec is None else
-                                   np.concatenate([qsl[1:][sampling_rows] - 1, spec.rows(qsl)]))
+            logits = self._forward(scheduled, rows)
+            prompt_logprobs = {} if prompt is None else prompt.gather(logits[num_sampling + num_spec:])
             if spec is not None:
-                verdicts = spec.verify(self.sampler, logits[len(sampling_rows):])
-                logits = logits[:len(sampling_rows)]
+                verdicts = spec.verify(self.sampler, logits[num_sampling:num_sampling + num_spec])
+            if spec is not None or prompt is not None:
+                logits = logits[:num_sampling]
             sampled = [scheduled[i] for i in sampling_rows]
             # NOTE: a sampled token's randomness depends only on (seed, position = tokens known so far): the same
             # whatever else is batched, and a preempted or migrated sequence redraws exactly what it drew before.
@@ -167,4 +180,5 @@ class ModelRunner:
                 tokens[s.seq_id] = tok
                 if n:
                     accepted[s.seq_id] = n
-        return StepResult(plan.step_id, tokens, logprobs, time.perf_counter() - t0, num_accepted_drafts=accepted)
+        return StepResult(plan.step_id, tokens, logprobs, time.perf_counter() - t0, num_accepted_drafts=accepted,
+                          prompt_logprobs=prompt_logprobs)

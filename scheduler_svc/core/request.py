@@ -9,6 +9,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedserve_common.sampling import SamplingParams
+from scheduler_svc.core.prompt_logprobs import PromptLogprobsLog
 
 
 class RequestStatus(enum.Enum):
@@ -90,8 +91,16 @@ class Request:
     draft_token_ids: list[int] | tuple[()] = ()  # NOTE: a shared () while not drafting: no list a request
     spec_backoff: int = 0
     spec_misses: int = 0
+    # Prompt logprobs (sampling.prompt_logprobs set; else None): the positions received so far, kept across
+    # preemptions and migrations; a fork's samples share their parent's (scheduler_svc.core.prompt_logprobs).
+    prompt_log: PromptLogprobsLog | None = None
+    # The worker holds this sequence with prompt_logprobs in its sampling (set by each NewSequence sent: left out
+    # once the log is complete), so its prompt rows answer them.
+    prompt_logprobs_on_worker: bool = False
 
     def __post_init__(self) -> None:
+        if self.prompt_log is None and self.sampling.prompt_logprobs is not None:
+            self.prompt_log = PromptLogprobsLog(len(self.prompt_token_ids))
         try:
             self.prompt_token_ids = token_ids(self.prompt_token_ids)
             self.output_token_ids = token_ids(self.output_token_ids)

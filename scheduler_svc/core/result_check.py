@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from pagedserve_common.step import PositionLogprobs, StepResult
+from scheduler_svc.core.prompt_logprobs import PromptDue
 
 # NOTE: log_softmax rounds; the most likely token's logprob may come out a hair above 0 in low precision.
 LOGPROB_EPSILON = 1e-3
@@ -24,7 +25,8 @@ class WrongResult:
 def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None], vocab_size: int, *,
                  bitmasks: Mapping[int, bytes] | None = None,
                  banned: Mapping[int, frozenset[int]] | None = None,
-                 drafted: Mapping[int, int] | None = None) -> WrongResult | None:
+                 drafted: Mapping[int, int] | None = None,
+                 prompt_due: Mapping[int, PromptDue] | None = None) -> WrongResult | None:
     """None when `result` is a well-formed answer to plan `step_id`; else what is wrong (WrongResult). `due` holds
     each sequence of the plan that samples a token this step (it reaches the end of its known tokens; one mid
     chunked prefill samples nothing) -> the number of top logprobs it asked for (None: no logprobs).
@@ -35,7 +37,9 @@ def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None]
     token of a sequence the plan sent a bitmask for (structured output) one that its bitmask allows; and no token a
     sequence may not sample this step (`banned`: seq_id -> its stop ids while it has fewer than min_tokens outputs,
     which the worker masks); drafts accepted (speculative decoding) only by a sequence that drafted (`drafted`:
-    seq_id -> its number of drafts), at most that many."""
+    seq_id -> its number of drafts), at most that many; prompt logprobs for exactly the sequences `prompt_due` lists
+    (seq_id -> PromptDue), each with its positions, their prompt tokens as their sampled entries, a rank in
+    [1, vocab_size], at most the asked number of top entries, and logprobs as above."""
     if result.step_id != step_id:
         return WrongResult(f"step_id {result.step_id} answers plan {step_id}")
     sampled = result.sampled
@@ -75,6 +79,31 @@ def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None]
             return WrongResult(f"logprobs: none for seq {seq_id}, which asked for them", seq_id)
         if (wrong := _check_logprobs(lp, sampled[seq_id], num_top, vocab_size)) is not None:
             return WrongResult(f"logprobs of seq {seq_id}: {wrong}", seq_id)
+    return _check_prompt_logprobs(result, prompt_due or {}, vocab_size)
+
+
+def _check_prompt_logprobs(result: StepResult, due: Mapping[int, PromptDue], vocab_size: int) -> WrongResult | None:
+    got = result.prompt_logprobs
+    if got.keys() != due.keys():
+        extra, missing = sorted(got.keys() - due.keys()), sorted(due.keys() - got.keys())
+        if missing:
+            return WrongResult(f"prompt_logprobs: none for seq {missing[0]}, whose prompt rows ran "
+                               f"({len(missing)} missing)")
+        return WrongResult(f"prompt_logprobs for seq {extra[0]}, which has no prompt rows due ({len(extra)} extra)")
+    for seq_id, want in due.items():
+        chunk = got[seq_id]
+        if chunk.first_position != want.first_position or len(chunk.positions) != len(want.token_ids):
+            return WrongResult(f"prompt_logprobs of seq {seq_id}: positions {chunk.first_position} .. "
+                               f"{chunk.first_position + len(chunk.positions) - 1}, but {want.first_position} .. "
+                               f"{want.first_position + len(want.token_ids) - 1} ran", seq_id)
+        for i, (lp, token_id) in enumerate(zip(chunk.positions, want.token_ids)):
+            if not 1 <= lp.rank <= vocab_size:
+                wrong = f"rank {lp.rank} is outside 1 .. {vocab_size}"
+            else:
+                wrong = _check_logprobs(lp, token_id, want.num_top, vocab_size)
+            if wrong is not None:
+                return WrongResult(f"prompt_logprobs of seq {seq_id} at position {want.first_position + i}: "
+                                   f"{wrong.replace('sampled token', 'prompt token')}", seq_id)
     return None
 
 

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
-from pagedserve_common.step import NewSequence, SequenceDelta, StepPlan
+from pagedserve_common.step import NewSequence, PromptLogprobs, SequenceDelta, StepPlan
 from pagedserve_common.config import EngineOptions
 from pagedserve_common.defaults import DEFAULT_BLOCK_SIZE
 from pagedserve_common.options import default_of
@@ -16,6 +16,7 @@ from pagedserve_common.sampling import InvalidField
 from scheduler_svc.core import reservation
 from scheduler_svc.core.handover import Handover
 from scheduler_svc.core.policy_room import PolicyRoom
+from scheduler_svc.core.prompt_logprobs import PromptDue, due_rows
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput, RequestStatus
 from scheduler_svc.core.speculation import SPECULATIVE_METHODS, Speculator
 from scheduler_svc.core.waiting import SCHEDULING_POLICIES, ServiceCounter, WaitingQueue
@@ -307,7 +308,10 @@ class Scheduler(Handover, PolicyRoom):
                 scheduled.append((req, num_new))
                 budget -= num_new
                 continue
-            hit = kv.find_prefix(tokens, req.cache_salt)
+            log = req.prompt_log
+            # NOTE: prompt logprobs: no hit over rows whose positions it lacks (their logits must be computed)
+            hit = kv.find_prefix(tokens, req.cache_salt, None if log is None or log.complete
+                                 else log.max_hit_tokens())
             num_new = min(req.num_target_tokens() - hit.num_tokens, budget, cap)
             if self.static and not self._reserve(req, num_new):
                 self.waiting_for_blocks = True  # no free run that long, though the holes may add up to enough
@@ -394,6 +398,11 @@ class Scheduler(Handover, PolicyRoom):
             # NOTE: the worker masks stop_token_ids and its model's EOS until min_tokens: it is told this
             # scheduler's EOS ids too (the tokenizer's), so that both sides agree on what may not end a sample early.
             sampling = replace(sampling, stop_token_ids=tuple(sorted(req.stop_ids)))
+        log = req.prompt_log
+        req.prompt_logprobs_on_worker = log is not None and not log.complete
+        if sampling.prompt_logprobs is not None and not req.prompt_logprobs_on_worker:
+            # NOTE: every position is in already (a fork's sample, a recomputation past them): none computed again
+            sampling = replace(sampling, prompt_logprobs=None)
         return NewSequence(req.seq_id, list(req.all_token_ids), self.kv.block_table(req.seq_id),
                           req.num_computed_tokens, num_new, sampling, req.seed, len(req.prompt_token_ids))
 
@@ -448,7 +457,8 @@ class Scheduler(Handover, PolicyRoom):
                             num_computed_tokens=parent.num_computed_tokens, seq_id=self._new_seq_id(),
                             seed=(parent.seed + index) % 2**64, index=index, parent=parent,
                             num_cached_prompt_tokens=parent.num_cached_prompt_tokens, stop_ids=parent.stop_ids,
-                            constraint=parent.constraint and parent.constraint.fork())
+                            constraint=parent.constraint and parent.constraint.fork(),
+                            prompt_log=parent.prompt_log)  # NOTE: complete: the parent computed rows 0 .. P - 2
             kv.fork(parent.seq_id, child.seq_id)
             children.append(child)
         kv.free(parent.seq_id)  # the children now hold every block
@@ -466,6 +476,20 @@ class Scheduler(Handover, PolicyRoom):
         those aborted or finished while the step runs: the worker samples them all the same."""
         return {req.seq_id: req.sampling.logprobs for req, num in self._scheduled
                 if req.num_computed_tokens + num >= len(req.all_token_ids)}
+
+    def prompt_logprobs_due(self) -> dict[int, PromptDue]:
+        """The sequences of the plan in flight whose answer must hold prompt logprobs (the worker holds them with
+        prompt_logprobs set and their scheduled tokens include prompt rows with a next prompt token), each -> what
+        (scheduler_svc.core.result_check). NOTE: also those aborted or finished while the step runs."""
+        due = {}
+        for req, num in self._scheduled:
+            if not req.prompt_logprobs_on_worker:
+                continue
+            first, count = due_rows(len(req.prompt_token_ids), req.num_computed_tokens, num)
+            if count:
+                due[req.seq_id] = PromptDue(first + 1, tuple(req.prompt_token_ids[first + 1:first + 1 + count]),
+                                            req.sampling.prompt_logprobs)
+        return due
 
     def drafted_samples(self) -> dict[int, int]:
         """The sequences of the plan in flight that draft (speculative decoding), each -> its number of drafts: the
@@ -491,10 +515,11 @@ class Scheduler(Handover, PolicyRoom):
                 if req.sampling.min_tokens > len(req.output_token_ids) and req.stop_ids and req.constraint is None
                 and req.num_computed_tokens + num >= len(req.all_token_ids)}
 
-    def update(self, plan: StepPlan, sampled: dict[int, int],
-               num_accepted_drafts: dict[int, int] | None = None) -> list[RequestOutput]:
+    def update(self, plan: StepPlan, sampled: dict[int, int], num_accepted_drafts: dict[int, int] | None = None,
+               prompt_logprobs: dict[int, PromptLogprobs] | None = None) -> list[RequestOutput]:
         """Applies the worker's result for `plan` (seq_id -> sampled token; seq_id -> drafts accepted, for the
-        sequences that drafted); returns per-sample outputs."""
+        sequences that drafted; seq_id -> the prompt logprobs of its prompt rows, for those that asked); returns
+        per-sample outputs. Prompt logprobs go into the request's log (Request.prompt_log) before its first token."""
         if plan.step_id != self._in_flight:
             raise ValueError(f"plan step_id {plan.step_id} is not the one in flight ({self._in_flight})")
         self._in_flight = None
@@ -510,6 +535,8 @@ class Scheduler(Handover, PolicyRoom):
             if req.draft_token_ids:
                 outputs.append(self._update_drafted(req, plan.step_id, sampled, num_accepted_drafts or {}))
                 continue
+            if req.prompt_logprobs_on_worker:
+                self._merge_prompt_logprobs(req, num, plan.step_id, prompt_logprobs)
             num_computed = req.num_computed_tokens + num
             req.num_computed_tokens = num_computed
             tokens = req.all_token_ids
@@ -526,6 +553,17 @@ class Scheduler(Handover, PolicyRoom):
             outputs.append(RequestOutput(req.request_id, req.index, [tok], reason, req.seq_id))
         self._scheduled = []
         return outputs
+
+    @staticmethod
+    def _merge_prompt_logprobs(req: Request, num: int, step_id: int,
+                               prompt_logprobs: dict[int, PromptLogprobs] | None) -> None:
+        """Before its num_computed_tokens moves: the positions its `num` scheduled tokens gave, into its log."""
+        if not due_rows(len(req.prompt_token_ids), req.num_computed_tokens, num)[1]:
+            return
+        chunk = prompt_logprobs.get(req.seq_id) if prompt_logprobs else None
+        if chunk is None:
+            raise ValueError(f"step {step_id}: no prompt logprobs for seq {req.seq_id}, whose prompt rows ran")
+        req.prompt_log.merge(chunk)
 
     def _append(self, req: Request, tok: int, max_model_len: int) -> FinishReason | None:
         """Commits one sampled token to `req`; why its sample ends there (None: it goes on)."""

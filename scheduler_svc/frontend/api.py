@@ -63,8 +63,13 @@ class FrontEnd:
     """What the gRPC servicer and the HTTP app call: one validation, one tokenization, one stream type."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, limits: Limits | None = None,
-                 pool: TokenizerPool | None = None, tracing: Tracing | None = None) -> None:
+                 pool: TokenizerPool | None = None, tracing: Tracing | None = None,
+                 model_names: tuple[str, ...] = (), sampling_defaults: SamplingParams | None = None) -> None:
+        """`model_names`: the names a request may give as `model`, the first the one answers carry (default: the
+        engine's --model); `sampling_defaults`: what a field a request leaves unset means (--generation-config)."""
         self.engine = engine
+        self.model_names = model_names or (engine.config.model_id,)
+        self.sampling_defaults = sampling_defaults or SamplingParams()
         self.tracing = engine.tracing = tracing  # None: no traces, and no work for them (--otlp-endpoint)
         self.tokenizer = tokenizer
         self.limits = limits or Limits.for_model(engine.config.max_model_len)
@@ -81,7 +86,8 @@ class FrontEnd:
 
     @property
     def model_id(self) -> str:
-        return self.engine.config.model_id
+        """The model's name in answers (the first of --served-model-name, else --model)."""
+        return self.model_names[0]
 
     @property
     def max_model_len(self) -> int:
@@ -201,6 +207,11 @@ class FrontEnd:
         if inp.fill_context:
             max_tokens = max(1, self.engine.max_output_tokens(len(ids), max(1, sampling.n)))
             sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
+        # vLLM's echo with max_tokens 0: the prompt alone is scored (prompt_logprobs); one token is computed, as its
+        # last prompt row is anyway, and dropped (RequestStream's discard_output)
+        discard_output = inp.echo and sampling.max_tokens == 0
+        if discard_output:
+            sampling = dataclasses.replace(sampling, max_tokens=1)
         if inp.bad_words:
             sampling = dataclasses.replace(sampling, bad_words_token_ids=self.bad_words_token_ids(
                 inp.bad_words, sampling.bad_words_token_ids))
@@ -214,7 +225,7 @@ class FrontEnd:
                 raise invalid(e.field, str(e)) from None
             echo_text = await self._echo_text(inp, ids) if inp.echo else None  # NOTE: after the vocabulary check
             text = {"include_stop_str": inp.include_stop_str_in_output, "skip_special_tokens": inp.skip_special_tokens,
-                    "echo_text": echo_text}
+                    "echo_text": echo_text, "discard_output": discard_output}
             def open_stream(req):
                 stream = RequestStream(req, tokenizer, stop, metrics, **text)
                 if trace is not None:  # NOTE: before the engine can end it (request_log ends its trace)

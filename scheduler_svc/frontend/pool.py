@@ -22,11 +22,12 @@ INLINE_TOKENS = INLINE_CHARS // 4  # decoding: about as many characters
 _tokenizer: Tokenizer | None = None  # in a tokenizer process: its own copy
 
 
-def _load(model_dir: str) -> None:
+def _load(model_dir: str, chat_template: str | None) -> None:
     global _tokenizer
     # NOTE: Ctrl-C reaches the whole process group: the scheduler shuts this process down itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _tokenizer = Tokenizer.from_model_dir(model_dir)
+    _tokenizer.chat_template = chat_template  # NOTE: the scheduler's (--chat-template may replace the model's)
 
 
 def _capped(ids: list[int], max_tokens: int) -> list[int] | int:
@@ -92,7 +93,7 @@ class TokenizerPool:
             if self._executor is None:  # NOTE: started on first use: most deployments never send a long prompt
                 self._executor = ProcessPoolExecutor(
                     self.num_processes, mp_context=multiprocessing.get_context("spawn"), initializer=_load,
-                    initargs=(str(self.tokenizer.model_dir),))
+                    initargs=(str(self.tokenizer.model_dir), self.tokenizer.chat_template))
             executor = self._executor
         try:
             job = executor.submit(fn, *args)

@@ -25,6 +25,10 @@ class StreamItem:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
+    # The prompt's logprobs (sampling.prompt_logprobs set): one per prompt token, None first (no token precedes
+    # it), on the first item of each sample only (its echo item when echo is set)
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    echo: bool = False  # the item is the prompt (echo): token_ids are the prompt's, text its text
 
 
 @dataclass(slots=True)
@@ -44,9 +48,11 @@ class RequestStream:
 
     def __init__(self, request: Request, tokenizer, stop: tuple[str, ...], metrics: Metrics, *,
                  include_stop_str: bool = False, skip_special_tokens: bool = True,
-                 echo_text: str | None = None) -> None:
-        """`echo_text`: the prompt's text, sent first (one item per sample: the prompt's ids and this text, no
-        logprobs); None sends only the output."""
+                 echo_text: str | None = None, discard_output: bool = False) -> None:
+        """`echo_text`: the prompt's text, sent first (one item per sample: the prompt's ids and this text, and its
+        prompt logprobs when asked for: then it waits for the sample's first token, which comes once they are all
+        in); None sends only the output. `discard_output`: the output is computed but not sent (echo with max_tokens
+        0: the prompt alone is scored): each sample's one item has no tokens, no text, and finish reason LENGTH."""
         self.request = request
         self.metrics = metrics
         self.queue: asyncio.Queue[StreamItem | tuple[str, str] | None] = asyncio.Queue()
@@ -54,9 +60,12 @@ class RequestStream:
                                                        stop=list(stop), include_stop_str=include_stop_str,
                                                        min_tokens=request.sampling.min_tokens))
                         for _ in range(request.sampling.n)]
-        if echo_text is not None:
+        self.discard_output = discard_output
+        # NOTE: with prompt logprobs the echo waits for them (push); without, it goes first, now
+        self._echo_text = echo_text if request.prompt_log is not None else None
+        if echo_text is not None and self._echo_text is None:
             for index in range(request.sampling.n):
-                self.queue.put_nowait(StreamItem(index, list(request.prompt_token_ids), echo_text))
+                self.queue.put_nowait(StreamItem(index, list(request.prompt_token_ids), echo_text, echo=True))
         self.num_open = request.sampling.n
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None  # monotonic, of any sample
@@ -72,7 +81,8 @@ class RequestStream:
         if s.finished:
             return None
         m, p = self.metrics, self.metrics.protocol
-        if s.num_tokens == 0:
+        first = s.num_tokens == 0
+        if first:
             m.ttft.observe(now - self.arrival)
             m.tenant_ttft.labels(m.tenant_label(self.request.tenant)).observe(now - self.arrival)
             s.first_token_time = now
@@ -85,19 +95,30 @@ class RequestStream:
         s.num_tokens += len(out.new_token_ids)
         p.generation_tokens.inc(len(out.new_token_ids))
         s.last_token_time = now
-        res = s.detok.push(out.new_token_ids)
-        text, reason = res.text_delta, out.finish_reason
-        if res.stopped:
-            reason = FinishReason.STOP_STRING
-        elif reason is not None:
-            text += s.detok.flush().text_delta
-        item = StreamItem(out.index, list(out.new_token_ids), text, reason,
-                          [logprobs] if logprobs is not None else [])
+        if self.discard_output:  # NOTE: max_tokens is 1 here: the one token computed ends the sample
+            reason = None if out.finish_reason is None else FinishReason.LENGTH
+            item = StreamItem(out.index, [], "", reason)
+        else:
+            res = s.detok.push(out.new_token_ids)
+            text, reason = res.text_delta, out.finish_reason
+            if res.stopped:
+                reason = FinishReason.STOP_STRING
+            elif reason is not None:
+                text += s.detok.flush().text_delta
+            item = StreamItem(out.index, list(out.new_token_ids), text, reason,
+                              [logprobs] if logprobs is not None else [])
+        if first and self.request.prompt_log is not None:
+            # NOTE: complete now: a sample's first token comes after its prompt's last row (Scheduler.update)
+            item.prompt_logprobs = self.request.prompt_log.for_client()
+            if self._echo_text is not None:
+                self.queue.put_nowait(StreamItem(out.index, list(self.request.prompt_token_ids), self._echo_text,
+                                                 prompt_logprobs=item.prompt_logprobs, echo=True))
+                item.prompt_logprobs = None
         if reason is not None:
             s.finished, s.finish_reason = True, reason
             self.num_open -= 1
             item.prompt_tokens = len(self.request.prompt_token_ids)
-            item.completion_tokens = s.num_tokens
+            item.completion_tokens = 0 if self.discard_output else s.num_tokens
             item.cached_prompt_tokens = self.request.num_cached_prompt_tokens
             if self.num_open == 0:
                 m.e2e.observe(now - self.arrival)

@@ -12,7 +12,8 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from pagedserve.v1 import generate_pb2
 
 from pagedserve_common.defaults import TENANT_HEADER
-from pagedserve_common.wire import logprobs_to_pb, sampling_from_pb
+from pagedserve_common.sampling import SamplingParams
+from pagedserve_common.wire import logprobs_to_pb, sampling_from_pb, with_defaults
 from scheduler_svc.core.kv_snapshot import KVPoolSnapshot
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.auth import ApiKeys
@@ -136,8 +137,10 @@ def unknown_field(msg, prefix: str = "") -> tuple[str, int] | None:
     return None
 
 
-def input_from_pb(pb: generate_pb2.GenerateRequest, limits: Limits) -> GenerateInput:
-    """An input counts as set when present: prompt by presence (even empty), the lists when non-empty.
+def input_from_pb(pb: generate_pb2.GenerateRequest, limits: Limits,
+                  defaults: SamplingParams | None = None) -> GenerateInput:
+    """An input counts as set when present: prompt by presence (even empty), the lists when non-empty; an unset
+    sampling field means `defaults`' value (--generation-config) when given.
     NOTE: list lengths are checked before any list is copied; prompt_token_ids stays the message's own container
     (the front end checks its length before copying it)."""
     if (found := unknown_field(pb)) is not None:
@@ -154,7 +157,8 @@ def input_from_pb(pb: generate_pb2.GenerateRequest, limits: Limits) -> GenerateI
     return GenerateInput(prompt=pb.prompt if pb.HasField("prompt") else None,
                          prompt_token_ids=pb.prompt_token_ids or None,
                          messages=[{"role": m.role, "content": m.content} for m in pb.messages] or None,
-                         sampling=sampling_from_pb(pb.sampling), stop=tuple(pb.sampling.stop),
+                         sampling=with_defaults(sp, sampling_from_pb(sp), defaults or SamplingParams()),
+                         stop=tuple(pb.sampling.stop),
                          request_id=pb.request_id, cache_salt=pb.cache_salt, bad_words=tuple(pb.sampling.bad_words),
                          include_stop_str_in_output=pb.sampling.include_stop_str_in_output,
                          skip_special_tokens=pb.sampling.skip_special_tokens
@@ -184,6 +188,12 @@ def item_to_pb(request_id: str, item: StreamItem) -> generate_pb2.GenerateRespon
                                        text=item.text)
     for lp in item.logprobs:
         logprobs_to_pb(lp, pb.logprobs.add())
+    if item.prompt_logprobs is not None:
+        add = pb.prompt_logprobs.add
+        for lp in item.prompt_logprobs:  # NOTE: None (the first position) stays an empty entry
+            entry = add()
+            if lp is not None:
+                logprobs_to_pb(lp, entry)
     if item.finish_reason is not None:
         pb.finish_reason = int(item.finish_reason)
         pb.usage.prompt_tokens = item.prompt_tokens

@@ -74,7 +74,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         await _refuse_undecodable(request, context)
         try:
-            inp = convert.input_from_pb(request, self.frontend.limits)
+            inp = convert.input_from_pb(request, self.frontend.limits, self.frontend.sampling_defaults)
             inp.tenant = convert.tenant_of(context.invocation_metadata(), self.api_keys)
             stream = await self.frontend.generate(inp, None
                                                   if self.frontend.tracing is None else

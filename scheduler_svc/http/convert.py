@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
 from pagedserve_common.sampling import SamplingParams
+from pagedserve_common.step import PositionLogprobs
 from scheduler_svc.core.request import FinishReason
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend import FrontEnd, GenerateInput, StreamItem
@@ -51,10 +53,17 @@ class Job:
     n: int
     params: dict[str, str] = field(default_factory=dict)  # generate.proto field -> the name this request used
     tools: ToolPlan | None = None  # chat with tools: how its answers become tool calls
+    # vLLM's prompt_logprobs field: the top entries each position of it shows; None: answers carry no such field
+    prompt_logprobs: int | None = None
 
     @property
     def wants_logprobs(self) -> bool:
         return self.inputs[0].sampling.logprobs is not None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """The top logprobs a token shows (an echoed prompt's too); None: no logprobs."""
+        return self.inputs[0].sampling.logprobs
 
     def choice_index(self, prompt_index: int, sample_index: int) -> int:
         return prompt_index * self.n + sample_index
@@ -76,8 +85,10 @@ def _logit_bias(body) -> tuple[tuple[int, float], ...]:
     return tuple(sorted(out))
 
 
-def _sampling(body, max_tokens: int | None, logprobs: int | None, params: dict[str, str]) -> SamplingParams:
-    """`params` (Job.params) learns which field set structured_output, so that an error names it."""
+def _sampling(body, max_tokens: int | None, logprobs: int | None, params: dict[str, str],
+              defaults: SamplingParams) -> SamplingParams:
+    """`params` (Job.params) learns which field set structured_output, so that an error names it; `defaults`: what
+    an unset field means (the front end's, --generation-config)."""
     so, so_param = structured_output(body)
     if so_param is not None:
         params["structured_output"] = so_param
@@ -85,7 +96,7 @@ def _sampling(body, max_tokens: int | None, logprobs: int | None, params: dict[s
     def pick(value, default):
         return default if value is None else value
 
-    d = SamplingParams()
+    d = defaults
     return SamplingParams(max_tokens=pick(max_tokens, d.max_tokens), temperature=pick(body.temperature, d.temperature),
                           top_p=pick(body.top_p, d.top_p), top_k=pick(body.top_k, d.top_k),
                           min_p=pick(body.min_p, d.min_p),
@@ -95,7 +106,7 @@ def _sampling(body, max_tokens: int | None, logprobs: int | None, params: dict[s
                           frequency_penalty=pick(body.frequency_penalty, d.frequency_penalty),
                           repetition_penalty=pick(body.repetition_penalty, d.repetition_penalty),
                           logit_bias=_logit_bias(body), min_tokens=pick(body.min_tokens, d.min_tokens),
-                          structured_output=so)
+                          structured_output=so, prompt_logprobs=body.prompt_logprobs)
 
 
 def _text_options(body) -> dict:
@@ -112,9 +123,6 @@ def _stop(body) -> tuple[str, ...]:
 
 
 def completion_job(body: CompletionRequest, request_id: str, frontend: FrontEnd) -> Job:
-    if body.echo and body.logprobs is not None:  # NOTE: the worker returns sampled tokens' logprobs only
-        raise invalid("logprobs", "logprobs with echo: the prompt's logprobs are not computed (only those of "
-                                  "sampled tokens); drop logprobs, or echo and prepend the prompt yourself")
     if body.best_of is not None and body.best_of != body.n:
         raise invalid("best_of", f"best_of must equal n ({body.n}) when set: samples are not ranked")
     p = body.prompt
@@ -128,14 +136,20 @@ def completion_job(body: CompletionRequest, request_id: str, frontend: FrontEnd)
         raise invalid("prompt", "prompt is empty")
     frontend.check_batch(len(prompts), body.n)  # NOTE: before an input is made for each of up to a million prompts
     params = {"prompt_token_ids": "prompt"}
-    sampling = _sampling(body, body.max_tokens, body.logprobs, params)
+    sampling = _sampling(body, body.max_tokens, body.logprobs, params, frontend.sampling_defaults)
+    shown = body.prompt_logprobs
+    # the echoed prompt's logprobs lead choices[].logprobs (legacy). NOTE: a negative prompt_logprobs is left for
+    # the front end to refuse by name
+    if body.echo and body.logprobs is not None and (body.prompt_logprobs or 0) >= 0:
+        sampling = dataclasses.replace(sampling, prompt_logprobs=max(body.prompt_logprobs or 0, body.logprobs))
+        shown = body.logprobs if shown is None else shown  # NOTE: as vLLM, which then fills the field too
     inputs = []
     for i, one in enumerate(prompts):
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         kind = "prompt" if isinstance(one, str) else "prompt_token_ids"
         inputs.append(GenerateInput(**{kind: one}, sampling=sampling, request_id=rid, echo=body.echo,
                                     **_text_options(body)))
-    return Job(inputs, body.n, params)
+    return Job(inputs, body.n, params, prompt_logprobs=shown)
 
 
 def chat_job(body: ChatCompletionRequest, request_id: str, frontend: FrontEnd, tool_call_parser: str = "none") -> Job:
@@ -148,7 +162,7 @@ def chat_job(body: ChatCompletionRequest, request_id: str, frontend: FrontEnd, t
         max_tokens, name = body.max_tokens, "max_tokens"
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = {"max_tokens": name, "logprobs": "top_logprobs"}
-    sampling = _sampling(body, max_tokens, logprobs, params)
+    sampling = _sampling(body, max_tokens, logprobs, params, frontend.sampling_defaults)
     template_kwargs = body.chat_template_kwargs or {}
     if tool_plan is not None:
         sampling, template_kwargs = tools.apply(tool_plan, sampling, template_kwargs)
@@ -157,7 +171,7 @@ def chat_job(body: ChatCompletionRequest, request_id: str, frontend: FrontEnd, t
     messages = history.template_messages(body.messages, frontend.tokenizer.chat_template)
     inp = GenerateInput(messages=messages, sampling=sampling, request_id=request_id,
                         chat_template_kwargs=template_kwargs, fill_context=max_tokens is None, **_text_options(body))
-    return Job([inp], body.n, params, tool_plan)
+    return Job([inp], body.n, params, tool_plan, prompt_logprobs=body.prompt_logprobs)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -213,9 +227,10 @@ def request_id(body, limits) -> str | None:
 
 
 def check_model(frontend: FrontEnd, model: str | None) -> None:
-    if model is not None and model != frontend.model_id:
-        raise EngineError(ErrorCode.NOT_FOUND, f"The model `{model}` does not exist (this server serves "
-                                               f"`{frontend.model_id}`)", "model")
+    if model is not None and model not in frontend.model_names:
+        served = ", ".join(f"`{name}`" for name in frontend.model_names)
+        raise EngineError(ErrorCode.NOT_FOUND, f"The model `{model}` does not exist (this server serves {served})",
+                          "model")
 
 
 # -- responses ----------------------------------------------------------------------------------------------
@@ -223,8 +238,11 @@ def finish_reason(item: StreamItem) -> str | None:
     return None if item.finish_reason is None else FINISH_REASONS[item.finish_reason]
 
 
-def completion_logprobs(frontend: FrontEnd, item: StreamItem, offset: int) -> dict:
-    """Completions' logprobs for one item's tokens; `offset` is where its text starts in the choice's text."""
+def completion_logprobs(frontend: FrontEnd, item: StreamItem, offset: int, num_top: int | None = None) -> dict:
+    """Completions' logprobs for one item's tokens; `offset` is where its text starts in the choice's text. An echo
+    item's are its prompt's (null for the first token), `num_top` top entries each."""
+    if item.echo:
+        return echo_logprobs(frontend, item, offset, num_top)
     tokens, token_logprobs, top, text_offset = [], [], [], []
     for lp in item.logprobs:
         text = frontend.token_text(lp.sampled.token_id)
@@ -234,6 +252,48 @@ def completion_logprobs(frontend: FrontEnd, item: StreamItem, offset: int) -> di
         text_offset.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}
+
+
+MIN_LOGPROB = -9999.0  # vLLM's clamp of a prompt logprob: JSON has no -Infinity (a token of probability 0)
+
+
+def _clamped(logprob: float) -> float:
+    return max(logprob, MIN_LOGPROB)
+
+
+def echo_logprobs(frontend: FrontEnd, item: StreamItem, offset: int, num_top: int | None) -> dict:
+    """OpenAI's legacy logprobs of an echo item (the prompt's tokens): null for the first token (nothing precedes
+    it), `num_top` top entries (None: all the worker sent) at the others; `offset` is where the prompt's text starts
+    in the choice's text."""
+    tokens, token_logprobs, top, text_offset = [], [], [], []
+    entries = item.prompt_logprobs or [None] * len(item.token_ids)
+    for token_id, lp in zip(item.token_ids, entries):
+        text = frontend.token_text(token_id)
+        tokens.append(text)
+        token_logprobs.append(None if lp is None else _clamped(lp.sampled.logprob))
+        top.append(None if lp is None else {frontend.token_text(t.token_id): _clamped(t.logprob)
+                                            for t in lp.top[:num_top]})
+        text_offset.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": text_offset}
+
+
+def vllm_prompt_logprobs(frontend: FrontEnd, entries: list[PositionLogprobs | None], num_top: int) -> list:
+    """vLLM's prompt_logprobs list from a prompt's PositionLogprobs (None first): per position {token id (a JSON key):
+    {"logprob", "rank", "decoded_token"}}, the prompt's token first, then `num_top` top ones (a token once)."""
+    out: list[dict | None] = []
+    for lp in entries:
+        if lp is None:
+            out.append(None)
+            continue
+        own = lp.sampled
+        position = {str(own.token_id): {"logprob": _clamped(own.logprob), "rank": lp.rank,
+                                        "decoded_token": frontend.token_text(own.token_id)}}
+        for rank, t in enumerate(lp.top[:num_top], 1):
+            position.setdefault(str(t.token_id), {"logprob": _clamped(t.logprob), "rank": rank,
+                                                  "decoded_token": frontend.token_text(t.token_id)})
+        out.append(position)
+    return out
 
 
 def _chat_entry(frontend: FrontEnd, token_id: int, logprob: float) -> dict:
@@ -266,3 +326,28 @@ class UsageCount:
         return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+
+class UsageReport:
+    """What a stream says of its usage as it goes (`stream_options`): with include_usage, a last chunk holding the
+    whole request's usage and `"usage": null` in the others; with continuous_usage_stats (vLLM's) as well, the usage
+    so far in every chunk: every prompt opened, the tokens output until then."""
+
+    def __init__(self, options, streams) -> None:
+        self.include_usage = bool(options and options.include_usage)
+        self.continuous = self.include_usage and bool(options.continuous_usage_stats)
+        self.prompt_tokens = sum(len(s.request.prompt_token_ids) for s in streams)
+        self.completion_tokens = 0
+
+    def saw(self, item: StreamItem) -> None:
+        if not item.echo:  # NOTE: an echo item carries the prompt's ids, counted as prompt tokens already
+            self.completion_tokens += len(item.token_ids)
+
+    def chunk_usage(self) -> dict:
+        """The `usage` entry of a chunk that carries choices."""
+        if not self.include_usage:
+            return {}
+        if not self.continuous:
+            return {"usage": None}
+        return {"usage": {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
+                          "total_tokens": self.prompt_tokens + self.completion_tokens}}

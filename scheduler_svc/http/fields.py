@@ -70,7 +70,6 @@ _REFUSED_BOTH = {
     "truncate_prompt_tokens": Refused("prompts are not truncated: a prompt too long is refused"),
     "truncation_side": Refused("prompts are not truncated (see truncate_prompt_tokens)"),
     "allowed_token_ids": Refused("a vocabulary allow-list is not implemented (logit_bias can ban tokens)"),
-    "prompt_logprobs": Refused("prompt logprobs are not computed (the worker returns sampled tokens' only)"),
     "logprob_token_ids": Refused("logprobs of chosen token ids are not computed (top_logprobs are)"),
     "prompt_embeds": Refused("prompts are text or token ids, not embeddings"),
     "return_tokens_as_token_ids": Refused("logprobs' tokens are their text", (False,)),
@@ -132,9 +131,7 @@ STREAM_OPTIONS_IGNORED = {
     "include_obfuscation": Ignored("OpenAI's random padding of stream events against length side channels; none is "
                                    "sent"),
 }
-STREAM_OPTIONS_REFUSED = {
-    "continuous_usage_stats": Refused("usage comes in the last chunk only (include_usage)", (False,)),
-}
+STREAM_OPTIONS_REFUSED: dict[str, Refused] = {}
 
 
 def endpoint_of(body: BaseModel) -> str:

@@ -13,6 +13,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: the usage so far in every chunk (guidellm asks for it)
 
 
 class _Common(BaseModel):
@@ -45,6 +46,7 @@ class _Common(BaseModel):
     bad_words: list[str] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top N at its position
     # Structured output: OpenAI's response_format, vLLM's guided_* and their newer structured_outputs spelling
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None

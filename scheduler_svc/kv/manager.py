@@ -106,9 +106,11 @@ class KVCacheManager(BlockTables):
         counters, no LRU change), so the router can ask every worker."""
         return self.find_prefix(token_ids, extra_key).num_tokens
 
-    def find_prefix(self, token_ids: Sequence[int], extra_key: object = None) -> PrefixHit:
-        """The prompt's longest cached prefix of full blocks. NOTE: never covers the last token, whose logits are
-        needed; no side effects: the scheduler counts the query (record_prefix_query) once it admits the prompt."""
+    def find_prefix(self, token_ids: Sequence[int], extra_key: object = None,
+                    max_tokens: int | None = None) -> PrefixHit:
+        """The prompt's longest cached prefix of full blocks, of at most `max_tokens` tokens when given (a request
+        whose prompt logprobs need the rows' logits). NOTE: never covers the last token, whose logits are needed; no
+        side effects: the scheduler counts the query (record_prefix_query) once it admits the prompt."""
         parent = _root(extra_key)
         if not self.enable_prefix_caching:
             return PrefixHit([], 0, parent)
@@ -116,7 +118,8 @@ class KVCacheManager(BlockTables):
         # NOTE: reads the pool's key map and chain ids directly: this loop runs once per block of every prompt.
         cached, chain_id = self.pool._cached, self.pool._chains
         block_ids: list[int] = []
-        for start in range(0, (len(token_ids) - 1) // bs * bs, bs):
+        limit = len(token_ids) - 1 if max_tokens is None else min(len(token_ids) - 1, max_tokens)
+        for start in range(0, limit // bs * bs, bs):
             bid = cached.get((parent, block_tokens(token_ids, start, start + bs)))
             if bid is None:
                 break

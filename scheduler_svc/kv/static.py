@@ -39,7 +39,8 @@ class StaticKVCacheManager(BlockTables):
         self._seqs: dict[Hashable, _Run] = {}
 
     # -- queries ------------------------------------------------------------------------------------------
-    def find_prefix(self, token_ids: Sequence[int], extra_key: object = None) -> PrefixHit:
+    def find_prefix(self, token_ids: Sequence[int], extra_key: object = None,
+                    max_tokens: int | None = None) -> PrefixHit:
         return PrefixHit([], 0, None)  # NOTE: no prefix cache: every prompt is computed whole
 
     def cached_prefix_len(self, token_ids: Sequence[int], extra_key: object = None) -> int:

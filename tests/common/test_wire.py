@@ -9,8 +9,8 @@ import pytest
 from pagedserve.v1 import generate_pb2, worker_pb2
 from pagedserve_common import wire
 from pagedserve_common.kv_geometry import KVGeometry
-from pagedserve_common.step import (NewSequence, PositionLogprobs, SequenceDelta, StepError, StepErrorKind, StepPlan,
-                                    StepResult, TokenLogprob)
+from pagedserve_common.step import (NewSequence, PositionLogprobs, PromptLogprobs, SequenceDelta, StepError,
+                                    StepErrorKind, StepPlan, StepResult, TokenLogprob)
 from pagedserve_common.registration import WorkerRegistration
 from pagedserve_common.sampling import SamplingParams, StructuredOutput
 
@@ -23,7 +23,7 @@ def test_a_plan_with_every_field_set_comes_back_equal():
     sampling = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.75, top_k=3, min_p=0.25, seed=11, n=2,
                               stop_token_ids=(5, 6), ignore_eos=True, logprobs=4, presence_penalty=0.5,
                               frequency_penalty=-0.25, repetition_penalty=1.5, logit_bias=((3, -100.0), (9, 2.5)),
-                              min_tokens=2, bad_words_token_ids=((4,), (5, 6)))
+                              min_tokens=2, bad_words_token_ids=((4,), (5, 6)), prompt_logprobs=3)
     plan = StepPlan(9, new_seqs=[NewSequence(3, [1, 2, 3], [4, 5], 1, 2, sampling, 2**63 + 1, 2)],
                     running=[SequenceDelta(4, [7], 1), SequenceDelta(8, [], 4, [30, 31, 2**32 - 1])],
                     finished_seq_ids=[1],
@@ -51,6 +51,17 @@ def test_a_result_keeps_its_tokens_and_logprobs_per_sequence():
     lp = PositionLogprobs(TokenLogprob(7, -0.5), (TokenLogprob(7, -0.5), TokenLogprob(3, -1.25)))
     result = StepResult(4, {10: 7, 11: 2}, {10: lp}, step_seconds=0.25, idle_seconds=0.125)
     assert wire.result_from_pb(through_the_wire(wire.result_to_pb(result))) == result
+
+
+def test_a_result_keeps_each_sequences_prompt_logprobs_with_their_first_position_and_ranks():
+    position = PositionLogprobs(TokenLogprob(9, -2.5), (TokenLogprob(3, -0.25),), rank=4)
+    result = StepResult(4, {10: 7}, prompt_logprobs={10: PromptLogprobs(1, (position, position)),
+                                                     11: PromptLogprobs(17, (position,))})  # 11: mid-prefill
+    assert wire.result_from_pb(through_the_wire(wire.result_to_pb(result))) == result
+    pb = wire.result_to_pb(result)
+    pb.prompt_logprobs.add(seq_id=10, first_position=3)
+    with pytest.raises(ValueError, match="prompt_logprobs: a seq has more than one entry"):
+        wire.result_from_pb(pb)
 
 
 def test_a_result_keeps_the_accepted_drafts_per_sequence_and_none_reads_as_zero():

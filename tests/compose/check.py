@@ -268,7 +268,7 @@ def drain_during(server: str, command: list[str], what: str, max_tokens: int = L
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("step", choices=["reference", "single", "rogue", "scale", "kill", "down", "drain"])
     p.add_argument("--server", default=DEFAULT_LISTEN)
     p.add_argument("--metrics", default=f"http://{DEFAULT_METRICS}")

@@ -334,7 +334,7 @@ def without_offline(docs: list[dict]) -> list[dict]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__)
     p.add_argument("--manifests", required=True, help="the rendered overlay (kubectl kustomize's output)")
     p.add_argument("--state", required=True, help="a folder for the Secrets and the pods' Secret volumes")
     p.add_argument("--docker", default=os.environ.get("DOCKER", "docker"))

@@ -41,3 +41,17 @@ def test_a_good_message_parses_and_a_corrupt_one_says_so():
         got = lenient(pb.GenerateRequest)(data)
         assert isinstance(got, Undecodable) and got.field is None
         assert got.message.startswith("the request is not a valid pagedserve.v1.GenerateRequest message")
+
+
+def test_prompt_logprobs_go_out_one_entry_per_prompt_token_the_first_empty():
+    from pagedserve_common.step import PositionLogprobs, TokenLogprob
+    from scheduler_svc.frontend.stream import StreamItem
+    from scheduler_svc.grpc.convert import item_to_pb
+
+    second = PositionLogprobs(TokenLogprob(8, -1.5), (TokenLogprob(3, -0.25),), rank=2)
+    out = item_to_pb("r", StreamItem(0, [7, 8], "ab", prompt_logprobs=[None, second], echo=True))
+    first, entry = out.prompt_logprobs
+    assert not first.HasField("sampled") and not first.top and first.rank == 0
+    assert (entry.sampled.token_id, entry.sampled.logprob, entry.rank, [(t.token_id, t.logprob) for t in entry.top]) \
+        == (8, -1.5, 2, [(3, -0.25)])
+    assert not item_to_pb("r", StreamItem(0, [9], "c")).prompt_logprobs  # none asked: none sent

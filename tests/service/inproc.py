@@ -23,6 +23,10 @@ from tests.service.conftest import free_port
 from tests.support.network import default_model_dir
 
 TOKEN = 7  # what a ScriptedWorker samples, for every sequence
+EOS = 2  # SmolLM2's <|im_end|>: the engine stops on it (eos_token_ids)
+# A Hermes answer with text and two tool calls (a Speaker speaks it)
+HERMES = ('I will look it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+          '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call>')
 
 
 @functools.cache
@@ -170,3 +174,20 @@ class Front:
     async def __aexit__(self, *exc) -> None:
         await self.client.aclose()
         await self.http.stop()
+
+
+class Speaker(ScriptedWorker):
+    """Answers every plan; each sequence's output is `answer`'s tokens, then EOS."""
+
+    def __init__(self, channel, answer: str) -> None:
+        super().__init__(channel, answer=True)
+        self.script = [*tokenizer().encode(answer, add_special_tokens=False), EOS]
+        self.num_prompt_tokens: dict[int, int] = {}
+
+    def reply(self, plan) -> None:
+        for n in plan.new_seqs:
+            self.num_prompt_tokens.setdefault(n.seq_id, n.num_prompt_tokens)
+        super().reply(plan)
+
+    def next_token(self, seq_id: int, num_tokens: int) -> int:
+        return self.script[min(num_tokens - self.num_prompt_tokens[seq_id], len(self.script) - 1)]

@@ -259,12 +259,13 @@ def test_two_authorization_headers_are_refused_on_both_apis(secure, keys):
 
 
 def test_the_api_docs_are_not_served(secure):
-    # NOTE: FastAPI would serve them at these paths without a key; they are off
+    # NOTE: FastAPI would serve them at these paths without a key; they are off (and, as every path but the
+    # liveness probes and /version, need a key before even a 404 is said)
     with https(secure) as http:
         for path in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"):
-            for headers in ({}, {"authorization": f"Bearer {KEY}"}):
+            for headers, status in (({}, 401), ({"authorization": f"Bearer {KEY}"}, 404)):
                 r = http.get(f"https://{secure.http}{path}", headers=headers)
-                assert r.status_code == 404, (path, r.status_code)
+                assert r.status_code == status, (path, r.status_code)
                 assert set(r.json()["error"]) == {"message", "type", "param", "code"}
 
 

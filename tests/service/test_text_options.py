@@ -3,7 +3,6 @@ completions' echo (the official `openai` client for HTTP, the gRPC stubs for gRP
 
 from __future__ import annotations
 
-import openai
 import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
@@ -109,10 +108,22 @@ def test_echo_puts_the_prompt_first_in_each_choice(service, client, tok):
     assert [c.text for c in by_ids.choices] == [tok.decode(ids) + c.text for c in plain.choices]
 
 
-def test_echo_with_logprobs_is_refused_naming_logprobs(service, client):
-    with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=service.model_dir, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1)
-    assert e.value.body["param"] == "logprobs" and "echo" in e.value.body["message"]
+def test_echo_with_logprobs_leads_with_the_prompts_logprobs(service, client, tok):
+    """OpenAI's legacy shape (tests/service/test_prompt_logprobs.py checks the values against transformers): the
+    prompt's tokens first, the first without a logprob, then the completion's."""
+    ids = tok.encode(PROMPT)
+    out = client.completions.create(model=service.model_dir, prompt=PROMPT, max_tokens=2, echo=True, logprobs=1,
+                                    temperature=0)
+    lp = out.choices[0].logprobs
+    assert len(lp.tokens) == len(ids) + 2 and lp.tokens[:len(ids)] == [tok.decode([t]) for t in ids]
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert all(len(top) == 1 for top in lp.top_logprobs[1:])
+    assert lp.text_offset[0] == 0 and lp.text_offset == sorted(lp.text_offset)
+    prompt_only = client.completions.create(model=service.model_dir, prompt=PROMPT, max_tokens=0, echo=True,
+                                            logprobs=1)
+    assert prompt_only.choices[0].text == PROMPT and prompt_only.usage.completion_tokens == 0
+    assert prompt_only.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(ids)]
 
 
 def test_grpc_echo_sends_the_prompt_first_for_each_sample(service, tok):

@@ -10,30 +10,12 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from scheduler_svc.frontend import Tokenizer
-from tests.service.inproc import Front, ScriptedWorker, tokenizer, wait_for, with_server
+from tests.service.inproc import EOS, HERMES, Front, Speaker, tokenizer, wait_for, with_server
 
-EOS = 2  # SmolLM2's <|im_end|>: the engine stops on it (eos_token_ids)
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                            "required": ["city"]}}}
 MESSAGES = [{"role": "user", "content": "Weather in Paris?"}]
-
-
-class Speaker(ScriptedWorker):
-    """Answers every plan; each sequence's output is `answer`'s tokens, then EOS."""
-
-    def __init__(self, channel, answer: str) -> None:
-        super().__init__(channel, answer=True)
-        self.script = [*tokenizer().encode(answer, add_special_tokens=False), EOS]
-        self.num_prompt_tokens: dict[int, int] = {}
-
-    def reply(self, plan) -> None:
-        for n in plan.new_seqs:
-            self.num_prompt_tokens.setdefault(n.seq_id, n.num_prompt_tokens)
-        super().reply(plan)
-
-    def next_token(self, seq_id: int, num_tokens: int) -> int:
-        return self.script[min(num_tokens - self.num_prompt_tokens[seq_id], len(self.script) - 1)]
 
 
 def client_of(front: Front) -> openai.AsyncOpenAI:
@@ -56,10 +38,6 @@ async def both(client: openai.AsyncOpenAI, **request):
 def calls_of(message) -> list[tuple[str, dict]]:
     assert all(c.id.startswith("call_") and c.type == "function" for c in message.tool_calls)
     return [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls]
-
-
-HERMES = ('I will look it up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
-          '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lyon"}}\n</tool_call>')
 
 
 @with_server(eos_token_ids=(EOS,), max_num_seqs=2)

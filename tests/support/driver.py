@@ -12,6 +12,7 @@ from pagedserve.v1 import worker_pb2
 from pagedserve_common.step import PositionLogprobs
 from pagedserve_common.wire import plan_to_pb, result_from_pb
 from scheduler_svc.core.request import Request
+from scheduler_svc.core.result_check import check_result
 from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from pagedserve_common.wire import plan_from_pb, result_to_pb
@@ -35,6 +36,7 @@ class LocalDriver:
         self.outputs: dict[str, list[list[int]]] = {}
         # Each generated token's logprobs, for the requests whose sampling asks for them (logprobs not None).
         self.logprobs: dict[str, list[list[PositionLogprobs]]] = {}
+        self.requests: dict[str, Request] = {}  # every request added (its prompt_log holds its prompt logprobs)
         self.step_id = 0
         self.num_copies = 0
 
@@ -42,7 +44,8 @@ class LocalDriver:
             n: int = 1) -> str:
         request_id = f"r{len(self.outputs)}"
         sampling = dataclasses.replace(sampling, max_tokens=max_new_tokens, n=n)
-        self.pending.append((arrival_step, Request(request_id, list(prompt), sampling)))
+        self.requests[request_id] = Request(request_id, list(prompt), sampling)
+        self.pending.append((arrival_step, self.requests[request_id]))
         self.outputs[request_id] = [[] for _ in range(n)]
         self.logprobs[request_id] = [[] for _ in range(n)]
         return request_id
@@ -54,6 +57,7 @@ class LocalDriver:
             other.scheduler.adopt(req)
             other.outputs[req.request_id] = self.outputs.pop(req.request_id)
             other.logprobs[req.request_id] = self.logprobs.pop(req.request_id)
+            other.requests[req.request_id] = self.requests.pop(req.request_id)
         other.outputs.update(self.outputs)  # the finished ones, so that `other` answers for all
         self.outputs = {}
 
@@ -71,7 +75,10 @@ class LocalDriver:
             self.num_copies += len(plan.copies)
             result = result_from_pb(result_to_pb(self.runner.step(plan_from_pb(worker_pb2.StepPlan.FromString(
                 plan_to_pb(plan).SerializeToString())))))
-            for out in sched.update(plan, result.sampled, result.num_accepted_drafts):
+            wrong = check_result(plan.step_id, result, sched.due_samples(), self.runner.loaded.vocab_size,
+                                 drafted=sched.drafted_samples(), prompt_due=sched.prompt_logprobs_due())
+            assert wrong is None, wrong
+            for out in sched.update(plan, result.sampled, result.num_accepted_drafts, result.prompt_logprobs):
                 self.outputs[out.request_id][out.index].extend(out.new_token_ids)
                 if out.new_token_ids and out.seq_id in result.logprobs:
                     self.logprobs[out.request_id][out.index].append(result.logprobs[out.seq_id])

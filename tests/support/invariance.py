@@ -105,7 +105,7 @@ def run_cases(model_dir: str, dtype: str, kv_cache_dtype: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--model-dir", required=True)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--kv-cache-dtype", default="auto")

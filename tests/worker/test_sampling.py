@@ -190,6 +190,8 @@ def test_default_options_are_valid():
     S().validate()
     S(temperature=0, top_p=0.01, top_k=1, min_p=1.0, seed=2**64 - 1, logprobs=20).validate()
     S(logprobs=0).validate()
+    S(prompt_logprobs=0).validate()
+    S(prompt_logprobs=20).validate()
 
 
 @pytest.mark.parametrize(
@@ -212,6 +214,8 @@ def test_default_options_are_valid():
         ("min_p", 1.5),
         ("logprobs", -1),
         ("logprobs", 21),
+        ("prompt_logprobs", -1),  # NOTE: vLLM's -1 (the whole vocabulary) is out of the bound too
+        ("prompt_logprobs", 21),
     ],
 )
 def test_validate_names_the_bad_field(field: str, value):
