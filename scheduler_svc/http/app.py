@@ -20,7 +20,7 @@ from scheduler_svc.http import convert, fields, messages_api, responses_api, too
 from scheduler_svc.http.convert import Job, UsageCount, UsageReport
 from scheduler_svc.http.limits import BodyLimit
 from scheduler_svc.http.schemas import ChatCompletionRequest, CompletionRequest
-from scheduler_svc.http.serving import Dialect, Serving, gather, items
+from scheduler_svc.http.serving import Dialect, Serving, gather_all, items, prompt_token_ids
 
 
 def _check_openai(frontend: FrontEnd, body) -> None:
@@ -109,29 +109,38 @@ def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None, tool_call_pa
     async def completion_events(job: Job, streams, rid: str, meta: dict, body):
         head = {"id": f"cmpl-{rid}", "object": "text_completion", **meta}
         usage, offsets, report = UsageCount(), defaultdict(int), UsageReport(body.stream_options, streams)
+        opened: set[int] = set()  # choices whose first chunk went out (return_token_ids: it has the prompt's ids)
         async for i, item in items(streams):
             index, reason = job.choice_index(i, item.index), convert.finish_reason(item)
             report.saw(item)
             if reason is not None:
                 usage.add(i, item)
-            elif not item.text and not item.logprobs:
+            elif not item.text and not item.logprobs and not (job.return_token_ids and item.token_ids):
                 continue  # text held back (a partial character or a possible stop string): nothing to say yet
             choice = {"index": index, "text": item.text, "logprobs": None, "finish_reason": reason}
             if job.wants_logprobs:
-                choice["logprobs"] = convert.completion_logprobs(frontend, item, offsets[index], job.num_logprobs)
+                choice["logprobs"] = convert.completion_logprobs(job.names, item, offsets[index], job.num_logprobs)
+            if job.return_token_ids:
+                choice["token_ids"] = [] if item.echo else list(item.token_ids)
+                if index not in opened:
+                    choice["prompt_token_ids"] = prompt_token_ids(streams, i)
+            opened.add(index)
             offsets[index] += len(item.text)
             yield {**head, "choices": [choice], **report.chunk_usage()}
         if report.include_usage:
             yield {**head, "choices": [], "usage": usage.to_json()}
 
     async def completion_collect(job: Job, streams, rid: str, meta: dict) -> dict:
-        texts, reasons, logprobs, usage = await gather(job, streams, partial(convert.completion_logprobs, frontend,
-                                                                              num_top=job.num_logprobs))
-        choices = [{"index": k, "text": texts[k], "finish_reason": reasons.get(k),
-                    "logprobs": _join_completion_logprobs(logprobs[k]) if job.wants_logprobs else None}
-                   for k in sorted(texts)]
+        g = await gather_all(job, streams, partial(convert.completion_logprobs, job.names, num_top=job.num_logprobs))
+        choices = []
+        for k in sorted(g.texts):
+            choice = {"index": k, "text": g.texts[k], "finish_reason": g.reasons.get(k),
+                      "logprobs": _join_completion_logprobs(g.logprobs[k]) if job.wants_logprobs else None}
+            if job.return_token_ids:
+                choice.update(prompt_token_ids=prompt_token_ids(streams, k // job.n), token_ids=g.token_ids[k])
+            choices.append(choice)
         return {"id": f"cmpl-{rid}", "object": "text_completion", **meta, "choices": choices,
-                "usage": usage.to_json()}
+                "usage": g.usage.to_json()}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
@@ -143,38 +152,49 @@ def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None, tool_call_pa
         head = {"id": f"chatcmpl-{rid}", "object": "chat.completion.chunk", **meta}
         usage, shapers, report = UsageCount(), defaultdict(job.shaper), UsageReport(body.stream_options, streams)
 
-        def chunk(index: int, delta: dict, logprobs, reason: str | None) -> dict:
-            return {**head, "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                         "finish_reason": reason}], **report.chunk_usage()}
+        def chunk(index: int, delta: dict, logprobs, reason: str | None, token_ids=None) -> dict:
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            if token_ids is not None:
+                choice["token_ids"] = token_ids
+            return {**head, "choices": [choice], **report.chunk_usage()}
 
         for index in range(job.n):  # each choice opens with the role, as OpenAI's stream does
-            yield chunk(index, {"role": "assistant", "content": shapers[index].opening_content}, None, None)
+            first = chunk(index, {"role": "assistant", "content": shapers[index].opening_content}, None, None)
+            if job.return_token_ids and index == 0:
+                first["prompt_token_ids"] = prompt_token_ids(streams, 0)  # NOTE: vLLM's place: the response
+            yield first
         async for i, item in items(streams):
             index = job.choice_index(i, item.index)
             report.saw(item)
             deltas, reason = shapers[index].push(item.text, convert.finish_reason(item))
+            ids = list(item.token_ids) if job.return_token_ids else None
             if reason is not None:
                 usage.add(i, item)
-            elif not deltas and not item.logprobs:
+            elif not deltas and not item.logprobs and not ids:
                 continue  # text held back (a possible stop string or tool call): nothing to say yet
             for delta in deltas[:-1]:
-                yield chunk(index, delta, None, None)
-            logprobs = {"content": convert.chat_logprobs(frontend, item)} if job.wants_logprobs else None
-            yield chunk(index, deltas[-1] if deltas else {}, logprobs, reason)
+                yield chunk(index, delta, None, None, [] if ids is not None else None)
+            logprobs = {"content": convert.chat_logprobs(job.names, item)} if job.wants_logprobs else None
+            yield chunk(index, deltas[-1] if deltas else {}, logprobs, reason, ids)
         if report.include_usage:
             yield {**head, "choices": [], "usage": usage.to_json()}
 
     async def chat_collect(job: Job, streams, rid: str, meta: dict) -> dict:
-        texts, reasons, logprobs, usage = await gather(job, streams,
-                                                        lambda item, _: convert.chat_logprobs(frontend, item))
+        g = await gather_all(job, streams, lambda item, _: convert.chat_logprobs(job.names, item))
         choices = []
-        for k in sorted(texts):
-            message, reason = tools.message(job.shaper(), texts[k], reasons.get(k))
-            choices.append({"index": k, "message": message, "finish_reason": reason,
-                            "logprobs": {"content": [e for part in logprobs[k] for e in part]} if job.wants_logprobs
-                            else None})
-        return {"id": f"chatcmpl-{rid}", "object": "chat.completion", **meta, "choices": choices,
-                "usage": usage.to_json()}
+        for k in sorted(g.texts):
+            message, reason = tools.message(job.shaper(), g.texts[k], g.reasons.get(k))
+            choice = {"index": k, "message": message, "finish_reason": reason,
+                      "logprobs": {"content": [e for part in g.logprobs[k] for e in part]} if job.wants_logprobs
+                      else None}
+            if job.return_token_ids:
+                choice["token_ids"] = g.token_ids[k]
+            choices.append(choice)
+        answer = {"id": f"chatcmpl-{rid}", "object": "chat.completion", **meta, "choices": choices,
+                  "usage": g.usage.to_json()}
+        if job.return_token_ids:
+            answer["prompt_token_ids"] = prompt_token_ids(streams, 0)
+        return answer
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

@@ -55,6 +55,8 @@ class Job:
     tools: ToolPlan | None = None  # chat with tools: how its answers become tool calls
     # vLLM's prompt_logprobs field: the top entries each position of it shows; None: answers carry no such field
     prompt_logprobs: int | None = None
+    return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the answer
+    names: object = None  # what names a token in logprobs (`token_text(id)`): the front end, or TokenIdNames
 
     @property
     def wants_logprobs(self) -> bool:
@@ -71,6 +73,23 @@ class Job:
     def shaper(self) -> Shaper:
         """A new shaper of one chat choice's answer into OpenAI's deltas (content, tool_calls)."""
         return Shaper() if self.tools is None else self.tools.shaper()
+
+
+class TokenIdNames:
+    """vLLM's return_tokens_as_token_ids: logprobs name a token `token_id:N` (its text may not survive JSON, or may
+    be ambiguous), and its offsets and bytes are that name's, as vLLM writes them."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def token_text(token_id: int) -> str:
+        return f"token_id:{token_id}"
+
+
+def _job_options(body, frontend: FrontEnd) -> dict:
+    """Job's fields that shape the answer's token ids and logprobs' token names."""
+    return {"return_token_ids": body.return_token_ids,
+            "names": TokenIdNames() if body.return_tokens_as_token_ids else frontend}
 
 
 def _logit_bias(body) -> tuple[tuple[int, float], ...]:
@@ -149,7 +168,7 @@ def completion_job(body: CompletionRequest, request_id: str, frontend: FrontEnd)
         kind = "prompt" if isinstance(one, str) else "prompt_token_ids"
         inputs.append(GenerateInput(**{kind: one}, sampling=sampling, request_id=rid, echo=body.echo,
                                     **_text_options(body)))
-    return Job(inputs, body.n, params, prompt_logprobs=shown)
+    return Job(inputs, body.n, params, prompt_logprobs=shown, **_job_options(body, frontend))
 
 
 def chat_job(body: ChatCompletionRequest, request_id: str, frontend: FrontEnd, tool_call_parser: str = "none") -> Job:
@@ -171,7 +190,7 @@ def chat_job(body: ChatCompletionRequest, request_id: str, frontend: FrontEnd, t
     messages = history.template_messages(body.messages, frontend.tokenizer.chat_template)
     inp = GenerateInput(messages=messages, sampling=sampling, request_id=request_id,
                         chat_template_kwargs=template_kwargs, fill_context=max_tokens is None, **_text_options(body))
-    return Job([inp], body.n, params, tool_plan, prompt_logprobs=body.prompt_logprobs)
+    return Job([inp], body.n, params, tool_plan, prompt_logprobs=body.prompt_logprobs, **_job_options(body, frontend))
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

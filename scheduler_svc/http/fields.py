@@ -72,8 +72,6 @@ _REFUSED_BOTH = {
     "allowed_token_ids": Refused("a vocabulary allow-list is not implemented (logit_bias can ban tokens)"),
     "logprob_token_ids": Refused("logprobs of chosen token ids are not computed (top_logprobs are)"),
     "prompt_embeds": Refused("prompts are text or token ids, not embeddings"),
-    "return_tokens_as_token_ids": Refused("logprobs' tokens are their text", (False,)),
-    "return_token_ids": Refused("responses carry text, not token ids (the gRPC API returns both)", (False,)),
     "return_token_offsets": Refused("character offsets of tokens are not returned", (False,)),
     "routed_experts_prompt_start": Refused("routed-expert data (MoE) is not returned", (0,)),
     "kv_transfer_params": Refused("disaggregated serving (KV transfer) is not implemented"),

@@ -11,7 +11,7 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -109,19 +109,39 @@ async def items(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Stream
             t.cancel()
 
 
+@dataclass(slots=True)
+class Gathered:
+    """A whole non-streamed answer, per choice index: its text, finish reason, logprobs (one part per item) and
+    output token ids; and the request's usage."""
+
+    texts: dict = field(default_factory=lambda: defaultdict(str))
+    reasons: dict = field(default_factory=dict)
+    logprobs: dict = field(default_factory=lambda: defaultdict(list))
+    token_ids: dict = field(default_factory=lambda: defaultdict(list))
+    usage: UsageCount = field(default_factory=UsageCount)
+
+
 async def gather(job: Job, streams: list[RequestStream], logprobs_of: Callable) -> tuple[dict, dict, dict, UsageCount]:
-    """A whole non-streamed answer per choice index: its text, finish reason and logprobs (one
-    `logprobs_of(item, offset of its text)` per item, when asked for), and the request's usage."""
-    texts, reasons, logprobs, usage = defaultdict(str), {}, defaultdict(list), UsageCount()
+    """(texts, reasons, logprobs, usage) of gather_all."""
+    g = await gather_all(job, streams, logprobs_of)
+    return g.texts, g.reasons, g.logprobs, g.usage
+
+
+async def gather_all(job: Job, streams: list[RequestStream], logprobs_of: Callable) -> Gathered:
+    """A whole non-streamed answer (`logprobs_of(item, offset of its text)` per item, when asked for)."""
+    g = Gathered()
+    texts, reasons, logprobs, usage = g.texts, g.reasons, g.logprobs, g.usage
     async for i, item in items(streams):
         index = job.choice_index(i, item.index)
         if job.wants_logprobs:
             logprobs[index].append(logprobs_of(item, len(texts[index])))
+        if not item.echo:  # NOTE: an echo item's ids are the prompt's
+            g.token_ids[index] += item.token_ids
         texts[index] += item.text
         if item.finish_reason is not None:
             reasons[index] = convert.finish_reason(item)
             usage.add(i, item)
-    return texts, reasons, logprobs, usage
+    return g
 
 
 class Serving:
@@ -150,7 +170,7 @@ class Serving:
         return streams
 
     def _prompt_logprobs(self, job: Job, streams: list[RequestStream]) -> PromptLogprobsField:
-        return PromptLogprobsField(self.frontend, streams, job.n, job.prompt_logprobs)
+        return PromptLogprobsField(job.names or self.frontend, streams, job.n, job.prompt_logprobs)
 
     def close(self, streams: list[RequestStream]) -> None:
         for s in streams:
@@ -223,3 +243,8 @@ class Serving:
             self.close(streams)
         if dialect.done:
             yield dialect.done
+
+
+def prompt_token_ids(streams: list[RequestStream], prompt_index: int) -> list[int]:
+    """vLLM's return_token_ids: the ids prompt `prompt_index` ran on (after the chat template, when a chat)."""
+    return list(streams[prompt_index].request.prompt_token_ids)
