@@ -20,7 +20,7 @@ from scheduler_svc.http import convert, responses_schemas
 from scheduler_svc.http.convert import Job, UsageCount
 from scheduler_svc.http.responses_input import chat_request
 from scheduler_svc.http.responses_schemas import ResponsesRequest
-from scheduler_svc.http.serving import Dialect, Serving, gather, items, named_event
+from scheduler_svc.http.serving import Dialect, Serving, gather_all, items, named_event
 
 # a choice's finish reason (convert.finish_reason, Shaper.reason) -> the response's status
 STATUS = {"stop": "completed", "tool_calls": "completed", "length": "incomplete", "abort": "failed"}
@@ -224,9 +224,9 @@ async def events(job: Job, streams, rid: str, meta: dict, body: ResponsesRequest
 
 async def collect(body: ResponsesRequest, job: Job, streams, rid: str, meta: dict) -> dict:
     """The whole response (Serving.serve's `collect`, `body` bound by the route)."""
-    texts, reasons, _, usage = await gather(job, streams, lambda item, offset: None)
-    deltas, reason = job.shaper().push(texts[0], reasons.get(0))
+    g = await gather_all(job, streams, lambda item, offset: None)
+    deltas, reason = job.shaper().push(g.texts[0], g.reasons.get(0))
     out, status = Output(), STATUS[reason]
     out.push(deltas)
     out.finish(status)
-    return Head.of(body, rid, meta).snapshot(status, out.items, usage)
+    return Head.of(body, rid, meta).snapshot(status, out.items, g.usage)

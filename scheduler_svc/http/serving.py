@@ -121,12 +121,6 @@ class Gathered:
     usage: UsageCount = field(default_factory=UsageCount)
 
 
-async def gather(job: Job, streams: list[RequestStream], logprobs_of: Callable) -> tuple[dict, dict, dict, UsageCount]:
-    """(texts, reasons, logprobs, usage) of gather_all."""
-    g = await gather_all(job, streams, logprobs_of)
-    return g.texts, g.reasons, g.logprobs, g.usage
-
-
 async def gather_all(job: Job, streams: list[RequestStream], logprobs_of: Callable) -> Gathered:
     """A whole non-streamed answer (`logprobs_of(item, offset of its text)` per item, when asked for)."""
     g = Gathered()
