@@ -120,21 +120,43 @@ class FrontEnd:
         self.limits.check(inp)
         self.check_seqs(1, inp.sampling.n)
         kind, limit = given[0], self.max_model_len - 1
+        keep = self._kept_tokens(inp, limit)
+        # NOTE: a prompt to truncate may be longer than the context: the tokenizer's bound is then one that only
+        # the prompt's characters bound (a character is at most 4 tokens of a byte-level vocabulary)
+        bound = limit if keep is None else 4 * self.limits.max_prompt_chars
         if kind == "prompt_token_ids":
-            if len(inp.prompt_token_ids) > limit:  # NOTE: before copying a list of up to a million ids
+            if len(inp.prompt_token_ids) > limit and keep is None:  # NOTE: before copying up to a million ids
                 raise invalid(kind, f"{kind} has {len(inp.prompt_token_ids)} tokens; max_model_len "
                                     f"{self.max_model_len} leaves room for at most {limit}")
             ids = list(inp.prompt_token_ids)
         elif kind == "prompt":
-            ids = await self.pool.encode(inp.prompt, limit)
+            ids = await self.pool.encode(inp.prompt, bound)
         else:
-            ids = await self._chat_ids(inp, limit)
+            ids = await self._chat_ids(inp, bound)
         if isinstance(ids, int):  # too many to bring back from the tokenizer: their number
             raise invalid(kind, f"{kind} has {ids} tokens after tokenizing; max_model_len {self.max_model_len} "
                                 f"leaves room for at most {limit}")
+        if keep is not None and len(ids) > keep:
+            ids = ids[-keep:] if inp.truncation_side == "left" else ids[:keep]
         if not ids:
             raise invalid(kind, f"{kind} is empty")
         return kind, ids
+
+    @staticmethod
+    def _kept_tokens(inp: GenerateInput, limit: int) -> int | None:
+        """How many prompt tokens truncate_prompt_tokens keeps (None: no truncation); `limit`: the most a prompt may
+        have. Raises EngineError naming the field when it is out of range."""
+        k = inp.truncate_prompt_tokens
+        if k is None:
+            return None
+        if inp.truncation_side not in ("left", "right"):
+            raise invalid("truncation_side", f"truncation_side must be left or right, got {inp.truncation_side!r}")
+        if k == -1:
+            return limit
+        if not 1 <= k <= limit:
+            raise invalid("truncate_prompt_tokens", f"truncate_prompt_tokens must be -1 (as many as max_model_len "
+                                                    f"leaves room for) or in [1, {limit}], got {k}")
+        return k
 
     def check_seqs(self, num_prompts: int, n: int) -> None:
         """Before any prompt is tokenized: n within --max-num-seqs (the samples run side by side), the request's

@@ -29,3 +29,7 @@ class GenerateInput:
     include_stop_str_in_output: bool = False  # the stop string that ended a sample stays in its text
     skip_special_tokens: bool = True  # special tokens' text is left out (their ids are always returned)
     echo: bool = False  # the prompt's text comes first (completions' echo)
+    # vLLM's truncate_prompt_tokens: keep only this many of the prompt's tokens (-1: as many as max_model_len leaves
+    # room for), its last ones (truncation_side "left", the default) or its first ("right"); None: never truncated
+    truncate_prompt_tokens: int | None = None
+    truncation_side: str = "left"

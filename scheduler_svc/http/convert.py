@@ -134,7 +134,8 @@ def _text_options(body) -> dict:
     return {"stop": _stop(body), "bad_words": tuple(body.bad_words or ()),
             "include_stop_str_in_output": body.include_stop_str_in_output,
             "skip_special_tokens": body.skip_special_tokens, "cache_salt": body.cache_salt or "",
-            "priority": body.priority or 0}
+            "priority": body.priority or 0, "truncate_prompt_tokens": body.truncate_prompt_tokens,
+            "truncation_side": body.truncation_side or "left"}
 
 
 def _stop(body) -> tuple[str, ...]:

@@ -67,8 +67,6 @@ _REFUSED_BOTH = {
     "length_penalty": Refused(f"a beam search setting: {_NO_BEAM}", (1.0,)),
     "watermarking": Refused("output watermarking is not implemented", (False,)),
     "spaces_between_special_tokens": Refused("special tokens are decoded as the tokenizer does", (True,)),
-    "truncate_prompt_tokens": Refused("prompts are not truncated: a prompt too long is refused"),
-    "truncation_side": Refused("prompts are not truncated (see truncate_prompt_tokens)"),
     "allowed_token_ids": Refused("a vocabulary allow-list is not implemented (logit_bias can ban tokens)"),
     "logprob_token_ids": Refused("logprobs of chosen token ids are not computed (top_logprobs are)"),
     "prompt_embeds": Refused("prompts are text or token ids, not embeddings"),

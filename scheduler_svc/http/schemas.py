@@ -47,6 +47,8 @@ class _Common(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top N at its position
+    truncate_prompt_tokens: int | None = None  # vLLM's: keep only the prompt's last (or first) N tokens
+    truncation_side: str | None = None  # vLLM's: "left" (the default: the last tokens stay) or "right"
     return_token_ids: bool = False  # vLLM's: prompt_token_ids and each choice's token_ids in the answer
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens `token_id:N`, not by their text
     # Structured output: OpenAI's response_format, vLLM's guided_* and their newer structured_outputs spelling
