@@ -22,8 +22,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pagedserve_cli import access_args
+from pagedserve_cli import access_args, worker_token_cmd
 from pagedserve_cli.flags import DefaultsFormatter, add_flags, forward_argv
+from pagedserve_cli.private_files import private_file
 from pagedserve_cli.serve_cmd import model_dir
 from pagedserve_cli.up_logs import Relay
 from pagedserve_common.config import (UP_NONCE_METADATA, UP_NONCE_VARIABLE, EngineOptions, RunnerOptions,
@@ -329,7 +330,21 @@ def wait_started(args: argparse.Namespace, children: list[Child], tls: access_ar
                            f"{why}") from None
 
 
+def own_worker_token(args: argparse.Namespace) -> None:
+    """A fresh worker token for this start, in a file only this user reads, given to the scheduler and to up's own
+    workers, when nothing else authenticates its loopback worker port. NOTE: loopback is not private: any local
+    process (any Unix user) could otherwise attach as a worker, read other clients' prompts and choose their
+    replies. A worker added by hand needs the user's own --worker-token-file, given to `up` too. Not for a port
+    other hosts reach (its workers could not have the token: the start-up check asks for one of the user's), nor
+    under mutual TLS (the certificate authenticates)."""
+    from scheduler_svc.worker_auth import loopback_only  # NOTE: here: `pagedserve worker` imports this module
+
+    if not args.worker_token_file and not args.tls_ca and loopback_only(args.worker_listen):
+        args.worker_token_file = private_file("worker-token", worker_token_cmd.token_file().decode())
+
+
 def serve(args: argparse.Namespace, relay: Relay) -> int:
+    own_worker_token(args)
     tls = access_args.up_tls(args)  # first: a bad file fails before anything starts
     check_ports_free(args)  # NOTE: before the model pull and the GPU count, which start processes of their own
     # NOTE: pulled once, up front (the children then find it in the cache); a Hub repo's children get the commit

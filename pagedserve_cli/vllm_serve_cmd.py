@@ -6,14 +6,12 @@ docs/coming-from-vllm.md sets the two side by side."""
 from __future__ import annotations
 
 import argparse
-import atexit
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 
 from pagedserve_cli import up_cmd
 from pagedserve_cli.flags import DefaultsFormatter, add_flags
+from pagedserve_cli.private_files import private_file
 from pagedserve_common.config import SchedulerOptions, UpOptions, WorkerOptions
 from pagedserve_common.defaults import DEFAULT_HTTP, DEFAULT_MODEL
 from pagedserve_common.options import at_least
@@ -172,13 +170,8 @@ def _key_file(keys: list[str]) -> str:
     for key in keys:
         if not key or any(c.isspace() for c in key):
             raise ValueError("--api-key: a key is one word (no spaces)")
-    folder = tempfile.mkdtemp(prefix="pagedserve-keys-")  # NOTE: mode 0700
-    atexit.register(shutil.rmtree, folder, True)
-    path = os.path.join(folder, "api-keys")
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write("".join(f"{key}\n" for key in keys))
-    return path
+    # NOTE: operator keys: vLLM's keys may do anything (any priority, any tenant header), and so may these
+    return private_file("api-keys", "".join(f"{key} role=operator\n" for key in keys))
 
 
 def run(args: argparse.Namespace) -> int:

@@ -87,6 +87,11 @@ class EngineOptions:
                                       up=GIVEN)
     no_prefix_caching: bool = option(False, "never reuse the KV blocks of a prompt's prefix computed before",
                                      up=GIVEN)
+    # NOTE: off by default: a prefix hit shows in usage's cached tokens (and in the time to first token), so a shared
+    # cache tells one tenant whether another sent a prompt
+    shared_prefix_cache: bool = option(False, "prefix-cache hits across tenants too (else a prompt hits only blocks "
+                                              "its own tenant computed: the tenant salts the block hashes, with "
+                                              "cache_salt); for tenants that trust each other", up=GIVEN)
     kv_allocation: str = option(
         "paged", "paged: a KV block whenever a sequence needs one; static-max-model-len: each sequence reserves one "
                  "contiguous run of blocks for max_model_len tokens when admitted, static-request: for prompt + "
@@ -100,12 +105,19 @@ class EngineOptions:
                                          type=at_least(int, 1, _POSITIVE), metavar="K", up=GIVEN)
     scheduling_policy: str = option(
         "fcfs", "the order waiting requests are admitted in: fcfs (first come, first served), priority (a request's "
-                "`priority` field, lower first, ties by arrival; one with no room preempts the running sequence of "
-                "the worst priority, recomputed later; a request waiting through 64 admissions gains one level, so "
-                "none starves), fair (each tenant an equal share of the tokens computed, a prompt token counting 1 "
-                "and an output token 2; the tenant: the x-pagedserve-tenant header or gRPC metadata, else one "
-                "shared tenant)",
+                "`priority` field, lower first, ties by arrival, at most its API key's max-priority; one with no room "
+                "preempts the running sequence of the worst priority, recomputed later; a request waiting through 64 "
+                "admissions gains one level, and one waiting --priority-max-wait goes first, so none starves), fair "
+                "(each tenant an equal share of the tokens computed, a prompt token counting 1 and an output token "
+                "2; the tenant: the API key's name, else one shared tenant; a gateway key's or a keyless server's "
+                "x-pagedserve-tenant header or gRPC metadata)",
         choices=SCHEDULING_POLICIES, up=GIVEN)
+    # NOTE: a bound in time, whatever the priority gap: ageing by admissions alone took 2^31 levels x 64 admissions
+    # to lift a priority-0 request over a flood at -2^31
+    priority_max_wait: float = option(30.0, "--scheduling-policy priority: a request that has waited this long is "
+                                            "admitted before every priority (by arrival among such), and may preempt "
+                                            "for its room, so no flood of urgent requests holds it longer",
+                                      type=at_least(float, 1e-3, "seconds > 0"), metavar="SECONDS", up=GIVEN)
     tenant_weights: str | None = option(
         None, "--scheduling-policy fair: a file of `TENANT WEIGHT` lines (the weight last, the name before it; "
               "blank lines and # comments skipped): a tenant's share is proportional to its weight; unlisted "
@@ -115,9 +127,9 @@ class EngineOptions:
                                 "prompt, among those within 1.5x the average load, while what it holds outweighs "
                                 "its extra load: a prefix every request shares spreads by load), least-loaded "
                                 "(fewest pending tokens) or round-robin", choices=ROUTING, up=GIVEN)
-    step_timeout: float = option(60.0, "a worker that takes longer for one step is declared lost and its requests "
-                                       "are recomputed elsewhere; a worker's first step may take 4x that, for "
-                                       "kernel compilation", type=at_least(float, 1e-3, "seconds > 0"),
+    step_timeout: float = option(60.0, "a worker that takes longer for one step (its first one too: a worker "
+                                       "warms up before it registers) is declared lost and its requests are "
+                                       "recomputed elsewhere", type=at_least(float, 1e-3, "seconds > 0"),
                                  metavar="SECONDS", up=GIVEN)
     seed: int | None = option(None, "requests that bring no seed draw theirs from this one, in arrival order: the same "
                                     "requests sent in the same order to a server started with the same seed sample "
@@ -195,13 +207,15 @@ class SchedulerAccess:
     tls_ca: str | None = option(None, "the CA that signs the workers' client certificates: the worker port then "
                                       "requires one (mutual TLS; clients need none)", metavar="PEM",
                                 default_text="none", up=GIVEN)
-    api_key_file: str | None = option(None, "API keys, one a line (# comments): the client API then requires "
-                                            "`authorization: Bearer KEY` (gRPC metadata or HTTP header); health "
-                                            "stays open", metavar="PATH", default_text="no keys", up=GIVEN)
+    api_key_file: str | None = option(None, "API keys, `KEY [NAME] [max-priority=N] [role=tenant|gateway|operator]` "
+                                            "a line (# comments; the name: the key's tenant): the client API then "
+                                            "requires `authorization: Bearer KEY` (gRPC metadata or HTTP header); "
+                                            "health stays open", metavar="PATH", default_text="no keys", up=GIVEN)
     worker_token_file: str | None = option(None, WORKER_TOKEN_HELP + ": the worker port then requires "
                                                  "`authorization: Bearer TOKEN` with one of them (compared in "
                                                  "constant time); `pagedserve worker-token PATH` makes one",
-                                           metavar="PATH", default_text="no token", up=GIVEN)
+                                           metavar="PATH", up=GIVEN,
+                                           default_text="no token (up on loopback: a fresh one of its own)")
     insecure_workers: bool = option(False, "start even though --worker-listen is not loopback-only and neither "
                                            "mutual TLS (--tls-ca) nor --worker-token-file authenticates the "
                                            "workers (refused otherwise)", up=GIVEN)

@@ -15,7 +15,8 @@ def metrics_url(server: str) -> str:
     """The Prometheus URL of the scheduler serving the client API at `server` (HOST:PORT) on the default port."""
     return f"http://{server.rsplit(':', 1)[0]}:{METRICS_PORT}/metrics"
 
-# The tenant a request's service counts for under --scheduling-policy fair: an HTTP header, or gRPC metadata (the
-# scheduler's front end reads it; `pagedserve bench --tenant` sends it)
+# The tenant a request counts for (its fair share, prefix cache, request ids), as a gateway or operator API key (or
+# any caller of a server without keys) names it: an HTTP header, or gRPC metadata (the scheduler's front end reads
+# it; `pagedserve bench --tenant` sends it). A tenant key's requests are its name's, whatever this says.
 TENANT_HEADER = "x-pagedserve-tenant"
 MAX_TENANT_CHARS = 128

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily (vLLM's _SAMPLING_EPS)
 MAX_PENALTY = 2.0  # presence/frequency penalties lie in [-2, 2] (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0  # a bias lies in [-100, 100] (OpenAI's range): -100 bans a token, 100 all but forces it
 STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar")
@@ -81,7 +82,9 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """NOTE: a temperature under GREEDY_BELOW is greedy, as vLLM's: dividing logits by 1e-38 overflows them to
+        inf, and softmax over infs is NaN (it sampled garbage)."""
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
         """Raises InvalidField naming the first field out of range. NOTE: written as `not (ok)` so that NaN fails

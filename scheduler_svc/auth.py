@@ -11,10 +11,10 @@ from pathlib import Path
 
 import grpc
 
-from pagedserve_common.defaults import MAX_TENANT_CHARS  # NOTE: a key's name is its tenant
 from pagedserve_common.startup import StartupError, check_bindable
 from pagedserve_common.tls import TlsFiles
 from scheduler_svc import request_log
+from scheduler_svc.identity import Identity, parse_identity
 
 PROTECTED_GRPC = ("/pagedserve.v1.Generation/",)  # NOTE: health and reflection stay open
 # NOTE: liveness and the version stay open (probes, load balancers); every other route needs a key, /metrics and
@@ -68,42 +68,57 @@ class ApiKeyFileError(ValueError):
 
 
 def load_keys(path: str) -> ApiKeys:
-    return ApiKeys.of(*zip(*read_named_keys(path)))
+    return ApiKeys.of(*zip(*read_key_identities(path)))
 
 
 def read_keys(path: str, flag: str = "--api-key-file", what: str = "key", named: bool = True) -> list[str]:
-    """The keys in `path`, their names dropped (read_named_keys)."""
-    return [key for key, _ in read_named_keys(path, flag, what, named)]
+    """The keys in `path`, their names and attributes dropped (read_key_identities); `named` False: lines of one
+    word each, `what`s (--worker-token-file's tokens)."""
+    if named:
+        return [key for key, _ in read_key_identities(path, flag)]
+    return [key for _, key, _ in _key_lines(path, flag, what, False)]
 
 
-def read_named_keys(path: str, flag: str = "--api-key-file", what: str = "key",
-                    named: bool = True) -> list[tuple[str, str]]:
-    """(key, name) of each `KEY [NAME]` line of `path` (name "" when absent; `named` False: no name allowed);
-    blank lines and lines starting with # are ignored. `flag` and `what` name the file's flag and its secrets in
-    errors (the worker tokens of --worker-token-file share the format, without names). NOTE: a key's name is the
-    tenant its requests count for (the fair scheduling policy); several keys may share one."""
+def read_named_keys(path: str, flag: str = "--api-key-file") -> list[tuple[str, str]]:
+    """(key, name) of each line of `path` (name "" when absent): read_key_identities' tenants."""
+    return [(key, identity.tenant) for key, identity in read_key_identities(path, flag)]
+
+
+def read_key_identities(path: str, flag: str = "--api-key-file") -> list[tuple[str, Identity]]:
+    """(key, what it grants) of each `KEY [NAME] [max-priority=N] [role=R]` line of `path` (identity.KEY_LINE);
+    blank lines and lines starting with # are ignored. NOTE: a key's name is the tenant its requests count for
+    (their service under the fair policy, their prefix cache, their request ids); several keys may share one."""
+    out = []
+    for number, key, rest in _key_lines(path, flag, "key", True):
+        try:
+            out.append((key, parse_identity(rest)))
+        except ValueError as e:
+            raise ApiKeyFileError(f"{flag} {path}: line {number}: {e}") from None
+    return out
+
+
+def _key_lines(path: str, flag: str, what: str, named: bool) -> list[tuple[int, str, str]]:
+    """(line number, key, the rest of the line) of each line of `path` holding a key (`named` False: nothing may
+    follow it: the worker tokens of --worker-token-file share the format, without names). `flag` and `what` name
+    the file's flag and its secrets in errors, which never quote a key."""
     try:
         text = Path(path).read_text()
     except (OSError, UnicodeDecodeError) as e:
         raise ApiKeyFileError(f"{flag} {path}: cannot read it: {getattr(e, 'strerror', None) or e}") from None
-    keys = []
+    lines = []
     for number, line in enumerate(text.splitlines(), 1):
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        key, _, name = line.partition(" ") if named else (line, "", "")
-        name = name.strip()
+        key, _, rest = line.partition(" ") if named else (line, "", "")
         if any(c.isspace() for c in key) or not key.isprintable() or not key.isascii():
             shape = "KEY [NAME]: the key" if named else f"a {what}"
             raise ApiKeyFileError(f"{flag} {path}: line {number}: {shape} is printable ASCII without spaces")
-        if len(name) > MAX_TENANT_CHARS or not all(" " <= c <= "~" for c in name):
-            raise ApiKeyFileError(f"{flag} {path}: line {number}: KEY [NAME]: the name is at most "
-                                  f"{MAX_TENANT_CHARS} visible ASCII characters (spaces included)")
-        keys.append((key, name))
-    if not keys:
+        lines.append((number, key, rest.strip()))
+    if not lines:
         raise ApiKeyFileError(f"{flag} {path}: no {what} in it (one {what} a line; blank lines and # comments "
                               f"are ignored)")
-    return keys
+    return lines
 
 
 def _digest(key: bytes) -> bytes:
@@ -113,14 +128,23 @@ def _digest(key: bytes) -> bytes:
 @dataclass(slots=True, frozen=True)
 class ApiKeys:
     """The accepted keys, kept as SHA-256 digests (so comparing takes the same time whatever a key's length), and
-    each key's name ("" unnamed): the tenant its requests count for."""
+    what each grants (an Identity: its name, the tenant its requests count for, its role, its priority cap)."""
 
     digests: tuple[bytes, ...] = field(repr=False)
-    names: tuple[str, ...] = ()  # NOTE: one per digest when given
+    identities: tuple[Identity, ...] = ()  # NOTE: one per digest
 
     @classmethod
-    def of(cls, keys, names=()) -> ApiKeys:
-        return cls(tuple(_digest(k.encode()) for k in keys), tuple(names) or ("",) * len(keys))
+    def of(cls, keys, grants=()) -> ApiKeys:
+        """`grants`: one per key, an Identity or a name (a tenant key of that name); none: unnamed tenant keys."""
+        keys = tuple(keys)
+        identities = tuple(g if isinstance(g, Identity) else Identity(g) for g in grants) or (Identity(),) * len(keys)
+        if len(identities) != len(keys):
+            raise ValueError(f"{len(keys)} keys and {len(identities)} grants: one each")
+        return cls(tuple(_digest(k.encode()) for k in keys), identities)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(i.tenant for i in self.identities)
 
     def __len__(self) -> int:
         return len(self.digests)
@@ -139,12 +163,19 @@ class ApiKeys:
         """Whether `key` is one of the keys."""
         return self._match(key) >= 0
 
-    def name_of(self, authorizations) -> str:
-        """The name of the key of a request's `authorization` values (one, already let in by the interceptor or
-        the middleware): "" for an unnamed key (or none valid)."""
+    def identity_of(self, authorizations) -> Identity:
+        """What the key of a request's `authorization` values grants (one value, already let in by the
+        interceptor); with none valid, the least: an unnamed tenant key's."""
         key = bearer(authorizations[0]) if len(authorizations) == 1 else None
+        return self._identity(key)
+
+    def name_of(self, authorizations) -> str:
+        """The name of the key of a request's `authorization` values: "" for an unnamed key (or none valid)."""
+        return self.identity_of(authorizations).tenant
+
+    def _identity(self, key: str | None) -> Identity:
         at = self._match(key) if key is not None else -1
-        return self.names[at] if at >= 0 and self.names else ""
+        return self.identities[at] if at >= 0 else Identity()
 
     def http_key(self, headers) -> tuple[str | None, str | None]:
         """(key, refusal) of an HTTP request's `headers` ((name, value) pairs, names lower-case, str or bytes): the
@@ -162,11 +193,9 @@ class ApiKeys:
             return None, MISSING
         return (key, None) if self.check(key) else (None, INVALID)
 
-    def name_of_http(self, headers) -> str:
-        """The name of the key an HTTP request presents (already let in by the middleware); "" for none."""
-        key, _ = self.http_key(headers)
-        at = self._match(key) if key is not None else -1
-        return self.names[at] if at >= 0 and self.names else ""
+    def identity_of_http(self, headers) -> Identity:
+        """identity_of() of the key an HTTP request presents (already let in by the middleware)."""
+        return self._identity(self.http_key(headers)[0])
 
     def refusal_of(self, headers, name: str | bytes) -> str | None:
         """refusal() of the `name` header among `headers` ((name, value) pairs: gRPC metadata, ASGI headers).

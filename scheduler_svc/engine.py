@@ -20,12 +20,12 @@ from pagedserve_common.sampling import SamplingParams
 from scheduler_svc import request_log
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput
 from scheduler_svc.core.result_check import check_result
+from scheduler_svc.core.tenancy import prefix_salt, scoped_request_id
 from scheduler_svc.core.waiting import MAX_TENANT_COUNTERS, ServiceCounter
 from scheduler_svc.errors import DRAINING, EngineError, ErrorCode
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.routing import Router
-from scheduler_svc.fleet import (FIRST_STEP_TIMEOUT_FACTOR, Fleet, Lost, WorkerHandle, bad_result, export,
-                                 export_fleet)
+from scheduler_svc.fleet import Fleet, Lost, WorkerHandle, bad_result, export, export_fleet
 from scheduler_svc.structured.matcher import fill_bitmasks
 
 if TYPE_CHECKING:  # NOTE: the front end makes the streams; the engine only feeds them
@@ -152,8 +152,11 @@ class Engine(Fleet):
 
     async def _receive(self, w: WorkerHandle, plan: StepPlan) -> StepResult | Lost:
         """The worker's answer to `plan`, checked, or why none will come: a missed deadline, a failed step, a
-        broken stream, a wrong answer. NOTE: one plan in flight per worker, so the next answer is this plan's."""
-        timeout = self.config.step_timeout * (FIRST_STEP_TIMEOUT_FACTOR if w.num_steps == 0 else 1)
+        broken stream, a wrong answer. NOTE: one plan in flight per worker, so the next answer is this plan's.
+        The first step has the same deadline as any: a worker warms up (first calls, kernel builds) before it
+        registers (worker_svc.warm_up), and a longer first deadline let a silent new worker hold requests 4x as
+        long (241 s)."""
+        timeout = self.config.step_timeout
         try:
             answer = await asyncio.wait_for(w.inbox.get(), timeout)
         except TimeoutError:
@@ -245,7 +248,8 @@ class Engine(Fleet):
         if not self.workers and cfg.no_worker_timeout <= 0:
             raise EngineError(ErrorCode.UNAVAILABLE, self.no_worker_reason())
         request_id = request_id or uuid.uuid4().hex
-        if request_id in self.streams:
+        key = scoped_request_id(tenant, request_id)  # NOTE: ids are per tenant: another's "r1" is no conflict
+        if key in self.streams:
             raise EngineError(ErrorCode.ALREADY_EXISTS, f"request_id {request_id!r} is already running")
         self.check_queue()
         counters = self.service.service
@@ -253,19 +257,20 @@ class Engine(Fleet):
             self.service.prune({s.request.tenant for s in self.streams.values()}, MAX_TENANT_COUNTERS // 2)
         if sampling.seed is None and self._seeds is not None:
             sampling = dataclasses.replace(sampling, seed=self._seeds.getrandbits(63))
-        req = Request(request_id, list(prompt_token_ids), sampling, cache_salt or None, priority=priority,
-                      tenant=tenant, constraint=grammar and grammar.constraint())
+        salt = prefix_salt(tenant, cache_salt, cfg.shared_prefix_cache)
+        req = Request(key, list(prompt_token_ids), sampling, salt, priority=priority, tenant=tenant,
+                      constraint=grammar and grammar.constraint())
         try:
             if self._routable():
                 self._place(req)
         except ValueError as e:  # the chosen worker is smaller than the scheduler's limits
             raise EngineError(ErrorCode.INVALID_ARGUMENT, str(e), getattr(e, "field", None)) from None
         stream = open_stream(req)
-        self.streams[request_id] = stream
-        if request_id not in self.placement:
+        self.streams[key] = stream
+        if key not in self.placement:
             self._wait_for_worker(req)
         # NOTE: debug: at info it doubles the log's volume; the end line (request_log) says all of it and more
-        log.debug("request added", request_id=request_id, worker=getattr(self.placement.get(request_id),
+        log.debug("request added", request_id=request_id, tenant=tenant, worker=getattr(self.placement.get(key),
                   "worker_id", None), prompt_tokens=len(prompt_token_ids), max_tokens=sampling.max_tokens,
                   n=sampling.n)
         return stream
@@ -322,8 +327,8 @@ class Engine(Fleet):
             self._fail(req.request_id, ErrorCode.INVALID_ARGUMENT, str(e))
             return
         if moved:
-            log.info("request moved", request_id=req.request_id, worker=w.worker_id, tokens=len(req.all_token_ids),
-                     migrations=req.num_migrations)
+            log.info("request moved", request_id=req.client_request_id, worker=w.worker_id,
+                     tokens=len(req.all_token_ids), migrations=req.num_migrations)
 
     def _wait_for_worker(self, req: Request) -> None:
         timeout = self.config.no_worker_timeout

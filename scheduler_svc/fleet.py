@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import structlog
 
 from pagedserve_common.config import CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS
-from pagedserve_common.registration import WorkerRegistration
+from pagedserve_common.registration import MAX_NAME_CHARS, WorkerRegistration, name_error
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.core.speculation import SpecCounters
 from scheduler_svc.errors import EngineError, ErrorCode
@@ -19,8 +19,6 @@ from scheduler_svc.kv.manager import VALID_BLOCK_SIZES
 from scheduler_svc.metrics import Metrics
 
 log = structlog.get_logger("pagedserve.scheduler")
-
-FIRST_STEP_TIMEOUT_FACTOR = 4  # a worker's first step may compile kernels (NVRTC, the CPU kernel's cache)
 
 
 @dataclass(slots=True, frozen=True)
@@ -65,7 +63,8 @@ class WorkerHandle:
     num_preemptions: int = 0
     num_prefill_tokens: int = 0
     # NOTE: its per-worker series' `worker` label: the name it registered with (HOST:PID), stable across scheduler
-    # restarts; "" takes the name (or the worker id for a nameless one). Engine.attach_worker makes it unique.
+    # restarts; "" takes the name (or the worker id for a nameless one). Fleet.attach_worker makes it unique among
+    # the labels whose series exist (Metrics.labels_in_use): its series go when its step loop has ended.
     label: str = ""
 
     def __post_init__(self) -> None:
@@ -148,7 +147,7 @@ def export_tenants(engine) -> None:
 
 
 def unique_label(name: str, taken: set[str]) -> str:
-    """`name`, or name#2, name#3, ... while an attached worker holds it. NOTE: a restarted worker process can
+    """`name`, or name#2, name#3, ... while a worker's series hold it. NOTE: a restarted worker process can
     register with its old name (a container's PID is 1 again) before the scheduler has seen the old stream break:
     both are attached for a while, and their gauges must not overwrite each other's."""
     label, k = name, 2
@@ -159,7 +158,10 @@ def unique_label(name: str, taken: set[str]) -> str:
 
 def check_registration(reg: WorkerRegistration, max_blocks: int) -> None:
     """Raises INVALID_ARGUMENT naming the field and its bound when a registration is out of bounds. NOTE: a
-    max_model_len above the scheduler's is fine: the scheduler's applies (the smaller one always does)."""
+    max_model_len above the scheduler's is fine: the scheduler's applies; one below it is refused (check_serves)."""
+    if (why := name_error(reg.name)) is not None:
+        raise EngineError(ErrorCode.INVALID_ARGUMENT, f"registration: name {_quoted(reg.name)} is out of bounds: {why} "
+                          f"(a worker's name is at most {MAX_NAME_CHARS} characters: HOST:PID)", "name")
     bounds = (("num_blocks", reg.num_blocks, 1, max_blocks, " (--max-worker-blocks)"),
               ("num_cpu_blocks", reg.num_cpu_blocks, 0, max_blocks, " (--max-worker-blocks)"),
               ("max_model_len", reg.max_model_len, 1, None, ""))
@@ -173,6 +175,26 @@ def check_registration(reg: WorkerRegistration, max_blocks: int) -> None:
                           "is not a power of two from 8 to 256", "kv_geometry.block_size")
 
 
+def check_serves(reg: WorkerRegistration, model_id: str, max_model_len: int) -> None:
+    """Raises FAILED_PRECONDITION unless the worker serves every request the scheduler admits: the scheduler's
+    model, with no shorter a context. NOTE: a worker that claimed less once made 5 of 6 honest requests fail (400):
+    the scheduler checks a request against its own max_model_len, then against its worker's. (A vocabulary size
+    is not in the registration: the model_id stands for it.)"""
+    if reg.model_id != model_id:
+        raise EngineError(ErrorCode.FAILED_PRECONDITION,
+                          f"model_id {_quoted(reg.model_id, 200)} differs from the scheduler's {model_id!r}")
+    if reg.max_model_len < max_model_len:
+        raise EngineError(ErrorCode.FAILED_PRECONDITION,
+                          f"registration: max_model_len {reg.max_model_len:,} is below the scheduler's "
+                          f"{max_model_len:,} (--max-model-len within the model's): this worker could not serve "
+                          "every request the scheduler admits", "max_model_len")
+
+
+def _quoted(value: str, limit: int = 40) -> str:
+    """What a peer sent, quoted short whatever its length (an error's details and the log stay small)."""
+    return repr(value[:limit]) + (f" (+{len(value) - limit:,} characters)" if len(value) > limit else "")
+
+
 def default_batched_tokens(device: str) -> int:
     return CPU_BATCHED_TOKENS if device.startswith("cpu") or not device else GPU_BATCHED_TOKENS
 
@@ -184,32 +206,33 @@ class Fleet:
 
     def attach_worker(self, reg: WorkerRegistration, origin: Mapping[str, str] | None = None) -> WorkerHandle:
         """Takes the worker in; `origin` (who dialled in: peer, certificate subject or token id) goes to the log."""
-        if reg.model_id != self.config.model_id:
-            raise EngineError(ErrorCode.FAILED_PRECONDITION,
-                              f"model_id {reg.model_id!r} differs from the scheduler's {self.config.model_id!r}")
         cfg = self.config
         check_registration(reg, cfg.max_worker_blocks)
+        check_serves(reg, cfg.model_id, cfg.max_model_len)
         if len(self.workers) >= cfg.max_workers:
             raise EngineError(ErrorCode.RESOURCE_EXHAUSTED, f"{len(self.workers)} workers are attached, the most "
                               f"--max-workers allows ({cfg.max_workers}); retry later")
         try:
             sched = Scheduler(SchedulerConfig(
-                num_blocks=reg.num_blocks, max_model_len=min(cfg.max_model_len, reg.max_model_len),
+                num_blocks=reg.num_blocks, max_model_len=cfg.max_model_len,
                 max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(reg.device),
                 block_size=reg.block_size, enable_prefix_caching=not cfg.no_prefix_caching,
                 eos_token_ids=cfg.eos_token_ids, num_cpu_blocks=reg.num_cpu_blocks,
                 kv_allocation=cfg.kv_allocation, speculative=cfg.speculative,
-                num_speculative_tokens=cfg.num_speculative_tokens, scheduling_policy=cfg.scheduling_policy),
+                num_speculative_tokens=cfg.num_speculative_tokens, scheduling_policy=cfg.scheduling_policy,
+                priority_max_wait=cfg.priority_max_wait),
                 seq_ids=self._seq_ids, service=self.service)
         except ValueError as e:  # e.g. swap space under a static kv_allocation
             raise EngineError(ErrorCode.FAILED_PRECONDITION, str(e)) from None
         w = WorkerHandle(f"worker-{next(self._worker_ids)}", reg, sched)
-        w.label = unique_label(w.label, {x.label for x in self.workers.values()})
+        w.label = unique_label(w.label, self.metrics.labels_in_use)
         self.workers[w.worker_id] = w
-        self.metrics.kv_blocks_total.labels(w.label).set(reg.num_blocks)
-        self.metrics.worker_attached(w.label)
+        self.metrics.worker_attached(w.label, reg.num_blocks)
         w.task = asyncio.get_running_loop().create_task(self._serve(w))
+        # NOTE: its series go once its step loop has ended, not at detach: its last step publishes after a detach
+        # (a leave, a loss) and would otherwise bring them back, for good.
+        w.task.add_done_callback(lambda _: self.metrics.worker_left(w.label))
         log.info("worker attached", worker=w.worker_id, name=reg.name, metrics_label=w.label, num_blocks=reg.num_blocks,
                  block_size=reg.block_size, kv_cache_dtype=reg.dtype, device=reg.device, **(origin or {}))
         self._workers_changed()
@@ -236,8 +259,9 @@ class Fleet:
             if rid in suspects:
                 req.num_migrations += 1
             if req.num_migrations >= limit:
-                self._fail(rid, ErrorCode.INTERNAL, f"request {rid} was in a step of {req.num_migrations} workers "
-                           f"that failed (the last: {w.worker_id}: {reason}); it is not retried again", w.worker_id)
+                self._fail(rid, ErrorCode.INTERNAL, f"request {req.client_request_id} was in a step of "
+                           f"{req.num_migrations} workers that failed (the last: {w.worker_id}: {reason}); it is not "
+                           "retried again", w.worker_id)
                 failed += 1
                 continue
             self.metrics.migrations.inc()
@@ -283,7 +307,8 @@ class Fleet:
             self._place_or_wait(req)
 
     def detach(self, w: WorkerHandle) -> None:
-        """Ends the worker's step loop and its Attach stream (a worker still running registers again)."""
+        """Ends the worker's step loop and its Attach stream (a worker still running registers again); its
+        per-worker series go when the loop has ended (Metrics.worker_left)."""
         w.attached = False
         self.workers.pop(w.worker_id, None)
         if not self.workers:
@@ -292,11 +317,7 @@ class Fleet:
         w.inbox.put_nowait(None)
         w.outbox.put_nowait(None)
         w.wakeup.set()
-        for name in self.metrics.PER_WORKER_GAUGES:
-            try:
-                getattr(self.metrics, name).remove(w.label)
-            except KeyError:
-                pass
+        self.metrics.remove_gauges(w.label)  # NOTE: at once: they describe the fleet now
         self._workers_changed()
 
     def _workers_changed(self) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 from collections.abc import Iterator
@@ -20,6 +21,11 @@ _CREATED_SUFFIXES = ("_created", "_gcreated")
 LOST_KINDS = ("stream", "deadline", "failed_step", "bad_result", "leave_timeout")  # fleet.Lost.kind
 MAX_TENANT_LABELS = 16  # tenants with series of their own; the rest share OTHER_TENANT's
 OTHER_TENANT = "other"
+# The `worker` label of the workers that have left: each one's counters and histograms are added to it as its own
+# series go (Metrics.worker_left), so that /metrics holds the attached workers' series and one more set, however
+# many have come and gone, and a sum over the label never drops.
+DEPARTED = "departed"
+_DEPARTED_HELP = f' (by worker; worker="{DEPARTED}" holds the counts of the workers that have left, added as each left)'
 
 
 class TenantLabels:
@@ -43,10 +49,19 @@ class TenantLabels:
 class Registry(CollectorRegistry):
     """A registry without the *_created twin of each counter and histogram (a time series per label set that
     dashboards never read). NOTE: dropped here, at collection, not by prometheus_client's process-wide
-    disable_created_metrics(), which would change every other registry in the process too."""
+    disable_created_metrics(), which would change every other registry in the process too.
+
+    `lock`: a scrape reads every value under it, and Metrics.worker_left moves a worker's counts under it, so that
+    a scrape sees them once (in the worker's series or in DEPARTED's), never twice nor not at all."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
 
     def collect(self) -> Iterator[Metric]:
-        for metric in super().collect():
+        with self.lock:  # NOTE: collected whole, then yielded: a consumer that stops early holds no lock
+            metrics = list(super().collect())
+        for metric in metrics:
             created = tuple(metric.name + suffix for suffix in _CREATED_SUFFIXES)
             if any(s.name in created for s in metric.samples):
                 metric.samples = [s for s in metric.samples if s.name not in created]
@@ -97,21 +112,21 @@ class Metrics:
                                       registry=r)
         self.kv_blocks_total = Gauge("pagedserve_kv_blocks_total", "KV blocks in the worker's pool", ["worker"],
                                      registry=r)
-        self.prefix_queries = Counter("pagedserve_prefix_cache_queries_tokens", "Prompt tokens looked up in the "
-                                      "prefix cache", ["worker"], registry=r)
-        self.prefix_hits = Counter("pagedserve_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache",
-                                   ["worker"], registry=r)
-        self.prefill_tokens = Counter("pagedserve_prefill_tokens", "Prompt tokens computed (prefix-cache hits "
-                                      "excluded, recomputation after preemption included)", ["worker"], registry=r)
-        self.preemptions = Counter("pagedserve_preemptions", "Sequences preempted (recomputed later)", ["worker"],
-                                   registry=r)
-        self.spec_drafts = Counter("pagedserve_spec_decode_drafts", "Speculative decoding: sequences that drafted "
-                                   "tokens, once per step", ["worker"], registry=r)
-        self.spec_draft_tokens = Counter("pagedserve_spec_decode_draft_tokens", "Speculative decoding: tokens "
-                                         "drafted", ["worker"], registry=r)
-        self.spec_accepted_tokens = Counter("pagedserve_spec_decode_accepted_tokens", "Speculative decoding: drafted "
-                                            "tokens the worker accepted (acceptance rate: these / draft tokens)",
-                                            ["worker"], registry=r)
+        per_worker = functools.partial(_per_worker, registry=r)
+        self.prefix_queries = per_worker(Counter, "pagedserve_prefix_cache_queries_tokens", "Prompt tokens looked "
+                                         "up in the prefix cache")
+        self.prefix_hits = per_worker(Counter, "pagedserve_prefix_cache_hits_tokens", "Prompt tokens found in the "
+                                      "prefix cache")
+        self.prefill_tokens = per_worker(Counter, "pagedserve_prefill_tokens", "Prompt tokens computed "
+                                         "(prefix-cache hits excluded, recomputation after preemption included)")
+        self.preemptions = per_worker(Counter, "pagedserve_preemptions", "Sequences preempted (recomputed later)")
+        self.spec_drafts = per_worker(Counter, "pagedserve_spec_decode_drafts", "Speculative decoding: sequences "
+                                      "that drafted tokens, once per step")
+        self.spec_draft_tokens = per_worker(Counter, "pagedserve_spec_decode_draft_tokens", "Speculative decoding: "
+                                            "tokens drafted")
+        self.spec_accepted_tokens = per_worker(Counter, "pagedserve_spec_decode_accepted_tokens", "Speculative "
+                                               "decoding: drafted tokens the worker accepted (acceptance rate: these "
+                                               "/ draft tokens)")
         self.workers = Gauge("pagedserve_workers", "Workers attached (leaving ones included)", registry=r)
         self.workers_lost = Counter("pagedserve_workers_lost", "Workers lost: their stream broke, they missed a step "
                                     "deadline, a step failed, or they answered one wrongly", ["reason"], registry=r)
@@ -123,14 +138,14 @@ class Metrics:
         self.itl = Histogram("pagedserve_itl_seconds", "Inter-token latency", buckets=_LATENCY, registry=r)
         self.e2e = Histogram("pagedserve_e2e_seconds", "Request latency, arrival to last token",
                              buckets=_LATENCY, registry=r)
-        self.step = Histogram("pagedserve_step_seconds", "Scheduler step: plan, worker forward, update",
-                              ["worker"], buckets=_LATENCY, registry=r)
-        self.worker_idle = Histogram(
-            "pagedserve_worker_idle_seconds", "Worker idle between two back-to-back steps: from sending a result "
-            "to receiving the next plan (steps after a wait for work are not counted)",
-            ["worker"], buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1), registry=r)
-        self.batch_size = Histogram("pagedserve_batch_size", "Sequences per step", ["worker"],
-                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), registry=r)
+        self.step = per_worker(Histogram, "pagedserve_step_seconds", "Scheduler step: plan, worker forward, "
+                               "update", buckets=_LATENCY)
+        self.worker_idle = per_worker(
+            Histogram, "pagedserve_worker_idle_seconds", "Worker idle between two back-to-back steps: from sending a "
+            "result to receiving the next plan (steps after a wait for work are not counted)",
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
+        self.batch_size = per_worker(Histogram, "pagedserve_batch_size", "Sequences per step",
+                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
         self.tenant_label = TenantLabels()
         self.tenant_service = Gauge("pagedserve_tenant_service", "The fair policy's counted service of the tenant: "
                                     "prompt tokens + 2 x output tokens computed, fleet-wide (lifted when it turns "
@@ -141,13 +156,55 @@ class Metrics:
                                      ["tenant"], buckets=_LATENCY, registry=r)
         self.protocol = ProtocolMetrics(r, model_name, max_model_len)
 
-    # NOTE: only gauges go when a worker does; its counters and histograms stay, so totals never drop.
+        # NOTE: the `worker` labels whose series exist (DEPARTED's from the start: no worker may take it)
+        self.labels_in_use: set[str] = {DEPARTED}
+
+    # NOTE: when a worker leaves, its gauges go and its counters' and histograms' counts move to DEPARTED's.
     PER_WORKER_GAUGES = ("kv_blocks_used", "kv_blocks_cached", "kv_blocks_total")
     PER_WORKER_SERIES = ("prefix_queries", "prefix_hits", "prefill_tokens", "preemptions", "step", "worker_idle",
                          "batch_size", "spec_drafts", "spec_draft_tokens", "spec_accepted_tokens")
 
-    def worker_attached(self, label: str) -> None:
-        """Makes the worker's counters and histograms at 0. NOTE: a series first scraped after its first increment
-        shows no increase to rate(), so a worker whose admissions all fell between two scrapes would read as idle."""
+    def worker_attached(self, label: str, num_blocks: int) -> None:
+        """Makes the worker's counters and histograms at 0, and its pool's size. NOTE: a series first scraped after
+        its first increment shows no increase to rate(), so a worker whose admissions all fell between two scrapes
+        would read as idle."""
+        self.labels_in_use.add(label)
+        self.kv_blocks_total.labels(label).set(num_blocks)
         for name in self.PER_WORKER_SERIES:
             getattr(self, name).labels(label)
+
+    def worker_left(self, label: str) -> None:
+        """The worker's series go: its gauges, and its counters and histograms, whose counts DEPARTED's take over
+        (made at the first departure). Invariants: a sum over `worker` never drops, and /metrics holds the series
+        of the attached workers and DEPARTED's alone, however many workers came and went."""
+        self.remove_gauges(label)
+        with self.registry.lock:
+            for name in self.PER_WORKER_SERIES:
+                _fold(getattr(self, name), label)
+        self.labels_in_use.discard(label)
+
+    def remove_gauges(self, label: str) -> None:
+        for name in self.PER_WORKER_GAUGES:
+            try:
+                getattr(self, name).remove(label)
+            except KeyError:  # never set, or gone already
+                pass
+
+
+def _per_worker(kind: type[Counter] | type[Histogram], name: str, doc: str, registry: Registry, **kw):
+    """A counter or histogram by `worker`, whose counts go to DEPARTED's when a worker leaves (Metrics.worker_left)."""
+    return kind(name, doc + _DEPARTED_HELP, ["worker"], registry=registry, **kw)
+
+
+def _fold(metric: Counter | Histogram, label: str) -> None:
+    """Adds the counts of worker `label`'s series to DEPARTED's and removes it. NOTE: prometheus_client has no public
+    way to read a child's value or to add counts to a histogram's buckets: its children's value cells are used
+    (tests/scheduler/test_worker_metrics.py pins the result on the exposition text)."""
+    mine, theirs = metric.labels(label), metric.labels(DEPARTED)
+    if isinstance(metric, Histogram):
+        for cell, count in zip(theirs._buckets, mine._buckets, strict=True):
+            cell.inc(count.get())
+        theirs._sum.inc(mine._sum.get())
+    else:
+        theirs.inc(mine._value.get())
+    metric.remove(label)

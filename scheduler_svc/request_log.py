@@ -44,9 +44,11 @@ def _end(stream: RequestStream, event: str, worker: str | None, level: str = "in
                          if "message" in outcome else None)
     req, now = stream.request, time.monotonic()
     ttft = None if stream.first_token_time is None else round(stream.first_token_time - stream.arrival, 4)
-    fields = dict(request_id=req.request_id, worker=worker, prompt_tokens=len(req.prompt_token_ids),
+    fields = dict(request_id=req.client_request_id, worker=worker, prompt_tokens=len(req.prompt_token_ids),
                   output_tokens=sum(s.num_tokens for s in stream.samples), **outcome, ttft_s=ttft,
                   e2e_s=round(now - stream.arrival, 4))
+    if req.tenant:  # NOTE: request ids are per tenant: the tenant tells two "r1" apart
+        fields["tenant"] = req.tenant
     if req.num_preemptions:
         fields["preemptions"] = req.num_preemptions
     if req.num_migrations:

@@ -19,7 +19,7 @@ import torch
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from pagedserve_common import wire
 from pagedserve_common.config import UP_NONCE_METADATA, UP_NONCE_VARIABLE
-from pagedserve_common.registration import WorkerRegistration
+from pagedserve_common.registration import WorkerRegistration, default_name
 from pagedserve_common.step import StepError, StepErrorKind
 from pagedserve_common.signals import exit_now
 from worker_svc import cpu_path
@@ -213,7 +213,8 @@ def serve_plans(channel: grpc.Channel, runner, reg: WorkerRegistration, governor
     the scheduler ends the stream. Raises grpc.RpcError when the stream breaks (or is refused)."""
     shutdown = shutdown or Shutdown()
     outbox: queue.Queue = queue.Queue()
-    reg = dataclasses.replace(reg, name=reg.name or f"{socket.gethostname()}:{os.getpid()}")
+    # NOTE: HOST:PID, within the bounds the scheduler checks (a host name it would refuse is made one it takes)
+    reg = dataclasses.replace(reg, name=reg.name or default_name(socket.gethostname(), os.getpid()))
     outbox.put(worker_pb2.WorkerMessage(registration=wire.registration_to_pb(reg)))
 
     def messages():

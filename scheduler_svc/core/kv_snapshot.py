@@ -66,15 +66,19 @@ def cached_bytes(block_key: list) -> bytes:
     return bytes(map(operator.is_not, block_key, itertools.repeat(None)))
 
 
-def snapshot(worker_id: str, scheduler: Scheduler, geometry: KVGeometry | None = None) -> KVPoolSnapshot:
-    """The pool of `scheduler` as it is now. NOTE: call it on the scheduler's event loop: schedule() and update()
-    run synchronously there, so the picture is always between two of them (a step may be in flight: its
-    tokens count in num_tokens, as they do in the block tables the worker was sent)."""
+def snapshot(worker_id: str, scheduler: Scheduler, geometry: KVGeometry | None = None,
+             tenant: str | None = None) -> KVPoolSnapshot:
+    """The pool of `scheduler` as it is now; `tenant`: only that tenant's sequences listed (None: every tenant's).
+    NOTE: call it on the scheduler's event loop: schedule() and update() run synchronously there, so the picture
+    is always between two of them (a step may be in flight: its tokens count in num_tokens, as they do in the block
+    tables the worker was sent)."""
     kv = scheduler.kv
     pool = kv.pool
-    # NOTE: running sequences hold block tables (swapped-out and waiting ones hold none), in admission order.
-    sequences = [SequenceBlocks(req.request_id, req.seq_id, kv.block_table(req.seq_id), kv.num_tokens(req.seq_id),
-                                req.tenant) for req in scheduler.running if req.seq_id in kv]
+    # NOTE: running sequences hold block tables (swapped-out and waiting ones hold none), in admission order. A
+    # sequence shows the id its client sent, not the engine's tenant-scoped one.
+    sequences = [SequenceBlocks(req.client_request_id, req.seq_id, kv.block_table(req.seq_id),
+                                kv.num_tokens(req.seq_id), req.tenant)
+                 for req in scheduler.running if req.seq_id in kv and tenant in (None, req.tenant)]
     # NOTE: blocks never handed out have no stored state (BlockPool): zeros, written in C, not walked.
     refs, keys = pool.stored_state()
     never_used = bytes(pool.num_blocks - len(refs))

@@ -16,7 +16,8 @@ class PolicyRoom:
         fewer free blocks than its first chunk needs, prefix hits not counted), that sequence is preempted, as under
         memory pressure (recomputed or swapped; its client sees no gap). NOTE: a running sequence is judged by the
         effective priority it was admitted with, so one that aged its way in is not preempted by the next urgent
-        request: aging then bounds every request's wait."""
+        request: aging then bounds every request's wait. An overdue head (waiting.OVERDUE: it waited --priority-
+        max-wait) outranks every priority, and one admitted overdue is never preempted here."""
         waiting, running = self.waiting, self.running
         while waiting and running:
             head = waiting.head()

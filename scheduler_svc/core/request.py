@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.core.prompt_logprobs import PromptLogprobsLog
+from scheduler_svc.core.tenancy import client_request_id
 
 
 class RequestStatus(enum.Enum):
@@ -53,11 +54,11 @@ class Request:
     The parent never samples; it finishes when its last child does.
     """
 
-    request_id: str
+    request_id: str  # the engine's key: the client's id scoped by its tenant (core.tenancy.scoped_request_id)
     # NOTE: token ids are array('i') (token_ids()): compare them with list(...) == [...]. A list given is copied.
     prompt_token_ids: array
     sampling: SamplingParams = field(default_factory=SamplingParams)
-    cache_salt: str | None = None
+    cache_salt: str | None = None  # its prefix-cache chain's salt: its tenant and the client's (tenancy.prefix_salt)
     arrival_time: float = field(default_factory=time.monotonic)
     priority: int = 0  # the priority policy admits lower first (scheduler_svc.core.waiting)
     tenant: str = ""  # whose service it counts as under the fair policy ("": the one shared tenant)
@@ -111,6 +112,11 @@ class Request:
             # refuses the request naming the field (Engine._check); such a request never reaches a Scheduler.
             self.prompt_token_ids, self.output_token_ids = list(self.prompt_token_ids), list(self.output_token_ids)
             self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
+
+    @property
+    def client_request_id(self) -> str:
+        """The request id its client sent (or was given): what answers, logs and GetKVState show."""
+        return client_request_id(self.request_id)
 
     @property
     def num_prompt_tokens(self) -> int:

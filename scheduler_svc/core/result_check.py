@@ -22,6 +22,11 @@ class WrongResult:
     seq_id: int | None = None
 
 
+# A worker's idle between two back-to-back steps, as it measured it (a metric's observation): an honest worker's is
+# its wait for the scheduler, never negative, never anywhere near an hour. NOTE: -1e308 made the metric's sum -Inf.
+MAX_IDLE_SECONDS = 3600.0
+
+
 def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None], vocab_size: int, *,
                  bitmasks: Mapping[int, bytes] | None = None,
                  banned: Mapping[int, frozenset[int]] | None = None,
@@ -31,7 +36,8 @@ def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None]
     each sequence of the plan that samples a token this step (it reaches the end of its known tokens; one mid
     chunked prefill samples nothing) -> the number of top logprobs it asked for (None: no logprobs).
 
-    The rules: the plan's step_id; exactly the due sequences sampled; every token id in [0, vocab_size); logprobs
+    The rules: the plan's step_id; idle_seconds in [0, MAX_IDLE_SECONDS]; exactly the due sequences sampled; every
+    token id in [0, vocab_size); logprobs
     only for sequences that asked, for every one of them, with the sampled token as their sampled entry, at most
     the asked number of top entries, token ids in the vocabulary, and finite logprobs <= 0 (LOGPROB_EPSILON); each
     token of a sequence the plan sent a bitmask for (structured output) one that its bitmask allows; and no token a
@@ -42,6 +48,8 @@ def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None]
     [1, vocab_size], at most the asked number of top entries, and logprobs as above."""
     if result.step_id != step_id:
         return WrongResult(f"step_id {result.step_id} answers plan {step_id}")
+    if not 0.0 <= result.idle_seconds <= MAX_IDLE_SECONDS:  # NOTE: written so that NaN fails it too
+        return WrongResult(f"idle_seconds {result.idle_seconds!r} is not in [0, {MAX_IDLE_SECONDS:g}]")
     sampled = result.sampled
     if sampled.keys() != due.keys():
         extra, missing = sorted(sampled.keys() - due.keys()), sorted(due.keys() - sampled.keys())

@@ -45,6 +45,7 @@ class SchedulerConfig:
     speculative: str = default_of(EngineOptions, "speculative")  # "ngram": decoding sequences draft tokens
     num_speculative_tokens: int = default_of(EngineOptions, "num_speculative_tokens")  # drafts per step at most
     scheduling_policy: str = default_of(EngineOptions, "scheduling_policy")  # admission order (core.waiting)
+    priority_max_wait: float = default_of(EngineOptions, "priority_max_wait")  # priority: a wait's bound, seconds
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -93,7 +94,7 @@ class Scheduler(Handover, PolicyRoom):
         self.num_swaps = 0
         self.requests: dict[str, Request] = {}  # unfinished client requests (parents for n > 1)
         # Admission order (scheduler_svc.core.waiting): fcfs, priority or fair; preempted sequences go back first
-        self.waiting = WaitingQueue(config.scheduling_policy, service)
+        self.waiting = WaitingQueue(config.scheduling_policy, service, max_wait=config.priority_max_wait)
         self._fair = config.scheduling_policy == "fair"
         self._priority = config.scheduling_policy == "priority"
         self.num_policy_preemptions = 0  # made room for a waiting request its policy puts first

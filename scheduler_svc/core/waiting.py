@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import itertools
+import math
+import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from pagedserve_common.config import SCHEDULING_POLICIES  # --scheduling-policy
+from scheduler_svc.identity import MIN_PRIORITY  # the most urgent priority a request may ask (32 bits)
 
 MAX_TENANT_WEIGHT = 1e6
+# NOTE: below every priority a request may ask or age into: an overdue request goes first, and a sequence admitted
+# overdue is never preempted for priority (policy_room), so the overdue cannot preempt each other back and forth
+OVERDUE = MIN_PRIORITY - 1
 # NOTE: the tenant is the client's header: counters are bounded (ServiceCounter.prune), not one per name ever sent
 MAX_TENANT_COUNTERS = 4096
 
@@ -105,8 +111,10 @@ class WaitingQueue:
 
     - fcfs: arrival order; a preempted request goes back to the front (appendleft).
     - priority: the lowest `priority` first, ties by arrival; a preempted request goes before the waiting ones of
-      its own priority. NOTE: aging bounds starvation: every `aging_steps` admissions that a request waits
-      through lower its effective priority by one, so a steady stream of urgent requests delays it, never forever.
+      its own priority. NOTE: ageing bounds starvation: every `aging_steps` admissions that a request waits
+      through lower its effective priority by one, and once it has waited `max_wait` seconds it is OVERDUE: before
+      every priority (among the overdue: preempted ones first, then by arrival, as within a priority). Admissions alone need gap x aging_steps of them (a gap of
+      2^31 levels: forever); the time bound holds whatever the gap.
     - fair: one FIFO per tenant; the head is the first request of the backlogged tenant with the least counted
       service (ties: the earliest arrival), counted by `counter` (the scheduler charges it as tokens are computed).
 
@@ -114,14 +122,21 @@ class WaitingQueue:
     head in O(queued) or O(tenants).
     """
 
-    def __init__(self, policy: str = "fcfs", counter: ServiceCounter | None = None, aging_steps: int = 64) -> None:
+    def __init__(self, policy: str = "fcfs", counter: ServiceCounter | None = None, aging_steps: int = 64,
+                 max_wait: float = math.inf, clock: Callable[[], float] = time.monotonic) -> None:
+        """`max_wait`: priority: seconds of waiting after which a request is OVERDUE; `clock`: monotonic seconds."""
         if policy not in SCHEDULING_POLICIES:
             raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got {policy!r}")
         if aging_steps < 1:
             raise ValueError(f"aging_steps must be >= 1, got {aging_steps}")
+        if not max_wait > 0:
+            raise ValueError(f"max_wait must be > 0 seconds, got {max_wait}")
         self.policy = policy
         self.counter = counter or ServiceCounter()
         self.aging_steps = aging_steps
+        self.max_wait = max_wait
+        self.clock = clock
+        self._since: dict[int, float] = {}  # id(request) -> clock() when it was queued (priority ageing in time)
         self._fifo: deque = deque()  # fcfs and priority: in arrival order, front-pushed ones first
         self._by_tenant: dict[str, deque] = {}  # fair: tenant -> its FIFO (no empty ones)
         self._admitted = 0  # admissions so far (priority aging)
@@ -179,6 +194,7 @@ class WaitingQueue:
             raise ValueError("not waiting")
         del self._rank[id(req)]
         self._enqueued.pop(id(req), None)
+        self._since.pop(id(req), None)
         counts = self.num_waiting_by_tenant
         counts[req.tenant] -= 1
         if not counts[req.tenant]:
@@ -198,6 +214,7 @@ class WaitingQueue:
         self._by_tenant.clear()
         self._rank.clear()
         self._enqueued.clear()
+        self._since.clear()
         self.num_waiting_by_tenant.clear()
 
     # -- the policy ------------------------------------------------------------------------------------------
@@ -208,7 +225,8 @@ class WaitingQueue:
         if self.policy == "priority":
             if not self._fifo:
                 raise IndexError("no request is waiting")
-            return min(self._fifo, key=self._priority_key)
+            now = self.clock()
+            return min(self._fifo, key=lambda r: self._priority_key(r, now))
         if not self._by_tenant:
             raise IndexError("no request is waiting")
         return self._by_tenant[self._next_tenant(self._by_tenant)][0]
@@ -220,13 +238,18 @@ class WaitingQueue:
         service = self.counter.service
         return min(queues, key=lambda t: (service.get(t, 0.0), len(queues[t]), queues[t][0].arrival_time))
 
-    def effective_priority(self, req: Waiting) -> int:
-        """Its priority less one for every `aging_steps` admissions it has waited through."""
+    def effective_priority(self, req: Waiting, now: float | None = None) -> int:
+        """OVERDUE once it has waited `max_wait` seconds (by `now`, default: the clock's), else its priority less
+        one for every `aging_steps` admissions it has waited through (never below MIN_PRIORITY: the overdue stay
+        first)."""
+        since = self._since.get(id(req))
+        if since is not None and (self.clock() if now is None else now) - since >= self.max_wait:
+            return OVERDUE
         waited = self._admitted - self._enqueued.get(id(req), self._admitted)
-        return req.priority - waited // self.aging_steps
+        return max(MIN_PRIORITY, req.priority - waited // self.aging_steps)
 
-    def _priority_key(self, req: Waiting) -> tuple:
-        return (self.effective_priority(req), *self._rank[id(req)])
+    def _priority_key(self, req: Waiting, now: float) -> tuple:
+        return (self.effective_priority(req, now), *self._rank[id(req)])
 
     def _add(self, req: Waiting, front: bool) -> None:
         if id(req) in self._rank:
@@ -236,6 +259,7 @@ class WaitingQueue:
         order = next(self._order)
         self._rank[id(req)] = (0, -order) if front else (1, req.arrival_time, order)
         self._enqueued.setdefault(id(req), self._admitted)
+        self._since.setdefault(id(req), self.clock())  # NOTE: a wait per stay: a preempted request starts anew
         self.num_waiting_by_tenant[req.tenant] = self.num_waiting_by_tenant.get(req.tenant, 0) + 1
         if self.policy != "fair":
             (self._fifo.appendleft if front else self._fifo.append)(req)
@@ -248,7 +272,8 @@ class WaitingQueue:
 
     def _ordered(self) -> list:
         if self.policy == "priority":
-            return sorted(self._fifo, key=self._priority_key)
+            now = self.clock()
+            return sorted(self._fifo, key=lambda r: self._priority_key(r, now))
         # fair: replay the head choice without charging (the order if no service were counted meanwhile)
         queues = {t: deque(q) for t, q in self._by_tenant.items()}
         out = []

@@ -18,6 +18,7 @@ from scheduler_svc.frontend.limits import Limits
 from scheduler_svc.frontend.pool import TokenizerPool
 from scheduler_svc.frontend.stream import RequestStream
 from scheduler_svc.frontend.tokenizer import TemplateRefusal, Tokenizer
+from scheduler_svc.identity import NO_KEYS, Identity
 from scheduler_svc.structured.compiler import GrammarCompiler
 from scheduler_svc.structured.matcher import Grammar
 
@@ -43,20 +44,22 @@ def invalid(field_name: str, message: str) -> EngineError:
     return EngineError(ErrorCode.INVALID_ARGUMENT, message, field_name)
 
 
-def tenant_of(values: list[str], key_name: str = "") -> str:
-    """The tenant of a request: the name of its API key (`key_name`, "" for none or an unnamed key), else its
-    TENANT_HEADER values (HTTP header or gRPC metadata), else "" (the shared tenant). More than one header value is
-    INVALID_ARGUMENT naming it; with a named key, a header naming another tenant is PERMISSION_DENIED (a key's
-    holder counts as the key's tenant only)."""
+def tenant_of(values: list[str], identity: Identity = NO_KEYS) -> str:
+    """The tenant of a request from its caller's `identity` and its TENANT_HEADER `values` (HTTP header or gRPC
+    metadata): the header's when the identity may name tenants (a gateway or operator key, or any caller of a
+    server without keys), else (or with no header) the key's name ("" for an unnamed key: the shared tenant). More
+    than one header value is INVALID_ARGUMENT naming it; a tenant key's header naming another tenant than its own is
+    PERMISSION_DENIED (a tenant is an identity: a key's holder counts as the key's tenant only)."""
     if len(values) > 1:
         raise invalid(TENANT_HEADER, f"{TENANT_HEADER} is sent {len(values)} times: send it once")
-    if key_name:
-        if values and values[0] != key_name:
-            raise EngineError(ErrorCode.PERMISSION_DENIED, f"{TENANT_HEADER}: this API key's requests count for "
-                                                           f"its own tenant: send {key_name!r} or leave it out",
-                              TENANT_HEADER)
-        return key_name
-    return values[0] if values else ""
+    if not values:
+        return identity.tenant
+    if identity.names_tenants or values[0] == identity.tenant:
+        return values[0]
+    own = f"send {identity.tenant!r} or leave it out" if identity.tenant else "leave it out"
+    raise EngineError(ErrorCode.PERMISSION_DENIED, f"{TENANT_HEADER}: this API key's requests count for its own "
+                                                   f"tenant: {own} (only a key with role=gateway or role=operator "
+                                                   f"names a tenant)", TENANT_HEADER)
 
 
 class FrontEnd:
@@ -262,13 +265,19 @@ class FrontEnd:
             raise
 
     def _check_scheduling(self, inp: GenerateInput) -> None:
-        """priority needs the priority policy (vLLM refuses it likewise); a tenant name is short visible ASCII."""
+        """priority needs the priority policy (vLLM refuses it likewise) and no more urgency than the caller's key
+        grants (max-priority: PERMISSION_DENIED, not clamped, so the client knows); a tenant name is short visible
+        ASCII."""
         policy = self.engine.config.scheduling_policy
         if inp.priority and policy != "priority":
             raise invalid("priority", f"priority {inp.priority} needs --scheduling-policy priority (this server "
                                       f"admits by {policy}); send 0 or leave it unset")
         if not -2**31 <= inp.priority < 2**31:
             raise invalid("priority", f"priority must fit in 32 bits (-2147483648..2147483647), got {inp.priority}")
+        if inp.priority < inp.max_priority:
+            raise EngineError(ErrorCode.PERMISSION_DENIED, f"priority {inp.priority} is more urgent than this API key "
+                                                           f"may ask (max-priority={inp.max_priority}, lower is more "
+                                                           f"urgent): send {inp.max_priority} or more", "priority")
         t = inp.tenant
         if len(t) > MAX_TENANT_CHARS or not all(" " <= c <= "~" for c in t):
             raise invalid(TENANT_HEADER, f"{TENANT_HEADER} must be at most {MAX_TENANT_CHARS} visible ASCII characters "
@@ -317,9 +326,10 @@ class FrontEnd:
             raise InvalidField("max_tokens", f"max_tokens must be in [1, {cfg.max_model_len}] (max_model_len), got "
                                              f"{sp.max_tokens}{_wrapped(sp.max_tokens)}")
 
-    def kv_state(self, worker_id: str = "") -> KVPoolSnapshot:
+    def kv_state(self, worker_id: str = "", tenant: str | None = None) -> KVPoolSnapshot:
         """One worker's KV pool between two steps (GetKVState): `worker_id` as GetModelInfo lists it, '' for the
-        first attached. Raises EngineError: UNAVAILABLE with no worker attached, NOT_FOUND naming an unknown id."""
+        first attached; `tenant`: only that tenant's sequences (None: every tenant's, for an operator). Raises
+        EngineError: UNAVAILABLE with no worker attached, NOT_FOUND naming an unknown id."""
         workers = self.engine.workers
         if not workers:
             raise EngineError(ErrorCode.UNAVAILABLE, self.engine.no_worker_reason())
@@ -332,7 +342,7 @@ class FrontEnd:
             raise EngineError(ErrorCode.FAILED_PRECONDITION, f"{w.worker_id} has {num_blocks:,} KV blocks; GetKVState "
                               f"describes pools of up to {MAX_SNAPSHOT_BLOCKS:,} (two bytes each, every call, on the "
                               "scheduler's event loop)")
-        return snapshot(w.worker_id, w.scheduler, w.registration.kv_geometry)
+        return snapshot(w.worker_id, w.scheduler, w.registration.kv_geometry, tenant)
 
     def abort(self, request_id: str) -> None:
         """The client went away (cancel, deadline, disconnect): its blocks go back to the pool at the next step."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pagedserve_common.sampling import SamplingParams
+from scheduler_svc.identity import MIN_PRIORITY
 
 INPUTS = ("prompt", "prompt_token_ids", "messages")
 
@@ -21,7 +22,8 @@ class GenerateInput:
     request_id: str = ""
     cache_salt: str = ""
     priority: int = 0  # --scheduling-policy priority: lower first
-    tenant: str = ""  # TENANT_HEADER's value ("": the one shared tenant)
+    tenant: str = ""  # its caller's (frontend.api.tenant_of: the API key's name, or a trusted header's)
+    max_priority: int = MIN_PRIORITY  # the most urgent priority its caller's API key grants (identity.Identity)
     chat_template_kwargs: dict = field(default_factory=dict)  # e.g. enable_thinking; reach the template as is
     fill_context: bool = False  # max_tokens unset (OpenAI chat): generate up to the context's end
     # Front-end settings of the text (they need the tokenizer or detokenized text, so they are not SamplingParams)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from scheduler_svc import json_text
+
 
 @dataclass(slots=True, frozen=True)
 class Content:
@@ -32,7 +34,7 @@ def call_of(obj, arguments_keys: tuple[str, ...]) -> Call | None:
     args = {} if key is None else obj[key]
     if isinstance(args, str):  # NOTE: some models write the arguments as a JSON string: it must hold an object
         try:
-            args = json.loads(args)
+            args = json_text.loads(args)
         except ValueError:
             return None
     if not isinstance(args, dict):
@@ -93,7 +95,7 @@ class HermesParser:
 
     def _block(self, body: str, closed: bool) -> Piece:
         try:
-            call = call_of(json.loads(body), ("arguments", "parameters"))
+            call = call_of(json_text.loads(body), ("arguments", "parameters"))
         except ValueError:
             call = None
         return call or Content(self.OPEN + body + (self.CLOSE if closed else ""))

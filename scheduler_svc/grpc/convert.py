@@ -21,6 +21,7 @@ from scheduler_svc.frontend.api import invalid, tenant_of as api_tenant_of
 from scheduler_svc.frontend.inputs import GenerateInput
 from scheduler_svc.frontend.limits import Limits
 from scheduler_svc.frontend.stream import StreamItem
+from scheduler_svc.identity import NO_KEYS, Identity
 
 
 @dataclass(slots=True)
@@ -166,11 +167,17 @@ def input_from_pb(pb: generate_pb2.GenerateRequest, limits: Limits,
                          echo=pb.echo, priority=pb.priority)
 
 
-def tenant_of(metadata, api_keys: ApiKeys | None = None) -> str:
-    """The request's tenant from its gRPC metadata: its API key's name, else its tenant header (frontend.api)."""
-    metadata = metadata or ()
-    key_name = api_keys.name_of([v for k, v in metadata if k == "authorization"]) if api_keys else ""
-    return api_tenant_of([v for k, v in metadata if k == TENANT_HEADER], key_name)
+def identity_of(metadata, api_keys: ApiKeys | None = None) -> Identity:
+    """The caller's Identity from its gRPC metadata: what its API key grants; without keys, NO_KEYS (every caller
+    is trusted)."""
+    if api_keys is None:
+        return NO_KEYS
+    return api_keys.identity_of([v for k, v in metadata or () if k == "authorization"])
+
+
+def tenant_of(metadata, identity: Identity = NO_KEYS) -> str:
+    """The request's tenant from its gRPC metadata and its caller's identity (frontend.api.tenant_of)."""
+    return api_tenant_of([v for k, v in metadata or () if k == TENANT_HEADER], identity)
 
 
 def _check_structured(so: generate_pb2.StructuredOutput) -> None:

@@ -75,14 +75,17 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
         await _refuse_undecodable(request, context)
         try:
             inp = convert.input_from_pb(request, self.frontend.limits, self.frontend.sampling_defaults)
-            inp.tenant = convert.tenant_of(context.invocation_metadata(), self.api_keys)
+            metadata = context.invocation_metadata()
+            identity = convert.identity_of(metadata, self.api_keys)
+            inp.tenant, inp.max_priority = convert.tenant_of(metadata, identity), identity.max_priority
             stream = await self.frontend.generate(inp, None
                                                   if self.frontend.tracing is None else
                                                   grpc_trace_headers(context.invocation_metadata()))
         except EngineError as e:
             request_log.rejected("grpc", e, request.request_id)
             await _abort(context, e)
-        rid, done = stream.request.request_id, False
+        # NOTE: the engine knows the request by its tenant-scoped id; the client, by the id it sent (or was given)
+        key, rid, done = stream.request.request_id, stream.request.client_request_id, False
         try:
             async for item in stream:
                 yield convert.item_to_pb(rid, item)
@@ -92,7 +95,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
             await _abort(context, e)
         finally:
             if not done:  # the client cancelled or its deadline passed: free its blocks
-                self.frontend.abort(rid)
+                self.frontend.abort(key)
 
     async def GetModelInfo(self, request, context):
         await _refuse_undecodable(request, context)
@@ -102,7 +105,11 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def GetKVState(self, request, context):
         await _refuse_undecodable(request, context)
         try:
-            return convert.kv_state_to_pb(self.frontend.kv_state(request.worker_id))
+            metadata = context.invocation_metadata()
+            identity = convert.identity_of(metadata, self.api_keys)
+            # NOTE: a caller sees its own tenant's sequences (ids, token counts), an operator every tenant's
+            tenant = None if identity.sees_all else convert.tenant_of(metadata, identity)
+            return convert.kv_state_to_pb(self.frontend.kv_state(request.worker_id, tenant))
         except EngineError as e:
             await _abort(context, e)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from scheduler_svc import json_text
 from scheduler_svc.frontend.api import invalid
 from scheduler_svc.frontend.tool_parsers import HermesParser
 
@@ -56,7 +57,9 @@ def _tool_calls(i: int, calls) -> list[dict]:
         args = fn.get("arguments", {})
         if isinstance(args, str):
             try:
-                parsed = json.loads(args)
+                parsed = json_text.loads(args)
+            except json_text.TooDeep as e:
+                raise invalid("messages", f"messages[{i}].tool_calls[{j}].function.arguments: {e}") from None
             except ValueError:
                 parsed = None
             args = parsed if isinstance(parsed, dict) else args

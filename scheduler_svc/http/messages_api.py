@@ -17,6 +17,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
+from scheduler_svc import json_text
 from scheduler_svc.core.request import FinishReason
 from scheduler_svc.errors import EngineError
 from scheduler_svc.frontend import FrontEnd
@@ -322,8 +323,8 @@ def _input(text: str) -> dict:
     """A tool_use block's input from its JSON text. NOTE: a named tool's arguments cut off by max_tokens are no
     JSON (stop_reason max_tokens): {} here; the stream's events carry what there was."""
     try:
-        value = json.loads(text)
-    except ValueError:
+        value = json_text.loads(text)
+    except ValueError:  # NOTE: json_text.TooDeep among them
         return {}
     return value if isinstance(value, dict) else {}
 

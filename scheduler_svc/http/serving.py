@@ -25,6 +25,7 @@ from scheduler_svc.frontend.api import tenant_of
 from scheduler_svc.http import convert
 from scheduler_svc.http.convert import Job, UsageCount
 from scheduler_svc.http.prompt_logprobs import PromptLogprobsField
+from scheduler_svc.identity import NO_KEYS, Identity
 
 
 def sse(data: dict | str, event: str | None = None) -> str:
@@ -147,10 +148,9 @@ class Serving:
         self.api_keys = api_keys
         self.tool_call_parser = tool_call_parser
 
-    def tenant(self, request: Request) -> str:
-        """The request's tenant: its API key's name (bearer or x-api-key), else its tenant header."""
-        key_name = self.api_keys.name_of_http(request.headers.items()) if self.api_keys else ""
-        return tenant_of(request.headers.getlist(TENANT_HEADER), key_name)
+    def identity(self, request: Request) -> Identity:
+        """What the request's API key (bearer or x-api-key) grants; without keys, NO_KEYS (every caller trusted)."""
+        return self.api_keys.identity_of_http(request.headers.items()) if self.api_keys else NO_KEYS
 
     async def open_streams(self, job: Job, request: Request) -> list[RequestStream]:
         streams: list[RequestStream] = []
@@ -186,9 +186,10 @@ class Serving:
             dialect.check(body)
             rid = convert.request_id(body, self.frontend.limits) or rid
             job = make_job(body, rid, self.frontend)
-            tenant = self.tenant(request)
+            identity = self.identity(request)
+            tenant = tenant_of(request.headers.getlist(TENANT_HEADER), identity)
             for inp in job.inputs:
-                inp.tenant = tenant
+                inp.tenant, inp.max_priority = tenant, identity.max_priority
         except EngineError as e:
             return self.error_response(dialect, e, {}, rid)
         try:

@@ -10,6 +10,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from pagedserve_common.sampling import SamplingParams, StructuredOutput
+from scheduler_svc import json_text
 from scheduler_svc.frontend.api import invalid
 from scheduler_svc.frontend.tool_parsers import Call, Content, make_parser
 
@@ -219,7 +220,7 @@ class RequiredShaper(ToolShaper):
         if reason is None:
             return [], None
         try:
-            calls = [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in json.loads(self._text)]
+            calls = [(c["name"], json.dumps(c["arguments"], ensure_ascii=False)) for c in json_text.loads(self._text)]
         except (ValueError, TypeError, KeyError):
             calls = []
         if not calls:

@@ -13,6 +13,7 @@ import llguidance
 from llguidance.gbnf_to_lark import any_to_lark
 
 from pagedserve_common.sampling import InvalidField, StructuredOutput
+from scheduler_svc import json_text
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.structured.matcher import Grammar
 
@@ -39,7 +40,9 @@ def grammar_text(so: StructuredOutput) -> str:
     kind = so.kind
     if kind == "json_schema":
         try:
-            schema = json.loads(so.spec)
+            schema = json_text.loads(so.spec)
+        except json_text.TooDeep as e:
+            raise InvalidField(FIELD, f"{FIELD}.json_schema: {e}") from None
         except ValueError as e:
             raise InvalidField(FIELD, f"{FIELD}.json_schema is not JSON: {e}") from None
         if not isinstance(schema, dict):

@@ -140,7 +140,7 @@ class RequestTrace:
         attrs = self._request_attributes(req.sampling)
         samples = stream.samples
         attrs.update({
-            "gen_ai.request.id": req.request_id,
+            "gen_ai.request.id": req.client_request_id,
             "gen_ai.usage.input_tokens": len(req.prompt_token_ids),
             "gen_ai.usage.output_tokens": sum(s.num_tokens for s in samples),
             "gen_ai.response.finish_reasons": [FINISH_REASONS[s.finish_reason] for s in samples

@@ -176,7 +176,7 @@ def test_a_real_worker_of_another_up_is_refused_and_exits_saying_why(owned, tiny
     ids=["its-own-up", "by-hand", "another-up", "two-nonces"])
 def test_a_worker_attaches_with_its_schedulers_nonce_or_none(owned, tiny_model, metadata, attaches):
     name = f"fake:{len(metadata)}{attaches}"
-    fake = FakeWorker(owned.worker_listen, registration(tiny_model, name=name, max_model_len=128), metadata)
+    fake = FakeWorker(owned.worker_listen, registration(tiny_model, name=name), metadata)
     try:
         if attaches:
             wait_until(lambda: name in owned.worker_names(), timeout=WAIT)

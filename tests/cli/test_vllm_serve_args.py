@@ -50,12 +50,15 @@ def test_api_keys_go_to_a_file_only_this_user_reads(tmp_path):
     args = serve_args("m", "--api-key", "first-secret", "--api-key", "second-secret")
     mode = os.stat(args.api_key_file).st_mode
     assert stat.S_IMODE(mode) == 0o600 and stat.S_IMODE(os.stat(os.path.dirname(args.api_key_file)).st_mode) == 0o700
+    # operator keys: vLLM's keys may ask any priority and name any tenant
+    from scheduler_svc.auth import read_named_keys
+    assert [key for key, _ in read_named_keys(args.api_key_file)] == ["first-secret", "second-secret"]
     with open(args.api_key_file) as f:
-        assert f.read().split() == ["first-secret", "second-secret"]
+        assert f.read().split() == ["first-secret", "role=operator", "second-secret", "role=operator"]
     assert "-secret" not in " ".join(scheduler_argv(args))  # NOTE: never on a command line (ps shows it to all)
     from_env = serve_args("m", environ={"VLLM_API_KEY": "k3"})
     with open(from_env.api_key_file) as f:
-        assert f.read().split() == ["k3"]
+        assert f.read().split() == ["k3", "role=operator"]
 
 
 @pytest.mark.parametrize("argv, message", [

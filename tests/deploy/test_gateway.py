@@ -375,13 +375,18 @@ def test_network_policies_let_the_picker_reach_metrics_and_the_gateway_reach_the
     assert not any(admits(p, epp, gateway_pod, 9090) for p in policies)  # its metrics: the monitoring namespace
 
 
-def test_the_policy_check_sees_the_picker_shut_out_without_the_overlays_policies(docs):
-    ours = {"pagedserve-epp", "pagedserve-scheduler-from-gateway"}
-    others = [p for p in of_kind(docs, "NetworkPolicy") if p["metadata"]["name"] not in ours]
+def test_the_policy_check_sees_the_picker_and_the_gateway_shut_out_without_the_overlays_patch(docs):
+    # NOTE: a cell rendered on its own is the base's policy, unpatched: it admits neither
+    [gateway] = of_kind(docs, "Gateway")
+    gateway_pod = {"gateway.networking.k8s.io/gateway-name": gateway["metadata"]["name"]}
     epp_pod = pod_labels(named(docs, "Deployment", "pagedserve-epp"))
-    for scheduler in by_command(docs, SCHEDULER):
-        assert not any(admits(p, scheduler, epp_pod, 9464) for p in others)
-        assert any(admits(p, scheduler, epp_pod, 9464) for p in of_kind(docs, "NetworkPolicy"))
+    for cell in "ab":
+        alone = render(GATEWAY_OVERLAY / "cells" / cell)
+        [scheduler] = by_command(alone, SCHEDULER)
+        assert not any(admits(p, scheduler, epp_pod, 9464) for p in of_kind(alone, "NetworkPolicy"))
+        assert not any(admits(p, scheduler, gateway_pod, 8000) for p in of_kind(alone, "NetworkPolicy"))
+        patched = named(docs, "Deployment", scheduler["metadata"]["name"])
+        assert any(admits(p, patched, epp_pod, 9464) for p in of_kind(docs, "NetworkPolicy"))
 
 
 def readme_add_a_cell() -> str:

@@ -274,7 +274,7 @@ def test_worker_pods_are_guaranteed_whole_cores(renders, overlay):
 
 # -- NetworkPolicy and security --------------------------------------------------------------------------------------
 @OVERLAYS
-def test_network_policy_admits_clients_workers_and_monitoring_each_to_its_port(renders, overlay):
+def test_network_policy_admits_labelled_clients_workers_and_monitoring_each_to_its_port(renders, overlay):
     render = renders[overlay]
     scheduler = main_container(render, overlay, "pagedserve-scheduler")
     worker_pod = render.one("Deployment", "pagedserve-worker")["spec"]["template"]["metadata"]["labels"]
@@ -286,15 +286,16 @@ def test_network_policy_admits_clients_workers_and_monitoring_each_to_its_port(r
     [policy] = policies_of(scheduler_pod)
     assert policy["spec"]["policyTypes"] == ["Ingress"]
     numbers = {p["name"]: p["containerPort"] for p in scheduler.spec["ports"]}
-    sources = {}
+    sources = {}  # port name -> the `from` of every rule naming it (tests/deploy/test_network_policy.py: the union)
     for rule in policy["spec"]["ingress"]:
         for port in rule["ports"]:
             name = next(n for n, number in numbers.items() if port["port"] in (n, number))
-            assert name not in sources, f"port {name} in two rules"
-            sources[name] = rule.get("from")
+            sources.setdefault(name, []).append(rule["from"])
+    clients = [{"podSelector": {"matchLabels": {"pagedserve-client": "true"}}}]
     worker_only = [{"podSelector": {"matchLabels": {"app.kubernetes.io/name": "pagedserve-worker"}}}]
-    assert sources == {"grpc": None, "http": None, "worker": worker_only, "metrics": [
-        {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]}
+    # NOTE: a worker's readiness probe asks the client API (pagedserve health --worker): workers reach 50051 too
+    assert sources == {"grpc": [clients, worker_only], "http": [clients], "worker": [worker_only], "metrics": [
+        [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]]}
     peer = worker_only[0]["podSelector"]["matchLabels"]
     assert peer.items() <= worker_pod.items() and not peer.items() <= scheduler_pod.items()
     [closed] = policies_of(worker_pod)  # a worker listens on nothing: nothing reaches it

@@ -10,8 +10,9 @@ import pytest
 from pagedserve_cli.certs_cmd import dev_certificates
 from pagedserve_cli.main import main
 from pagedserve_common.tls import TlsConfigError, TlsFiles, certificate_names
-from scheduler_svc.auth import (DUPLICATE, INVALID, MISSING, ApiKeyFileError, ApiKeys, load_keys, read_keys,
-                                read_named_keys)
+from scheduler_svc.auth import (DUPLICATE, INVALID, MISSING, ApiKeyFileError, ApiKeys, load_keys,
+                                read_key_identities, read_keys, read_named_keys)
+from scheduler_svc.identity import GATEWAY, MIN_PRIORITY, OPERATOR, TENANT, Identity
 
 
 def write(tmp_path, text: str, name: str = "keys"):
@@ -58,6 +59,34 @@ def test_a_key_name_is_visible_ascii_up_to_the_tenant_limit(tmp_path):
     with pytest.raises(ApiKeyFileError, match="line 1: KEY \\[NAME\\]: the name"):
         load_keys(write(tmp_path, "k1 caf\u00e9\n"))
     assert load_keys(write(tmp_path, "k1 " + "n" * 128 + "\n")).names == ("n" * 128,)
+
+
+def test_a_key_line_may_end_with_a_role_and_a_priority_cap(tmp_path):
+    path = write(tmp_path, "k1 team a max-priority=-5\nk2 role=operator\nk3 gw role=gateway max-priority=2\n"
+                           "k4 team-b\nk5 a=b c\nk6 ops max-priority=0 role=operator\n")
+    assert read_key_identities(path) == [
+        ("k1", Identity("team a", TENANT, -5)), ("k2", Identity("", OPERATOR, MIN_PRIORITY)),
+        ("k3", Identity("gw", GATEWAY, 2)), ("k4", Identity("team-b", TENANT, 0)), ("k5", Identity("a=b c")),
+        ("k6", Identity("ops", OPERATOR, 0))]
+    assert read_named_keys(path)[0] == ("k1", "team a") and read_keys(path)[:2] == ["k1", "k2"]
+    keys = load_keys(path)
+    assert keys.identity_of(["Bearer k3"]) == Identity("gw", GATEWAY, 2)
+    assert keys.identity_of(["Bearer nope"]) == Identity() and keys.identity_of([]) == Identity()  # the least
+    assert keys.identity_of_http([("x-api-key", "k2")]).sees_all
+    assert not keys.identity_of(["Bearer k4"]).names_tenants and keys.identity_of(["Bearer k3"]).names_tenants
+
+
+@pytest.mark.parametrize("line, why", [
+    ("s3cr3t team role=admin", "role is one of tenant, gateway, operator, got 'admin'"),
+    ("s3cr3t max-priority=high", "max-priority is an integer in -2147483648..2147483647, got 'high'"),
+    ("s3cr3t max-priority=2147483648", "max-priority is an integer in"),
+    ("s3cr3t team colour=red", "unknown attribute 'colour'"),
+    ("s3cr3t role=gateway role=operator", "role is given twice"),
+])
+def test_a_bad_attribute_names_its_line_and_what_is_wrong(tmp_path, line, why):
+    with pytest.raises(ApiKeyFileError, match="line 2: KEY \\[NAME\\] \\[max-priority=N\\]") as e:
+        load_keys(write(tmp_path, f"ok-key\n{line}\n"))
+    assert why in str(e.value) and "s3cr3t" not in str(e.value)
 
 
 def test_a_worker_token_file_has_no_names(tmp_path):

@@ -46,6 +46,15 @@ def test_the_step_id_must_be_the_plans():
     assert blamed(answer(step_id=8)) is None  # the answer as a whole: no request is charged for it
 
 
+@pytest.mark.parametrize("idle", [-1e308, -0.001, math.nan, math.inf, 3600.5])
+def test_idle_seconds_must_be_a_wait_an_honest_worker_could_have_had(idle):
+    """It is a metric's observation: -1e308 from a worker turned the histogram's sum into -Inf (issue 50)."""
+    wrong = StepResult(7, {1: 10, 2: 20}, {2: lp(20)}, idle_seconds=idle)
+    assert check(wrong) == f"idle_seconds {idle!r} is not in [0, 3600]"
+    for fine in (0.0, 0.25, 3600.0):
+        assert check(StepResult(7, {1: 10, 2: 20}, {2: lp(20)}, idle_seconds=fine)) is None
+
+
 def test_every_due_sequence_must_have_a_token():
     assert check(answer({2: 20})) == "tokens: no token for seq 1, which samples this step (1 missing)"
     assert blamed(answer({2: 20})) is None

@@ -141,6 +141,27 @@ def test_priority_never_preempts_for_an_equal_or_lower_priority():
     assert admitted(plans) == ["b", "c"]
 
 
+def test_priority_an_overdue_request_preempts_any_priority_and_is_never_preempted_back():
+    # --priority-max-wait: a request that has waited that long goes first and makes room, whatever the gap
+    s, w = make(max_num_seqs=1, scheduling_policy="priority", priority_max_wait=30.0), FakeWorker()
+    now = [0.0]
+    s.waiting.clock = lambda: now[0]
+    urgent = req("urgent", toks(0, 5), priority=-2**31, at=0.0, max_tokens=20)
+    add(s, urgent)
+    step(s, w)
+    low = req("low", toks(100, 5), priority=0, at=1.0, max_tokens=2)
+    add(s, low)
+    plans = [step(s, w)[0] for _ in range(3)]
+    assert admitted(plans) == [] and not any(p.preempted_seq_ids for p in plans)
+    now[0] = 30.0  # low has waited 30 s: overdue
+    plan, _ = step(s, w)
+    assert plan.preempted_seq_ids == [urgent.seq_id] and admitted([plan]) == ["low"]
+    assert low.admitted_priority < -2**31  # OVERDUE: the preempted urgent request cannot take its slot back
+    plans = drive(s, w)
+    assert admitted(plans) == ["urgent"] and not any(p.preempted_seq_ids for p in plans)
+    assert list(urgent.output_token_ids) == [position_token(urgent.seq_id, p) for p in range(5, 25)]
+
+
 def test_priority_preempts_for_blocks_when_slots_are_free():
     # 4 blocks of 8 tokens: a (priority 5) holds 3 of them, c (priority 0) needs 2 for its 9-token prompt
     s, w = make(num_blocks=4, max_num_seqs=4, scheduling_policy="priority"), FakeWorker()

@@ -6,7 +6,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from scheduler_svc.core.waiting import ServiceCounter, WaitingQueue, read_tenant_weights
+from scheduler_svc.core.waiting import OVERDUE, ServiceCounter, WaitingQueue, read_tenant_weights
+from scheduler_svc.identity import MIN_PRIORITY
 
 _clock = itertools.count()
 
@@ -199,3 +200,49 @@ def test_prune_drops_the_least_served_idle_tenants_never_an_active_one():
     q.append(Req("B0", tenant="b"))
     assert c.service["b"] == 0.0  # a dropped tenant comes back as a new one: lifted to the floor (0 here)
 
+
+
+class Clock:
+    """Simulated monotonic seconds (WaitingQueue's clock)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_priority_ageing_bounds_every_wait_in_time_whatever_the_priority_gap():
+    # issue 50: a flood at -2^31 starved a priority-0 request; ageing one level per 64 admissions never closes that
+    clock = Clock()
+    q = WaitingQueue("priority", max_wait=10.0, clock=clock)
+    q.append(Req("low", priority=0))  # queued at t=0
+    admitted = []
+    for t in range(14):  # one admission a second, an urgent request arriving before each
+        clock.now = float(t)
+        q.append(Req(f"urgent{t}", priority=MIN_PRIORITY))
+        admitted.append(q.popleft().name)
+    # at t=10 low has waited max_wait: overdue, it goes before every priority
+    assert admitted == [*(f"urgent{t}" for t in range(10)), "low", "urgent10", "urgent11", "urgent12"]
+
+
+def test_the_overdue_go_first_in_arrival_order_and_a_new_stay_waits_anew():
+    clock = Clock()
+    q = WaitingQueue("priority", aging_steps=1, max_wait=5.0, clock=clock)
+    a, b, u = Req("a", priority=7), Req("b", priority=3), Req("u", priority=MIN_PRIORITY)
+    for t, r in enumerate((a, b, u)):
+        clock.now = float(t)
+        q.append(r)
+    clock.now = 5.5  # a has waited 5.5 s, b 4.5, u 3.5
+    assert names(q) == ["a", "u", "b"] and q.effective_priority(a) == OVERDUE
+    clock.now = 6.0  # b too: the overdue in arrival order, before the most urgent priority
+    assert names(q) == ["a", "b", "u"]
+    assert q.popleft() is a
+    # u has waited through an admission (aging_steps 1), but ageing stops at the most urgent priority: the overdue
+    # b still goes first
+    assert q.effective_priority(u) == MIN_PRIORITY and names(q) == ["b", "u"]
+    assert q.popleft() is b
+    q.appendleft(b)  # preempted: a new stay in the queue, its wait counted from now
+    assert names(q) == ["u", "b"] and q.effective_priority(b) == 3
+    clock.now = 11.0
+    assert names(q) == ["b", "u"]  # both overdue: among them the queue's own order, a preempted request first

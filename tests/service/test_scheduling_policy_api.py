@@ -8,6 +8,7 @@ import grpc
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from scheduler_svc.auth import ApiKeys
+from scheduler_svc.identity import GATEWAY, MIN_PRIORITY, OPERATOR, Identity
 from tests.service.inproc import Front, ScriptedWorker, status_of, tokens_of, wait_for, with_server
 
 
@@ -109,7 +110,8 @@ async def test_per_tenant_service_queue_and_ttft_series(engine, channel):
     assert 'pagedserve_tenant_ttft_seconds_count{tenant="team-b"} 1.0' in text
 
 
-NAMED_KEYS = ApiKeys.of(["k-a", "k-a2", "k-free"], ["team-a", "team-a", ""])
+NAMED_KEYS = ApiKeys.of(["k-a", "k-a2", "k-free", "k-gw", "k-op"],
+                        ["team-a", "team-a", "", Identity("gw", GATEWAY), Identity("ops", OPERATOR, MIN_PRIORITY)])
 
 
 def bearer(key: str) -> tuple[str, str]:
@@ -117,55 +119,63 @@ def bearer(key: str) -> tuple[str, str]:
 
 
 @with_server(api_keys=NAMED_KEYS, scheduling_policy="fair", max_queued_requests=8)
-async def test_a_named_api_key_is_its_requests_tenant_and_may_not_name_another(engine, channel):
+async def test_an_api_key_is_its_requests_tenant_and_only_a_gateway_names_another(engine, channel):
     ScriptedWorker(channel, answer=True)
     await wait_for(lambda: engine.workers)
     # two keys of one name count for one tenant; the header may repeat the key's name
     assert await tokens_of(generate(channel, [1, 2, 3], metadata=(bearer("k-a"),))) == [[7, 7]]
     assert await tokens_of(generate(channel, [1, 2, 3], metadata=(bearer("k-a2"),
                                                                   ("x-pagedserve-tenant", "team-a")))) == [[7, 7]]
-    # an unnamed key: the header names the tenant, else the shared one
-    assert await tokens_of(generate(channel, [1, 2, 3], metadata=(bearer("k-free"),
-                                                                  ("x-pagedserve-tenant", "team-z")))) == [[7, 7]]
+    # an unnamed key counts for the shared tenant, and names no other (one key, many tenants: a sybil flood)
     assert await tokens_of(generate(channel, [1, 2, 3], metadata=(bearer("k-free"),))) == [[7, 7]]
+    code, details = await status_of(generate(channel, [1, 2], metadata=(bearer("k-free"),
+                                                                        ("x-pagedserve-tenant", "team-z"))))
+    assert code is grpc.StatusCode.PERMISSION_DENIED
+    assert details == ("x-pagedserve-tenant: this API key's requests count for its own tenant: leave it out (only a "
+                       "key with role=gateway or role=operator names a tenant)")
+    # a gateway key names its users' tenants; without the header, its own name
+    assert await tokens_of(generate(channel, [1, 2, 3], metadata=(bearer("k-gw"),
+                                                                  ("x-pagedserve-tenant", "team-z")))) == [[7, 7]]
+    assert await tokens_of(generate(channel, [1, 2, 3], metadata=(bearer("k-gw"),))) == [[7, 7]]
     service = engine.service.service
-    assert set(service) == {"team-a", "team-z", ""}
+    assert set(service) == {"team-a", "", "team-z", "gw"}
     assert service["team-a"] == 12.0  # both of team-a's requests (2 prompt tokens at 1 + 2 outputs at 2, each)
     code, details = await status_of(generate(channel, [1, 2], metadata=(bearer("k-a"),
                                                                         ("x-pagedserve-tenant", "team-z"))))
     assert code is grpc.StatusCode.PERMISSION_DENIED
-    assert details == ("x-pagedserve-tenant: this API key's requests count for its own tenant: send 'team-a' or "
-                       "leave it out")
+    assert details.startswith("x-pagedserve-tenant: this API key's requests count for its own tenant: send "
+                              "'team-a' or leave it out")
     async with Front(engine, api_keys=NAMED_KEYS) as http:
         body = {"model": "m", "prompt": [1, 2], "max_tokens": 2, "ignore_eos": True}
         before = dict(service)
         r = await http.post("/v1/completions", json=body, headers={"authorization": "Bearer k-a"})
         assert r.status_code == 200, r.text
         assert service["team-a"] > before["team-a"] and service[""] == before[""]
-        r = await http.post("/v1/completions", json=body, headers={"authorization": "Bearer k-a",
-                                                                   "x-pagedserve-tenant": "team-z"})
-        assert r.status_code == 403 and r.json()["error"]["param"] == "x-pagedserve-tenant"
-        assert r.json()["error"]["type"] == "permission_error"
+        for key in ("k-a", "k-free"):
+            r = await http.post("/v1/completions", json=body, headers={"authorization": f"Bearer {key}",
+                                                                       "x-pagedserve-tenant": "team-z"})
+            assert r.status_code == 403 and r.json()["error"]["param"] == "x-pagedserve-tenant"
+            assert r.json()["error"]["type"] == "permission_error"
         before = dict(service)
-        r = await http.post("/v1/completions", json=body, headers={"authorization": "Bearer k-free",
+        r = await http.post("/v1/completions", json=body, headers={"authorization": "Bearer k-op",
                                                                    "x-pagedserve-tenant": "team-z"})
         assert r.status_code == 200, r.text
         assert service["team-z"] > before["team-z"] and service["team-a"] == before["team-a"]
-    assert set(service) == {"team-a", "team-z", ""}
+    assert set(service) == {"team-a", "", "team-z", "gw"}
     assert await tokens_of(generate(channel, [1, 2, 3], metadata=(bearer("k-a"),))) == [[7, 7]]  # still serving
 
 
 @with_server(api_keys=NAMED_KEYS, scheduling_policy="fair", max_num_seqs=2, max_queued_requests=8)
-async def test_get_kv_state_names_each_running_sequences_tenant(engine, channel):
+async def test_get_kv_state_names_each_running_sequences_tenant_to_an_operator(engine, channel):
     worker = ScriptedWorker(channel)  # silent: both sequences stay running
     await wait_for(lambda: engine.workers)
     calls = [generate(channel, [1, 2, 3], metadata=(bearer("k-a"),)),
-             generate(channel, [4, 5, 6], metadata=(bearer("k-free"), ("x-pagedserve-tenant", "team z")))]
+             generate(channel, [4, 5, 6], metadata=(bearer("k-gw"), ("x-pagedserve-tenant", "team z")))]
     await wait_for(lambda: worker.plans and engine.num_unfinished == 2)
     worker.reply(worker.plans[0])  # the first step's answer: the next one admits the other request too
     await wait_for(lambda: engine.workers["worker-0"].scheduler.num_running == 2)
     state = await generate_pb2_grpc.GenerationStub(channel).GetKVState(pb.GetKVStateRequest(),
-                                                                      metadata=(bearer("k-free"),))
+                                                                      metadata=(bearer("k-op"),))
     assert sorted(s.tenant for s in state.sequences) == ["team z", "team-a"]
     for call in calls:
         call.cancel()

@@ -107,7 +107,7 @@ def gated(tiny_served_model, tmp_path_factory):
 
 def fake_worker(gated: Gated, name: str, metadata=()) -> FakeWorker:
     """A worker written from the protos (tests/support/fake_worker.py), registering as `name` with `metadata`."""
-    return FakeWorker(gated.worker_listen, registration(gated.model_dir, name=name, max_model_len=128), metadata)
+    return FakeWorker(gated.worker_listen, registration(gated.model_dir, name=name), metadata)
 
 
 def generate(gated: Gated) -> list[int]:

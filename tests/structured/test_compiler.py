@@ -73,6 +73,8 @@ def test_a_regex_digit_is_an_ascii_digit(compile_, tokenizer):
 @pytest.mark.parametrize("so, words", [
     (StructuredOutput("json_schema", "{not json"), "is not JSON"),
     (StructuredOutput("json_schema", "[1]"), "must be a JSON object"),
+    # NOTE: parsed with its nesting bounded (scheduler_svc.json_text): 1,200 levels were a RecursionError
+    (StructuredOutput("json_schema", '{"a":' * 1200 + "1" + "}" * 1200), "more than 64 levels deep"),
     (StructuredOutput("json_schema", '{"type": "nonsense"}'), "does not compile"),
     (StructuredOutput("regex", "(("), "does not compile"),
     (StructuredOutput("grammar", "start: undefined"), "does not compile"),

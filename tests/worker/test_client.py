@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import random
+import socket
 import threading
 
 import grpc
@@ -16,7 +18,7 @@ from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from tests.support.worker import assert_same_greedy, make_runner, reference_greedy, reference_model
 from worker_svc.client import serve_plans
 from pagedserve_common.kv_geometry import KVGeometry
-from pagedserve_common.registration import WorkerRegistration
+from pagedserve_common.registration import WorkerRegistration, default_name, name_error
 
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["WorkerControl"]
 ATTACH = SERVICE.methods_by_name["Attach"]
@@ -36,6 +38,8 @@ def test_registers_first_then_answers_every_plan_with_its_step(tiny_llama_dir):
     reg = first.registration
     assert (reg.model_id, reg.num_blocks, reg.kv_geometry.block_size, reg.kv_geometry.dtype,
             reg.max_model_len) == ("tiny", 16, 16, "float32", 512)
+    # its name: HOST:PID, one the scheduler takes (pagedserve_common.registration.name_error)
+    assert reg.name == default_name(socket.gethostname(), os.getpid()) and name_error(reg.name) is None
 
     # Two sequences, a 2-token budget: chunked prefill, then decodes, every plan a real one from the scheduler.
     prompts = [[random.Random(i).randrange(512) for _ in range(n)] for i, n in enumerate([3, 5])]

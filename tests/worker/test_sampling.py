@@ -37,6 +37,15 @@ def test_greedy_is_argmax_including_mixed_batches():
     assert all_greedy.logprobs == [None] * 8
 
 
+@pytest.mark.parametrize("temperature", [1e-38, 1e-20, 9.9e-6])
+def test_a_temperature_under_1e_5_is_greedy_as_in_vllm(temperature):
+    """Dividing logits by 1e-38 overflows them to inf: it sampled garbage (issue 50); vLLM's epsilon is 1e-5."""
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(11))
+    opts = [S(temperature=temperature, seed=i) for i in range(6)]
+    assert Sampler().sample(logits, opts, list(range(6))).token_ids == logits.argmax(dim=-1).tolist()
+    assert S(temperature=temperature).greedy and not S(temperature=1e-5).greedy
+
+
 def test_top_k_1_always_picks_argmax():
     logits = torch.randn(50, generator=torch.Generator().manual_seed(1))
     assert set(draws(logits, S(top_k=1), 500, seed=2)) == {int(logits.argmax())}
