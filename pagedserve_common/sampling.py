@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 MAX_LOGPROBS = 20  # vLLM's default max_logprobs
@@ -39,6 +40,12 @@ class StructuredOutput:
             raise InvalidField("structured_output", f"structured_output.{self.kind} is empty")
 
 
+def allow_list(ids: Iterable[int]) -> tuple[int, ...]:
+    """A client's allowed_token_ids as SamplingParams keeps them: ascending, each once (a repeat allows nothing
+    more, and the worker's cache of settings then sees one list, not its orderings)."""
+    return tuple(sorted(set(ids)))
+
+
 @dataclass(slots=True, frozen=True)
 class SamplingParams:
     """pagedserve.v1.SamplingParams in memory. Its defaults are what an unset field means in every client API
@@ -68,6 +75,9 @@ class SamplingParams:
     # Token sequences never generated: the front end adds each bad word's tokenizations (with and without a
     # leading space) to the client's own; a sequence's last token is masked when the tokens before it match.
     bad_words_token_ids: tuple[tuple[int, ...], ...] = ()
+    # vLLM's allow-list: only these ids may be sampled (every other logit is -inf). Ascending, each once (the
+    # client APIs sort and dedupe the list they get); empty: no restriction.
+    allowed_token_ids: tuple[int, ...] = ()
     structured_output: StructuredOutput | None = None  # None: free text
 
     @property
@@ -78,7 +88,8 @@ class SamplingParams:
     @property
     def needs_processing(self) -> bool:
         """Whether a sequence's logits are ever changed before sampling (its structured-output bitmasks aside)."""
-        return bool(self.needs_token_counts or self.logit_bias or self.min_tokens or self.bad_words_token_ids)
+        return bool(self.needs_token_counts or self.logit_bias or self.min_tokens or self.bad_words_token_ids
+                    or self.allowed_token_ids)
 
     @property
     def greedy(self) -> bool:
@@ -124,5 +135,14 @@ class SamplingParams:
                                              f"{self.min_tokens}")
         if any(not seq for seq in self.bad_words_token_ids):
             raise InvalidField("bad_words_token_ids", "bad_words_token_ids: a banned sequence is empty")
+        self._validate_allowed()
         if self.structured_output is not None:
             self.structured_output.validate()
+
+    def _validate_allowed(self) -> None:
+        """Non-negative ids, strictly ascending (the vocabulary's bound is the front end's: it knows the model)."""
+        ids = self.allowed_token_ids
+        if ids and not (ids[0] >= 0):
+            raise InvalidField("allowed_token_ids", f"allowed_token_ids: {ids[0]} is not a token id (ids are >= 0)")
+        if any(not (a < b) for a, b in zip(ids, ids[1:])):
+            raise InvalidField("allowed_token_ids", "allowed_token_ids must be ascending, each id once")

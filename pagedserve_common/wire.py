@@ -10,7 +10,7 @@ from pagedserve_common.kv_geometry import DTYPE_BYTES, KVGeometry
 from pagedserve_common.step import (NewSequence, PositionLogprobs, PromptLogprobs, SequenceDelta, StepError,
                                     StepErrorKind, StepPlan, StepResult, TokenLogprob)
 from pagedserve_common.registration import WorkerRegistration
-from pagedserve_common.sampling import SamplingParams, StructuredOutput
+from pagedserve_common.sampling import SamplingParams, StructuredOutput, allow_list
 
 # NOTE: requests mostly share a few sampling settings, and a plan of new sequences carries one per sequence:
 # both directions are cached (bounded) so that a step of 256 admissions converts them once, not 256 times.
@@ -25,7 +25,8 @@ def sampling_to_pb(sp: SamplingParams) -> generate_pb2.SamplingParams:
     if pb is None:
         pb = generate_pb2.SamplingParams(max_tokens=sp.max_tokens, temperature=sp.temperature, top_p=sp.top_p,
                                          top_k=sp.top_k, min_p=sp.min_p, n=sp.n,
-                                         stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos)
+                                         stop_token_ids=sp.stop_token_ids, ignore_eos=sp.ignore_eos,
+                                         allowed_token_ids=sp.allowed_token_ids)
         if sp.seed is not None:
             pb.seed = sp.seed
         if sp.logprobs is not None:
@@ -111,6 +112,7 @@ def _decode_sampling(pb: generate_pb2.SamplingParams) -> SamplingParams:
                           logit_bias=tuple(sorted(pb.logit_bias.items())),
                           min_tokens=_opt(pb, "min_tokens", d.min_tokens),
                           bad_words_token_ids=tuple(tuple(t.token_ids) for t in pb.bad_words_token_ids),
+                          allowed_token_ids=allow_list(pb.allowed_token_ids),
                           structured_output=structured_from_pb(pb.structured_output)
                           if pb.HasField("structured_output") else None)
 

@@ -171,6 +171,7 @@ class Engine(Fleet):
         # but for the one whose own entry was wrong (Lost.charged_request_ids).
         wrong = check_result(plan.step_id, answer, w.scheduler.due_samples(), self.config.vocab_size,
                              bitmasks=plan.token_bitmasks, banned=w.scheduler.banned_samples(),
+                             allowed=w.scheduler.allowed_samples(),
                              drafted=w.scheduler.drafted_samples(), prompt_due=w.scheduler.prompt_logprobs_due())
         if wrong is not None:
             blamed = w.scheduler.request_id_of(wrong.seq_id) if wrong.seq_id is not None else None

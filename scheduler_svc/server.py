@@ -170,7 +170,8 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None, traces: t
     engine.service.weights.update(weights)
     limits = input_limits(cfg, engine.config.max_model_len)
     frontend = FrontEnd(engine, tokenizer, limits, tracing=traces, model_names=names,
-                        sampling_defaults=model_defaults.sampling_defaults(cfg.generation_config, cfg.model_dir))
+                        sampling_defaults=model_defaults.sampling_defaults(cfg.generation_config, cfg.model_dir),
+                        fill_context_cap=model_defaults.fill_context_cap(cfg.generation_config, cfg.model_dir))
     up_nonce = os.environ.get(UP_NONCE_VARIABLE) or None  # set by `pagedserve up` alone
     health = UpHealth(up_nonce) if up_nonce else HealthServicer()
     for name in SERVICES:

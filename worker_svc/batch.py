@@ -27,6 +27,7 @@ class SeqState:
     # this step's drafts (speculative decoding), appended to token_ids until the step's verification settles them
     num_draft_tokens: int = 0
     _bias: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    _refused: torch.Tensor | None = field(default=None, repr=False)
 
     def logit_bias_tensors(self, device) -> tuple[torch.Tensor, torch.Tensor]:
         """(token ids, biases) of sampling.logit_bias, built once."""
@@ -35,6 +36,17 @@ class SeqState:
             self._bias = (torch.tensor(ids, dtype=torch.long, device=device),
                           torch.tensor(biases, dtype=torch.float32, device=device))
         return self._bias
+
+    def refused_tokens(self, device, vocab_size: int) -> torch.Tensor:
+        """[vocab_size] bools, True where sampling.allowed_token_ids refuses the token, built once (the list may be
+        as long as the vocabulary: not a per-step scatter). NOTE: an id past the row allows nothing, so no index
+        ever leaves it."""
+        if self._refused is None:
+            ids = [t for t in self.sampling.allowed_token_ids if 0 <= t < vocab_size]
+            refused = torch.ones(vocab_size, dtype=torch.bool)
+            refused[torch.tensor(ids, dtype=torch.long)] = False
+            self._refused = refused.to(device)
+        return self._refused
 
     @property
     def samples_this_step(self) -> bool:

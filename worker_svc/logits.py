@@ -1,4 +1,5 @@
-"""Logits processing before sampling: penalties, logit_bias, min_tokens, bad words, then structured-output bitmasks."""
+"""Logits processing before sampling: penalties, logit_bias, allowed_token_ids, min_tokens, bad words, then
+structured-output bitmasks."""
 
 from __future__ import annotations
 
@@ -98,14 +99,17 @@ class LogitsProcessor:
     """Applies each row's rules to its logits in place, batch-wide over the rows that have any, in this order:
     repetition penalty (CTRL's: a positive logit of a token seen in the prompt or outputs is divided by it, a
     negative one multiplied), presence and frequency penalties (outputs only), logit_bias, then the masks (-inf):
-    min_tokens' stop ids (EOS unless ignore_eos, and stop_token_ids) while outputs < min_tokens, and bad words'
-    last tokens whose prefix ends the output. The structured-output bitmask comes last and wins: a row those masks
-    would leave no finite logit within its bitmask samples from its raw logits under the bitmask alone.
+    allowed_token_ids' (every token off the list), min_tokens' stop ids (EOS unless ignore_eos, and stop_token_ids)
+    while outputs < min_tokens, and bad words' last tokens whose prefix ends the output. Where those two would leave
+    an allow-listed row no finite logit, bad words' masks give way there (then min_tokens', for a plan the front end
+    did not check): the list is the client's hard limit. The structured-output bitmask comes last and wins: a row
+    those masks would leave no finite logit within its bitmask samples from its raw logits under the bitmask alone.
 
-    NOTE: every rule but the bitmask touches only a few entries a row (the tokens that occurred, the biased ids,
-    the masked ids): gathered and scattered through flat indices, so a step costs what its rows' rules name, never
-    a pass over [rows, vocab]. The raw values overwritten are kept (sparse) for the bitmask's fallback. Rows with
-    nothing to do cost one attribute read."""
+    NOTE: every rule but the allow-list and the bitmask touches only a few entries a row (the tokens that occurred,
+    the biased ids, the masked ids): gathered and scattered through flat indices, so a step costs what its rows'
+    rules name; the two masks pass over their own rows only. The raw values overwritten are kept (sparse; a whole
+    row only for an allow-listed row with a bitmask) for the bitmask's fallback. Rows with nothing to do cost one
+    attribute read."""
 
     def __init__(self, vocab_size: int, eos_token_ids: Sequence[int]) -> None:
         self.vocab_size = vocab_size
@@ -121,13 +125,13 @@ class LogitsProcessor:
         flat = logits.view(-1)
         saved: list[tuple[torch.Tensor, torch.Tensor]] = []  # (flat indices, the raw values there), in order
         if rows:
-            self._apply_rules(flat, v, [seqs[i] for i in rows], rows, saved)
+            self._apply_rules(flat, v, [seqs[i] for i in rows], rows, saved, bitmasks)
         if bitmasks:
             masked = [i for i, s in enumerate(seqs) if s.seq_id in bitmasks]
             self._apply_bitmasks(logits, masked, [bitmasks[seqs[i].seq_id] for i in masked], saved)
 
     def _apply_rules(self, flat: torch.Tensor, v: int, seqs: list, rows: list[int],
-                     saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+                     saved: list[tuple[torch.Tensor, torch.Tensor]], bitmasks: Mapping[int, bytes]) -> None:
         dev = flat.device
         counted = [(r, s) for r, s in zip(rows, seqs) if s.sampling.needs_token_counts]
         if counted:
@@ -137,13 +141,17 @@ class LogitsProcessor:
             idx = torch.cat([s.logit_bias_tensors(dev)[0] + r * v for r, s in bias_rows])
             saved.append((idx, flat[idx]))
             flat.index_add_(0, idx, torch.cat([s.logit_bias_tensors(dev)[1] for _, s in bias_rows]))
-        banned: list[int] = []
+        allowed = [(r, s) for r, s in zip(rows, seqs) if s.sampling.allowed_token_ids]
+        if allowed:
+            _allow_only(flat.view(-1, v), allowed, saved, bitmasks)
+        stops: list[int] = []  # min_tokens' flat indices
+        words: list[int] = []  # bad words'
         for r, s in zip(rows, seqs):
             sp, base = s.sampling, r * v
             num_outputs = len(s.token_ids) - s.num_prompt_tokens
             if num_outputs < sp.min_tokens:
                 stop_ids = sp.stop_token_ids if sp.ignore_eos else (*self.eos_token_ids, *sp.stop_token_ids)
-                banned.extend(base + t for t in stop_ids if 0 <= t < v)
+                stops.extend(base + t for t in stop_ids if 0 <= t < v)
             if sp.bad_words_token_ids:
                 tokens = s.token_ids
                 last = tokens[-1]
@@ -153,13 +161,17 @@ class LogitsProcessor:
                     if n == 0 or (n <= num_outputs and seq[n - 1] == last
                                   and tokens[len(tokens) - n:] == list(seq[:n])):
                         if 0 <= seq[-1] < v:
-                            banned.append(base + seq[-1])
-        if banned:
-            # NOTE: a row without a bitmask keeps a finite logit: these masks name far fewer ids than a vocabulary
-            # (the front end's limits), and a model's own logits are finite.
-            idx = torch.tensor(banned, dtype=torch.long, device=dev)
-            saved.append((idx, flat[idx]))
-            flat[idx] = NEG_INF
+                            words.append(base + seq[-1])
+        # NOTE: a row without a bitmask or an allow-list keeps a finite logit: these masks name far fewer ids than a
+        # vocabulary (the front end's limits), and a model's own logits are finite.
+        masked = [(ids, *_mask(flat, ids, saved)) for ids in (stops, words) if ids]
+        if allowed and masked:
+            # an allow-list these masks left empty: bad words' give way first, then min_tokens' (only in a plan the
+            # front end did not check: it refuses a list of stop ids alone with min_tokens, so the scheduler's check,
+            # no stop id before min_tokens, holds)
+            allowed_rows = {r for r, _ in allowed}
+            for ids, idx, values in reversed(masked):
+                _unban_emptied(flat, v, ids, idx, values, allowed_rows)
 
     def _penalise(self, flat: torch.Tensor, v: int, counted: list,
                   saved: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
@@ -206,6 +218,44 @@ class LogitsProcessor:
                 x[j] = row
         if len(rows) != b:
             logits[idx] = x
+
+
+def _allow_only(logits: torch.Tensor, allowed: list, saved: list[tuple[torch.Tensor, torch.Tensor]],
+                bitmasks: Mapping[int, bytes]) -> None:
+    """-inf off each (row, seq)'s allow-list, batch-wide over those rows through each sequence's cached mask. A row
+    with a bitmask this step keeps its whole row's values in `saved` (the bitmask's fallback restores them)."""
+    v, dev = logits.shape[1], logits.device
+    idx = torch.tensor([r for r, _ in allowed], device=dev)
+    x = logits[idx]
+    for j, (r, s) in enumerate(allowed):
+        if s.seq_id in bitmasks:
+            saved.append((torch.arange(r * v, (r + 1) * v, device=dev), x[j].clone()))
+    logits[idx] = x.masked_fill_(torch.stack([s.refused_tokens(dev, v) for _, s in allowed]), NEG_INF)
+
+
+def _mask(flat: torch.Tensor, ids: list[int],
+          saved: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """-inf at the flat indices `ids`; returns (their index tensor, the values there before), also kept in `saved`."""
+    idx = torch.tensor(ids, dtype=torch.long, device=flat.device)
+    values = flat[idx]
+    saved.append((idx, values))
+    flat[idx] = NEG_INF
+    return idx, values
+
+
+def _unban_emptied(flat: torch.Tensor, v: int, banned: list[int], idx: torch.Tensor, values: torch.Tensor,
+                   allowed_rows: set[int]) -> None:
+    """Puts back one mask's entries (`banned`, as `idx`, with their `values` before) in each allow-listed row it
+    left with no finite logit."""
+    rows = sorted({b // v for b in banned} & allowed_rows)
+    if not rows:
+        return
+    dev = flat.device
+    hit = torch.tensor(rows, device=dev)
+    empty = hit[flat.view(-1, v)[hit].amax(dim=-1) == NEG_INF]
+    if len(empty):
+        mine = torch.isin(idx // v, empty)
+        flat[idx[mine]] = values[mine]
 
 
 def _refused(bitmasks: list[bytes], v: int, dev) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ MAX_IDLE_SECONDS = 3600.0
 def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None], vocab_size: int, *,
                  bitmasks: Mapping[int, bytes] | None = None,
                  banned: Mapping[int, frozenset[int]] | None = None,
+                 allowed: Mapping[int, tuple[int, ...]] | None = None,
                  drafted: Mapping[int, int] | None = None,
                  prompt_due: Mapping[int, PromptDue] | None = None) -> WrongResult | None:
     """None when `result` is a well-formed answer to plan `step_id`; else what is wrong (WrongResult). `due` holds
@@ -42,7 +44,8 @@ def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None]
     the asked number of top entries, token ids in the vocabulary, and finite logprobs <= 0 (LOGPROB_EPSILON); each
     token of a sequence the plan sent a bitmask for (structured output) one that its bitmask allows; and no token a
     sequence may not sample this step (`banned`: seq_id -> its stop ids while it has fewer than min_tokens outputs,
-    which the worker masks); drafts accepted (speculative decoding) only by a sequence that drafted (`drafted`:
+    which the worker masks), nor one outside a sequence's allow-list (`allowed`: seq_id -> its allowed_token_ids,
+    ascending); drafts accepted (speculative decoding) only by a sequence that drafted (`drafted`:
     seq_id -> its number of drafts), at most that many; prompt logprobs for exactly the sequences `prompt_due` lists
     (seq_id -> PromptDue), each with its positions, their prompt tokens as their sampled entries, a rank in
     [1, vocab_size], at most the asked number of top entries, and logprobs as above."""
@@ -75,6 +78,11 @@ def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None]
         if sampled[seq_id] in ids:
             return WrongResult(f"token_id {sampled[seq_id]} of seq {seq_id} is a stop id before its min_tokens",
                                seq_id)
+    for seq_id, ids in (allowed or {}).items():
+        tok = sampled[seq_id]
+        at = bisect_left(ids, tok)
+        if at == len(ids) or ids[at] != tok:
+            return WrongResult(f"token_id {tok} of seq {seq_id} is not in its allowed_token_ids", seq_id)
     logprobs = result.logprobs
     for seq_id in logprobs:
         if due[seq_id] is None:

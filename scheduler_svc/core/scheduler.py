@@ -516,6 +516,13 @@ class Scheduler(Handover, PolicyRoom):
                 if req.sampling.min_tokens > len(req.output_token_ids) and req.stop_ids and req.constraint is None
                 and req.num_computed_tokens + num >= len(req.all_token_ids)}
 
+    def allowed_samples(self) -> dict[int, tuple[int, ...]]:
+        """The sequences of the plan in flight that sample a token this step under an allow-list
+        (allowed_token_ids); each -> its ids, ascending. NOTE: not a constrained sample, as banned_samples."""
+        return {req.seq_id: req.sampling.allowed_token_ids for req, num in self._scheduled
+                if req.sampling.allowed_token_ids and req.constraint is None
+                and req.num_computed_tokens + num >= len(req.all_token_ids)}
+
     def update(self, plan: StepPlan, sampled: dict[int, int], num_accepted_drafts: dict[int, int] | None = None,
                prompt_logprobs: dict[int, PromptLogprobs] | None = None) -> list[RequestOutput]:
         """Applies the worker's result for `plan` (seq_id -> sampled token; seq_id -> drafts accepted, for the

@@ -30,7 +30,8 @@ class Speculator:
     """Proposes n-gram drafts for decoding sequences (scheduler_svc.core.ngram) and backs off where they fail.
 
     NOTE: no drafts for a sequence whose samples need anything but the raw distribution (logprobs, penalties,
-    logit_bias, min_tokens, bad words, structured output): the worker verifies by sampling the raw rows.
+    logit_bias, allowed_token_ids, min_tokens, bad words, structured output): the worker verifies by sampling the
+    raw rows.
     """
 
     def __init__(self, num_speculative_tokens: int, max_step_tokens: int = MAX_STEP_TOKENS) -> None:

@@ -17,7 +17,7 @@ from scheduler_svc.frontend.inputs import INPUTS, GenerateInput
 from scheduler_svc.frontend.limits import Limits
 from scheduler_svc.frontend.pool import TokenizerPool
 from scheduler_svc.frontend.stream import RequestStream
-from scheduler_svc.frontend.tokenizer import TemplateRefusal, Tokenizer
+from scheduler_svc.frontend.tokenizer import FinalMessageError, TemplateRefusal, Tokenizer
 from scheduler_svc.identity import NO_KEYS, Identity
 from scheduler_svc.structured.compiler import GrammarCompiler
 from scheduler_svc.structured.matcher import Grammar
@@ -28,6 +28,17 @@ if TYPE_CHECKING:
 
 def _wrapped(value: int) -> str:
     return " (a negative number sent as uint32?)" if value >= 2**31 else ""
+
+
+def _check_allow_list(sp: SamplingParams, eos_token_ids: tuple[int, ...]) -> None:
+    """A list of stop ids alone under min_tokens leaves nothing to sample before min_tokens (the worker masks them
+    there): refused, so that neither rule is broken for the other (result_check holds a worker to min_tokens)."""
+    if sp.allowed_token_ids and sp.min_tokens:
+        stops = {*sp.stop_token_ids, *(() if sp.ignore_eos else eos_token_ids)}
+        if stops.issuperset(sp.allowed_token_ids):
+            raise InvalidField("allowed_token_ids", f"allowed_token_ids: every id listed ends a sample, which "
+                                                    f"min_tokens ({sp.min_tokens}) forbids until then: list another "
+                                                    "token too, or drop min_tokens")
 
 
 def _template_failure(e: Exception) -> str:
@@ -67,12 +78,15 @@ class FrontEnd:
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, limits: Limits | None = None,
                  pool: TokenizerPool | None = None, tracing: Tracing | None = None,
-                 model_names: tuple[str, ...] = (), sampling_defaults: SamplingParams | None = None) -> None:
+                 model_names: tuple[str, ...] = (), sampling_defaults: SamplingParams | None = None,
+                 fill_context_cap: int | None = None) -> None:
         """`model_names`: the names a request may give as `model`, the first the one answers carry (default: the
-        engine's --model); `sampling_defaults`: what a field a request leaves unset means (--generation-config)."""
+        engine's --model); `sampling_defaults`: what a field a request leaves unset means (--generation-config);
+        `fill_context_cap`: its max_new_tokens, the most a request that fills the context generates (None: no cap)."""
         self.engine = engine
         self.model_names = model_names or (engine.config.model_id,)
         self.sampling_defaults = sampling_defaults or SamplingParams()
+        self.fill_context_cap = fill_context_cap
         self.tracing = engine.tracing = tracing  # None: no traces, and no work for them (--otlp-endpoint)
         self.tokenizer = tokenizer
         self.limits = limits or Limits.for_model(engine.config.max_model_len)
@@ -133,7 +147,7 @@ class FrontEnd:
                                     f"{self.max_model_len} leaves room for at most {limit}")
             ids = list(inp.prompt_token_ids)
         elif kind == "prompt":
-            ids = await self.pool.encode(inp.prompt, bound)
+            ids = await self.pool.encode(inp.prompt, bound, inp.add_special_tokens)
         else:
             ids = await self._chat_ids(inp, bound)
         if isinstance(ids, int):  # too many to bring back from the tokenizer: their number
@@ -188,9 +202,11 @@ class FrontEnd:
             if not isinstance(m.get("role"), str) or not m["role"]:
                 raise invalid("messages", f"messages[{i}].role must be a non-empty string")
         try:
-            return await self.pool.encode_chat(list(inp.messages), inp.chat_template_kwargs, limit)
+            return await self.pool.encode_chat(list(inp.messages), inp.chat_template_kwargs, limit, inp.chat_options)
         except EngineError:
             raise
+        except FinalMessageError as e:
+            raise invalid("continue_final_message", str(e)) from None
         except TemplateRefusal as e:  # NOTE: the template's own words (e.g. roles that do not alternate)
             raise invalid("messages", f"messages: the chat template refused them: {e}") from None
         except Exception as e:
@@ -231,6 +247,7 @@ class FrontEnd:
             sampling = dataclasses.replace(sampling, top_k=0)
         if inp.fill_context:
             max_tokens = max(1, self.engine.max_output_tokens(len(ids), max(1, sampling.n)))
+            max_tokens = min(max_tokens, self.fill_context_cap or max_tokens)
             sampling = dataclasses.replace(sampling, max_tokens=max_tokens)
         # vLLM's echo with max_tokens 0: the prompt alone is scored (prompt_logprobs); one token is computed, as its
         # last prompt row is anyway, and dropped (RequestStream's discard_output)
@@ -316,11 +333,13 @@ class FrontEnd:
         cfg = self.engine.config
         for field, values in (("prompt_token_ids", ids), ("stop_token_ids", sp.stop_token_ids),
                               ("logit_bias", (t for t, _ in sp.logit_bias)),
-                              ("bad_words_token_ids", (t for seq in sp.bad_words_token_ids for t in seq))):
+                              ("bad_words_token_ids", (t for seq in sp.bad_words_token_ids for t in seq)),
+                              ("allowed_token_ids", sp.allowed_token_ids)):
             bad = next((t for t in values if not 0 <= t < cfg.vocab_size), None)
             if bad is not None:
                 raise InvalidField(field, f"{field}: {bad} is outside the vocabulary (size {cfg.vocab_size})")
         sp.validate()
+        _check_allow_list(sp, cfg.eos_token_ids)
         # NOTE: these bounds also catch a negative number a client sent into an unsigned field (it wraps to 2^32 - x)
         if sp.max_tokens > cfg.max_model_len:
             raise InvalidField("max_tokens", f"max_tokens must be in [1, {cfg.max_model_len}] (max_model_len), got "

@@ -33,13 +33,16 @@ class Limits:
     max_logit_bias: int = 1024  # logit_bias entries
     max_bad_words_token_ids: int = 16  # banned token sequences the client sends (bad_words count as stop strings)
     max_bad_word_tokens: int = 64  # ids in one of them
+    # allowed_token_ids as sent, repeats included (past the largest vocabularies: the front end then bounds the
+    # distinct ids by the model's own, each below its vocabulary size)
+    max_allowed_token_ids: int = 1 << 18
 
     @classmethod
     def for_model(cls, max_model_len: int, max_prompt_chars: int | None = None, **overrides) -> Limits:
         return cls(max_prompt_chars=max_prompt_chars or max_model_len * PROMPT_CHARS_PER_TOKEN, **overrides)
 
     def check_counts(self, num_stop: int, num_stop_token_ids: int, num_messages: int, num_logit_bias: int = 0,
-                     num_bad_words: int = 0, num_bad_words_token_ids: int = 0) -> None:
+                     num_bad_words: int = 0, num_bad_words_token_ids: int = 0, num_allowed_token_ids: int = 0) -> None:
         """The list lengths alone, before an API converts its lists (a 4 MiB message holds ~2 million empty ones)."""
         _at_most("stop", num_stop, self.max_stop_strings, "strings", "--max-stop-strings")
         _at_most("stop_token_ids", num_stop_token_ids, self.max_stop_token_ids, "token ids")
@@ -47,6 +50,7 @@ class Limits:
         _at_most("logit_bias", num_logit_bias, self.max_logit_bias, "entries")
         _at_most("bad_words", num_bad_words, self.max_stop_strings, "strings", "--max-stop-strings")
         _at_most("bad_words_token_ids", num_bad_words_token_ids, self.max_bad_words_token_ids, "sequences")
+        _at_most("allowed_token_ids", num_allowed_token_ids, self.max_allowed_token_ids, "token ids")
 
     def check_bad_word_lengths(self, lengths: Iterable[int]) -> None:
         """The length of each bad_words_token_ids sequence (after check_counts bounded their number)."""
@@ -71,7 +75,7 @@ class Limits:
         _at_most("cache_salt", len(inp.cache_salt), self.max_cache_salt_chars, "characters")
         sp = inp.sampling
         self.check_counts(len(inp.stop), len(sp.stop_token_ids), len(inp.messages or ()), len(sp.logit_bias),
-                          len(inp.bad_words), len(sp.bad_words_token_ids))
+                          len(inp.bad_words), len(sp.bad_words_token_ids), len(sp.allowed_token_ids))
         self.check_bad_word_lengths(len(ids) for ids in sp.bad_words_token_ids)
         for i, s in enumerate(inp.stop):
             _at_most(f"stop[{i}]", len(s), self.max_stop_chars, "characters", field="stop")

@@ -20,25 +20,36 @@ NO_MODEL_DEFAULTS = "vllm"  # vLLM's value for "the API's own defaults"
 def sampling_defaults(spec: str, model_dir: str) -> SamplingParams:
     """The defaults of fields a request leaves unset: SamplingParams() with what `spec`'s generation_config.json
     sets (auto: the model's; vllm: none; else a directory). A value out of range fails the start, naming the file."""
-    if spec == NO_MODEL_DEFAULTS:
-        return SamplingParams()
-    path = Path(model_dir if spec == "auto" else spec) / "generation_config.json"
-    if not path.is_file():
-        if spec == "auto":
-            return SamplingParams()  # NOTE: many checkpoints have none
-        raise StartupError(f"--generation-config {spec}: no generation_config.json there")
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise StartupError(f"--generation-config {spec}: cannot read {path}: {e}") from None
-    found = {ours: config[theirs] for theirs, ours in GENERATION_CONFIG_KEYS.items()
-             if isinstance(config, dict) and config.get(theirs) is not None}
+    found, path = _generation_config(spec, model_dir)
     try:
         defaults = dataclasses.replace(SamplingParams(), **found)
         defaults.validate()
     except (InvalidField, TypeError) as e:
         raise StartupError(f"--generation-config {spec}: {path}: {e}") from None
     return defaults
+
+
+def fill_context_cap(spec: str, model_dir: str) -> int | None:
+    """Where a request that leaves max_tokens unset and would generate to the context's end (chat, Responses)
+    stops instead: generation_config.json's max_new_tokens, as vLLM caps it; None: the context's end."""
+    return _generation_config(spec, model_dir)[0].get("max_tokens")
+
+
+def _generation_config(spec: str, model_dir: str) -> tuple[dict, Path | None]:
+    """(the request defaults `spec`'s generation_config.json sets, in SamplingParams' names; its path)."""
+    if spec == NO_MODEL_DEFAULTS:
+        return {}, None
+    path = Path(model_dir if spec == "auto" else spec) / "generation_config.json"
+    if not path.is_file():
+        if spec == "auto":
+            return {}, None  # NOTE: many checkpoints have none
+        raise StartupError(f"--generation-config {spec}: no generation_config.json there")
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise StartupError(f"--generation-config {spec}: cannot read {path}: {e}") from None
+    return {ours: config[theirs] for theirs, ours in GENERATION_CONFIG_KEYS.items()
+            if isinstance(config, dict) and config.get(theirs) is not None}, path
 
 
 def chat_template(spec: str | None) -> str | None:

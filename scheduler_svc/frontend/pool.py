@@ -12,6 +12,7 @@ from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from scheduler_svc.errors import EngineError, ErrorCode
+from scheduler_svc.frontend.inputs import ChatOptions
 from scheduler_svc.frontend.tokenizer import Tokenizer
 
 # NOTE: tokenizing ~4,000 characters takes about 1 ms on a slow core: below that, a trip to another process and
@@ -35,12 +36,18 @@ def _capped(ids: list[int], max_tokens: int) -> list[int] | int:
     return ids if len(ids) <= max_tokens else len(ids)
 
 
-def _encode(text: str, max_tokens: int) -> list[int] | int:
-    return _capped(_tokenizer.encode(text), max_tokens)
+def _encode(text: str, add_special_tokens: bool, max_tokens: int) -> list[int] | int:
+    return _capped(_tokenizer.encode(text, add_special_tokens=add_special_tokens), max_tokens)
 
 
-def _encode_chat(messages: list[dict], template_kwargs: dict, max_tokens: int) -> list[int] | int:
-    return _capped(_tokenizer.encode_chat(messages, add_generation_prompt=True, **template_kwargs), max_tokens)
+def _chat_ids(tokenizer: Tokenizer, messages: list[dict], template_kwargs: dict, options: ChatOptions) -> list[int]:
+    return tokenizer.encode_chat(messages, add_generation_prompt=options.add_generation_prompt,
+                                 continue_final_message=options.continue_final_message,
+                                 add_special_tokens=options.add_special_tokens, **template_kwargs)
+
+
+def _encode_chat(messages: list[dict], template_kwargs: dict, options: ChatOptions, max_tokens: int) -> list[int] | int:
+    return _capped(_chat_ids(_tokenizer, messages, template_kwargs, options), max_tokens)
 
 
 def _decode(ids: list[int], skip_special_tokens: bool) -> str:
@@ -64,19 +71,19 @@ class TokenizerPool:
         self._lock = threading.Lock()
         self._executor: ProcessPoolExecutor | None = None
 
-    async def encode(self, text: str, max_tokens: int) -> list[int] | int:
+    async def encode(self, text: str, max_tokens: int, add_special_tokens: bool = True) -> list[int] | int:
         if len(text) < INLINE_CHARS or self.tokenizer.model_dir is None:
-            return _capped(self.tokenizer.encode(text), max_tokens)
-        return await self._run(_encode, text, max_tokens)
+            return _capped(self.tokenizer.encode(text, add_special_tokens=add_special_tokens), max_tokens)
+        return await self._run(_encode, text, add_special_tokens, max_tokens)
 
-    async def encode_chat(self, messages: list[dict], template_kwargs: dict, max_tokens: int) -> list[int] | int:
+    async def encode_chat(self, messages: list[dict], template_kwargs: dict, max_tokens: int,
+                          options: ChatOptions = ChatOptions()) -> list[int] | int:
         size = sum(len(m.get("content") or "") + 64 for m in messages)  # 64: a turn's markup, roughly
         if template_kwargs or any("tool_calls" in m for m in messages):  # NOTE: tools' schemas, calls' arguments
             size += len(json.dumps([template_kwargs, [m.get("tool_calls") for m in messages]], default=str))
         if size < INLINE_CHARS or self.tokenizer.model_dir is None:
-            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=True, **template_kwargs)
-            return _capped(ids, max_tokens)
-        return await self._run(_encode_chat, messages, template_kwargs, max_tokens)
+            return _capped(_chat_ids(self.tokenizer, messages, template_kwargs, options), max_tokens)
+        return await self._run(_encode_chat, messages, template_kwargs, options, max_tokens)
 
     async def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         """A prompt's text (echo); a long one decoded in a tokenizer process."""

@@ -47,6 +47,35 @@ def _raise_exception(message: str) -> None:
     raise TemplateRefusal(message)
 
 
+class FinalMessageError(ValueError):
+    """continue_final_message cannot leave this conversation's final message open: it has no content, or the chat
+    template does not render that content as given (the message says which)."""
+
+
+# Appended to the final message's content, then looked for in the rendered text: where the content ends there, as
+# transformers finds it (the content alone may appear earlier, or be trimmed by the template).
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _final_content(messages: list[dict]) -> str:
+    content = messages[-1].get("content") if messages else None
+    if not isinstance(content, str):
+        raise FinalMessageError("continue_final_message: the final message has no text content to continue")
+    return content
+
+
+def _cut_after_final(rendered: str, content: str) -> str:
+    """`rendered` (the final message's `content` tagged with _CONTINUE_TAG) up to the end of that content."""
+    tag = _CONTINUE_TAG.strip()
+    if content.strip() not in rendered or tag not in rendered:
+        raise FinalMessageError("continue_final_message: the chat template does not render the final message's "
+                                "content as given, so the prompt cannot end inside it")
+    at = rendered.rindex(tag)
+    if rendered.startswith(_CONTINUE_TAG, at):
+        return rendered[:at]
+    return rendered[:at].rstrip()  # the template trimmed the content (and with it the tag's space): trim as well
+
+
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
             sort_keys: bool = False) -> str:
     # Like transformers: jinja's own tojson HTML-escapes, which would change the prompt.
@@ -200,16 +229,30 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             tools: list[dict] | None = None, documents: list[dict] | None = None,
-                            **template_kwargs: Any) -> str:
-        """The prompt text for `messages`; extra keyword arguments (e.g. enable_thinking) reach the template."""
+                            continue_final_message: bool = False, **template_kwargs: Any) -> str:
+        """The prompt text for `messages`; extra keyword arguments (e.g. enable_thinking) reach the template.
+        `continue_final_message`: the text ends right after the final message's content, as transformers' does
+        (raises FinalMessageError when it cannot); it needs add_generation_prompt false."""
+        if continue_final_message and add_generation_prompt:
+            raise ValueError("continue_final_message continues the final message; add_generation_prompt opens a new "
+                             "assistant turn: set one of them")
+        if continue_final_message:
+            content = _final_content(messages)
+            # NOTE: a copy: the caller's messages stay as they are
+            messages = [*messages[:-1], {**messages[-1], "content": content + _CONTINUE_TAG}]
         # Keyword arguments override the special-token strings, as in transformers.
         # Unset ones stay undefined (not None), so `bos_token is defined` behaves as it does there.
         specials = {name: token for name, token in self.special_tokens.items() if token is not None}
         variables = {**specials, **template_kwargs}
-        return self._template.render(messages=messages, tools=tools, documents=documents,
+        text = self._template.render(messages=messages, tools=tools, documents=documents,
                                      add_generation_prompt=add_generation_prompt, **variables)
+        return _cut_after_final(text, content) if continue_final_message else text
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
-        """Prompt ids for `messages`: the rendered template, encoded without adding special tokens again."""
-        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, **template_kwargs)
-        return self.encode(text, add_special_tokens=False)
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True,
+                    continue_final_message: bool = False, add_special_tokens: bool = False,
+                    **template_kwargs: Any) -> list[int]:
+        """Prompt ids for `messages`: the rendered template, encoded without adding special tokens again (the
+        template holds its own) unless `add_special_tokens` asks for them (vLLM's chat field)."""
+        text = self.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        continue_final_message=continue_final_message, **template_kwargs)
+        return self.encode(text, add_special_tokens=add_special_tokens)

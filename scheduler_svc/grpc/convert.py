@@ -151,7 +151,7 @@ def input_from_pb(pb: generate_pb2.GenerateRequest, limits: Limits,
                           "ignored", where.split(".")[0].split("[")[0] or None)
     sp = pb.sampling
     limits.check_counts(len(sp.stop), len(sp.stop_token_ids), len(pb.messages), len(sp.logit_bias), len(sp.bad_words),
-                        len(sp.bad_words_token_ids))
+                        len(sp.bad_words_token_ids), len(sp.allowed_token_ids))
     limits.check_bad_word_lengths(len(t.token_ids) for t in sp.bad_words_token_ids)
     if sp.HasField("structured_output"):
         _check_structured(sp.structured_output)

@@ -18,6 +18,7 @@ from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend import FrontEnd
 from scheduler_svc.http import convert, fields, messages_api, responses_api, tools, utility_routes
 from scheduler_svc.http.convert import Job, UsageCount, UsageReport
+from scheduler_svc.http.error_shapes import error_body_for
 from scheduler_svc.http.limits import BodyLimit
 from scheduler_svc.http.schemas import ChatCompletionRequest, CompletionRequest
 from scheduler_svc.http.serving import Dialect, Serving, gather_all, items, prompt_token_ids
@@ -37,8 +38,7 @@ def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None, tool_call_pa
     app.add_middleware(BodyLimit, max_bytes=frontend.limits.max_message_size)
     if api_keys is not None:  # NOTE: added last, so it runs first; /health stays open
         app.add_middleware(ApiKeyMiddleware, keys=api_keys,
-                           error_body=lambda why, path: messages_api.unauthorized(why) if messages_api.owns(path)
-                           else convert.error_body(401, why, code="invalid_api_key"))
+                           error_body=lambda why, path: error_body_for(path, 401, why, code="invalid_api_key"))
     started = int(time.time())
     serving = Serving(frontend, api_keys, tool_call_parser)
     openai = Dialect(check=partial(_check_openai, frontend), error=convert.engine_error)
@@ -67,13 +67,13 @@ def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None, tool_call_pa
         message = str(exc.detail)
         if exc.status_code in (404, 405):  # as OpenAI says it: which route was asked for, and what is served
             message += f" ({request.method} {request.url.path[:200]}); served: {served_routes(app)}"
-        return JSONResponse(convert.error_body(exc.status_code, message), status_code=exc.status_code,
-                            headers=exc.headers)
+        return JSONResponse(error_body_for(request.url.path, exc.status_code, message),
+                            status_code=exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def bug(request: Request, exc: Exception) -> JSONResponse:
-        # NOTE: a bug: Starlette logs its traceback; the client gets OpenAI's shape, not a plain-text 500
-        return error(500, "internal error")
+        # NOTE: a bug: Starlette logs its traceback; the client gets its API's error shape, not a plain-text 500
+        return JSONResponse(error_body_for(request.url.path, 500, "internal error"), status_code=500)
 
     def invalid_body(message: str, param: str | None = None) -> JSONResponse:
         request_log.rejected("http", EngineError(ErrorCode.INVALID_ARGUMENT, message, param))
@@ -163,6 +163,9 @@ def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None, tool_call_pa
             if job.return_token_ids and index == 0:
                 first["prompt_token_ids"] = prompt_token_ids(streams, 0)  # NOTE: vLLM's place: the response
             yield first
+        if job.echo_text:  # vLLM's chat echo: a content chunk of its own per choice, after the role's
+            for index in range(job.n):
+                yield chunk(index, {"content": job.echo_text}, None, None)
         async for i, item in items(streams):
             index = job.choice_index(i, item.index)
             report.saw(item)
@@ -184,6 +187,8 @@ def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None, tool_call_pa
         choices = []
         for k in sorted(g.texts):
             message, reason = tools.message(job.shaper(), g.texts[k], g.reasons.get(k))
+            if job.echo_text:  # vLLM's chat echo (beside tool calls too)
+                message["content"] = job.echo_text + (message["content"] or "")
             choice = {"index": k, "message": message, "finish_reason": reason,
                       "logprobs": {"content": [e for part in g.logprobs[k] for e in part]} if job.wants_logprobs
                       else None}

@@ -8,12 +8,13 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel
 
-from pagedserve_common.sampling import SamplingParams
+from pagedserve_common.sampling import SamplingParams, allow_list
 from pagedserve_common.step import PositionLogprobs
 from scheduler_svc.core.request import FinishReason
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend import FrontEnd, GenerateInput, StreamItem
 from scheduler_svc.frontend.api import invalid
+from scheduler_svc.frontend.inputs import ChatOptions
 from scheduler_svc.http import history, tools
 from scheduler_svc.http.schemas import ChatCompletionRequest, CompletionRequest
 from scheduler_svc.http.structured import structured_output
@@ -57,6 +58,7 @@ class Job:
     prompt_logprobs: int | None = None
     return_token_ids: bool = False  # vLLM's: the prompt's and each choice's token ids in the answer
     names: object = None  # what names a token in logprobs (`token_text(id)`): the front end, or TokenIdNames
+    echo_text: str = ""  # chat's echo (vLLM's): the text each choice's content starts with
 
     @property
     def wants_logprobs(self) -> bool:
@@ -125,6 +127,7 @@ def _sampling(body, max_tokens: int | None, logprobs: int | None, params: dict[s
                           frequency_penalty=pick(body.frequency_penalty, d.frequency_penalty),
                           repetition_penalty=pick(body.repetition_penalty, d.repetition_penalty),
                           logit_bias=_logit_bias(body), min_tokens=pick(body.min_tokens, d.min_tokens),
+                          allowed_token_ids=allow_list(body.allowed_token_ids or ()),
                           structured_output=so, prompt_logprobs=body.prompt_logprobs)
 
 
@@ -168,7 +171,7 @@ def completion_job(body: CompletionRequest, request_id: str, frontend: FrontEnd)
         rid = request_id if len(prompts) == 1 else f"{request_id}-{i}"
         kind = "prompt" if isinstance(one, str) else "prompt_token_ids"
         inputs.append(GenerateInput(**{kind: one}, sampling=sampling, request_id=rid, echo=body.echo,
-                                    **_text_options(body)))
+                                    add_special_tokens=body.add_special_tokens, **_text_options(body)))
     return Job(inputs, body.n, params, prompt_logprobs=shown, **_job_options(body, frontend))
 
 
@@ -183,15 +186,37 @@ def chat_job(body: ChatCompletionRequest, request_id: str, frontend: FrontEnd, t
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     params = {"max_tokens": name, "logprobs": "top_logprobs"}
     sampling = _sampling(body, max_tokens, logprobs, params, frontend.sampling_defaults)
+    options = chat_options(body)
     template_kwargs = body.chat_template_kwargs or {}
+    if body.documents is not None:  # NOTE: as vLLM: chat_template_kwargs may name documents too, and win
+        template_kwargs = {"documents": body.documents, **template_kwargs}
     if tool_plan is not None:
         sampling, template_kwargs = tools.apply(tool_plan, sampling, template_kwargs)
         if tool_plan.constrained:
             params["structured_output"] = "tools"  # NOTE: a schema the engine refuses is a tool's parameters
     messages = history.template_messages(body.messages, frontend.tokenizer.chat_template)
     inp = GenerateInput(messages=messages, sampling=sampling, request_id=request_id,
-                        chat_template_kwargs=template_kwargs, fill_context=max_tokens is None, **_text_options(body))
-    return Job([inp], body.n, params, tool_plan, prompt_logprobs=body.prompt_logprobs, **_job_options(body, frontend))
+                        chat_template_kwargs=template_kwargs, chat_options=options, fill_context=max_tokens is None,
+                        **_text_options(body))
+    return Job([inp], body.n, params, tool_plan, prompt_logprobs=body.prompt_logprobs,
+               echo_text=_chat_echo(body, messages), **_job_options(body, frontend))
+
+
+def chat_options(body) -> ChatOptions:
+    """vLLM's chat fields of `body` (a chat or a /tokenize request). Raises EngineError(INVALID_ARGUMENT) when
+    add_generation_prompt and continue_final_message are both true, as vLLM does."""
+    if body.add_generation_prompt and body.continue_final_message:
+        raise invalid("continue_final_message", "continue_final_message and add_generation_prompt cannot both be "
+                                                "true: one leaves the final message open, the other opens a new "
+                                                "assistant turn (add_generation_prompt is true unless sent false)")
+    return ChatOptions(body.add_generation_prompt, body.continue_final_message, bool(body.add_special_tokens))
+
+
+def _chat_echo(body: ChatCompletionRequest, messages: list[dict]) -> str:
+    """vLLM's chat echo: the final message's content (as the template got it) when that message is the assistant's,
+    the role of the answer; else nothing."""
+    final = messages[-1]
+    return (final.get("content") or "") if body.echo and final["role"] == "assistant" else ""
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")

@@ -67,7 +67,6 @@ _REFUSED_BOTH = {
     "length_penalty": Refused(f"a beam search setting: {_NO_BEAM}", (1.0,)),
     "watermarking": Refused("output watermarking is not implemented", (False,)),
     "spaces_between_special_tokens": Refused("special tokens are decoded as the tokenizer does", (True,)),
-    "allowed_token_ids": Refused("a vocabulary allow-list is not implemented (logit_bias can ban tokens)"),
     "logprob_token_ids": Refused("logprobs of chosen token ids are not computed (top_logprobs are)"),
     "prompt_embeds": Refused("prompts are text or token ids, not embeddings"),
     "return_token_offsets": Refused("character offsets of tokens are not returned", (False,)),
@@ -83,7 +82,6 @@ _REFUSED_COMPLETIONS = {
     "suffix": Refused("fill-in-the-middle (a text after the completion) is not implemented", ("",)),
     # NOTE: best_of is a declared field: convert.completion_job accepts it equal to n (every sample returned)
     "best_of": Refused("samples are not ranked", accepted="`null`, or equal to `n`"),
-    "add_special_tokens": Refused("a text prompt gets the special tokens the tokenizer's config asks for", (True,)),
 }
 _REFUSED_CHAT = {
     "audio": Refused("audio output is not implemented"),
@@ -95,11 +93,6 @@ _REFUSED_CHAT = {
     "verbosity": Refused("verbosity control is not implemented"),
     "web_search_options": Refused("web search is not implemented"),
     "include_reasoning": Refused("there is no reasoning parser: reasoning stays in the content", (True,)),
-    "echo": Refused("vLLM's chat echo (the last message prepended) is not implemented", (False,)),
-    "add_generation_prompt": Refused("the chat template always gets add_generation_prompt=true", (True,)),
-    "continue_final_message": Refused("the chat always continues with a new assistant turn", (False,)),
-    "add_special_tokens": Refused("a rendered chat gets only the template's special tokens", (False,)),
-    "documents": Refused("documents for the chat template are not implemented"),
     "return_prompt_text": Refused("responses do not repeat the rendered prompt", (False,)),
     "chat_template": Refused("the model's own chat template is used; a request cannot bring one"),
 }

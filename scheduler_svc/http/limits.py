@@ -6,7 +6,7 @@ import asyncio
 import json
 
 from scheduler_svc import request_log
-from scheduler_svc.http.convert import error_body
+from scheduler_svc.http.error_shapes import error_body_for
 
 
 class BodyLimit:
@@ -37,7 +37,7 @@ class BodyLimit:
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             if b"100-continue" not in headers.get(b"expect", b"").lower():
                 await self._drain(receive, 0, int(length))
-            await self._refuse(send, int(length))
+            await self._refuse(send, scope["path"], int(length))
             return
         seen, refused = 0, False
 
@@ -51,7 +51,7 @@ class BodyLimit:
                     refused = True
                     if message.get("more_body", False):
                         await self._drain(receive, seen, None)
-                    await self._refuse(send, seen)
+                    await self._refuse(send, scope["path"], seen)
                     raise _TooLarge(seen)
             return message
 
@@ -82,10 +82,10 @@ class BodyLimit:
         except TimeoutError:
             return
 
-    async def _refuse(self, send, size: int) -> None:
+    async def _refuse(self, send, path: str, size: int) -> None:
         message = f"the request body has {size} bytes or more; the limit is {self.max_bytes} (--max-message-size)"
         request_log.refused("http", "RESOURCE_EXHAUSTED", message)
-        body = json.dumps(error_body(413, message, None)).encode()
+        body = json.dumps(error_body_for(path, 413, message)).encode()
         await send({"type": "http.response.start", "status": 413,
                     "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                                 (b"connection", b"close")]})

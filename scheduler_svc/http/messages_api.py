@@ -24,14 +24,12 @@ from scheduler_svc.frontend import FrontEnd
 from scheduler_svc.frontend.api import invalid
 from scheduler_svc.http import convert, messages_schemas, tools
 from scheduler_svc.http.convert import Job
+from scheduler_svc.http.error_shapes import ANTHROPIC_PATH, anthropic_error_body
 from scheduler_svc.http.messages_schemas import Block, Conversation, CountTokensRequest, MessagesRequest
 from scheduler_svc.http.schemas import ChatCompletionRequest
 from scheduler_svc.http.serving import Dialect, Serving, items, named_event
 
-PATH = "/v1/messages"
-ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-               404: "not_found_error", 409: "invalid_request_error", 413: "request_too_large",
-               429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+PATH = ANTHROPIC_PATH
 # NOTE: the chat route's finish reasons (after the tool shaper) in Anthropic's words; abort (the scheduler's Abort)
 # has none: its stop_reason is null
 STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
@@ -43,29 +41,14 @@ BLOCK_REFUSALS = {"image": f"an image {_NOT_TEXT}", "document": f"a document {_N
                   "redacted_thinking": "extended thinking is not implemented"}
 
 
-# -- errors --------------------------------------------------------------------------------------------------
-def owns(path: str) -> bool:
-    """Whether `path` is this API's: its errors, the API key's 401 included, are in Anthropic's shape."""
-    return path == PATH or path.startswith(PATH + "/")
-
-
-def error_body(status: int, message: str) -> dict:
-    message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # NOTE: as convert.error_body
-    return {"type": "error", "error": {"type": ERROR_TYPES.get(status, "api_error"), "message": message}}
-
-
-def unauthorized(why: str) -> dict:
-    """The API key middleware's 401 body on this API's paths."""
-    return error_body(401, why)
-
-
+# -- errors (their shape: error_shapes) -----------------------------------------------------------------------
 def engine_error(e: EngineError, params: dict[str, str]) -> tuple[int, dict]:
     """Dialect.error: (HTTP status, body). NOTE: Anthropic's errors name no field: the message does, in this API's
     words where the chat request's differ (stop: the front end's bounds on stop strings)."""
     status, message = convert.HTTP_STATUS.get(e.code, 500), str(e)
     if e.field == "stop" and message.startswith("stop"):
         message = "stop_sequences" + message[len("stop"):]
-    return status, error_body(status, message)
+    return status, anthropic_error_body(status, message)
 
 
 def _event(data: dict) -> str:
@@ -135,11 +118,6 @@ def _assistant(i: int, content: str | list[Block]) -> dict:
 
 
 def chat_messages(body: Conversation) -> list[dict]:
-    if body.messages[-1].role != "user":
-        # NOTE: Anthropic continues a last assistant message (a prefill); the chat template here always opens a
-        # new assistant turn after the conversation, so its answer would not continue it
-        raise invalid("messages", "the last message must be a user's: continuing an assistant's message "
-                                  "(prefilling its answer) is not implemented")
     out = [{"role": "system", "content": _text_of("system", "system", body.system)}] if body.system else []
     for i, m in enumerate(body.messages):
         if not m.content and isinstance(m.content, list):
@@ -197,10 +175,24 @@ def _tool_names(tool_list: list) -> list[str]:
     return names
 
 
+def prefilled(body: Conversation) -> bool:
+    """Whether the conversation ends with an assistant's message, whose text the answer continues (Anthropic's
+    prefill). NOTE: a prefill of tool_use blocks is refused: a call is whole or absent, never continued."""
+    last = body.messages[-1]
+    if last.role != "assistant":
+        return False
+    if not isinstance(last.content, str) and any(b.type != "text" for b in last.content):
+        raise invalid("messages", f"messages[{len(body.messages) - 1}]: a last assistant message (a prefill) "
+                                  "continues its text: it holds text blocks only")
+    return True
+
+
 def chat_request(body: Conversation, tool_call_parser: str) -> ChatCompletionRequest:
     """The chat request `body` means (a CountTokensRequest: its prompt only)."""
     counting = not isinstance(body, MessagesRequest)
     fields = {"model": body.model, "messages": chat_messages(body), **chat_tools(body, tool_call_parser, counting)}
+    if prefilled(body):  # the answer continues the last assistant message, as Anthropic's does (a prefill)
+        fields.update(add_generation_prompt=False, continue_final_message=True)
     if not counting:
         # NOTE: the stop string stays in the text, so that the events can say which one it was (they cut it off)
         fields.update(max_tokens=body.max_tokens, temperature=body.temperature, top_p=body.top_p, top_k=body.top_k,

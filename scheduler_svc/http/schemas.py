@@ -44,6 +44,7 @@ class _Common(BaseModel):
     logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias
     min_tokens: int | None = None
     bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None  # vLLM's: only these token ids may be sampled
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's logprob and the top N at its position
@@ -65,6 +66,7 @@ class CompletionRequest(_Common):
     logprobs: int | None = None
     echo: bool = False
     best_of: int | None = None
+    add_special_tokens: bool = True  # vLLM's: false encodes a text prompt without the tokenizer's BOS (etc.)
 
 
 class TextPart(BaseModel):
@@ -87,6 +89,12 @@ class ChatCompletionRequest(_Common):
     logprobs: bool = False
     top_logprobs: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: reach the chat template (e.g. enable_thinking)
+    # vLLM's: how the conversation becomes the prompt (ChatOptions), and documents for the template (RAG templates)
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    documents: list[dict[str, str]] | None = None
+    echo: bool = False  # vLLM's: a final assistant message's content starts each choice's content
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

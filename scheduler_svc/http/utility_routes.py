@@ -12,6 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from scheduler_svc.errors import EngineError
 from scheduler_svc.frontend.api import invalid
+from scheduler_svc.frontend.tokenizer import FinalMessageError
 from scheduler_svc.http import convert, history
 from scheduler_svc.http.schemas import ChatMessage
 
@@ -19,7 +20,7 @@ MAX_DETOKENIZE_IDS = 1 << 20  # NOTE: the body limit bounds it first (4 MiB of J
 
 
 class TokenizeRequest(BaseModel):
-    """vLLM's /tokenize: a prompt, or a chat the model's template renders (with the assistant's turn opened)."""
+    """vLLM's /tokenize: a prompt, or a chat the model's template renders (ChatOptions' fields, as a chat's)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -93,24 +94,16 @@ async def _token_ids(frontend, body: TokenizeRequest) -> list[int]:
     """The ids a completion (prompt) or a chat (messages) would run on. Raises EngineError naming the field."""
     if (body.prompt is None) == (body.messages is None):
         raise invalid("prompt", "set exactly one of prompt and messages")
-    if body.continue_final_message:
-        raise invalid("continue_final_message", "continue_final_message is not supported: a chat always continues "
-                                                "with a new assistant turn (accepted: false)")
     limit = frontend.max_model_len * 64  # NOTE: report a long prompt's count rather than refuse it, within a bound
     if body.prompt is not None:
-        if body.add_special_tokens is False:
-            raise invalid("add_special_tokens", "add_special_tokens false is not supported: a prompt gets the "
-                                                "special tokens the tokenizer's config asks for (accepted: true)")
-        ids = await frontend.pool.encode(body.prompt, limit)
+        ids = await frontend.pool.encode(body.prompt, limit, body.add_special_tokens is not False)
     else:
-        if body.add_special_tokens:
-            raise invalid("add_special_tokens", "add_special_tokens true is not supported for a chat: it gets only "
-                                                "the template's special tokens (accepted: false)")
-        if not body.add_generation_prompt:
-            raise invalid("add_generation_prompt", "add_generation_prompt false is not supported: the chat template "
-                                                   "always opens the assistant's turn (accepted: true)")
+        options = convert.chat_options(body)
         messages = history.template_messages(body.messages, frontend.tokenizer.chat_template)
-        ids = await frontend.pool.encode_chat(messages, body.chat_template_kwargs or {}, limit)
+        try:
+            ids = await frontend.pool.encode_chat(messages, body.chat_template_kwargs or {}, limit, options)
+        except FinalMessageError as e:
+            raise invalid("continue_final_message", str(e)) from None
     if isinstance(ids, int):
         raise invalid("prompt" if body.prompt is not None else "messages",
                       f"the input has {ids} tokens, more than {limit} are not counted")

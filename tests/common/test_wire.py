@@ -23,7 +23,8 @@ def test_a_plan_with_every_field_set_comes_back_equal():
     sampling = SamplingParams(max_tokens=7, temperature=0.5, top_p=0.75, top_k=3, min_p=0.25, seed=11, n=2,
                               stop_token_ids=(5, 6), ignore_eos=True, logprobs=4, presence_penalty=0.5,
                               frequency_penalty=-0.25, repetition_penalty=1.5, logit_bias=((3, -100.0), (9, 2.5)),
-                              min_tokens=2, bad_words_token_ids=((4,), (5, 6)), prompt_logprobs=3)
+                              min_tokens=2, bad_words_token_ids=((4,), (5, 6)), prompt_logprobs=3,
+                              allowed_token_ids=(0, 4, 2**32 - 1))
     plan = StepPlan(9, new_seqs=[NewSequence(3, [1, 2, 3], [4, 5], 1, 2, sampling, 2**63 + 1, 2)],
                     running=[SequenceDelta(4, [7], 1), SequenceDelta(8, [], 4, [30, 31, 2**32 - 1])],
                     finished_seq_ids=[1],
@@ -45,6 +46,12 @@ def test_each_kind_of_structured_output_comes_back_equal(structured):
 def test_unset_sampling_fields_read_as_the_documented_defaults():
     assert wire.sampling_from_pb(generate_pb2.SamplingParams()) == SamplingParams()
     assert wire.sampling_from_pb(generate_pb2.SamplingParams(temperature=0.0)).temperature == 0.0  # set, not unset
+
+
+def test_a_clients_allowed_token_ids_read_ascending_each_once():
+    pb = generate_pb2.SamplingParams(allowed_token_ids=[9, 3, 9, 0, 3])
+    assert wire.sampling_from_pb(through_the_wire(pb)).allowed_token_ids == (0, 3, 9)
+    assert wire.sampling_from_pb(generate_pb2.SamplingParams()).allowed_token_ids == ()  # none: every token
 
 
 def test_a_result_keeps_its_tokens_and_logprobs_per_sequence():

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from scheduler_svc.frontend import DetokenizeResult, IncrementalDetokenizer, Tokenizer
+from scheduler_svc.frontend.tokenizer import FinalMessageError
 
 TEXTS = [
     "Hello, world!",
@@ -85,6 +86,87 @@ def test_chat_template_matches_transformers(tok, hf, conv, gen_prompt):
     ref_ids = hf.apply_chat_template(conv, tokenize=True, add_generation_prompt=gen_prompt, return_dict=False)
     assert tok.encode(text, add_special_tokens=False) == ref_ids
     assert tok.encode_chat(conv, add_generation_prompt=gen_prompt) == ref_ids
+
+
+CONTINUED = [  # conversations whose final message continue_final_message leaves open
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I"}],
+    [*CONVERSATIONS[1], {"role": "assistant", "content": "Sure: "}],  # its trailing space stays
+    [{"role": "user", "content": "Hello"}, {"role": "assistant", "content": "Hello"}],  # the content twice: the last
+    [{"role": "user", "content": "Complete this: the sky is"}],  # a user's message (transformers checks no role)
+    [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": ""}],
+]
+
+
+@pytest.mark.parametrize("conv", CONTINUED)
+def test_continue_final_message_ends_inside_it_as_transformers_does(tok, hf, conv):
+    given = json.dumps(conv)
+    text = tok.apply_chat_template(conv, add_generation_prompt=False, continue_final_message=True)
+    assert text == hf.apply_chat_template(conv, tokenize=False, add_generation_prompt=False,
+                                          continue_final_message=True)
+    assert text.endswith(conv[-1]["content"])
+    ref_ids = hf.apply_chat_template(conv, tokenize=True, add_generation_prompt=False, continue_final_message=True,
+                                     return_dict=False)
+    assert tok.encode_chat(conv, add_generation_prompt=False, continue_final_message=True) == ref_ids
+    assert json.dumps(conv) == given  # the caller's messages are left as they were
+
+
+# A template that trims each content and renders documents (as RAG templates do)
+TRIMMING = ("{% for d in documents or [] %}<doc>{{ d['title'] }}: {{ d['text'] }}</doc>\n{% endfor %}"
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] | trim }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+DOCUMENTS = [{"title": "Paris", "text": "The capital of France."}, {"title": "Oslo", "text": "Norway's."}]
+
+
+def _with_template(model_dir, template: str) -> Tokenizer:
+    t = Tokenizer.from_model_dir(model_dir)
+    t.chat_template = template
+    return t
+
+
+def test_continue_final_message_under_a_template_that_trims_and_documents_reach_it(model_dir, hf):
+    ours = _with_template(model_dir, TRIMMING)
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  Hello, I  "}]
+    text = ours.apply_chat_template(conv, add_generation_prompt=False, continue_final_message=True,
+                                    documents=DOCUMENTS)
+    assert text == hf.apply_chat_template(conv, chat_template=TRIMMING, tokenize=False, add_generation_prompt=False,
+                                          continue_final_message=True, documents=DOCUMENTS)
+    assert text.startswith("<doc>Paris: The capital of France.</doc>\n") and text.endswith("assistant\nHello, I")
+    assert ours.encode_chat(conv, add_generation_prompt=False, continue_final_message=True, documents=DOCUMENTS) \
+        == hf.apply_chat_template(conv, chat_template=TRIMMING, tokenize=True, add_generation_prompt=False,
+                                  continue_final_message=True, documents=DOCUMENTS, return_dict=False)
+
+
+def test_continue_final_message_refuses_what_it_cannot_continue(tok, model_dir):
+    conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I"}]
+    with pytest.raises(ValueError, match="add_generation_prompt"):
+        tok.apply_chat_template(conv, add_generation_prompt=True, continue_final_message=True)
+    with pytest.raises(FinalMessageError, match="no text content"):
+        tok.apply_chat_template([*conv[:1], {"role": "assistant", "content": None}], add_generation_prompt=False,
+                                continue_final_message=True)
+    clipping = _with_template(model_dir, "{% for m in messages %}{{ m['role'] }}: {{ m['content'][:4] }}\n{% endfor %}")
+    with pytest.raises(FinalMessageError, match="does not render the final message's content"):
+        clipping.encode_chat(conv, add_generation_prompt=False, continue_final_message=True)
+
+
+def _bos_post_processor() -> dict:
+    """Llama 3's kind: BOS (here <|im_start|>, id 1) before the text, nothing after."""
+    seq = [{"SpecialToken": {"id": "<|im_start|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}]
+    return {"type": "TemplateProcessing", "single": seq, "pair": seq + [{"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}}}
+
+
+def test_add_special_tokens_puts_the_tokenizers_bos_before_a_rendered_chat_as_transformers_does(model_dir, tmp_path):
+    from transformers import AutoTokenizer
+    d = _copy_dir(model_dir, tmp_path)
+    _edit_json(d / "tokenizer.json", post_processor=_bos_post_processor())
+    _edit_json(d / "tokenizer_config.json", add_bos_token=None)
+    ours, ref = Tokenizer.from_model_dir(d), AutoTokenizer.from_pretrained(str(d))
+    conv = CONVERSATIONS[1]
+    text = ref.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    with_bos = ours.encode_chat(conv, add_special_tokens=True)
+    assert with_bos == ref(text, add_special_tokens=True)["input_ids"] and with_bos[:2] == [1, 1]  # the template's too
+    assert ours.encode_chat(conv) == ref.apply_chat_template(conv, tokenize=True, add_generation_prompt=True,
+                                                             return_dict=False) == with_bos[1:]
 
 
 def _copy_dir(model_dir, tmp_path, skip=("model.safetensors",)):

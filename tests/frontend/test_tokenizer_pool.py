@@ -9,7 +9,9 @@ import pytest
 
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.frontend import Tokenizer
+from scheduler_svc.frontend.inputs import ChatOptions
 from scheduler_svc.frontend.pool import INLINE_CHARS, INLINE_TOKENS, TokenizerPool
+from scheduler_svc.frontend.tokenizer import FinalMessageError
 from tests.support.network import default_model_dir
 
 LONG = "The quick brown fox jumps over the lazy dog. " * (INLINE_CHARS // 20)
@@ -32,6 +34,26 @@ def test_a_long_prompt_in_a_process_gives_the_inline_ids():
         assert pool._executor is not None  # it went to the process
         messages = [{"role": "user", "content": LONG}]
         assert run(pool.encode_chat(messages, {}, 10_000)) == tokenizer().encode_chat(messages)
+        assert pool.num_pending == 0
+    finally:
+        pool.shutdown()
+
+
+def test_chat_options_reach_a_tokenizer_process_and_its_refusal_comes_back():
+    pool = TokenizerPool(tokenizer(), num_processes=1)
+    try:
+        messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": LONG}]
+        options = ChatOptions(add_generation_prompt=False, continue_final_message=True, add_special_tokens=True)
+        ids = run(pool.encode_chat(messages, {}, 10_000, options))
+        assert pool._executor is not None  # it went to the process
+        assert ids == tokenizer().encode_chat(messages, add_generation_prompt=False, continue_final_message=True,
+                                              add_special_tokens=True)
+        assert ids != run(pool.encode_chat(messages, {}, 10_000))  # the default: a new assistant turn
+        assert run(pool.encode("x " + LONG, 10_000, add_special_tokens=False)) == \
+            tokenizer().encode("x " + LONG, add_special_tokens=False)
+        none_content = [{"role": "user", "content": LONG}, {"role": "assistant", "content": None}]
+        with pytest.raises(FinalMessageError, match="no text content"):
+            run(pool.encode_chat(none_content, {}, 10_000, options))
         assert pool.num_pending == 0
     finally:
         pool.shutdown()

@@ -13,7 +13,7 @@ from pagedserve_common.sampling import SamplingParams
 from pagedserve_common.startup import StartupError
 from pagedserve_common.wire import sampling_from_pb, with_defaults
 from scheduler_svc.engine import Engine, EngineConfig
-from scheduler_svc.frontend.model_defaults import chat_template, model_names, sampling_defaults
+from scheduler_svc.frontend.model_defaults import chat_template, fill_context_cap, model_names, sampling_defaults
 
 
 def write_config(folder, **config) -> str:
@@ -28,6 +28,8 @@ def test_auto_takes_the_models_sampling_defaults_as_vllm_does(tmp_path):
     assert (d.temperature, d.top_p, d.top_k, d.repetition_penalty, d.max_tokens) == (0.6, 0.9, 20, 1.1, 64)
     assert d.min_p == SamplingParams().min_p  # not in the file: the API's default
     assert sampling_defaults("vllm", model) == SamplingParams()
+    # max_new_tokens also caps a request that would generate to the context's end (chat without max_tokens)
+    assert (fill_context_cap("auto", model), fill_context_cap("vllm", model)) == (64, None)
 
 
 def test_a_directory_of_its_own_or_none_at_all(tmp_path):

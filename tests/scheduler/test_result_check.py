@@ -55,6 +55,15 @@ def test_idle_seconds_must_be_a_wait_an_honest_worker_could_have_had(idle):
         assert check(StepResult(7, {1: 10, 2: 20}, {2: lp(20)}, idle_seconds=fine)) is None
 
 
+def test_a_token_outside_a_sequences_allowed_token_ids_is_its_wrong_token():
+    allowed = {1: (3, 10, 42), 2: (20,)}
+    assert check_result(7, answer(), DUE, VOCAB, allowed=allowed) is None
+    wrong = check_result(7, answer({1: 11, 2: 20}), DUE, VOCAB, allowed=allowed)
+    assert (wrong.message, wrong.seq_id) == ("token_id 11 of seq 1 is not in its allowed_token_ids", 1)
+    wrong = check_result(7, answer({1: 43, 2: 20}), DUE, VOCAB, allowed=allowed)  # past the last id
+    assert wrong.seq_id == 1
+
+
 def test_every_due_sequence_must_have_a_token():
     assert check(answer({2: 20})) == "tokens: no token for seq 1, which samples this step (1 missing)"
     assert blamed(answer({2: 20})) is None
@@ -168,6 +177,21 @@ def test_banned_samples_are_the_sampling_sequences_short_of_min_tokens():
     s.update(plan, w.step(plan))
     s.schedule()
     assert s.banned_samples() == {a.seq_id: frozenset({0, 9})}  # one output: still short of 2
+
+
+def test_allowed_samples_are_the_sampling_sequences_with_an_allow_list():
+    s = make(max_num_batched_tokens=6)
+    a = req("a", toks(1, 3), max_tokens=6, allowed_token_ids=(5, 50))
+    b = req("b", toks(1, 1), max_tokens=6)  # no list
+    c = req("c", toks(1, 4), max_tokens=6, allowed_token_ids=(7,))  # a chunk of its prompt only: samples nothing
+    for r in (a, b, c):
+        s.add_request(r)
+    w = FakeWorker(lambda seq_id, position: 50)
+    plan = s.schedule()
+    assert s.allowed_samples() == {a.seq_id: (5, 50)}
+    s.update(plan, w.step(plan))
+    s.schedule()
+    assert s.allowed_samples() == {a.seq_id: (5, 50), c.seq_id: (7,)}
 
 
 def test_the_scheduler_ends_no_sample_on_a_stop_id_before_min_tokens():

@@ -99,8 +99,10 @@ def test_drafts_count_in_the_token_budget_and_take_only_the_room_left():
 
 
 @pytest.mark.parametrize("kw", [dict(logprobs=1), dict(repetition_penalty=1.2), dict(presence_penalty=0.5),
-                                dict(logit_bias=((5, 1.0),)), dict(min_tokens=3), dict(bad_words_token_ids=((7,),))],
-                         ids=["logprobs", "repetition", "presence", "logit_bias", "min_tokens", "bad_words"])
+                                dict(logit_bias=((5, 1.0),)), dict(min_tokens=3), dict(bad_words_token_ids=((7,),)),
+                                dict(allowed_token_ids=(5, 7))],
+                         ids=["logprobs", "repetition", "presence", "logit_bias", "min_tokens", "bad_words",
+                              "allowed_token_ids"])
 def test_no_drafts_for_a_sequence_whose_samples_need_more_than_the_raw_distribution(kw):
     s = spec()
     s.add_request(req("a", PROMPT, max_tokens=12, **kw))

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -157,6 +158,13 @@ def service(tiny_served_model, tmp_path_factory):
     log = tmp_path_factory.mktemp("service") / "scheduler.log"
     with started_service(tiny_served_model, "--max-num-seqs", "64", log=log) as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def http(service):
+    """An HTTP client of `service`'s API (paths from the root: /v1/..., /tokenize); a module may override it."""
+    with httpx.Client(base_url=f"http://{service.http}", timeout=300) as c:
+        yield c
 
 
 @contextmanager

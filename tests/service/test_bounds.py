@@ -83,6 +83,10 @@ CASES = [
     ("bad_words_token_ids outside the vocabulary",
      req(sampling={"bad_words_token_ids": [pb.TokenIds(token_ids=[5, 10**6])]}), INVALID,
      ["bad_words_token_ids", "1000000", "vocabulary"]),
+    ("allowed_token_ids outside the vocabulary", req(sampling={"allowed_token_ids": [5, 49152]}), INVALID,
+     ["allowed_token_ids", "49152", "vocabulary"]),
+    ("300,000 allowed_token_ids", req(sampling={"allowed_token_ids": [5] * 300_000}), INVALID,
+     ["allowed_token_ids has 300000 token ids", "262144"]),
     ("min_tokens over max_tokens", req(sampling={"min_tokens": 3}), INVALID, ["min_tokens", "max_tokens = 2", "3"]),
     ("presence_penalty over 2", req(sampling={"presence_penalty": 2.5}), INVALID, ["presence_penalty", "2.5"]),
 ]
@@ -191,6 +195,11 @@ def test_http_chunked_body_over_max_message_size_is_413(service):
     ({"prompt": "hi", "logit_bias": {"49152": 1}}, "logit_bias", ["49152", "vocabulary"]),
     ({"prompt": "hi", "logit_bias": {"five": 1}}, "logit_bias", ["not a token id"]),
     ({"prompt": "hi", "bad_words": [f"w{i}" for i in range(17)]}, "bad_words", ["17 strings", "16"]),
+    ({"prompt": "hi", "allowed_token_ids": [5, -1]}, "allowed_token_ids", ["-1", "vocabulary"]),
+    ({"prompt": "hi", "allowed_token_ids": [7, 7], "stop_token_ids": [7], "min_tokens": 1}, "allowed_token_ids",
+     ["min_tokens (1)"]),
+    ({"messages": [{"role": "user", "content": "hi"}], "allowed_token_ids": [49152]}, "allowed_token_ids",
+     ["49152", "vocabulary"]),
     ({"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 0}, "repetition_penalty", ["(0, 2]"]),
     ({"prompt": "hi", "min_tokens": 5}, "min_tokens", ["max_tokens = 2"]),
 ])

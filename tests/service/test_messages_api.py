@@ -127,6 +127,24 @@ def test_create_greedy_equals_the_chat_route(keyed, claude, chat):
     assert message.usage.cache_creation_input_tokens == 0
 
 
+def test_a_last_assistant_message_is_continued_as_a_prefill(keyed, claude, chat):
+    """Anthropic's prefill: the answer continues the last assistant message's text (the chat route's
+    continue_final_message), and holds the continuation alone."""
+    prefill = "Lyon, and"
+    messages = [*CONVERSATION, {"role": "assistant", "content": prefill}]
+    want = chat.chat.completions.create(model=keyed.model_dir, messages=[*CHAT, messages[-1]], temperature=0,
+                                        max_tokens=6, extra_body={"add_generation_prompt": False,
+                                                                  "continue_final_message": True})
+    message = claude.messages.create(model=keyed.model_dir, system=SYSTEM, messages=messages, max_tokens=6,
+                                     extra_body=GREEDY)
+    assert [b.text for b in message.content] == [want.choices[0].message.content]
+    assert message.usage.output_tokens == want.usage.completion_tokens
+    opened = create(keyed, claude, max_tokens=6)  # a new turn: another prompt
+    counted = claude.messages.count_tokens(model=keyed.model_dir, system=SYSTEM, messages=messages)
+    assert counted.input_tokens == want.usage.prompt_tokens != opened.usage.input_tokens + (
+        opened.usage.cache_read_input_tokens or 0)
+
+
 def test_max_tokens_gives_stop_reason_max_tokens(keyed, claude, chat):
     text, reason, _ = chat_reference(keyed, chat, max_tokens=3, extra_body={"ignore_eos": True})
     message = create(keyed, claude, max_tokens=3)
@@ -211,7 +229,8 @@ def test_tool_choice_auto_without_a_tool_call_parser_is_a_400(keyed, claude):
      "messages[0].content[0].citations is not supported"),
     ({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "colour": "red"}]}]},
      "messages[0].content[0].colour: unknown field"),
-    ({"messages": [*CONVERSATION, {"role": "assistant", "content": "Lyon and"}]}, "prefilling"),
+    ({"messages": [*CONVERSATION, {"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]}]}, "a prefill"),
 ])
 def test_a_refused_or_unknown_field_is_a_400_in_anthropics_shape_naming_it(keyed, claude, fields, named):
     fields = dict(fields)
@@ -246,6 +265,26 @@ def test_invalid_bodies_are_answered_in_anthropics_shape(keyed, body, status, ki
     assert r.json()["error"]["type"] == kind and says in r.json()["error"]["message"], r.text
     r = httpx.post(f"http://{keyed.http}/v1/messages", content=b"{not json", headers={"x-api-key": KEY}, timeout=60)
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
+def test_the_servers_own_refusals_are_in_anthropics_shape_on_its_paths(keyed, claude):
+    """404 (a route under /v1/messages that is not served), 405 (a wrong method), 413 (a body over
+    --max-message-size, refused before it is parsed): Anthropic's shape there, OpenAI's elsewhere."""
+    from pagedserve_common.config import MAX_MESSAGE_SIZE
+
+    with pytest.raises(anthropic.NotFoundError) as e:  # the SDK's batches API: POST /v1/messages/batches
+        claude.messages.batches.create(requests=[])
+    assert e.value.body["type"] == "error" and e.value.body["error"]["type"] == "not_found_error"
+    assert "POST /v1/messages/count_tokens" in e.value.body["error"]["message"]  # what is served
+    r = httpx.get(f"http://{keyed.http}/v1/messages", headers={"x-api-key": KEY}, timeout=60)
+    assert r.status_code == 405 and r.json()["type"] == "error", r.text
+    assert r.json()["error"]["type"] == "invalid_request_error"
+    huge = {"model": keyed.model_dir, "max_tokens": 1, "messages": [{"role": "user", "content": "x" * MAX_MESSAGE_SIZE}]}
+    for path in ("/v1/messages", "/v1/chat/completions"):
+        r = httpx.post(f"http://{keyed.http}{path}", json=huge, headers={"x-api-key": KEY}, timeout=60)
+        assert r.status_code == 413 and "--max-message-size" in r.text, r.text
+        assert ("type" in r.json()) == (path == "/v1/messages"), r.text  # Anthropic's top-level "type": "error"
+    assert shape(create(keyed, claude, max_tokens=2))["output_tokens"] == 2  # still serving
 
 
 def test_the_key_as_x_api_key_or_bearer_and_a_bad_key_is_a_401_in_anthropics_shape(keyed, claude):

@@ -106,7 +106,7 @@ VALUES: dict[str, dict[str, dict]] = {
            "web_search_options": {"web_search_options": {"search_context_size": "low"}},
            "include_reasoning": {"include_reasoning": False}, "echo": {"echo": True},
            "add_generation_prompt": {"add_generation_prompt": False},
-           "continue_final_message": {"continue_final_message": True,
+           "continue_final_message": {"continue_final_message": True, "add_generation_prompt": False,
                                       "messages": [{"role": "user", "content": "Hi"},
                                                    {"role": "assistant", "content": "Hello, I"}]},
            "add_special_tokens": {"add_special_tokens": True},

@@ -5,15 +5,8 @@ from __future__ import annotations
 import json
 
 import httpx
-import pytest
 
 PROMPT_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is" in SmolLM2's vocabulary
-
-
-@pytest.fixture(scope="module")
-def http(service):
-    with httpx.Client(base_url=f"http://{service.http}", timeout=120) as c:
-        yield c
 
 
 def events(http: httpx.Client, path: str, body: dict) -> list[dict]:

@@ -19,6 +19,7 @@ KEY = "serve-test-key"
 
 
 TEMPLATE = "{% for m in messages %}[{{ m.content }}]{% endfor %}"
+MAX_NEW_TOKENS = 9  # the served model's generation_config.json
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,8 @@ def served(tiny_served_model, tmp_path_factory):
     its own."""
     model_dir = tmp_path_factory.mktemp("served") / "model"
     shutil.copytree(tiny_served_model, model_dir)
-    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "temperature": 0.0}))
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": 2, "temperature": 0.0,
+                                                                  "max_new_tokens": MAX_NEW_TOKENS}))
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedserve_cli.main", "serve", str(model_dir), "--host", "127.0.0.1", "--port",
@@ -126,6 +128,12 @@ def test_the_models_generation_config_sets_the_defaults_and_the_chat_template_is
     assert default.choices[0].text == greedy.choices[0].text  # generation_config.json: temperature 0
     assert greedy.choices[0].text not in sampled  # NOTE: a set temperature wins (a random model samples apart)
     auth = {"authorization": f"Bearer {KEY}"}
+    # max_tokens unset: generation_config.json's max_new_tokens, for completions (the default's place) and for chat
+    # (which would otherwise generate to the context's end), as vLLM
+    unset = [c.completions.create(model="my-model", prompt=prompt, extra_body={"ignore_eos": True}),
+             c.chat.completions.create(model="my-model", messages=[{"role": "user", "content": prompt}],
+                                       extra_body={"ignore_eos": True})]
+    assert [(u.usage.completion_tokens, u.choices[0].finish_reason) for u in unset] == [(MAX_NEW_TOKENS, "length")] * 2
     chat = httpx.post(f"http://{address}/tokenize", headers=auth,
                       json={"messages": [{"role": "user", "content": "Hello there"}]}).json()
     text = httpx.post(f"http://{address}/tokenize", headers=auth, json={"prompt": "[Hello there]"}).json()

@@ -59,7 +59,8 @@ def assert_same_greedy(got: list[int], ref: list[int], ref_logits: torch.Tensor)
 def apply_rules(x: torch.Tensor, sp: SamplingParams, token_ids: list[int], num_prompt: int,
                 eos_token_ids: tuple[int, ...] = ()) -> None:
     """The worker's logits rules (worker_svc.logits) on one row `x` (float64, in place), written out one token at a
-    time: repetition, presence and frequency penalties, logit_bias, min_tokens' and bad words' masks."""
+    time: repetition, presence and frequency penalties, logit_bias, min_tokens' and bad words' masks, and the
+    allow-list's; where those leave no finite logit, bad words' give way, then min_tokens'."""
     outputs = token_ids[num_prompt:]
     if sp.repetition_penalty != 1.0:
         for t in set(token_ids):
@@ -68,13 +69,25 @@ def apply_rules(x: torch.Tensor, sp: SamplingParams, token_ids: list[int], num_p
         x[t] -= sp.frequency_penalty * c + sp.presence_penalty
     for t, b in sp.logit_bias:
         x[t] += b
-    if len(outputs) < sp.min_tokens:
-        for t in (*(() if sp.ignore_eos else eos_token_ids), *sp.stop_token_ids):
-            x[t] = -math.inf
+    biased = x.clone()
+    stops = [*(() if sp.ignore_eos else eos_token_ids), *sp.stop_token_ids] if len(outputs) < sp.min_tokens else []
+    words = []
     for bad in sp.bad_words_token_ids:
         prefix = list(bad[:-1])
         if len(outputs) >= len(prefix) and (not prefix or outputs[len(outputs) - len(prefix):] == prefix):
-            x[bad[-1]] = -math.inf
+            words.append(bad[-1])
+    for t in (*stops, *words):
+        x[t] = -math.inf
+    if sp.allowed_token_ids:
+        allowed = set(sp.allowed_token_ids)
+        off = [t for t in range(len(x)) if t not in allowed]
+        x[off] = -math.inf
+        for kept in (stops, []):  # an empty row: bad words' masks give way, then min_tokens'
+            if torch.isfinite(x).any():
+                break
+            x.copy_(biased)
+            for t in (*off, *kept):
+                x[t] = -math.inf
 
 
 def reference_rules(model, prompt: list[int], sp: SamplingParams, num_new: int,

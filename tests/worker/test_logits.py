@@ -1,5 +1,6 @@
 """The logits stage before sampling, row by row against a plain float64 reference: penalties, logit_bias,
-min_tokens, bad words, the structured-output bitmask (applied last, winning), and the untouched common case."""
+allowed_token_ids, min_tokens, bad words, the structured-output bitmask (applied last, winning), and the untouched
+common case."""
 
 from __future__ import annotations
 
@@ -78,7 +79,10 @@ def random_case(rng: random.Random) -> tuple[SamplingParams, list[int], int]:
         stop_token_ids=tuple(rng.sample(range(V), 2)) if pick() < 0.3 else (),
         bad_words_token_ids=tuple(tuple(ids[-rng.randint(1, 3):]) if pick() < 0.5 else
                                   tuple(rng.randrange(V) for _ in range(rng.randint(1, 3)))
-                                  for _ in range(rng.randint(1, 3))) if pick() < 0.4 else ())
+                                  for _ in range(rng.randint(1, 3))) if pick() < 0.4 else (),
+        # NOTE: sometimes EOS alone, which min_tokens masks whole
+        allowed_token_ids=(tuple(sorted(rng.sample(range(V), rng.randint(1, 30)))) if pick() < 0.5 else EOS)
+        if pick() < 0.4 else ())
     return sp, ids, num_prompt
 
 
@@ -161,6 +165,64 @@ def test_the_bitmask_wins_when_the_other_masks_leave_nothing_it_allows(num_free_
     assert not torch.isnan(out).any()
     if num_free_rows:
         check_rows(out, raw, batch, {0: [2, 40], 1: [7]})
+
+
+def test_allowed_token_ids_leave_their_logits_as_they_were_and_every_other_one_minus_inf():
+    """A batch mixing rows with and without a list (and one whose list meets logit_bias): exact values."""
+    batch = admit([(SamplingParams(allowed_token_ids=(0, 5, 99)), [1, 2], 1), (SamplingParams(), [1], 1),
+                   (SamplingParams(allowed_token_ids=(7, 8), logit_bias=((8, 2.5), (9, 1.0))), [1], 1),
+                   (SamplingParams(temperature=0.5, presence_penalty=0.5), [4, 4], 1)])
+    raw = torch.randn(4, V)
+    out = run(raw, batch.seqs.values())
+    for row, allowed in ((0, [0, 5, 99]), (2, [7, 8])):
+        assert torch.isfinite(out[row]).nonzero().flatten().tolist() == allowed
+        assert (out[row][torch.isinf(out[row])] == -math.inf).all()
+    assert torch.equal(out[0, [0, 5, 99]], raw[0, [0, 5, 99]])
+    assert torch.equal(out[1], raw[1])
+    assert out[2, 7].item() == raw[2, 7].item() and out[2, 8].item() == (raw[2, 8] + 2.5).item()
+    assert torch.isfinite(out[3]).all() and out[3, 4].item() == (raw[3, 4] - 0.5).item()
+
+
+def test_the_allow_list_mask_is_built_once_per_sequence():
+    batch = admit([(SamplingParams(allowed_token_ids=(3, 4)), [1], 1)])
+    s = batch.seqs[0]
+    mask = s.refused_tokens(torch.device("cpu"), V)
+    run(torch.randn(1, V), [s])
+    s.token_ids.append(3)
+    run(torch.randn(1, V), [s])
+    assert s.refused_tokens(torch.device("cpu"), V) is mask
+    assert torch.flatten(torch.nonzero(~mask)).tolist() == [3, 4]
+
+
+def test_min_tokens_and_bad_words_mask_listed_ids_but_never_all_of_them():
+    sp = SamplingParams(allowed_token_ids=(2, 40, 41), min_tokens=5, max_tokens=10, bad_words_token_ids=((40,),))
+    # every listed id masked: bad words' masks give way (min_tokens' stay: no stop id before min_tokens)
+    emptied = SamplingParams(allowed_token_ids=(2, 40), min_tokens=5, max_tokens=10, bad_words_token_ids=((40,),),
+                             logit_bias=((40, 1.5),))
+    # stop ids alone under min_tokens (the front end refuses such a request): min_tokens' masks give way too
+    stops_only = SamplingParams(allowed_token_ids=EOS, min_tokens=5, max_tokens=10, bad_words_token_ids=((3,),))
+    batch = admit([(sp, [1], 1), (emptied, [1], 1), (stops_only, [1], 1)])
+    raw = torch.randn(3, V)
+    out = run(raw, batch.seqs.values())
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [41]  # EOS (min_tokens) and 40 (bad word) masked
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [40]
+    assert out[1, 40].item() == (raw[1, 40] + 1.5).item()
+    assert torch.isfinite(out[2]).nonzero().flatten().tolist() == list(EOS)
+    assert torch.equal(out[2, list(EOS)], raw[2, list(EOS)])
+    check_rows(out, raw, batch, {})
+
+
+def test_the_bitmask_wins_over_an_allow_list_it_shares_no_token_with():
+    batch = admit([(SamplingParams(allowed_token_ids=(5, 6), logit_bias=((6, 3.0),)), [1], 1),
+                   (SamplingParams(allowed_token_ids=(5,)), [1], 1), (SamplingParams(), [1], 1)])
+    raw = torch.randn(3, V)
+    out = run(raw, batch.seqs.values(), {0: pack([6, 7]), 1: pack([6, 7])})
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [6]  # both agree on 6
+    assert out[0, 6].item() == (raw[0, 6] + 3.0).item()
+    assert torch.isfinite(out[1]).nonzero().flatten().tolist() == [6, 7]  # none in common: raw, under the bitmask
+    assert torch.equal(out[1, [6, 7]], raw[1, [6, 7]])
+    assert torch.equal(out[2], raw[2])
+    check_rows(out, raw, batch, {0: [6, 7], 1: [6, 7]})
 
 
 def test_unpacking_follows_the_little_endian_word_layout():

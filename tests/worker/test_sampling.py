@@ -201,6 +201,7 @@ def test_default_options_are_valid():
     S(logprobs=0).validate()
     S(prompt_logprobs=0).validate()
     S(prompt_logprobs=20).validate()
+    S(allowed_token_ids=(0, 5, 49151)).validate()
 
 
 @pytest.mark.parametrize(
@@ -225,6 +226,9 @@ def test_default_options_are_valid():
         ("logprobs", 21),
         ("prompt_logprobs", -1),  # NOTE: vLLM's -1 (the whole vocabulary) is out of the bound too
         ("prompt_logprobs", 21),
+        ("allowed_token_ids", (-1, 3)),
+        ("allowed_token_ids", (5, 3)),  # NOTE: the client APIs sort and dedupe a list (pagedserve_common.sampling)
+        ("allowed_token_ids", (3, 3)),
     ],
 )
 def test_validate_names_the_bad_field(field: str, value):
