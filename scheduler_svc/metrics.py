@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import functools
-import socket
 import threading
 from collections.abc import Iterator
-from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import (CollectorRegistry, Counter, GCCollector, Gauge, Histogram, PlatformCollector,
-                               ProcessCollector, make_wsgi_app)
-from prometheus_client.exposition import ThreadingWSGIServer
+                               ProcessCollector)
 from prometheus_client.metrics_core import Metric
 
 from scheduler_svc.metrics_protocol import ProtocolMetrics
@@ -66,29 +63,6 @@ class Registry(CollectorRegistry):
             if any(s.name in created for s in metric.samples):
                 metric.samples = [s for s in metric.samples if s.name not in created]
             yield metric
-
-
-class _Quiet(WSGIRequestHandler):
-    def log_message(self, format, *args) -> None:  # noqa: A002 - the base class's signature
-        pass
-
-
-def serve(host: str, port: int, registry: CollectorRegistry) -> None:
-    """Serves `registry` on HOST:PORT from a daemon thread, as prometheus_client's start_http_server does, but in
-    the classic text format whatever the scraper asks for. NOTE: prometheus_client 0.26's OpenMetrics output (what
-    Prometheus asks for first) writes vllm:num_requests_waiting's samples as vllm_num_requests_waiting while its
-    TYPE line keeps the colon (prometheus/client_python#1177): Prometheus would store every vllm: series under
-    another name than the endpoint picker and vLLM's dashboards read. Raises OSError when the port is taken."""
-    app = make_wsgi_app(registry)
-
-    def classic(environ, start_response):
-        environ.pop("HTTP_ACCEPT", None)
-        return app(environ, start_response)
-
-    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
-    server_class = type("MetricsServer", (ThreadingWSGIServer,), {"address_family": family})
-    httpd = make_server(host, port, classic, server_class, handler_class=_Quiet)
-    threading.Thread(target=httpd.serve_forever, name="metrics", daemon=True).start()
 
 
 class Metrics:

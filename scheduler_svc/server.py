@@ -21,7 +21,7 @@ from pagedserve_common.config import (DEFAULT_MAX_CONNECTIONS, UP_NONCE_METADATA
 from pagedserve_common.descriptors import AcceptErrors, raise_open_files_limit
 from pagedserve_common.options import values
 from pagedserve_common.startup import USAGE, StartupError, bind_failure, host_port, one_line
-from scheduler_svc import gc_policy, metrics, tracing
+from scheduler_svc import gc_policy, metrics_http, tracing
 from scheduler_svc.auth import Access, add_port
 from scheduler_svc.core.waiting import read_tenant_weights
 from scheduler_svc.engine import Engine, EngineConfig
@@ -210,7 +210,7 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None, traces: t
     if net.metrics:
         host, port = host_port("--metrics", net.metrics)
         try:
-            metrics.serve(host or "0.0.0.0", port, engine.metrics.registry)
+            metrics_http.serve(host or "0.0.0.0", port, engine.metrics.registry)
         except OSError as e:
             raise bind_failure("--metrics", net.metrics, e, off=True) from None
     http = None
