@@ -39,6 +39,8 @@ LEAVING_POLL_SECONDS = 0.5  # a leaving worker with nothing to run still has its
 NOT_YET = object()  # _next_plan(wait=False): nothing to run now
 # The longest a step's publishing waits for the next plan's write (a worker that reads no plans holds the write).
 PLAN_WRITE_WAIT_SECONDS = 0.05
+CONSTRAINT_GAVE_UP = ("structured_output: following the grammar took more work for one token than a step allows "
+                      "(the output so far does not match it); give a simpler grammar")
 
 
 @dataclass(slots=True)
@@ -113,8 +115,11 @@ class Engine(Fleet):
                     break
                 t0 = time.perf_counter()
                 if due := w.scheduler.constrained_due():  # structured output: each sample's allowed tokens
-                    plan.token_bitmasks = dict(zip([r.seq_id for r in due], fill_bitmasks(
-                        [r.constraint for r in due], self.config.vocab_size)))
+                    # NOTE: on a thread, off the event loop: every other stream, health and the other workers'
+                    # loops go on meanwhile. Only this loop touches these matchers (update() runs after receive).
+                    masks = await asyncio.to_thread(fill_bitmasks, [r.constraint for r in due],
+                                                    self.config.vocab_size)
+                    plan.token_bitmasks = dict(zip([r.seq_id for r in due], masks))
                 if self.tracing is not None:
                     self.tracing.step(w, plan, self.streams)
                 w.plan_sent.clear()
@@ -214,6 +219,11 @@ class Engine(Fleet):
             self.router.prefilled(out.request_id)  # its prompt's blocks are in the worker's cache now
             stream = self.streams.get(out.request_id)
             if stream is None:
+                continue
+            if out.constraint_failed:  # its text does not match its grammar: an error, not a finish reason
+                w.scheduler.abort(out.request_id)  # its other samples too
+                self.placement.pop(out.request_id, None)
+                self._fail(out.request_id, ErrorCode.INVALID_ARGUMENT, CONSTRAINT_GAVE_UP, w.worker_id)
                 continue
             reason = stream.push(out, logprobs.get(out.seq_id) if logprobs else None, now)
             if reason is FinishReason.STOP_STRING and out.finish_reason is None:

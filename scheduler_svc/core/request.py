@@ -144,3 +144,6 @@ class RequestOutput:
     new_token_ids: list[int]
     finish_reason: FinishReason | None = None
     seq_id: int = -1  # the sequence on the worker (to pick its logprobs off the step result)
+    # The sample ended because its structured output's matcher gave up (a step's work limit): its text does not
+    # match the grammar, so the request ends with an error, never with a finish reason (Engine._publish)
+    constraint_failed: bool = False

@@ -558,7 +558,8 @@ class Scheduler(Handover, PolicyRoom):
             reason = self._append(req, tok, max_model_len)
             if reason is not None:
                 self._finish(req, reason)
-            outputs.append(RequestOutput(req.request_id, req.index, [tok], reason, req.seq_id))
+            outputs.append(RequestOutput(req.request_id, req.index, [tok], reason, req.seq_id,
+                                         _constraint_failed(req)))
         self._scheduled = []
         return outputs
 
@@ -605,7 +606,7 @@ class Scheduler(Handover, PolicyRoom):
             if (reason := self._append(req, t, self.config.max_model_len)) is not None:
                 self._finish(req, reason)
                 break
-        return RequestOutput(req.request_id, req.index, new, reason, req.seq_id)
+        return RequestOutput(req.request_id, req.index, new, reason, req.seq_id, _constraint_failed(req))
 
     # -- metrics ------------------------------------------------------------------------------------------
     @property
@@ -615,3 +616,8 @@ class Scheduler(Handover, PolicyRoom):
     @property
     def num_running(self) -> int:
         return len(self.running)
+
+
+def _constraint_failed(req: Request) -> bool:
+    """Whether `req`'s sample ended because its structured output's matcher gave up (not a whole match)."""
+    return req.constraint is not None and req.constraint.failed

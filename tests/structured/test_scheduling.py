@@ -95,3 +95,19 @@ def test_a_token_outside_its_bitmask_is_a_wrong_result_naming_the_sequence():
     assert ok is None
     wrong = check_result(1, StepResult(1, {5: 3, 6: 900}), due, VOCAB, bitmasks={5: bytes(mask)})
     assert wrong.seq_id == 5 and "token_bitmask" in wrong.message
+
+
+def test_a_matcher_that_gives_up_marks_its_output_constraint_failed_not_a_plain_stop(compile_):
+    """The engine then ends the request with an error (Engine._publish): its text does not match its grammar, and a
+    finish reason `stop` would say it does (a{1000000} answered "aaaa", stop)."""
+    g = compile_(StructuredOutput("regex", PATTERN))
+    s, w = make(), MaskedWorker()
+    r = constrained(g)
+    s.add_request(r)
+    plan, sampled = step(s, w)
+    (first,) = s.update(plan, sampled)
+    assert (first.finish_reason, first.constraint_failed) == (None, False)
+    r.constraint.failed = True  # as fill_bitmasks marks a matcher whose step ran out of work
+    plan, sampled = step(s, w)
+    (out,) = s.update(plan, sampled)
+    assert (out.finish_reason, out.constraint_failed) == (FinishReason.STOP, True)
