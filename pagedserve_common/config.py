@@ -188,6 +188,11 @@ class ConnectionOptions:
         None, "open connections to the client API (--listen); one more is closed at once",
         type=at_least(int, 1, _POSITIVE), metavar="N",
         default_text=f"a quarter of the open files limit, at most {DEFAULT_MAX_CONNECTIONS}", up=GIVEN)
+    max_connections_per_peer: int | None = option(
+        None, "open connections one peer address (an IPv6 /64) may hold on each port: the HTTP front (503 beyond), "
+              "the client API and the worker port (closed at once beyond); 0: no per-peer cap (behind a proxy, "
+              "where every client has the proxy's address)", type=at_least(int, 0, "an integer >= 0"), metavar="N",
+        default_text="a quarter of each port's cap, at least 16", up=GIVEN)
     header_timeout: float = option(10.0, "a connection that has not sent a whole HTTP request head (or finished its "
                                          "gRPC handshake) this long after it opened or got its last answer is closed "
                                          "(HTTP: 408 if it sent part of one)",

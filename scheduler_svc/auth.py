@@ -51,14 +51,14 @@ class Access:
         return [ApiKeyInterceptor(self.api_keys)] if self.api_keys else []
 
 
-def add_port(server: grpc.aio.Server, flag: str, address: str, credentials: grpc.ServerCredentials | None) -> None:
-    """Listens on `address` (given by `flag`); a port that cannot be bound is a StartupError naming both."""
+def add_port(server: grpc.aio.Server, flag: str, address: str, credentials: grpc.ServerCredentials | None) -> int:
+    """Listens on `address` (given by `flag`); the port bound. A port that cannot be bound is a StartupError naming
+    both."""
     check_bindable(flag, address)
     try:
         if credentials is None:
-            server.add_insecure_port(address)
-        else:
-            server.add_secure_port(address, credentials)
+            return server.add_insecure_port(address)
+        return server.add_secure_port(address, credentials)
     except RuntimeError as e:  # NOTE: taken in the moment since check_bindable, or refused by gRPC itself
         raise StartupError(f"{flag} {address}: cannot listen there ({e})") from None
 

@@ -23,6 +23,7 @@ from pagedserve_common.options import values
 from pagedserve_common.startup import USAGE, StartupError, bind_failure, host_port, one_line
 from scheduler_svc import gc_policy, metrics_http, tracing
 from scheduler_svc.auth import Access, add_port
+from scheduler_svc.connection_gate import INTERNAL_HOST, UNIX_SCHEMES, ConnectionGate
 from scheduler_svc.core.waiting import read_tenant_weights
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.errors import ErrorCode
@@ -111,22 +112,43 @@ MAX_WORKER_RPCS = 1024
 IDLE_CONNECTION_MS = 15_000
 
 
+# NOTE: a gRPC connection through a ConnectionGate holds three descriptors (the client's, the relay's, grpc's)
+GATED_DESCRIPTORS = 3
+PER_PEER_SHARE = 4  # one peer may hold a quarter of a port by default: one peer cannot hold it
+# NOTE: ... and at least this many (or the whole of a smaller port): `up`'s workers all dial from one address, and
+# one host's benchmark client may open dozens of HTTP connections
+MIN_PER_PEER = 16
+
+
 @dataclass(slots=True, frozen=True)
 class ConnectionCaps:
-    """How many connections each port holds at once."""
+    """How many connections each port holds at once, and each peer on it (None: no per-peer cap, no gate)."""
 
     http: int
     grpc: int
     workers: int
+    http_per_peer: int | None
+    grpc_per_peer: int | None
+    workers_per_peer: int | None
 
     @classmethod
     def of(cls, opts: ConnectionOptions, num_files: int) -> ConnectionCaps:
         """The flags', else shares of the open files limit `num_files`: a quarter each for the HTTP front and the
         client API, an eighth for the worker port, the rest for everything else (refusals under way, the
-        tokenizer processes' pipes, model files, metrics)."""
+        tokenizer processes' pipes, model files, metrics); a gated port's share holds a third as many."""
         share = max(16, min(DEFAULT_MAX_CONNECTIONS, num_files // 4))
-        return cls(http=opts.max_http_connections or share, grpc=opts.max_grpc_connections or share,
-                   workers=max(8, min(MAX_WORKER_CONNECTIONS, num_files // 8)))
+        gated = opts.max_connections_per_peer != 0
+        per_descriptors = GATED_DESCRIPTORS if gated else 1
+        http = opts.max_http_connections or share
+        grpc_cap = opts.max_grpc_connections or max(16, share // per_descriptors)
+        workers = max(8, min(MAX_WORKER_CONNECTIONS, num_files // 8 // per_descriptors))
+
+        def per_peer(cap: int) -> int | None:
+            if not gated:
+                return None
+            return opts.max_connections_per_peer or min(cap, max(MIN_PER_PEER, cap // PER_PEER_SHARE))
+
+        return cls(http, grpc_cap, workers, per_peer(http), per_peer(grpc_cap), per_peer(workers))
 
 
 def connection_options(max_connections: int, header_timeout: float) -> tuple[tuple[str, int], ...]:
@@ -136,6 +158,18 @@ def connection_options(max_connections: int, header_timeout: float) -> tuple[tup
     return (("grpc.max_allowed_incoming_connections", max_connections),
             ("grpc.server_handshake_timeout_ms", max(1, round(header_timeout * 1000))),
             ("grpc.max_connection_idle_ms", IDLE_CONNECTION_MS))
+
+
+def serve_port(server: grpc.aio.Server, flag: str, address: str, credentials: grpc.ServerCredentials | None,
+               max_connections: int, max_per_peer: int | None) -> ConnectionGate | None:
+    """Listens on `address` for `server`: through a ConnectionGate (bound now, started with the server) when peers
+    are capped and the address is TCP; else grpc listens there itself."""
+    if max_per_peer is None or address.startswith(UNIX_SCHEMES):
+        add_port(server, flag, address, credentials)
+        return None
+    gate = ConnectionGate.bind(flag, address, max_connections, max_per_peer)
+    gate.grpc_port = add_port(server, flag, f"{INTERNAL_HOST}:0", credentials)
+    return gate
 
 
 def input_limits(cfg: ServerConfig, max_model_len: int) -> Limits:
@@ -201,14 +235,17 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None, traces: t
     reflection.enable_server_reflection(
         (generate_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
          health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME), clients)
-    add_port(clients, "--listen", net.listen, access.clients)
+    client_gate = serve_port(clients, "--listen", net.listen, access.clients, caps.grpc, caps.grpc_per_peer)
     workers = grpc.aio.server(options=(*WORKER_SERVER_OPTIONS, ("grpc.max_concurrent_streams", MAX_WORKER_STREAMS),
                                        *connection_options(caps.workers, cfg.connections.header_timeout)),
                               maximum_concurrent_rpcs=MAX_WORKER_RPCS)
-    worker_pb2_grpc.add_WorkerControlServicer_to_server(WorkerControlServicer(engine, gate.tokens, up_nonce), workers)
+    control = WorkerControlServicer(engine, gate.tokens, up_nonce)
+    worker_pb2_grpc.add_WorkerControlServicer_to_server(control, workers)
     reflection.enable_server_reflection(
         (worker_pb2.DESCRIPTOR.services_by_name["WorkerControl"].full_name, reflection.SERVICE_NAME), workers)
-    add_port(workers, "--worker-listen", net.worker_listen, access.workers)
+    worker_gate = serve_port(workers, "--worker-listen", net.worker_listen, access.workers, caps.workers,
+                             caps.workers_per_peer)
+    control.original_peer = worker_gate and worker_gate.original_peer
     if net.metrics:
         host, port = host_port("--metrics", net.metrics)
         try:
@@ -220,11 +257,16 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None, traces: t
         from scheduler_svc.http.app import create_app
         from scheduler_svc.http.connections import ConnectionLimits
         from scheduler_svc.http.server import HttpServer
+        from scheduler_svc.peers import PeerCounts
 
         http = HttpServer(create_app(frontend, access.api_keys, cfg.tool_call_parser), net.http, ConnectionLimits(
-            caps.http, cfg.connections.header_timeout, cfg.connections.body_timeout), ssl=access.http_ssl)
+            caps.http, cfg.connections.header_timeout, cfg.connections.body_timeout, PeerCounts(caps.http_per_peer)),
+            ssl=access.http_ssl)
     await workers.start()
     await clients.start()
+    for port_gate in (worker_gate, client_gate):
+        if port_gate is not None:
+            await port_gate.start()
     if http is not None:
         await http.start()
     gc_policy.settle()  # NOTE: start-up is done: what it left alive is frozen, never walked by a collection again
@@ -232,7 +274,8 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None, traces: t
              metrics=net.metrics, model=cfg.model, tls=access.clients is not None, mutual_tls=access.mutual,
              api_keys=len(access.api_keys or ()), worker_auth=gate.auth, worker_tokens=len(gate.tokens or ()),
              max_http_connections=caps.http if net.http else None, max_grpc_connections=caps.grpc,
-             max_worker_connections=caps.workers, otlp_endpoint=cfg.observability.otlp_endpoint)
+             max_worker_connections=caps.workers, max_connections_per_peer=caps.grpc_per_peer,
+             otlp_endpoint=cfg.observability.otlp_endpoint)
     if gate.insecure:
         log.warning("the worker port is reachable from other hosts and authenticates no worker "
                     "(--insecure-workers): whoever reaches it can attach as a worker and receive prompts",
@@ -260,6 +303,8 @@ async def serve(cfg: ServerConfig, ready: asyncio.Event | None = None, traces: t
         log.warning("drain timeout: ending the unfinished requests", unfinished=engine.num_unfinished)
         engine.fail_all(ErrorCode.UNAVAILABLE, f"the server shut down: the request did not finish within the "
                                                f"{cfg.engine.drain_timeout:g} s drain timeout")
+    if client_gate is not None:
+        client_gate.close()  # NOTE: no new connection; the open ones end with grpc's
     await clients.stop(grace=1.0)
     frontend.pool.shutdown()
     if http is not None:

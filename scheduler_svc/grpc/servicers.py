@@ -23,9 +23,10 @@ from scheduler_svc.worker_auth import WorkerTokens, other_up
 log = structlog.get_logger("pagedserve.scheduler")
 
 
-def peer_of(context) -> dict[str, str]:
-    """{'peer': the caller's address, 'subject': its client certificate's subject (mutual TLS only)}."""
-    origin = {"peer": context.peer()}
+def peer_of(context, original_peer=None) -> dict[str, str]:
+    """{'peer': the caller's address, 'subject': its client certificate's subject (mutual TLS only)};
+    `original_peer`: a ConnectionGate's, for a relayed connection."""
+    origin = {"peer": original_peer(context.peer()) if original_peer else context.peer()}
     auth = context.auth_context() or {}
     if subject := (auth.get("x509_subject") or auth.get("x509_common_name") or [b""])[0]:
         origin["subject"] = subject.decode(errors="replace") if isinstance(subject, bytes) else str(subject)
@@ -122,12 +123,13 @@ class WorkerControlServicer(worker_pb2_grpc.WorkerControlServicer):
         self.engine = engine
         self.tokens = tokens
         self.up_nonce = up_nonce
+        self.original_peer = None  # the port's ConnectionGate's, when it has one
 
     async def _authenticate(self, context) -> dict[str, str]:
         """Who is attaching, for the log (peer, the certificate's subject, the token's id); aborts, before anything
         the peer sent is read, with UNAUTHENTICATED when a token is required and not valid, and with
         FAILED_PRECONDITION (which the worker exits on: retrying cannot help) when another `up` started it."""
-        origin = peer_of(context)
+        origin = peer_of(context, self.original_peer)
         metadata = context.invocation_metadata() or ()
         if self.tokens is not None:
             token, why = self.tokens.check([v for k, v in metadata if k == "authorization"])

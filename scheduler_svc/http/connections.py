@@ -1,4 +1,4 @@
-"""The HTTP front's connection bounds: a cap on open connections, request-head and body read timeouts, and a 431 for
+"""The HTTP front's connection bounds: a cap on open connections (in all and per peer), request-head and body read timeouts, and a 431 for
 an oversized head (uvicorn's h11 protocol, extended)."""
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from pagedserve_common.descriptors import EveryInterval
 from scheduler_svc.http.convert import error_body
+from scheduler_svc.peers import PeerCounts, peer_host, peer_key
 
 log = structlog.get_logger("pagedserve.http")
 
@@ -35,6 +36,7 @@ class ConnectionLimits:
     max_connections: int  # --max-http-connections
     header_timeout: float  # --header-timeout: seconds from a connection's start (or its last answer) to a whole head
     body_timeout: float  # --body-timeout: seconds a request body may go without a byte
+    peers: PeerCounts = field(default_factory=lambda: PeerCounts(None))  # served connections per peer
     num_open: int = 0  # connections served (not those being refused)
     num_lingering: int = 0
     closures: EveryInterval = field(default_factory=EveryInterval)
@@ -59,7 +61,7 @@ class GuardedH11Protocol(H11Protocol):
     def __init__(self, *args, limits: ConnectionLimits, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.limits = limits
-        self._counted = False  # one of limits.num_open
+        self._counted: str | None = None  # its peer's key while it is one of limits.num_open
         self._lingering = False
         self._linger_until = 0.0
         self._phase: str | None = None  # "head" or "body" while its timer runs
@@ -80,23 +82,34 @@ class GuardedH11Protocol(H11Protocol):
     def connection_made(self, transport) -> None:
         limits = self.limits
         if limits.num_open >= limits.max_connections:
-            self.transport = transport
-            limits.closed("over --max-http-connections")
-            if limits.num_lingering >= MAX_LINGERING:
-                transport.close()
-                return
-            self._refuse(503, f"the server has {limits.num_open} open HTTP connections, its limit "
-                              f"(--max-http-connections); retry later", "retry-after: 1\r\n")
+            self._refuse_over(transport, "--max-http-connections", f"the server has {limits.num_open} open HTTP "
+                                                                   f"connections, its limit")
+            return
+        key = peer_key(peer_host(transport.get_extra_info("peername")))
+        if not limits.peers.admit(key):
+            self._refuse_over(transport, "--max-connections-per-peer", f"this address holds "
+                                                                       f"{limits.peers.max_per_peer} open HTTP "
+                                                                       f"connections, the most one peer may")
             return
         limits.num_open += 1
-        self._counted = True
+        self._counted = key
         super().connection_made(transport)
         self._update_timer()
 
+    def _refuse_over(self, transport, flag: str, why: str) -> None:
+        """A connection over a cap (`flag`'s): 503, unless too many refusals linger already (then closed at once)."""
+        self.transport = transport
+        self.limits.closed(f"over {flag}")
+        if self.limits.num_lingering >= MAX_LINGERING:
+            transport.close()
+            return
+        self._refuse(503, f"{why} ({flag}); retry later", "retry-after: 1\r\n")
+
     def connection_lost(self, exc) -> None:
         self._cancel_timer()
-        if self._counted:
-            self._counted = False
+        if self._counted is not None:
+            self.limits.peers.release(self._counted)
+            self._counted = None
             self.limits.num_open -= 1
         if self._lingering:
             self._lingering = False

@@ -4,18 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
 import functools
 import socket
 
 import uvicorn
 
-from pagedserve_common.descriptors import OUT_OF_RESOURCE_ERRNOS
 from pagedserve_common.startup import bind_failure, host_port
 from scheduler_svc.http.connections import MAX_HEAD_BYTES, ConnectionLimits, GuardedH11Protocol
+from scheduler_svc.listener import LISTEN_BACKLOG, Listener
 
 KEEP_ALIVE_S = 5  # uvicorn's default: an idle keep-alive connection is closed after it
-LISTEN_BACKLOG = 2048  # uvicorn's: connections the kernel holds before this process accepts them
 
 
 class _Server(uvicorn.Server):
@@ -30,24 +28,6 @@ def parse_address(address: str) -> tuple[str, int]:
     return host or "127.0.0.1", port
 
 
-class _Listener(socket.socket):
-    """The listening socket. NOTE: after an accept() that fails for want of descriptors, asyncio (3.11) tries again
-    up to `backlog` times in the same tick and schedules a retry a second later for each failure; those retries
-    each do the same, so the failures multiply (the issue saw 785,622 in 70 s). Raising BlockingIOError for the
-    attempt after a failure makes asyncio stop the burst (it reads it as "nothing to accept"): one attempt and one
-    retry a second."""
-
-    def accept(self):
-        if getattr(self, "failed", False):
-            self.failed = False
-            raise BlockingIOError(errno.EAGAIN, "backing off after an accept() failure")
-        try:
-            return super().accept()
-        except OSError as e:
-            self.failed = e.errno in OUT_OF_RESOURCE_ERRNOS
-            raise
-
-
 class HttpServer:
     """uvicorn on a socket bound here (so that a taken port fails the scheduler's start with a clear error)."""
 
@@ -58,7 +38,7 @@ class HttpServer:
             bound = socket.create_server((host, port), family=family)
         except OSError as e:
             raise bind_failure("--http", address, e, off=True) from None
-        self.socket = _Listener(bound.family, bound.type, bound.proto, fileno=bound.detach())
+        self.socket = Listener.of(bound)
         self.address = address
         self.limits = limits
         certfile, keyfile = ssl or (None, None)  # HTTPS with the scheduler's --tls-cert/--tls-key

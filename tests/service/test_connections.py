@@ -260,7 +260,7 @@ def test_at_a_low_open_files_limit_the_default_cap_keeps_descriptors_for_every_p
     try:
         for _ in range(NUM_FILES + 64):
             sockets.append(socket.create_connection(host_port(http), timeout=60))
-        # NOTE: a quarter of 256 held, the others refused. The gRPC port and metrics answer meanwhile, and so does
+        # NOTE: 16 held (one peer's share of the quarter of 256), the others refused. The gRPC port and metrics answer meanwhile, and so does
         # the HTTP front: 503, once it has refused the burst (asyncio accepts a burst before the protocol can refuse
         # any, so a burst larger than the free descriptors still hits the limit for a moment; it retries a second
         # later, and a new connection caught in the burst may see a reset)
@@ -270,7 +270,7 @@ def test_at_a_low_open_files_limit_the_default_cap_keeps_descriptors_for_every_p
         def refused_with_503() -> bool:
             over = get_or_none(f"http://{http}/v1/models")
             return over is not None and over.status_code == 503 and \
-                "--max-http-connections" in over.json()["error"]["message"]
+                "--max-connections-per-peer" in over.json()["error"]["message"]
         wait_until(refused_with_503)
         assert grpc_greedy_text(service, 4)
         accept_errors = [line for line in server.scheduler_log.read_text(errors="replace").splitlines()
