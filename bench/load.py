@@ -184,6 +184,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--kv-memory", default="8MiB", help="the local worker's KV pool (8 MiB: 1024 tiny blocks)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    ap.add_argument("--scheduler-args", default="", help="more `pagedserve scheduler` arguments for the local server "
+                                                         "(e.g. '--max-connections-per-peer 0')")
     ap.add_argument("--out", default=None, help="folder for the local server's logs (default: a temporary one)")
     return ap.parse_args(argv)
 
@@ -204,7 +206,8 @@ def main(argv=None) -> int:
         # NOTE: the queue holds every client's request, so that only deliberate cancels end a request early
         server = LocalServer.start(model, out, scheduler_args=(
             "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-            "--max-queued-requests", str(max(1024, args.clients))), worker_args=("--kv-memory", args.kv_memory))
+            "--max-queued-requests", str(max(1024, args.clients)), *args.scheduler_args.split()),
+            worker_args=("--kv-memory", args.kv_memory))
         address, pid, metrics = server.address, server.scheduler_pid, server.metrics
         print(f"server {address} logs {out}", flush=True)
     try:

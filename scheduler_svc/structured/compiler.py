@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import threading
 import time
 from collections import OrderedDict
@@ -29,6 +30,8 @@ MAX_ERROR_CHARS = 400
 # `x{65535}` 59 ms, `a{1000000}` 221 ms, `a{1000}{1000}` 518 ms, each step (48 such requests froze the event loop
 # for 13.6 s). 10 ms leaves 50x a schema's cost for a busy machine and a large vocabulary.
 MASK_BUDGET_SECONDS = 0.010
+CLEARLY_OVER = 10
+COMPILE_NICE = 19
 # NOTE: compact JSON (no whitespace between tokens, "," and ":" separators): a small model given the freedom of
 # whitespace can loop on newlines until max_tokens; the output is still JSON any parser reads.
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -97,16 +100,30 @@ def ascii_classes(pattern: str) -> str:
     return "".join(out)
 
 
-def mask_cost(matcher: llguidance.LLMatcher) -> float:
-    """Seconds one token mask of `matcher`'s grammar takes: the cheaper of two computed on copies (NOTE: the
-    cheaper one: a moment of a busy machine must not refuse a grammar that is cheap)."""
-    costs = []
+def mask_cost(matcher: llguidance.LLMatcher, first: float) -> float:
+    """Seconds one token mask of `matcher`'s grammar takes, its first mask having taken `first` (that one also
+    builds the lexer's start, so it costs at least as much as any): the cheaper of up to two more computed on copies
+    (NOTE: the cheaper one: a moment of a busy machine must not refuse a grammar that is cheap; none when the first
+    was within the budget, one when it costs CLEARLY_OVER times the budget: noise is not that)."""
+    cost = first
     for _ in range(2):
+        if cost <= MASK_BUDGET_SECONDS or cost > CLEARLY_OVER * MASK_BUDGET_SECONDS:
+            break
         copy = matcher.deep_copy()
         start = time.perf_counter()
         copy.compute_bitmask()
-        costs.append(time.perf_counter() - start)
-    return min(costs)
+        cost = min(cost, time.perf_counter() - start)
+    return cost
+
+
+def lower_priority() -> None:
+    """A compile thread's initializer: the lowest CPU priority for this thread alone (Linux: a thread's nice value is
+    its own). NOTE: a costly grammar then takes what the serving leaves, not the serving's cores: on a shared host
+    a flood of them must not slow the workers' steps or the event loop's streams."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+    except (AttributeError, OSError):  # NOTE: not Linux, or not allowed: the compile only competes harder
+        pass
 
 
 def _short(text: str) -> str:
@@ -131,7 +148,8 @@ class GrammarCompiler:
         self.max_pending = max_pending
         self.num_pending = 0  # NOTE: on the event loop only (each job's end is told to it: _done)
         self._cache: OrderedDict[StructuredOutput, Grammar | InvalidField] = OrderedDict()
-        self._pool = ThreadPoolExecutor(NUM_COMPILE_THREADS, thread_name_prefix="grammar")
+        self._pool = ThreadPoolExecutor(NUM_COMPILE_THREADS, thread_name_prefix="grammar", initializer=lower_priority)
+        self._jobs: dict[StructuredOutput, asyncio.Future] = {}  # compiles under way: one per spec
         self._lltok: llguidance.LLTokenizer | None = None
         self._lltok_lock = threading.Lock()
         self.num_compiled = 0  # compiles run (cache misses), for tests and metrics
@@ -141,30 +159,37 @@ class GrammarCompiler:
         EngineError(RESOURCE_EXHAUSTED) when MAX_PENDING compiles are under way already."""
         hit = self._cache.get(so)
         if hit is None:
-            if self.num_pending >= self.max_pending:
-                raise EngineError(ErrorCode.RESOURCE_EXHAUSTED, f"{self.num_pending} structured output specs are "
-                                                                "being compiled already; retry later")
-            loop = asyncio.get_running_loop()
-            self.num_pending += 1
-            job = loop.run_in_executor(self._pool, self._compile, so)
-            # NOTE: the count drops when the work ends, not when its caller stops waiting (a timeout, a cancel)
-            job.add_done_callback(self._done)
+            # NOTE: one compile per spec at a time: the same costly spec sent 48 times at once is compiled once
+            job = self._jobs.get(so) or self._start(so)
             try:
                 hit = await asyncio.wait_for(asyncio.shield(job), self.timeout)
             except TimeoutError:
-                # NOTE: the thread runs on to its end (LIMITS bound it); not cached: a busy pool may be why
+                # NOTE: the thread runs on to its end (LIMITS bound it), and its outcome is then cached (_done)
                 raise InvalidField(FIELD, f"{FIELD}: compiling the {so.kind} took over {self.timeout:g} s") from None
-            self._cache[so] = hit
-            if len(self._cache) > self.cache_size:
-                self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(so)
         if isinstance(hit, InvalidField):
             raise InvalidField(hit.field, str(hit))
         return hit
 
-    def _done(self, _job) -> None:
+    def _start(self, so: StructuredOutput) -> asyncio.Future:
+        if self.num_pending >= self.max_pending:
+            raise EngineError(ErrorCode.RESOURCE_EXHAUSTED, f"{self.num_pending} structured output specs are "
+                                                            "being compiled already; retry later")
+        self.num_pending += 1
+        job = self._jobs[so] = asyncio.get_running_loop().run_in_executor(self._pool, self._compile, so)
+        # NOTE: the count drops and the outcome is kept when the work ends, not when a caller stops waiting
+        job.add_done_callback(lambda done: self._done(so, done))
+        return job
+
+    def _done(self, so: StructuredOutput, job: asyncio.Future) -> None:
         self.num_pending -= 1
+        del self._jobs[so]
+        if job.cancelled() or job.exception() is not None:
+            return
+        self._cache[so] = job.result()
+        if len(self._cache) > self.cache_size:
+            self._cache.popitem(last=False)
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
         with self._lltok_lock:  # NOTE: built once, at the first compile (~0.25 s for a 49k vocabulary)
@@ -183,11 +208,14 @@ class GrammarCompiler:
             return e
         tok = self._tokenizer()
         matcher = llguidance.LLMatcher(tok, text, log_level=0, limits=llguidance.LLParserLimits(**LIMITS))
+        first = 0.0
         if not matcher.is_error():
+            start = time.perf_counter()
             matcher.compute_bitmask()  # NOTE: the first mask builds the lexer's start: here, not on the event loop
+            first = time.perf_counter() - start
         if matcher.is_error():
             return InvalidField(FIELD, f"{FIELD}: the {so.kind} does not compile: {_short(matcher.get_error())}")
-        if (cost := mask_cost(matcher)) > MASK_BUDGET_SECONDS:
+        if (cost := mask_cost(matcher, first)) > MASK_BUDGET_SECONDS:
             return InvalidField(FIELD, f"{FIELD}: the {so.kind} costs {cost * 1e3:.0f} ms per token to follow; at "
                                        f"most {MASK_BUDGET_SECONDS * 1e3:g} ms are allowed (a simpler one, e.g. "
                                        f"without nested or huge repetition counts)")

@@ -151,3 +151,43 @@ def test_compiles_beyond_the_pending_bound_are_refused_at_once(tokenizer):
     assert len(refused) == 1 and refused[0].code is ErrorCode.RESOURCE_EXHAUSTED
     assert c.num_pending == 0 and asyncio.run(c.compile(StructuredOutput("regex", "b9"))) is not None
     c.close()
+
+
+def test_the_same_spec_sent_at_once_is_compiled_once(tokenizer):
+    """48 requests with one costly regex (issue 50's flood): one compile, one refusal for all of them."""
+    c = GrammarCompiler(tokenizer.to_json, VOCAB, [EOS])
+
+    async def burst():
+        return await asyncio.gather(*(c.compile(StructuredOutput("regex", "x{65535}")) for _ in range(48)),
+                                    return_exceptions=True)
+
+    outcomes = asyncio.run(burst())
+    assert all(isinstance(o, InvalidField) and "ms per token" in str(o) for o in outcomes), outcomes[:2]
+    assert c.num_compiled == 1 and c.num_pending == 0 and not c._jobs
+    c.close()
+
+
+def test_a_compile_that_outlasts_its_caller_is_kept_for_the_next(tokenizer):
+    c = GrammarCompiler(tokenizer.to_json, VOCAB, [EOS], timeout=1e-6)
+    so = StructuredOutput("regex", "a+b")
+
+    async def late():
+        with pytest.raises(InvalidField, match="took over"):
+            await c.compile(so)  # NOTE: the caller gives up; the compile runs on
+        while c._jobs:
+            await asyncio.sleep(0.01)
+        c.timeout = 60.0
+        return await c.compile(so)
+
+    assert asyncio.run(late()) is not None and c.num_compiled == 1  # the outcome was cached when it came
+    c.close()
+
+
+def test_compile_threads_run_at_the_lowest_cpu_priority(tokenizer):
+    import os
+
+    before = os.getpriority(os.PRIO_PROCESS, 0)  # NOTE: on Linux, 0 is the calling thread
+    c = GrammarCompiler(tokenizer.to_json, VOCAB, [EOS])
+    assert c._pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, 0)).result() == 19
+    assert os.getpriority(os.PRIO_PROCESS, 0) == before  # the serving threads keep theirs
+    c.close()
