@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -31,7 +30,6 @@ MAX_ERROR_CHARS = 400
 # for 13.6 s). 10 ms leaves 50x a schema's cost for a busy machine and a large vocabulary.
 MASK_BUDGET_SECONDS = 0.010
 CLEARLY_OVER = 10
-COMPILE_NICE = 19
 # NOTE: compact JSON (no whitespace between tokens, "," and ":" separators): a small model given the freedom of
 # whitespace can loop on newlines until max_tokens; the output is still JSON any parser reads.
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -116,16 +114,6 @@ def mask_cost(matcher: llguidance.LLMatcher, first: float) -> float:
     return cost
 
 
-def lower_priority() -> None:
-    """A compile thread's initializer: the lowest CPU priority for this thread alone (Linux: a thread's nice value is
-    its own). NOTE: a costly grammar then takes what the serving leaves, not the serving's cores: on a shared host
-    a flood of them must not slow the workers' steps or the event loop's streams."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
-    except (AttributeError, OSError):  # NOTE: not Linux, or not allowed: the compile only competes harder
-        pass
-
-
 def _short(text: str) -> str:
     return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "..."
 
@@ -148,7 +136,9 @@ class GrammarCompiler:
         self.max_pending = max_pending
         self.num_pending = 0  # NOTE: on the event loop only (each job's end is told to it: _done)
         self._cache: OrderedDict[StructuredOutput, Grammar | InvalidField] = OrderedDict()
-        self._pool = ThreadPoolExecutor(NUM_COMPILE_THREADS, thread_name_prefix="grammar", initializer=lower_priority)
+        # NOTE: at the serving's own CPU priority: a lower one (nice 19) starved every compile past its timeout on a
+        # busy host (a simple regex took over 10 s beside a busy loop)
+        self._pool = ThreadPoolExecutor(NUM_COMPILE_THREADS, thread_name_prefix="grammar")
         self._jobs: dict[StructuredOutput, asyncio.Future] = {}  # compiles under way: one per spec
         self._lltok: llguidance.LLTokenizer | None = None
         self._lltok_lock = threading.Lock()

@@ -181,13 +181,3 @@ def test_a_compile_that_outlasts_its_caller_is_kept_for_the_next(tokenizer):
 
     assert asyncio.run(late()) is not None and c.num_compiled == 1  # the outcome was cached when it came
     c.close()
-
-
-def test_compile_threads_run_at_the_lowest_cpu_priority(tokenizer):
-    import os
-
-    before = os.getpriority(os.PRIO_PROCESS, 0)  # NOTE: on Linux, 0 is the calling thread
-    c = GrammarCompiler(tokenizer.to_json, VOCAB, [EOS])
-    assert c._pool.submit(lambda: os.getpriority(os.PRIO_PROCESS, 0)).result() == 19
-    assert os.getpriority(os.PRIO_PROCESS, 0) == before  # the serving threads keep theirs
-    c.close()
