@@ -85,10 +85,11 @@ def simulate(policy: str, flood: int, light: int, interval: float, *, num_blocks
             # NOTE: the sim steps run back to back, so an arrival during a step waits for its end (`now`)
             arrived_in_step[rid] = now
             i += 1
-        plan = s.schedule()
-        if plan is None:  # idle until the next arrival
+        step = s.schedule()
+        if step is None:  # idle until the next arrival
             now = arrivals[i][0]
             continue
+        plan = step.plan
         by_seq = {r.seq_id: r for r in s.running}
         context = 0
         for e in (*plan.new_seqs, *plan.running):
@@ -100,7 +101,7 @@ def simulate(policy: str, flood: int, light: int, interval: float, *, num_blocks
             served[seq.tenant] += w_p * pre + w_d * (e.num_scheduled_tokens - pre)
         step_start, now = now, now + step_seconds(plan.num_scheduled_tokens, context)
         sampled = {e.seq_id: next(tokens) for e in (*plan.new_seqs, *plan.running)}
-        for out in s.update(plan, sampled):
+        for out in s.update(step, sampled):
             run.num_tokens += len(out.new_token_ids)
             if out.request_id not in first:
                 first.add(out.request_id)

@@ -22,10 +22,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere without installing
 
 from pagedserve_cli.bench.workloads import BenchRequest, TextSource, build_workload, chat_requests  # noqa: E402
-from pagedserve_common.step import StepPlan  # noqa: E402
 from scheduler_svc.core.request import Request  # noqa: E402
 from pagedserve_common.sampling import SamplingParams  # noqa: E402
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from scheduler_svc.core.step import ScheduledStep  # noqa: E402
 from scheduler_svc.routing import Router  # noqa: E402
 from pagedserve_common.defaults import DEFAULT_MODEL  # noqa: E402
 
@@ -45,7 +45,7 @@ def step_seconds(scheduled_tokens: int, context_tokens: int) -> float:
 class SimWorker:
     worker_id: str
     scheduler: Scheduler
-    plan: StepPlan | None = None  # the step in flight; None: idle
+    step: ScheduledStep | None = None  # the step in flight; None: idle
     sampled: dict[int, int] = field(default_factory=dict)  # what the step in flight will "sample"
     busy_s: float = 0.0
     prefill_tokens: int = 0  # tokens computed that sampled nothing: prompts, and recomputes after preemption
@@ -115,10 +115,10 @@ def simulate(policy: str, requests: list[BenchRequest], arrivals: list[float], n
 
     def start_step(k: int, now: float) -> None:
         w = workers[k]
-        plan = w.scheduler.schedule()
-        w.plan = plan
-        if plan is None:
+        w.step = w.scheduler.schedule()
+        if w.step is None:
             return  # idle until the next request routed here
+        plan = w.step.plan
         context, sampled = 0, {}
         for e in plan.new_seqs:
             ctx = e.num_computed_tokens + e.num_scheduled_tokens
@@ -152,12 +152,12 @@ def simulate(policy: str, requests: list[BenchRequest], arrivals: list[float], n
             by_seq[req.seq_id], reqs[rid] = req, req
             w.num_routed += 1
             router.routed(rid, w.worker_id, prompt, block_size)
-            if w.plan is None:
+            if w.step is None:
                 start_step(k, now)
             continue
         now, _, k = heapq.heappop(steps)
         w = workers[k]
-        for out in w.scheduler.update(w.plan, w.sampled):
+        for out in w.scheduler.update(w.step, w.sampled):
             rid = out.request_id
             if rid not in first_token:
                 first_token[rid] = now

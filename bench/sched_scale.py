@@ -152,15 +152,16 @@ def drive(s: Scheduler, reqs: list[Request], num_steps: int, now=time.perf_count
     try:
         for _ in range(num_steps):
             g0, y0, t0 = clock.full, clock.young, now()
-            plan = s.schedule()
-            if plan is None:
+            step = s.schedule()
+            if step is None:
                 break
             g1, t1 = clock.full, now()
+            plan = step.plan
             data = plan_to_pb(plan).SerializeToString()
             g2, y2, t2 = clock.full, clock.young, now()
             result = fake_worker(plan, reqs).SerializeToString()  # the worker's side: not timed
             g3, y3, t3 = clock.full, clock.young, now()
-            s.update(plan, result_from_pb(worker_pb2.StepResult.FromString(result)).sampled)
+            s.update(step, result_from_pb(worker_pb2.StepResult.FromString(result)).sampled)
             g4, y4, t4 = clock.full, clock.young, now()
             rows.append((t1 - t0 - (g1 - g0), t2 - t1 - (g2 - g1), t4 - t3 - (g4 - g3), g2 - g0 + g4 - g3,
                          y2 - y0 + y4 - y3, plan.num_seqs, len(plan.new_seqs), len(data), g3 - g2))
@@ -199,9 +200,9 @@ def check_and_drain(s: Scheduler, reqs: list[Request], num_blocks: int) -> None:
         s.abort(r.request_id)
     for r in list(s.running):
         s.abort(r.request_id)
-    plan = s.schedule()  # tells the worker to drop the aborted sequences
-    if plan is not None:
-        s.update(plan, {})
+    step = s.schedule()  # tells the worker to drop the aborted sequences
+    if step is not None:
+        s.update(step, {})
     assert not s.has_unfinished_requests() and s.schedule() is None
     assert pool.num_free_blocks == num_blocks and not any(pool.ref_cnt)
 

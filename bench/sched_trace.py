@@ -35,7 +35,8 @@ def run(trace: list[dict], cfg: SchedulerConfig) -> tuple[float, int, int]:
     decodes = [r["decode"] for r in trace]  # NOTE: seq ids are handed out in submission order: seq_id == i
     num_plan_bytes = 0
     while s.has_unfinished_requests():
-        plan = s.schedule()
+        step = s.schedule()
+        plan = step.plan
         num_plan_bytes += len(plan_to_pb(plan).SerializeToString())
         sampled = {}
         for p in plan.new_seqs:
@@ -45,7 +46,7 @@ def run(trace: list[dict], cfg: SchedulerConfig) -> tuple[float, int, int]:
             r = reqs[p.seq_id]
             if r.num_computed_tokens + p.num_scheduled_tokens == len(r.all_token_ids):
                 sampled[p.seq_id] = decodes[p.seq_id][len(r.output_token_ids)]
-        s.update(plan, sampled)
+        s.update(step, sampled)
     wall = time.perf_counter() - t0
     assert all(list(r.output_token_ids) == trace[i]["decode"] for i, r in enumerate(reqs))
     assert s.kv.pool.num_free_blocks == cfg.num_blocks

@@ -111,8 +111,22 @@ async def serve_rounds(model_dir: str, endpoint: str, concurrency: int, max_toke
     w = engine.attach_worker(WorkerRegistration("m", 512, "cpu", KVGeometry(1, 1, 8, "float32", 16), 8192))
 
     async def answer() -> None:
+        # NOTE: what samples is read off the plans, as a worker does (the step in flight is the engine's, and the
+        # baseline tree's API differs): each sequence once its known tokens are all computed, its token then known
+        known: dict[int, list[int]] = {}  # seq_id -> [tokens known, tokens computed]
         while (plan := await w.outbox.get()) is not None:
-            w.inbox.put_nowait(StepResult(plan.step_id, dict.fromkeys(w.scheduler.due_samples(), 7)))
+            for seq_id in (*plan.finished_seq_ids, *plan.preempted_seq_ids):
+                known.pop(seq_id, None)
+            for n in plan.new_seqs:
+                known[n.seq_id] = [len(n.token_ids), n.num_computed_tokens]
+            due = []
+            for n in (*plan.new_seqs, *plan.running):
+                seq = known[n.seq_id]
+                seq[1] += n.num_scheduled_tokens
+                if seq[1] >= seq[0]:
+                    seq[0] += 1
+                    due.append(n.seq_id)
+            w.inbox.put_nowait(StepResult(plan.step_id, dict.fromkeys(due, 7)))
 
     async def client(i: int, n: int) -> None:
         for k in range(n):

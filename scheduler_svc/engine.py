@@ -16,6 +16,7 @@ import structlog
 
 from pagedserve_common.config import EngineOptions
 from pagedserve_common.step import StepError, StepPlan, StepResult
+from scheduler_svc.core.step import ScheduledStep
 from pagedserve_common.sampling import SamplingParams
 from scheduler_svc import request_log
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput
@@ -36,7 +37,7 @@ if TYPE_CHECKING:  # NOTE: the front end makes the streams; the engine only feed
 log = structlog.get_logger("pagedserve.scheduler")
 
 LEAVING_POLL_SECONDS = 0.5  # a leaving worker with nothing to run still has its drain deadline checked
-NOT_YET = object()  # _next_plan(wait=False): nothing to run now
+NOT_YET = object()  # _next_step(wait=False): nothing to run now
 # The longest a step's publishing waits for the next plan's write (a worker that reads no plans holds the write).
 PLAN_WRITE_WAIT_SECONDS = 0.05
 CONSTRAINT_GAVE_UP = ("structured_output: following the grammar took more work for one token than a step allows "
@@ -104,44 +105,49 @@ class Engine(Fleet):
         A sample whose text hits a stop string there has one more token computed in the plan already sent, which
         update() drops as it does an abort's."""
         pending: PendingStep | None = None
+        step: ScheduledStep | None = None  # the step in flight: this loop holds it, the scheduler does not
+        ended = None  # why the loop ended: a Lost, or None (detached)
         try:
             while True:
-                plan = await self._next_plan(w, wait=pending is None)  # schedule: waits while there is nothing to run
-                if plan is NOT_YET:  # nothing to run before the streams have this step: publish it, then wait
+                step = await self._next_step(w, wait=pending is None)  # schedule: waits while there is nothing to run
+                if step is NOT_YET:  # nothing to run before the streams have this step: publish it, then wait
+                    step = None
                     self._publish(w, pending)
                     pending = None
                     continue
-                if not isinstance(plan, StepPlan):
+                if not isinstance(step, ScheduledStep):
+                    ended, step = step, None
                     break
+                plan = step.plan
                 t0 = time.perf_counter()
-                if due := w.scheduler.constrained_due():  # structured output: each sample's allowed tokens
+                if due := step.constrained_due():  # structured output: each sample's allowed tokens
                     # NOTE: on a thread, off the event loop: every other stream, health and the other workers'
                     # loops go on meanwhile. Only this loop touches these matchers (update() runs after receive).
                     masks = await asyncio.to_thread(fill_bitmasks, [r.constraint for r in due],
                                                     self.config.vocab_size)
                     plan.token_bitmasks = dict(zip([r.seq_id for r in due], masks))
                 if self.tracing is not None:
-                    self.tracing.step(w, plan, self.streams)
+                    self.tracing.step(w, step, self.streams)
                 w.plan_sent.clear()
                 w.outbox.put_nowait(plan)  # send: the Attach stream encodes and writes it
                 if pending is not None:
                     await self._plan_written(w)
                     self._publish(w, pending)
                     pending = None
-                result = await self._receive(w, plan)
+                result = await self._receive(w, step)
                 if not isinstance(result, StepResult):
-                    plan = result
+                    ended = result
                     break
-                outputs = w.scheduler.update(plan, result.sampled, result.num_accepted_drafts, result.prompt_logprobs)
-                pending = PendingStep(plan, outputs, result, time.perf_counter() - t0)
+                outputs = w.scheduler.update(step, result.sampled, result.num_accepted_drafts, result.prompt_logprobs)
+                pending, step = PendingStep(plan, outputs, result, time.perf_counter() - t0), None
             if pending is not None:  # NOTE: before a loss recomputes its requests elsewhere
                 self._publish(w, pending)
-            if isinstance(plan, Lost):
-                self.lose_worker(w, plan)
+            if isinstance(ended, Lost):
+                self.lose_worker(w, ended, step)
         except Exception as e:  # a bug: end this worker's requests loudly rather than leave them hanging
             log.exception("step loop failed", worker=w.worker_id)
             self.detach(w)
-            for req in w.scheduler.release_all():
+            for req in w.scheduler.release_all(step):
                 self.placement.pop(req.request_id, None)
                 self._fail(req.request_id, ErrorCode.INTERNAL, f"internal error on {w.worker_id}: {e}", w.worker_id)
 
@@ -155,13 +161,13 @@ class Engine(Fleet):
         except TimeoutError:
             pass
 
-    async def _receive(self, w: WorkerHandle, plan: StepPlan) -> StepResult | Lost:
+    async def _receive(self, w: WorkerHandle, step: ScheduledStep) -> StepResult | Lost:
         """The worker's answer to `plan`, checked, or why none will come: a missed deadline, a failed step, a
         broken stream, a wrong answer. NOTE: one plan in flight per worker, so the next answer is this plan's.
         The first step has the same deadline as any: a worker warms up (first calls, kernel builds) before it
         registers (worker_svc.warm_up), and a longer first deadline let a silent new worker hold requests 4x as
         long (241 s)."""
-        timeout = self.config.step_timeout
+        timeout, plan = self.config.step_timeout, step.plan
         try:
             answer = await asyncio.wait_for(w.inbox.get(), timeout)
         except TimeoutError:
@@ -174,18 +180,18 @@ class Engine(Fleet):
             return Lost("failed_step", f"step {answer.step_id} failed ({answer.kind.name}): {answer.message}")
         # NOTE: a worker that answers wrongly is lost, not its requests: they are recomputed elsewhere uncharged,
         # but for the one whose own entry was wrong (Lost.charged_request_ids).
-        wrong = check_result(plan.step_id, answer, w.scheduler.due_samples(), self.config.vocab_size,
-                             bitmasks=plan.token_bitmasks, banned=w.scheduler.banned_samples(),
-                             allowed=w.scheduler.allowed_samples(),
-                             drafted=w.scheduler.drafted_samples(), prompt_due=w.scheduler.prompt_logprobs_due())
+        wrong = check_result(plan.step_id, answer, step.due_samples(), self.config.vocab_size,
+                             bitmasks=plan.token_bitmasks, banned=step.banned_samples(),
+                             allowed=step.allowed_samples(), drafted=step.drafted,
+                             prompt_due=step.prompt_logprobs_due())
         if wrong is not None:
-            blamed = w.scheduler.request_id_of(wrong.seq_id) if wrong.seq_id is not None else None
+            blamed = step.request_id_of(wrong.seq_id) if wrong.seq_id is not None else None
             return bad_result(plan.step_id, wrong.message, frozenset(() if blamed is None else (blamed,)))
         w.num_steps += 1
         return answer
 
-    async def _next_plan(self, w: WorkerHandle, wait: bool = True) -> StepPlan | Lost | object | None:
-        """The worker's next plan; a Lost when its stream broke or its drain ran out; None once it is detached;
+    async def _next_step(self, w: WorkerHandle, wait: bool = True) -> ScheduledStep | Lost | object | None:
+        """The worker's next step; a Lost when its stream broke or its drain ran out; None once it is detached;
         NOT_YET when there is nothing to run now and `wait` is False."""
         while w.attached:
             if w.lost is not None:
@@ -194,9 +200,9 @@ class Engine(Fleet):
                 return lost
             if not w.attached:
                 break
-            plan = w.scheduler.schedule()
-            if plan is not None:
-                return plan
+            step = w.scheduler.schedule()
+            if step is not None:
+                return step
             if not wait:
                 return NOT_YET
             w.wakeup.clear()

@@ -14,6 +14,7 @@ from pagedserve_common.config import CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS
 from pagedserve_common.registration import MAX_NAME_CHARS, WorkerRegistration, name_error
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.core.speculation import SpecCounters
+from scheduler_svc.core.step import ScheduledStep
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.kv.manager import VALID_BLOCK_SIZES
 from scheduler_svc.metrics import Metrics
@@ -241,16 +242,20 @@ class Fleet:
             self._place_or_wait(req)
         return w
 
-    def lose_worker(self, w: WorkerHandle, lost: Lost) -> None:
-        """The worker broke (or ran out of time leaving): recompute its requests on the others."""
+    def lose_worker(self, w: WorkerHandle, lost: Lost, in_flight: ScheduledStep | None = None) -> None:
+        """The worker broke (or ran out of time leaving) with the step `in_flight` unanswered: recompute its
+        requests on the others (those in that step are charged a migration, when the loss is the step's fault)."""
         if not w.attached:
             return
         reason = lost.reason
-        suspects = w.scheduler.in_flight_request_ids() if lost.charge else lost.charged_request_ids
+        if lost.charge:
+            suspects = in_flight.request_ids() if in_flight is not None else set()
+        else:
+            suspects = lost.charged_request_ids
         self.detach(w)
         moved, failed = 0, 0
         limit = self.config.max_migrations
-        for req in w.scheduler.release_all():
+        for req in w.scheduler.release_all(in_flight):
             rid = req.request_id
             self.placement.pop(rid, None)
             stream = self.streams.get(rid)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from scheduler_svc.core.request import Request, RequestStatus
+from scheduler_svc.core.step import ScheduledStep
 
 _RUNNING = RequestStatus.RUNNING
 
@@ -14,9 +15,9 @@ class Handover:
     seed and sample index, so it continues exactly where it stopped; its KV never travels.
     """
 
-    def release_all(self) -> list[Request]:
+    def release_all(self, in_flight: ScheduledStep | None = None) -> list[Request]:
         """The worker is gone: every unfinished client request, oldest first, reset to be recomputed elsewhere
-        (adopt()). Every block goes back to the pool and the plan in flight, if any, is forgotten."""
+        (adopt()). Every block goes back to the pool, the CPU blocks the step `in_flight` swapped in included."""
         out = sorted(self.requests.values(), key=lambda r: r.arrival_time)
         for seq in self.running:
             self.kv.free(seq.seq_id)
@@ -27,10 +28,11 @@ class Handover:
         self.waiting.clear()
         self.requests.clear()
         self._num_seq_slots, self.num_constrained = 0, 0
-        self._scheduled, self._in_flight, self._finished_seq_ids = [], None, []
-        if self._cpu_blocks_to_free:
-            self.cpu_pool.free(self._cpu_blocks_to_free)
-            self._cpu_blocks_to_free = []
+        self._finished_seq_ids = []
+        self.min_tokens_request_ids.clear()
+        if in_flight is not None and in_flight.cpu_block_ids_to_free:
+            self.cpu_pool.free(in_flight.cpu_block_ids_to_free)
+            in_flight.cpu_block_ids_to_free = []
         return out
 
     def take_queued(self) -> list[Request]:
@@ -81,14 +83,6 @@ class Handover:
             seq.status = RequestStatus.PREEMPTED
         seq.num_computed_tokens, seq.on_worker = 0, False
         seq.draft_token_ids = ()  # NOTE: a lost step's drafts are proposed again, if at all, where it runs next
-
-    def in_flight_request_ids(self) -> set[str]:
-        """Client requests with a sequence in the plan in flight (the suspects when the worker dies on it)."""
-        return {seq.request_id for seq, _ in self._scheduled}
-
-    def request_id_of(self, seq_id: int) -> str | None:
-        """The client request of a sequence in the plan in flight (None when it is not in it)."""
-        return next((seq.request_id for seq, _ in self._scheduled if seq.seq_id == seq_id), None)
 
     @property
     def num_pending_tokens(self) -> int:

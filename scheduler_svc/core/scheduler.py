@@ -6,7 +6,7 @@ import itertools
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from pagedserve_common.step import NewSequence, PromptLogprobs, SequenceDelta, StepPlan
 from pagedserve_common.config import EngineOptions
@@ -16,9 +16,10 @@ from pagedserve_common.sampling import InvalidField
 from scheduler_svc.core import reservation
 from scheduler_svc.core.handover import Handover
 from scheduler_svc.core.policy_room import PolicyRoom
-from scheduler_svc.core.prompt_logprobs import PromptDue, due_rows
+from scheduler_svc.core.prompt_logprobs import due_rows
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput, RequestStatus
 from scheduler_svc.core.speculation import SPECULATIVE_METHODS, Speculator
+from scheduler_svc.core.step import ScheduledStep
 from scheduler_svc.core.waiting import SCHEDULING_POLICIES, ServiceCounter, WaitingQueue
 from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.manager import KVCacheManager
@@ -52,11 +53,26 @@ class SchedulerConfig:
             self.max_num_batched_tokens = self.max_num_seqs * self.max_model_len
 
 
+@dataclass(slots=True)
+class StepRoom:
+    """The working state of one schedule() call, passed from phase to phase: the step being built, what is left of
+    its token budget, and what the policies need between phases."""
+
+    step: ScheduledStep
+    budget: int  # tokens left this step (max_num_batched_tokens)
+    cap: int  # one sequence's tokens this step at most (long_prefill_token_threshold)
+    num_preempted: int = 0  # under memory pressure this step: then nobody is admitted
+    num_charged: int = 0  # fair: step.scheduled[:num_charged] is charged already
+    fair_head: tuple[str, int] | None = None  # fair: (the waiting head's tenant, its first chunk's tokens)
+    yielded: list[Request] = field(default_factory=list)  # fair: running chunks that gave way to the head
+
+
 class Scheduler(Handover, PolicyRoom):
     """Decides each step's batch; owns every sequence's block table through a KVCacheManager (a
     StaticKVCacheManager in the static kv_allocation modes: one contiguous run per sequence, reserved at admission).
 
-    Protocol: schedule() -> send the plan -> update(plan, sampled) -> schedule() ..., one plan in flight.
+    Protocol: step = schedule() -> send step.plan -> update(step, sampled) -> schedule() ..., one step in flight,
+    held by the caller (ScheduledStep): nothing about it is kept here.
     NOTE: a sequence the worker holds (on_worker) is only ever sent as a delta: its table is append-only.
     A fork child's first write may replace its shared last block (copy-on-write), so it is sent as new.
     NOTE: the KV manager keys block tables by seq_id, which is unique among live sequences.
@@ -90,7 +106,6 @@ class Scheduler(Handover, PolicyRoom):
             self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         # NOTE: CPU swap blocks hold no prefix cache: a plain pool of ids.
         self.cpu_pool = BlockPool(config.num_cpu_blocks) if config.num_cpu_blocks else None
-        self._cpu_blocks_to_free: list[int] = []  # swapped in this step: free once the worker has read them
         self.num_swaps = 0
         self.requests: dict[str, Request] = {}  # unfinished client requests (parents for n > 1)
         # Admission order (scheduler_svc.core.waiting): fcfs, priority or fair; preempted sequences go back first
@@ -106,15 +121,12 @@ class Scheduler(Handover, PolicyRoom):
         self._seq_ids = seq_ids if seq_ids is not None else itertools.count()
         self._num_seq_slots = 0  # running sequences, counting an unforked parent as its n future children
         self._finished_seq_ids: list[int] = []  # the worker's to drop, told in the next plan
-        self._scheduled: list[tuple[Request, int]] = []  # the plan in flight: (sequence, tokens scheduled)
-        self._in_flight: int | None = None  # step_id of the plan in flight
         self._eos = frozenset(config.eos_token_ids)
-        # NOTE: the request ids with min_tokens that may still be live (pruned lazily): banned_samples costs nothing
-        # a step while there are none, the common case
+        # NOTE: the request ids with min_tokens that may still be live (pruned lazily): a step's banned_samples costs
+        # nothing while there are none, the common case
         self.min_tokens_request_ids: set[str] = set()
         self._rng = random.Random()
         self.num_constrained = 0  # client requests here with structured output (their samples need bitmasks)
-        self._drafted: dict[int, int] = {}  # the plan in flight's drafting sequences: seq_id -> its drafts
 
     # -- admission ----------------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -221,33 +233,52 @@ class Scheduler(Handover, PolicyRoom):
         return bool(self.requests)
 
     # -- one step -----------------------------------------------------------------------------------------
-    def schedule(self) -> StepPlan | None:
-        """The next step's plan; None when there is nothing to run and nothing to tell the worker."""
-        if self._in_flight is not None:
-            raise RuntimeError(f"step {self._in_flight} is still in flight: call update() first")
-        cfg, kv, running = self.config, self.kv, self.running
+    def schedule(self) -> ScheduledStep | None:
+        """The next step; None when there is nothing to run and nothing to tell the worker. Its phases, in order:
+        preemptions the policy makes for its waiting head, the running sequences (decodes and prefill chunks, in
+        admission order, preempting under memory pressure), admissions in the policy's order, the budget the fair
+        policy's yields left, then the step's accounting."""
+        cfg = self.config
         plan = StepPlan(self.steps, finished_seq_ids=self._finished_seq_ids)
         self._finished_seq_ids = []
-        scheduled: list[tuple[Request, int]] = []
-        budget, cap = cfg.max_num_batched_tokens, cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens
-        num_preempted = 0
+        room = StepRoom(ScheduledStep(plan), cfg.max_num_batched_tokens,
+                        cfg.long_prefill_token_threshold or cfg.max_num_batched_tokens)
         self.waiting_for_blocks = False
-        new_plans, running_plans, copies = plan.new_seqs, plan.running, plan.copies
-        spec = self.spec
-        if self._drafted:
-            self._drafted = {}
-        if self._priority and self.waiting and running:
-            self._preempt_for_priority(plan, budget)
-        if self._fair and self.waiting and running:
-            self._preempt_for_fair_share(plan, budget)
-        # fair: the waiting head keeps its first chunk's room in the budget from the prefill chunks of running
-        # sequences of other tenants served no less (decodes are never held back)
-        fair_head = self._fair_head(cap) if self._fair and self.waiting else None
-        yielded: list[Request] = []  # running sequences whose whole chunk gave way to the waiting head
+        self._make_room_by_policy(room)
+        self._schedule_running(room)
+        self._admit_waiting(room)
+        if room.yielded and room.budget > 0:
+            room.budget = self._resume_yielded(room.yielded, plan, room.step.scheduled, room.budget, room.cap)
+        step = room.step
+        if not step.scheduled and not plan.finished_seq_ids and not plan.preempted_seq_ids:
+            return None
+        self._account(room)
+        self.steps += 1
+        return step
+
+    def _make_room_by_policy(self, room: StepRoom) -> None:
+        """priority and fair: preemptions for the waiting head, and (fair) the head's first chunk kept in the
+        budget from the prefill chunks of running sequences of other tenants served no less (decodes are never held
+        back)."""
+        if not (self.waiting and self.running):
+            if self._fair and self.waiting:
+                room.fair_head = self._fair_head(room.cap)
+            return
+        if self._priority:
+            self._preempt_for_priority(room.step.plan, room.budget)
+        if self._fair:
+            self._preempt_for_fair_share(room.step.plan, room.budget)
+            if self.waiting:
+                room.fair_head = self._fair_head(room.cap)
+
+    def _schedule_running(self, room: StepRoom) -> None:
+        """Running sequences first, in admission order: each its decode or its next prefill chunk (and drafts,
+        under speculation), recompute-preempting the most recently admitted under memory pressure."""
+        kv, running, spec, plan = self.kv, self.running, self.spec, room.step.plan
+        budget, cap, fair_head, scheduled = room.budget, room.cap, room.fair_head, room.step.scheduled
         # NOTE: room for drafts: a step of many decodes is compute-bound, where each draft costs what a token costs
         num_draft_room = spec.max_step_tokens - len(running) if spec is not None else 0
         i = 0
-        # Running sequences first: decodes and unfinished prefill chunks, in admission order.
         while i < len(running) and budget > 0:
             req = running[i]
             tokens = req.all_token_ids
@@ -257,110 +288,122 @@ class Scheduler(Handover, PolicyRoom):
             if fair_head is not None and num_new > 1 and self._fair_yields(req, fair_head):
                 num_new = min(num_new, budget - fair_head[1])
                 if num_new < 1:  # its chunk waits for the admissions: what they leave it is its (_resume_yielded)
-                    yielded.append(req)
+                    room.yielded.append(req)
                     i += 1
                     continue
             alloc = None
             if spec is not None:
-                alloc, num_new = self._draft(req, num_new, min(num_draft_room, budget - num_new))
+                alloc, num_new = self._draft(req, num_new, min(num_draft_room, budget - num_new), room.step.drafted)
                 num_draft_room -= len(req.draft_token_ids)
             if alloc is None:
                 alloc = kv.allocate(req.seq_id, self._num_table_tokens(req, num_new), tokens)
             while alloc is None:  # out of blocks: recompute-preempt the most recently admitted sequence
                 victim = running.pop()
                 self._preempt(victim, plan)
-                num_preempted += 1
+                room.num_preempted += 1
                 if victim is req:
                     break
                 alloc = kv.allocate(req.seq_id, self._num_table_tokens(req, num_new), tokens)
             if alloc is None:
                 break  # it was the last one itself
             if alloc.copies:
-                copies.extend(alloc.copies)
+                plan.copies.extend(alloc.copies)
             if req.on_worker:
                 # NOTE: most steps add no block: a literal [] then, not list(()) (~0.1 us a sequence a step)
                 new_ids = alloc.new_block_ids
-                running_plans.append(SequenceDelta(req.seq_id, list(new_ids) if new_ids else [], num_new,
-                                                   req.draft_token_ids or []))
+                plan.running.append(SequenceDelta(req.seq_id, list(new_ids) if new_ids else [], num_new,
+                                                  req.draft_token_ids or []))
             else:  # a fork child's first step: its table after copy-on-write goes whole
-                new_plans.append(self._new_plan(req, num_new))
+                plan.new_seqs.append(self._new_plan(req, num_new))
             scheduled.append((req, num_new))
             budget -= num_new
             i += 1
-        # Then admit waiting ones in the policy's order, unless memory is so tight that someone was just preempted.
-        waiting = self.waiting
-        if num_preempted and waiting:  # memory is so tight that nobody is admitted
-            self.waiting_for_blocks = True
-        num_charged = 0
-        while waiting and not num_preempted and budget > 0:
+        room.budget = budget
+
+    def _admit_waiting(self, room: StepRoom) -> None:
+        """Then waiting requests in the policy's order, while slots, budget and blocks last; nobody when memory is
+        so tight that someone was just preempted. A swapped-out one has its KV restored instead of recomputed."""
+        waiting, kv, step = self.waiting, self.kv, room.step
+        if room.num_preempted:
+            self.waiting_for_blocks = bool(waiting)
+            return
+        while waiting and room.budget > 0:
             if self._fair:  # NOTE: charged as it goes, so the next head is picked by the service so far
-                self._charge(scheduled[num_charged:])
-                num_charged = len(scheduled)
+                self._charge(step.scheduled[room.num_charged:])
+                room.num_charged = len(step.scheduled)
             req = waiting[0]
-            width = req.fork_into or 1
-            if self._num_seq_slots + width > cfg.max_num_seqs:
+            if self._num_seq_slots + (req.fork_into or 1) > self.config.max_num_seqs:
                 break
-            tokens = req.all_token_ids
             if req.cpu_block_ids is not None:  # swapped out: restore its KV instead of recomputing it
-                if not self._swap_in(req, plan, min(req.num_target_tokens() - req.num_computed_tokens, budget)):
+                if not self._swap_in(req, step, min(req.num_target_tokens() - req.num_computed_tokens, room.budget)):
                     self.waiting_for_blocks = True
                     break
-                num_new = new_plans[-1].num_scheduled_tokens
-                scheduled.append((req, num_new))
-                budget -= num_new
+                self._scheduled_one(room, req, step.plan.new_seqs[-1].num_scheduled_tokens)
                 continue
             log = req.prompt_log
             # NOTE: prompt logprobs: no hit over rows whose positions it lacks (their logits must be computed)
-            hit = kv.find_prefix(tokens, req.cache_salt, None if log is None or log.complete
+            hit = kv.find_prefix(req.all_token_ids, req.cache_salt, None if log is None or log.complete
                                  else log.max_hit_tokens())
-            num_new = min(req.num_target_tokens() - hit.num_tokens, budget, cap)
+            num_new = min(req.num_target_tokens() - hit.num_tokens, room.budget, room.cap)
             if self.static and not self._reserve(req, num_new):
                 self.waiting_for_blocks = True  # no free run that long, though the holes may add up to enough
                 break
-            if kv.allocate(req.seq_id, hit.num_tokens + num_new, tokens, hit, req.cache_salt) is None:
+            if kv.allocate(req.seq_id, hit.num_tokens + num_new, req.all_token_ids, hit, req.cache_salt) is None:
                 self.waiting_for_blocks = True  # wait for running sequences to finish
                 break
-            # NOTE: counted once admitted: a queue head that waits for blocks is looked up again every step.
-            kv.record_prefix_query(len(tokens), hit.num_tokens)
-            req.admitted_priority = waiting.effective_priority(req)
-            waiting.popleft()
-            if req.status is RequestStatus.WAITING:
-                req.num_cached_prompt_tokens = hit.num_tokens
-                req.first_scheduled_time = req.first_scheduled_time or time.monotonic()
-            req.status, req.num_computed_tokens = _RUNNING, hit.num_tokens
-            running.append(req)
-            self._num_seq_slots += width
+            self._admitted(req, hit.num_tokens)
             if num_new == 0:  # a fork parent whose whole prefix hit the cache: fork now
-                self._fork(req)
-                for child in req.children:  # each computes the last prompt token; on no room, next step
-                    if budget <= 0:
-                        break
-                    alloc = kv.allocate(child.seq_id, child.num_computed_tokens + 1, child.all_token_ids)
-                    if alloc is None:
-                        break
-                    copies.extend(alloc.copies)
-                    new_plans.append(self._new_plan(child, 1))
-                    scheduled.append((child, 1))
-                    budget -= 1
+                self._fork_admitted(room, req)
                 continue
-            new_plans.append(self._new_plan(req, num_new))
-            scheduled.append((req, num_new))
-            budget -= num_new
-        if yielded and budget > 0:
-            budget = self._resume_yielded(yielded, plan, scheduled, budget, cap)
-        if not scheduled and not plan.finished_seq_ids and not plan.preempted_seq_ids:
-            return None
+            step.plan.new_seqs.append(self._new_plan(req, num_new))
+            self._scheduled_one(room, req, num_new)
+
+    def _admitted(self, req: Request, num_hit_tokens: int) -> None:
+        """The waiting head, its blocks allocated, runs from this step on."""
+        # NOTE: counted once admitted: a queue head that waits for blocks is looked up again every step.
+        self.kv.record_prefix_query(len(req.all_token_ids), num_hit_tokens)
+        req.admitted_priority = self.waiting.effective_priority(req)
+        self.waiting.popleft()
+        if req.status is RequestStatus.WAITING:
+            req.num_cached_prompt_tokens = num_hit_tokens
+            req.first_scheduled_time = req.first_scheduled_time or time.monotonic()
+        req.status, req.num_computed_tokens = _RUNNING, num_hit_tokens
+        self.running.append(req)
+        self._num_seq_slots += req.fork_into or 1
+
+    def _fork_admitted(self, room: StepRoom, req: Request) -> None:
+        """A fork parent admitted with its whole prefix cached forks at once; each child computes the last prompt
+        token (one without room or budget does next step)."""
+        self._fork(req)
+        for child in req.children:
+            if room.budget <= 0:
+                break
+            alloc = self.kv.allocate(child.seq_id, child.num_computed_tokens + 1, child.all_token_ids)
+            if alloc is None:
+                break
+            room.step.plan.copies.extend(alloc.copies)
+            room.step.plan.new_seqs.append(self._new_plan(child, 1))
+            self._scheduled_one(room, child, 1)
+
+    @staticmethod
+    def _scheduled_one(room: StepRoom, req: Request, num_new: int) -> None:
+        room.step.scheduled.append((req, num_new))
+        room.budget -= num_new
+
+    def _account(self, room: StepRoom) -> None:
+        """The step's counts: prompt tokens computed, the fair policy's charges, what the step's checks look at."""
+        step = room.step
         num_prefill = 0  # NOTE: num_computed_tokens is still the count before this step; decodes add nothing
-        for req, num_new in scheduled:
+        for req, num_new in step.scheduled:
             pending = len(req.prompt_token_ids) - req.num_computed_tokens
             if pending > 0:
                 num_prefill += num_new if num_new < pending else pending
         self.num_prefill_tokens += num_prefill
         if self._fair:
-            self._charge(scheduled[num_charged:])
-        self._scheduled, self._in_flight = scheduled, plan.step_id
-        self.steps += 1
-        return plan
+            self._charge(step.scheduled[room.num_charged:])
+        if self.min_tokens_request_ids:
+            self.min_tokens_request_ids &= self.requests.keys()
+        step.any_constrained, step.any_min_tokens = bool(self.num_constrained), bool(self.min_tokens_request_ids)
 
     def _num_table_tokens(self, req: Request, num_new: int) -> int:
         """The tokens a running sequence's table must cover this step. NOTE: under speculation a table may already
@@ -368,7 +411,7 @@ class Scheduler(Handover, PolicyRoom):
         need = req.num_computed_tokens + num_new
         return need if self.spec is None else max(need, self.kv.num_tokens(req.seq_id))
 
-    def _draft(self, req: Request, num_new: int, num_room: int):
+    def _draft(self, req: Request, num_new: int, num_room: int, drafted: dict[int, int]):
         """Speculation: (allocation, tokens scheduled) of a decoding sequence that drafts this step (its drafts in
         req.draft_token_ids), or (None, num_new) with no drafts. NOTE: drafts never preempt anyone: without room for
         their blocks the sequence decodes plainly."""
@@ -382,7 +425,7 @@ class Scheduler(Handover, PolicyRoom):
         if alloc is None:
             return None, num_new
         req.draft_token_ids = drafts
-        self._drafted[req.seq_id] = len(drafts)
+        drafted[req.seq_id] = len(drafts)
         return alloc, 1 + len(drafts)
 
     def _reserve(self, req: Request, num_new: int) -> bool:
@@ -407,7 +450,7 @@ class Scheduler(Handover, PolicyRoom):
         return NewSequence(req.seq_id, list(req.all_token_ids), self.kv.block_table(req.seq_id),
                           req.num_computed_tokens, num_new, sampling, req.seed, len(req.prompt_token_ids))
 
-    def _swap_in(self, req: Request, plan: StepPlan, num_new: int) -> bool:
+    def _swap_in(self, req: Request, step: ScheduledStep, num_new: int) -> bool:
         """Admits a swapped-out sequence: fresh device blocks, its KV restored from CPU before the forward."""
         cpu_ids = req.cpu_block_ids
         alloc = self.kv.allocate(req.seq_id, req.num_computed_tokens + num_new, req.all_token_ids)
@@ -415,12 +458,12 @@ class Scheduler(Handover, PolicyRoom):
             return False
         self.waiting.popleft()
         table = self.kv.block_table(req.seq_id)
-        plan.swap_in.extend(zip(cpu_ids, table))
-        self._cpu_blocks_to_free.extend(cpu_ids)  # NOTE: not reusable until the worker has copied them in
+        step.plan.swap_in.extend(zip(cpu_ids, table))
+        step.cpu_block_ids_to_free.extend(cpu_ids)  # NOTE: not reusable until the worker has copied them in
         req.cpu_block_ids, req.status = None, _RUNNING
         self.running.append(req)
         self._num_seq_slots += req.fork_into or 1
-        plan.new_seqs.append(self._new_plan(req, num_new))  # a new table: sent whole, never as a delta
+        step.plan.new_seqs.append(self._new_plan(req, num_new))  # a new table: sent whole, never as a delta
         return True
 
     def _preempt(self, victim: Request, plan: StepPlan) -> None:
@@ -470,73 +513,20 @@ class Scheduler(Handover, PolicyRoom):
             self._finished_seq_ids.append(parent.seq_id)
             parent.on_worker = False
 
-    def due_samples(self) -> dict[int, int | None]:
-        """The sequences of the plan in flight that sample a token this step (those reaching the end of their known
-        tokens: one mid chunked prefill samples nothing, nor a fork parent), each -> the number of top logprobs it
-        asked for (None: none); what the worker's answer must hold (scheduler_svc.core.result_check). NOTE: also
-        those aborted or finished while the step runs: the worker samples them all the same."""
-        return {req.seq_id: req.sampling.logprobs for req, num in self._scheduled
-                if req.num_computed_tokens + num >= len(req.all_token_ids)}
-
-    def prompt_logprobs_due(self) -> dict[int, PromptDue]:
-        """The sequences of the plan in flight whose answer must hold prompt logprobs (the worker holds them with
-        prompt_logprobs set and their scheduled tokens include prompt rows with a next prompt token), each -> what
-        (scheduler_svc.core.result_check). NOTE: also those aborted or finished while the step runs."""
-        due = {}
-        for req, num in self._scheduled:
-            if not req.prompt_logprobs_on_worker:
-                continue
-            first, count = due_rows(len(req.prompt_token_ids), req.num_computed_tokens, num)
-            if count:
-                due[req.seq_id] = PromptDue(first + 1, tuple(req.prompt_token_ids[first + 1:first + 1 + count]),
-                                            req.sampling.prompt_logprobs)
-        return due
-
-    def drafted_samples(self) -> dict[int, int]:
-        """The sequences of the plan in flight that draft (speculative decoding), each -> its number of drafts: the
-        most its answer may accept (scheduler_svc.core.result_check)."""
-        return self._drafted
-
-    def constrained_due(self) -> list[Request]:
-        """The sequences of the plan in flight that sample this step under structured output (they need a bitmask)."""
-        if not self.num_constrained:
-            return []
-        return [req for req, num in self._scheduled
-                if req.constraint is not None and req.num_computed_tokens + num >= len(req.all_token_ids)]
-
-    def banned_samples(self) -> dict[int, frozenset[int]]:
-        """The sequences of the plan in flight whose token this step may not be a stop id (its EOS or
-        stop_token_ids): those with fewer than min_tokens outputs; each -> those ids (what the worker masked)."""
-        if not self.min_tokens_request_ids:
-            return {}
-        self.min_tokens_request_ids &= self.requests.keys()
-        # NOTE: not a constrained sample: its grammar's mask wins over min_tokens on the worker (a whole match may
-        # allow EOS alone), and result_check holds its token to that mask instead
-        return {req.seq_id: req.stop_ids for req, num in self._scheduled
-                if req.sampling.min_tokens > len(req.output_token_ids) and req.stop_ids and req.constraint is None
-                and req.num_computed_tokens + num >= len(req.all_token_ids)}
-
-    def allowed_samples(self) -> dict[int, tuple[int, ...]]:
-        """The sequences of the plan in flight that sample a token this step under an allow-list
-        (allowed_token_ids); each -> its ids, ascending. NOTE: not a constrained sample, as banned_samples."""
-        return {req.seq_id: req.sampling.allowed_token_ids for req, num in self._scheduled
-                if req.sampling.allowed_token_ids and req.constraint is None
-                and req.num_computed_tokens + num >= len(req.all_token_ids)}
-
-    def update(self, plan: StepPlan, sampled: dict[int, int], num_accepted_drafts: dict[int, int] | None = None,
+    def update(self, step: ScheduledStep, sampled: dict[int, int], num_accepted_drafts: dict[int, int] | None = None,
                prompt_logprobs: dict[int, PromptLogprobs] | None = None) -> list[RequestOutput]:
-        """Applies the worker's result for `plan` (seq_id -> sampled token; seq_id -> drafts accepted, for the
+        """Applies the worker's result for `step` (seq_id -> sampled token; seq_id -> drafts accepted, for the
         sequences that drafted; seq_id -> the prompt logprobs of its prompt rows, for those that asked); returns
         per-sample outputs. Prompt logprobs go into the request's log (Request.prompt_log) before its first token."""
-        if plan.step_id != self._in_flight:
-            raise ValueError(f"plan step_id {plan.step_id} is not the one in flight ({self._in_flight})")
-        self._in_flight = None
-        if self._cpu_blocks_to_free:
-            self.cpu_pool.free(self._cpu_blocks_to_free)
-            self._cpu_blocks_to_free = []
+        plan = step.plan
+        if plan.step_id != self.steps - 1:
+            raise ValueError(f"step {plan.step_id} is not the last one scheduled ({self.steps - 1})")
+        if step.cpu_block_ids_to_free:
+            self.cpu_pool.free(step.cpu_block_ids_to_free)
+            step.cpu_block_ids_to_free = []
         outputs: list[RequestOutput] = []
         max_model_len = self.config.max_model_len
-        for req, num in self._scheduled:
+        for req, num in step.scheduled:
             if req.status is not _RUNNING:
                 req.draft_token_ids = ()
                 continue  # aborted or finished while the step ran
@@ -560,7 +550,6 @@ class Scheduler(Handover, PolicyRoom):
                 self._finish(req, reason)
             outputs.append(RequestOutput(req.request_id, req.index, [tok], reason, req.seq_id,
                                          _constraint_failed(req)))
-        self._scheduled = []
         return outputs
 
     @staticmethod

@@ -21,7 +21,7 @@ from scheduler_svc.core.request import FinishReason
 from scheduler_svc.errors import EngineError
 
 if TYPE_CHECKING:
-    from pagedserve_common.step import StepPlan
+    from scheduler_svc.core.step import ScheduledStep
     from scheduler_svc.fleet import WorkerHandle
     from scheduler_svc.frontend.inputs import GenerateInput
     from scheduler_svc.frontend.stream import RequestStream
@@ -59,10 +59,10 @@ class Tracing:
         return RequestTrace(self, parent, "chat" if inp.messages is not None else "text_completion", inp,
                             time.time_ns() - time.monotonic_ns(), time.monotonic())
 
-    def step(self, w: WorkerHandle, plan: StepPlan, streams: Mapping[str, RequestStream]) -> None:
-        """A plan goes to worker `w`: the first step of a request (or of its move) and its preemptions."""
-        now = time.monotonic()
-        for request_id in w.scheduler.in_flight_request_ids():
+    def step(self, w: WorkerHandle, step: ScheduledStep, streams: Mapping[str, RequestStream]) -> None:
+        """A step goes to worker `w`: the first step of a request (or of its move) and its preemptions."""
+        now, plan = time.monotonic(), step.plan
+        for request_id in step.request_ids():
             stream = streams.get(request_id)
             if stream is not None and stream.trace is not None:
                 stream.trace.scheduled(now, w.worker_id)

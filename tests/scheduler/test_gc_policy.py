@@ -33,8 +33,9 @@ def test_a_finished_forked_request_holds_no_reference_cycle():
     r = Request("a", list(range(1, 11)), SamplingParams(max_tokens=3, n=3, ignore_eos=True))
     s.add_request(r)
     while s.has_unfinished_requests():
-        plan = s.schedule()
-        s.update(plan, {p.seq_id: 7 for p in plan.new_seqs} | {p.seq_id: 7 for p in plan.running})
+        step = s.schedule()
+        plan = step.plan
+        s.update(step, {p.seq_id: 7 for p in plan.new_seqs} | {p.seq_id: 7 for p in plan.running})
         if r.children and not r.is_finished:
             assert all(c.parent is r for c in r.children)  # still linked while it runs
     assert r.is_finished and len(r.children) == 3

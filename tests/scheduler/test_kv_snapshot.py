@@ -19,8 +19,9 @@ def make(**kw) -> Scheduler:
 
 
 def run_step(s: Scheduler, token: int = 7) -> None:
-    plan = s.schedule()
-    s.update(plan, {p.seq_id: token for p in (*plan.new_seqs, *plan.running)})
+    step = s.schedule()
+    plan = step.plan
+    s.update(step, {p.seq_id: token for p in (*plan.new_seqs, *plan.running)})
 
 
 def test_an_idle_pool_is_all_free():
@@ -33,12 +34,12 @@ def test_an_idle_pool_is_all_free():
 def test_a_prefix_hit_shares_the_full_prompt_blocks_and_freed_ones_stay_cached():
     s = make(max_num_seqs=4)
     s.add_request(Request("a", PROMPT, SamplingParams(max_tokens=8)))
-    plan = s.schedule()  # NOTE: the step in flight: its tokens count
+    step = s.schedule()  # NOTE: the step in flight: its tokens count
     snap = snapshot("w", s)
     assert snap.sequences == [SequenceBlocks("a", 0, [0, 1, 2], 20)]
     assert snap.ref_counts == bytes([1, 1, 1, 0, 0, 0, 0, 0])
     assert snap.cached == bytes([1, 1, 0, 0, 0, 0, 0, 0])  # the full prompt blocks entered the prefix cache
-    s.update(plan, {0: 7})
+    s.update(step, {0: 7})
     s.add_request(Request("b", PROMPT, SamplingParams(max_tokens=8)))
     run_step(s)  # a decodes its 21st token; b hits blocks 0 and 1 (16 tokens) and gets block 3
     snap = snapshot("w", s)

@@ -30,20 +30,21 @@ def test_release_all_mid_step_frees_every_block_and_adopt_continues_from_the_str
     step(lost, worker)
     assert (list(a.output_token_ids), list(b.output_token_ids)) == ([510, 511], [503, 504])
     in_flight = lost.schedule()  # the worker dies with this step in flight
-    assert lost.in_flight_request_ids() == {"a", "b", "c"}
-    released = lost.release_all()
+    assert in_flight.request_ids() == {"a", "b", "c"}
+    released = lost.release_all(in_flight)
     assert [r.request_id for r in released] == ["a", "b", "c"]  # oldest first
     assert lost.kv.pool.num_free_blocks == 16 and not lost.has_unfinished_requests()
     assert lost.schedule() is None  # nothing in flight, nothing to run
-    old_ids = {s.seq_id for s in in_flight.new_seqs} | {s.seq_id for s in in_flight.running}
+    old_ids = {s.seq_id for s in in_flight.plan.new_seqs} | {s.seq_id for s in in_flight.plan.running}
     for r in released:
         survivor.adopt(r)
-    plan = survivor.schedule()
+    scheduled = survivor.schedule()
+    plan = scheduled.plan
     assert [(s.token_ids, s.num_computed_tokens, s.num_scheduled_tokens) for s in plan.new_seqs] == [
         (toks(0, 10) + [510, 511], 0, 12), (toks(50, 3) + [503, 504], 0, 5), (toks(90, 4) + [504, 505], 0, 6)]
     assert not {s.seq_id for s in plan.new_seqs} & old_ids  # fresh sequence ids
     other = FakeWorker(by_position)
-    survivor.update(plan, other.step(plan))
+    survivor.update(scheduled, other.step(plan))
     drive(survivor, other)
     assert list(a.output_token_ids) == [510, 511, 512, 513, 514]  # nothing lost, nothing repeated
     assert list(b.output_token_ids) == [503, 504, 505, 506, 507]
@@ -63,11 +64,12 @@ def test_a_forked_request_moves_only_its_unfinished_samples():
     released = lost.release_all()
     assert released == [r] and lost.kv.pool.num_free_blocks == 16
     survivor.adopt(r)
-    plan = survivor.schedule()
+    scheduled = survivor.schedule()
+    plan = scheduled.plan
     assert [s.token_ids for s in plan.new_seqs] == [toks(0, 9) + streamed]  # only the unfinished sample
     assert plan.new_seqs[0].seed == child1.seed
     other = FakeWorker()
-    survivor.update(plan, other.step(plan))
+    survivor.update(scheduled, other.step(plan))
     drive(survivor, other)
     assert len(child1.output_token_ids) == 3 and r.children[0].finish_reason is FinishReason.STOP_STRING
     assert r.status is RequestStatus.FINISHED and not survivor.requests

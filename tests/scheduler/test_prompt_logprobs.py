@@ -63,12 +63,13 @@ class PromptWorker(FakeWorker):
 
 
 def run_step(s: Scheduler, w: PromptWorker):
-    plan = s.schedule()
+    step = s.schedule()
+    plan = step.plan
     plan_to_pb(plan)
     result = w.answer(plan)
-    wrong = check_result(plan.step_id, result, s.due_samples(), VOCAB, prompt_due=s.prompt_logprobs_due())
+    wrong = check_result(plan.step_id, result, step.due_samples(), VOCAB, prompt_due=step.prompt_logprobs_due())
     assert wrong is None, wrong.message
-    return plan, s.update(plan, result.sampled, result.num_accepted_drafts, result.prompt_logprobs)
+    return plan, s.update(step, result.sampled, result.num_accepted_drafts, result.prompt_logprobs)
 
 
 def run(s: Scheduler, w: PromptWorker, max_steps: int = 1000) -> list:
@@ -109,7 +110,7 @@ def test_no_prefix_hit_for_a_request_that_asks_but_it_fills_the_cache():
     assert b.prompt_log.positions == expected(prompt, 2)
     c = req("c", prompt + [7])  # a plain request still hits what b computed
     s.add_request(c)
-    assert s.schedule().new_seqs[0].num_computed_tokens == 16 and c.num_cached_prompt_tokens == 16
+    assert s.schedule().plan.new_seqs[0].num_computed_tokens == 16 and c.num_cached_prompt_tokens == 16
 
 
 def test_chunks_of_a_chunked_prefill_are_collected_in_order_before_the_first_token():
@@ -119,11 +120,13 @@ def test_chunks_of_a_chunked_prefill_are_collected_in_order_before_the_first_tok
     s.add_request(a)
     firsts, outputs = [], []
     while s.has_unfinished_requests():
-        plan = s.schedule()
-        firsts.append({k: (v.first_position, len(v.token_ids)) for k, v in s.prompt_logprobs_due().items()})
+        step = s.schedule()
+        plan = step.plan
+        firsts.append({k: (v.first_position, len(v.token_ids)) for k, v in step.prompt_logprobs_due().items()})
         result = w.answer(plan)
-        assert check_result(plan.step_id, result, s.due_samples(), VOCAB, prompt_due=s.prompt_logprobs_due()) is None
-        out = s.update(plan, result.sampled, None, result.prompt_logprobs)
+        assert check_result(plan.step_id, result, step.due_samples(), VOCAB,
+                            prompt_due=step.prompt_logprobs_due()) is None
+        out = s.update(step, result.sampled, None, result.prompt_logprobs)
         if out:
             assert a.prompt_log.complete  # the first token comes after the last prompt position
             outputs += out
@@ -167,12 +170,12 @@ def test_a_migrated_request_keeps_its_positions_and_gets_only_the_missing_ones()
     old.add_request(b)
     run_step(old, w)  # rows 0 .. 7: positions 1 .. 8
     run_step(old, w)  # rows 8 .. 15: positions 9 .. 16
-    old.schedule()  # rows 16 .. 23 in flight when the worker is lost: their answer never comes
+    in_flight = old.schedule()  # rows 16 .. 23 in flight when the worker is lost: their answer never comes
     assert len(b.prompt_log.positions) == 16
     new, w2 = make(max_num_batched_tokens=64), PromptWorker()
     new.add_request(req("warm", prompt))  # the new worker's cache holds the whole prompt
     run(new, w2)
-    (moved,) = old.release_all()
+    (moved,) = old.release_all(in_flight)
     new.adopt(moved)
     plan, _ = run_step(new, w2)
     # a hit up to what it has (16 positions: rows 0 .. 15, two whole blocks), the rest computed again
@@ -230,10 +233,10 @@ def test_random_workloads_deliver_every_position_exactly_once():
 def test_update_refuses_a_step_without_the_due_positions():
     s, w = make(), PromptWorker()
     s.add_request(req("a", toks(0, 10), prompt_logprobs=0))
-    plan = s.schedule()
-    result = w.answer(plan)
+    step = s.schedule()
+    result = w.answer(step.plan)
     with pytest.raises(ValueError, match="no prompt logprobs for seq 0, whose prompt rows ran"):
-        s.update(plan, result.sampled, None, {})
+        s.update(step, result.sampled, None, {})
 
 
 DUE = {3: PromptDue(5, (50, 51), 2)}

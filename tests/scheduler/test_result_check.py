@@ -1,5 +1,5 @@
 """Spec tests for the check of a worker's answer (scheduler_svc.core.result_check): one test per rule, and which
-sequences the scheduler expects a token from (Scheduler.due_samples)."""
+sequences the scheduler expects a token from (ScheduledStep.due_samples)."""
 
 import itertools
 import math
@@ -123,22 +123,25 @@ def test_due_samples_are_the_sequences_reaching_the_end_of_their_known_tokens():
     s, w = make(max_num_batched_tokens=12), FakeWorker()
     s.add_request(req("short", toks(0, 4), logprobs=2))
     s.add_request(req("long", toks(100, 19)))  # 8 of its 19 prompt tokens fit the first step: mid prefill
-    plan = s.schedule()
-    assert s.due_samples() == {plan.new_seqs[0].seq_id: 2}
-    s.update(plan, w.step(plan))
-    plan = s.schedule()  # short decodes; long computes the 11 left of its prompt: it samples too
-    assert s.due_samples() == {plan.running[0].seq_id: 2, plan.running[1].seq_id: None}
-    s.update(plan, w.step(plan))
+    step = s.schedule()
+    plan = step.plan
+    assert step.due_samples() == {plan.new_seqs[0].seq_id: 2}
+    s.update(step, w.step(plan))
+    step = s.schedule()  # short decodes; long computes the 11 left of its prompt: it samples too
+    plan = step.plan
+    assert step.due_samples() == {plan.running[0].seq_id: 2, plan.running[1].seq_id: None}
+    s.update(step, w.step(plan))
 
 
 def test_a_fork_parent_samples_nothing_its_children_do():
     s, w = make(), FakeWorker()
     s.add_request(req("n2", toks(0, 10), n=2))
-    plan = s.schedule()  # the parent computes all but the last prompt token, then forks
-    assert s.due_samples() == {}
-    s.update(plan, w.step(plan))
-    plan = s.schedule()
-    assert s.due_samples() == {c.seq_id: None for c in plan.new_seqs} and len(plan.new_seqs) == 2
+    step = s.schedule()  # the parent computes all but the last prompt token, then forks
+    assert step.due_samples() == {}
+    s.update(step, w.step(step.plan))
+    step = s.schedule()
+    plan = step.plan
+    assert step.due_samples() == {c.seq_id: None for c in plan.new_seqs} and len(plan.new_seqs) == 2
 
 
 def test_due_samples_are_what_a_worker_samples_through_chunks_forks_and_preemptions():
@@ -148,10 +151,10 @@ def test_due_samples_are_what_a_worker_samples_through_chunks_forks_and_preempti
         s.add_request(req(f"r{i}", toks(50 * i, rng.randint(1, 40)), max_tokens=rng.randint(1, 24),
                           n=rng.choice((1, 1, 2))))
     while s.has_unfinished_requests():
-        plan = s.schedule()
-        due, sampled = s.due_samples(), w.step(plan)
+        step = s.schedule()
+        due, sampled = step.due_samples(), w.step(step.plan)
         assert sampled.keys() == due.keys()
-        s.update(plan, sampled)
+        s.update(step, sampled)
     assert s.num_preemptions > 0  # the pool was tight enough to preempt
 
 
@@ -170,13 +173,14 @@ def test_banned_samples_are_the_sampling_sequences_short_of_min_tokens():
     for r in (a, b, c):
         s.add_request(r)
     w = FakeWorker(lambda seq_id, position: 50)
-    plan = s.schedule()
-    assert s.banned_samples() == {a.seq_id: frozenset({0, 9})}  # c: no stop id at all
+    step = s.schedule()
+    plan = step.plan
+    assert step.banned_samples() == {a.seq_id: frozenset({0, 9})}  # c: no stop id at all
     # the worker is told the scheduler's EOS among the ids it masks until min_tokens
     assert [p.sampling.stop_token_ids for p in plan.new_seqs] == [(0, 9), (), ()]
-    s.update(plan, w.step(plan))
-    s.schedule()
-    assert s.banned_samples() == {a.seq_id: frozenset({0, 9})}  # one output: still short of 2
+    s.update(step, w.step(plan))
+    step = s.schedule()
+    assert step.banned_samples() == {a.seq_id: frozenset({0, 9})}  # one output: still short of 2
 
 
 def test_allowed_samples_are_the_sampling_sequences_with_an_allow_list():
@@ -187,11 +191,11 @@ def test_allowed_samples_are_the_sampling_sequences_with_an_allow_list():
     for r in (a, b, c):
         s.add_request(r)
     w = FakeWorker(lambda seq_id, position: 50)
-    plan = s.schedule()
-    assert s.allowed_samples() == {a.seq_id: (5, 50)}
-    s.update(plan, w.step(plan))
-    s.schedule()
-    assert s.allowed_samples() == {a.seq_id: (5, 50), c.seq_id: (7,)}
+    step = s.schedule()
+    assert step.allowed_samples() == {a.seq_id: (5, 50)}
+    s.update(step, w.step(step.plan))
+    step = s.schedule()
+    assert step.allowed_samples() == {a.seq_id: (5, 50), c.seq_id: (7,)}
 
 
 def test_the_scheduler_ends_no_sample_on_a_stop_id_before_min_tokens():
@@ -209,10 +213,9 @@ def test_banned_samples_follow_a_request_that_migrates_with_min_tokens():
     a = req("a", toks(1, 3), max_tokens=6, min_tokens=4)
     lost.add_request(a)
     w = FakeWorker(lambda seq_id, position: 50)
-    plan = lost.schedule()
-    lost.update(plan, w.step(plan))
+    step = lost.schedule()
+    lost.update(step, w.step(step.plan))
     for r in lost.release_all():
         survivor.adopt(r)
-    survivor.schedule()
-    assert survivor.banned_samples() == {a.seq_id: frozenset({0})}
-    assert lost.banned_samples() == {} and not lost.min_tokens_request_ids  # pruned once the request left
+    assert not lost.min_tokens_request_ids  # released with its requests
+    assert survivor.schedule().banned_samples() == {a.seq_id: frozenset({0})}

@@ -34,8 +34,8 @@ def fleet(n: int = 2, num_blocks: int = 32) -> list[W]:
 def prefill(w: W, request_id: str, prompt: list[int]) -> None:
     """Runs one request's prefill on the worker's scheduler: its full blocks enter the prefix cache."""
     w.scheduler.add_request(Request(request_id, prompt, GREEDY))
-    plan = w.scheduler.schedule()
-    w.scheduler.update(plan, {s.seq_id: 1 for s in plan.new_seqs})
+    step = w.scheduler.schedule()
+    w.scheduler.update(step, {s.seq_id: 1 for s in step.plan.new_seqs})
 
 
 def cache(w: W, prompt: list[int]) -> None:

@@ -40,7 +40,7 @@ def test_max_num_seqs_caps_admission():
     s = make(max_num_seqs=2)
     for i in range(3):
         s.add_request(req(str(i), toks(100 * i, 5)))
-    plan = s.schedule()
+    plan = s.schedule().plan
     assert [p.seq_id for p in plan.new_seqs] == [0, 1] and [r.request_id for r in s.waiting] == ["2"]
 
 
@@ -59,7 +59,7 @@ def test_long_prefill_token_threshold_caps_one_sequences_chunk():
     s = make(max_num_batched_tokens=64, long_prefill_token_threshold=12)
     s.add_request(req("a", toks(0, 30)))
     s.add_request(req("b", toks(100, 30)))
-    assert [p.num_scheduled_tokens for p in s.schedule().new_seqs] == [12, 12]
+    assert [p.num_scheduled_tokens for p in s.schedule().plan.new_seqs] == [12, 12]
 
 
 def test_prefix_hit_skips_cached_tokens_and_cache_salt_isolates():
@@ -68,14 +68,15 @@ def test_prefix_hit_skips_cached_tokens_and_cache_salt_isolates():
     drive(s, w)
     b = req("b", toks(0, 16) + toks(500, 5))
     s.add_request(b)
-    plan = s.schedule()
+    scheduled = s.schedule()
+    plan = scheduled.plan
     assert [(p.block_ids, p.num_computed_tokens, p.num_scheduled_tokens) for p in plan.new_seqs] == \
         [([0, 1, 3], 16, 5)]  # blocks 0 and 1 are a's; block 2 (a's partial tail) went back to the free queue
     assert b.num_cached_prompt_tokens == 16
-    s.update(plan, w.step(plan))
+    s.update(scheduled, w.step(plan))
     drive(s, w)
     s.add_request(Request("c", toks(0, 20), SamplingParams(max_tokens=1), cache_salt="tenant-1"))
-    assert s.schedule().new_seqs[0].num_computed_tokens == 0
+    assert s.schedule().plan.new_seqs[0].num_computed_tokens == 0
 
 
 def test_preemption_recomputes_the_most_recently_admitted_and_everyone_completes():
@@ -122,14 +123,15 @@ def test_abort_frees_blocks_and_tells_the_worker_only_about_sequences_it_had():
     a, b = req("a", toks(0, 20), max_tokens=50), req("b", toks(100, 20))
     s.add_request(a)
     s.add_request(b)
-    plan = s.schedule()
+    scheduled = s.schedule()
     s.abort("a")  # while its step is in flight: the result for it is dropped
-    assert s.update(plan, w.step(plan)) == []
+    assert s.update(scheduled, w.step(scheduled.plan)) == []
     s.abort("b")  # still waiting: the worker never had it
     assert (a.finish_reason, b.finish_reason) == (FinishReason.ABORT, FinishReason.ABORT)
-    plan = s.schedule()
+    scheduled = s.schedule()
+    plan = scheduled.plan
     assert (plan.finished_seq_ids, plan.new_seqs, plan.running) == ([0], [], [])
-    s.update(plan, w.step(plan))
+    s.update(scheduled, w.step(plan))
     assert s.schedule() is None and not s.has_unfinished_requests()
     assert s.kv.pool.num_free_blocks == 64 and s.kv.pool.num_used_blocks == 0
     s.abort("nope")  # unknown ids are ignored
@@ -192,7 +194,7 @@ def test_finish_hook_for_stop_strings():
     s.add_request(a)
     step(s, w)
     s.finish("a", FinishReason.STOP_STRING)
-    assert a.finish_reason is FinishReason.STOP_STRING and s.schedule().finished_seq_ids == [0]
+    assert a.finish_reason is FinishReason.STOP_STRING and s.schedule().plan.finished_seq_ids == [0]
 
 
 @pytest.mark.parametrize("prompt, sampling, field", [
@@ -219,7 +221,7 @@ def test_duplicate_request_id_is_rejected():
 def test_convert_round_trip():
     s = make()
     s.add_request(req("a", toks(0, 9), seed=3, logprobs=2))
-    plan = s.schedule()
+    plan = s.schedule().plan
     pb = worker_pb2.StepPlan.FromString(plan_to_pb(plan).SerializeToString())
     (n,) = pb.new_seqs
     assert (n.seq_id, list(n.token_ids), list(n.block_ids), n.num_scheduled_tokens, n.seed) == (0, toks(0, 9),

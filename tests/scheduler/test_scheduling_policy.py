@@ -270,7 +270,7 @@ def test_fair_charges_as_it_admits_within_one_step():
     for i in range(2):
         add(s, req(f"A{i}", toks(100 * i, 5), tenant="A", at=float(i)))
         add(s, req(f"B{i}", toks(500 + 100 * i, 5), tenant="B", at=float(i) + 0.5))
-    plan = s.schedule()
+    plan = s.schedule().plan
     assert [seq_to_rid[n.seq_id] for n in plan.new_seqs] == ["A0", "B0", "A1", "B1"]
 
 

@@ -67,7 +67,7 @@ def test_a_stop_token_inside_the_accepted_drafts_ends_the_sample_there():
     assert plan.running[0].draft_token_ids == [102, 103, 104, 105] and w.num_accepted == {0: 4}
     assert (out[0].new_token_ids, out[0].finish_reason) == ([102, 103], FinishReason.STOP)
     assert list(a.output_token_ids) == [100, 101, 102, 103]
-    plan = s.schedule()
+    plan = s.schedule().plan
     assert plan.finished_seq_ids == [0] and s.kv.pool.num_free_blocks == s.config.num_blocks
 
 
@@ -210,12 +210,12 @@ def test_random_workloads_with_drafts_keep_the_protocol_free_every_block_and_giv
             except ValueError:
                 pass
         while s.has_unfinished_requests():
-            plan = s.schedule()
-            s.update(plan, w.step(plan), w.num_accepted)
+            scheduled = s.schedule()
+            s.update(scheduled, w.step(scheduled.plan), w.num_accepted)
             check(w)
-        plan = s.schedule()
-        if plan is not None:
-            w.step(plan)
+        scheduled = s.schedule()
+        if scheduled is not None:
+            w.step(scheduled.plan)
         assert s.kv.pool.num_free_blocks == s.config.num_blocks and w.seqs == {}
         outputs[method] = [[list(q.output_token_ids) for q in r.children or [r]] for r in reqs]
         if method == "ngram":

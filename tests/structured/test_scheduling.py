@@ -37,11 +37,12 @@ class MaskedWorker(FakeWorker):
 
 
 def step(s, worker: MaskedWorker):
-    """The engine's order: schedule -> bitmasks -> the worker's step -> update."""
-    plan = s.schedule()
-    if due := s.constrained_due():
+    """The engine's order: schedule -> bitmasks -> the worker's step -> update: (the step, what it sampled)."""
+    scheduled = s.schedule()
+    plan = scheduled.plan
+    if due := scheduled.constrained_due():
         plan.token_bitmasks = dict(zip([r.seq_id for r in due], fill_bitmasks([r.constraint for r in due], VOCAB)))
-    return plan, worker.step(plan)
+    return scheduled, worker.step(plan)
 
 
 def constrained(grammar, n: int = 1, prompt=range(3, 20)) -> Request:
@@ -75,9 +76,9 @@ def test_a_step_lost_with_its_worker_is_never_consumed(compile_, tokenizer):
     a.add_request(r)
     while len(r.output_token_ids) < 2:
         a.update(*step(a, w))
-    step(a, w)  # one more step, whose answer never comes
+    in_flight, _ = step(a, w)  # one more step, whose answer never comes
     mask_before = fill_bitmasks([r.constraint], VOCAB)[0]
-    (moved,) = a.release_all()  # the worker is lost mid-step: the plan in flight is forgotten
+    (moved,) = a.release_all(in_flight)  # the worker is lost mid-step: the step in flight is forgotten
     assert fill_bitmasks([moved.constraint], VOCAB)[0] == mask_before
     b, w2 = make(), MaskedWorker()
     b.adopt(moved)
@@ -104,10 +105,10 @@ def test_a_matcher_that_gives_up_marks_its_output_constraint_failed_not_a_plain_
     s, w = make(), MaskedWorker()
     r = constrained(g)
     s.add_request(r)
-    plan, sampled = step(s, w)
-    (first,) = s.update(plan, sampled)
+    scheduled, sampled = step(s, w)
+    (first,) = s.update(scheduled, sampled)
     assert (first.finish_reason, first.constraint_failed) == (None, False)
     r.constraint.failed = True  # as fill_bitmasks marks a matcher whose step ran out of work
-    plan, sampled = step(s, w)
-    (out,) = s.update(plan, sampled)
+    scheduled, sampled = step(s, w)
+    (out,) = s.update(scheduled, sampled)
     assert (out.finish_reason, out.constraint_failed) == (FinishReason.STOP, True)

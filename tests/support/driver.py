@@ -68,17 +68,18 @@ class LocalDriver:
             for arrival, req in [p for p in self.pending if p[0] <= self.step_id]:
                 sched.add_request(req)
                 self.pending.remove((arrival, req))
-            plan = sched.schedule()
+            step = sched.schedule()
             self.step_id += 1
-            if plan is None:
+            if step is None:
                 continue  # nothing runnable until a later arrival
+            plan = step.plan
             self.num_copies += len(plan.copies)
             result = result_from_pb(result_to_pb(self.runner.step(plan_from_pb(worker_pb2.StepPlan.FromString(
                 plan_to_pb(plan).SerializeToString())))))
-            wrong = check_result(plan.step_id, result, sched.due_samples(), self.runner.loaded.vocab_size,
-                                 drafted=sched.drafted_samples(), prompt_due=sched.prompt_logprobs_due())
+            wrong = check_result(plan.step_id, result, step.due_samples(), self.runner.loaded.vocab_size,
+                                 drafted=step.drafted, prompt_due=step.prompt_logprobs_due())
             assert wrong is None, wrong
-            for out in sched.update(plan, result.sampled, result.num_accepted_drafts, result.prompt_logprobs):
+            for out in sched.update(step, result.sampled, result.num_accepted_drafts, result.prompt_logprobs):
                 self.outputs[out.request_id][out.index].extend(out.new_token_ids)
                 if out.new_token_ids and out.seq_id in result.logprobs:
                     self.logprobs[out.request_id][out.index].append(result.logprobs[out.seq_id])

@@ -115,16 +115,16 @@ def drive(s: Scheduler, worker: FakeWorker | None = None, max_steps: int = 1000)
     worker = worker or FakeWorker()
     plans = []
     while s.has_unfinished_requests() and len(plans) < max_steps:
-        plan = s.schedule()
-        plans.append(plan)
-        s.update(plan, worker.step(plan), worker.num_accepted)
+        scheduled = s.schedule()
+        plans.append(scheduled.plan)
+        s.update(scheduled, worker.step(scheduled.plan), worker.num_accepted)
     assert not s.has_unfinished_requests()
     return plans
 
 
 def step(s: Scheduler, worker: FakeWorker) -> tuple[StepPlan, list]:
-    plan = s.schedule()
-    return plan, s.update(plan, worker.step(plan), worker.num_accepted)
+    scheduled = s.schedule()
+    return scheduled.plan, s.update(scheduled, worker.step(scheduled.plan), worker.num_accepted)
 
 
 
@@ -142,13 +142,13 @@ def random_steps(s: Scheduler, rng, new_request, num_iterations: int, check) -> 
                 pass  # too big for this pool
         if reqs and rng.random() < 0.03:
             s.abort(rng.choice(reqs).request_id)
-        plan = s.schedule()
-        if plan is None:
+        scheduled = s.schedule()
+        if scheduled is None:
             if len(reqs) >= 20:
                 break
             continue
-        plan_to_pb(plan)
-        s.update(plan, w.step(plan), w.num_accepted)
+        plan_to_pb(scheduled.plan)
+        s.update(scheduled, w.step(scheduled.plan), w.num_accepted)
         check(w)
     return w, reqs
 

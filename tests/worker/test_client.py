@@ -48,11 +48,12 @@ def test_registers_first_then_answers_every_plan_with_its_step(tiny_llama_dir):
         sched.add_request(Request(f"r{i}", p, SamplingParams(max_tokens=4, temperature=0.0)))
     tokens: dict[str, list[int]] = {"r0": [], "r1": []}
     while sched.has_unfinished_requests():
-        plan = sched.schedule()
+        step = sched.schedule()
+        plan = step.plan
         rpc.send_response(plan_to_pb(plan))
         answer = rpc.take_request()
         assert answer.WhichOneof("kind") == "result" and answer.result.step_id == plan.step_id
-        for out in sched.update(plan, result_from_pb(answer.result).sampled):
+        for out in sched.update(step, result_from_pb(answer.result).sampled):
             tokens[out.request_id] += out.new_token_ids
     rpc.terminate((), grpc.StatusCode.OK, "")
     worker.join(120)  # NOTE: a hang guard only, never a measure of speed

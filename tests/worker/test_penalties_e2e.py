@@ -99,14 +99,14 @@ def test_a_migration_mid_way_changes_no_penalised_stream(tiny_llama_dir, runner,
     runner.reset()
 
     def step(sched, worker) -> None:
-        plan = sched.schedule()
-        if plan is not None:
-            sched.update(plan, result_from_pb(result_to_pb(worker.step(roundtrip(plan)))).sampled)
+        scheduled = sched.schedule()
+        if scheduled is not None:
+            sched.update(scheduled, result_from_pb(result_to_pb(worker.step(roundtrip(scheduled.plan)))).sampled)
 
     while min(len(r.output_token_ids) for r in reqs) < NEW // 3:
         step(first, runner)
-    first.schedule()  # a step in flight when the worker goes: lost with it
-    for r in first.release_all():
+    in_flight = first.schedule()  # a step in flight when the worker goes: lost with it
+    for r in first.release_all(in_flight):
         second.adopt(r)
     runner.reset()
     while second.has_unfinished_requests():

@@ -19,13 +19,14 @@ def serve(runner, scheduler: Scheduler) -> dict[tuple[str, int], list[int]]:
     """One step at a time, every message serialized and parsed as it would be on the wire."""
     outputs: dict[tuple[str, int], list[int]] = {}
     while scheduler.has_unfinished_requests():
-        plan = scheduler.schedule()
-        if plan is None:
+        step = scheduler.schedule()
+        if step is None:
             break
+        plan = step.plan
         wire_plan = worker_pb2.StepPlan.FromString(plan_to_pb(plan).SerializeToString())
         result = runner.step(plan_from_pb(wire_plan))
         wire_result = worker_pb2.StepResult.FromString(result_to_pb(result).SerializeToString())
-        for out in scheduler.update(plan, result_from_pb(wire_result).sampled):
+        for out in scheduler.update(step, result_from_pb(wire_result).sampled):
             outputs.setdefault((out.request_id, out.index), []).extend(out.new_token_ids)
     return outputs
 
@@ -48,7 +49,7 @@ def test_scheduler_and_worker_over_the_wire_match_transformers(tiny_llama_dir):
     assert scheduler.kv.pool.num_free_blocks == 14  # every block back in the pool
     last = scheduler.schedule()  # tells the worker about the sequences that finished in the last step
     if last is not None:
-        runner.step(plan_from_pb(plan_to_pb(last)))
+        runner.step(plan_from_pb(plan_to_pb(last.plan)))
     assert len(runner.batch) == 0
 
 
