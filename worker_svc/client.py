@@ -31,7 +31,7 @@ from worker_svc.worker import WorkerConfig, available_cores, create_runner
 log = structlog.get_logger("pagedserve.worker")
 
 # NOTE: pings find a dead scheduler (or a cut connection) in ~15 s even when no step is running; the
-# scheduler's server accepts pings this often (scheduler_svc.server.WORKER_SERVER_OPTIONS).
+# scheduler's server accepts pings this often (scheduler_svc.ports.WORKER_SERVER_OPTIONS).
 CHANNEL_OPTIONS = (
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),

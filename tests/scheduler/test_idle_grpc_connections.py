@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
 from pagedserve_common.ports import free_port
-from scheduler_svc.server import IDLE_CONNECTION_MS, connection_options
+from scheduler_svc.ports import IDLE_CONNECTION_MS, connection_options
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 EMPTY_SETTINGS = bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # length 0, type SETTINGS, no flags, stream 0
