@@ -276,6 +276,7 @@ class Scheduler(Handover, PolicyRoom):
         under speculation), recompute-preempting the most recently admitted under memory pressure."""
         kv, running, spec, plan = self.kv, self.running, self.spec, room.step.plan
         budget, cap, fair_head, scheduled = room.budget, room.cap, room.fair_head, room.step.scheduled
+        new_plans, running_plans, copies = plan.new_seqs, plan.running, plan.copies  # NOTE: locals: a hot loop
         # NOTE: room for drafts: a step of many decodes is compute-bound, where each draft costs what a token costs
         num_draft_room = spec.max_step_tokens - len(running) if spec is not None else 0
         i = 0
@@ -307,14 +308,14 @@ class Scheduler(Handover, PolicyRoom):
             if alloc is None:
                 break  # it was the last one itself
             if alloc.copies:
-                plan.copies.extend(alloc.copies)
+                copies.extend(alloc.copies)
             if req.on_worker:
                 # NOTE: most steps add no block: a literal [] then, not list(()) (~0.1 us a sequence a step)
                 new_ids = alloc.new_block_ids
-                plan.running.append(SequenceDelta(req.seq_id, list(new_ids) if new_ids else [], num_new,
-                                                  req.draft_token_ids or []))
+                running_plans.append(SequenceDelta(req.seq_id, list(new_ids) if new_ids else [], num_new,
+                                                   req.draft_token_ids or []))
             else:  # a fork child's first step: its table after copy-on-write goes whole
-                plan.new_seqs.append(self._new_plan(req, num_new))
+                new_plans.append(self._new_plan(req, num_new))
             scheduled.append((req, num_new))
             budget -= num_new
             i += 1
