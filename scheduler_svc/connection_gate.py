@@ -99,6 +99,9 @@ class ClientSide(asyncio.Protocol):
         self.key: str | None = None  # counted while set
         self.linger_until: float | None = None  # set once grpc's side has ended: the client's bytes are dropped
         self.timer: asyncio.TimerHandle | None = None
+        # NOTE: what the client sent before grpc's side was open: on some Python 3.11 builds (Debian's, in the
+        # image) a pause_reading() in connection_made does not hold (the reader is added after it all the same)
+        self.early: list[bytes] = []
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -125,10 +128,16 @@ class ClientSide(asyncio.Protocol):
         self.upstream = upstream
         local_port = upstream.get_extra_info("sockname")[1]
         self.gate.origins[local_port] = origin
+        for data in self.early:
+            upstream.write(data)
+        self.early = []
         self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
-        if self.linger_until is None:
+        if self.upstream is None and self.linger_until is None:  # grpc's side is still being opened
+            self.early.append(data)
+            self.transport.pause_reading()
+        elif self.linger_until is None:
             self.upstream.write(data)
         elif asyncio.get_running_loop().time() < self.linger_until:
             self._arm(LINGER_IDLE)
