@@ -23,6 +23,12 @@ log = structlog.get_logger("pagedserve.scheduler")
 
 INTERNAL_HOST = "127.0.0.1"  # grpc's own listener behind a gate
 UNIX_SCHEMES = ("unix:", "unix-abstract:", "vsock:")  # no peer addresses: no gate
+# NOTE: when grpc ends a connection, what it sent last (a TLS alert, a GOAWAY) goes to the client with a FIN, and
+# what the client still sends is read and dropped until it is quiet LINGER_IDLE seconds (LINGER_MAX at most) before
+# the close: closing with unread bytes makes the kernel send a reset, which can destroy that last answer before the
+# client reads it (a worker without a certificate saw "connection reset", not the TLS refusal)
+LINGER_IDLE = 0.5
+LINGER_MAX = 2.0
 
 
 @dataclass(slots=True)
@@ -91,6 +97,11 @@ class ClientSide(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.upstream: asyncio.Transport | None = None
         self.key: str | None = None  # counted while set
+        self.linger_until: float | None = None  # set once grpc's side has ended: the client's bytes are dropped
+        self.timer: asyncio.TimerHandle | None = None
+        # NOTE: what the client sent before grpc's side was open: on some Python 3.11 builds (Debian's, in the
+        # image) a pause_reading() in connection_made does not hold (the reader is added after it all the same)
+        self.early: list[bytes] = []
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -117,15 +128,41 @@ class ClientSide(asyncio.Protocol):
         self.upstream = upstream
         local_port = upstream.get_extra_info("sockname")[1]
         self.gate.origins[local_port] = origin
+        for data in self.early:
+            upstream.write(data)
+        self.early = []
         self.transport.resume_reading()
 
     def data_received(self, data: bytes) -> None:
-        self.upstream.write(data)
+        if self.upstream is None and self.linger_until is None:  # grpc's side is still being opened
+            self.early.append(data)
+            self.transport.pause_reading()
+        elif self.linger_until is None:
+            self.upstream.write(data)
+        elif asyncio.get_running_loop().time() < self.linger_until:
+            self._arm(LINGER_IDLE)
+
+    def linger(self) -> None:
+        """grpc's side has ended: a FIN after what it sent, then a close once the client is quiet."""
+        transport = self.transport
+        if transport.is_closing():
+            return
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.linger_until = asyncio.get_running_loop().time() + LINGER_MAX
+        self._arm(LINGER_IDLE)
+
+    def _arm(self, delay: float) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+        self.timer = asyncio.get_running_loop().call_later(delay, self.transport.close)
 
     def eof_received(self) -> bool:
         return False  # NOTE: HTTP/2 never half-closes: an end is the end (connection_lost closes the other side)
 
     def connection_lost(self, exc) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
         if self.key is not None:
             self.gate.release(self.key)
             self.key = None
@@ -162,7 +199,7 @@ class GrpcSide(asyncio.Protocol):
         sockname = self.transport.get_extra_info("sockname")
         if sockname:
             self.client.gate.origins.pop(sockname[1], None)
-        self.client.transport.close()
+        self.client.linger()
 
     def pause_writing(self) -> None:
         self.client.transport.pause_reading()
