@@ -102,6 +102,7 @@ class ClientSide(asyncio.Protocol):
         # NOTE: what the client sent before grpc's side was open: on some Python 3.11 builds (Debian's, in the
         # image) a pause_reading() in connection_made does not hold (the reader is added after it all the same)
         self.early: list[bytes] = []
+        self.dialing: asyncio.Task | None = None
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -111,8 +112,10 @@ class ClientSide(asyncio.Protocol):
             transport.close()
             return
         self.key = key
-        transport.pause_reading()  # NOTE: nothing is buffered here before grpc's side is open
-        asyncio.get_running_loop().create_task(self._dial(grpc_peer(peername) if isinstance(peername, tuple) else ""))
+        transport.pause_reading()  # NOTE: where it holds, nothing comes in before grpc's side is open (self.early)
+        # NOTE: held here: the loop keeps only a weak reference to a task
+        self.dialing = asyncio.get_running_loop().create_task(
+            self._dial(grpc_peer(peername) if isinstance(peername, tuple) else ""))
 
     async def _dial(self, origin: str) -> None:
         loop = asyncio.get_running_loop()
