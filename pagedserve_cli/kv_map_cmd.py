@@ -10,6 +10,7 @@ import time
 
 from pagedserve_cli import access_args
 from pagedserve_common.defaults import DEFAULT_LISTEN
+from pagedserve_common.grpc_options import receive_limit
 
 LABEL_WIDTH = 8  # the block id before each grid row, and a margin
 MAX_MESSAGE_BYTES = 256 << 20  # NOTE: a million blocks is ~2 MB of bytes plus the block tables; gRPC's default is 4 MB
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     out = sys.stdout
     tty = out.isatty()
     metadata = access_args.client_metadata(args)
-    options = [("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)]
+    options = receive_limit(MAX_MESSAGE_BYTES)
     with access_args.client_channel(args, args.server, options) as channel:
         stub = generate_pb2_grpc.GenerationStub(channel)
         if args.once:

@@ -33,6 +33,13 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "fair")  # scheduler_svc.core.waiting
 # 512-token step takes about 1 s there, against 4-5 s for 2048.
 CPU_BATCHED_TOKENS = 512
 GPU_BATCHED_TOKENS = 2048
+
+
+def default_batched_tokens(device: str) -> int:
+    """--max-num-batched-tokens when not set, by the worker's device (a registration's: cpu, cuda:N)."""
+    return CPU_BATCHED_TOKENS if device.startswith("cpu") or not device else GPU_BATCHED_TOKENS
+
+
 CPU_KV_MEMORY = 1 << 30  # a CPU worker's KV pool without --kv-memory
 MAX_MESSAGE_SIZE = 4 << 20  # scheduler_svc.frontend.limits.Limits
 MAX_STOP_STRINGS = 16

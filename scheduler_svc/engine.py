@@ -57,7 +57,7 @@ class PendingStep:
 @dataclass(slots=True, kw_only=True)
 class EngineConfig(EngineOptions):
     """The engine's flags (their defaults and meaning: pagedserve_common.config.EngineOptions; a None
-    max_num_batched_tokens goes by the worker's device: default_batched_tokens) and what the model says."""
+    max_num_batched_tokens goes by the worker's device: SchedulerConfig.for_worker) and what the model says."""
 
     model_id: str
     max_model_len: int  # --max-model-len within the model's

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 import structlog
 
-from pagedserve_common.config import CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS
 from pagedserve_common.registration import MAX_NAME_CHARS, WorkerRegistration, name_error
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.core.speculation import SpecCounters
@@ -196,10 +195,6 @@ def _quoted(value: str, limit: int = 40) -> str:
     return repr(value[:limit]) + (f" (+{len(value) - limit:,} characters)" if len(value) > limit else "")
 
 
-def default_batched_tokens(device: str) -> int:
-    return CPU_BATCHED_TOKENS if device.startswith("cpu") or not device else GPU_BATCHED_TOKENS
-
-
 class Fleet:
     """Part of Engine (a mixin over its state, as Handover is of Scheduler): workers coming and going. NOTE: a
     loss is handled where a worker's step loop ends (Engine._serve); these are what it and the Attach stream
@@ -214,16 +209,7 @@ class Fleet:
             raise EngineError(ErrorCode.RESOURCE_EXHAUSTED, f"{len(self.workers)} workers are attached, the most "
                               f"--max-workers allows ({cfg.max_workers}); retry later")
         try:
-            sched = Scheduler(SchedulerConfig(
-                num_blocks=reg.num_blocks, max_model_len=cfg.max_model_len,
-                max_num_seqs=cfg.max_num_seqs,
-                max_num_batched_tokens=cfg.max_num_batched_tokens or default_batched_tokens(reg.device),
-                block_size=reg.block_size, enable_prefix_caching=not cfg.no_prefix_caching,
-                eos_token_ids=cfg.eos_token_ids, num_cpu_blocks=reg.num_cpu_blocks,
-                kv_allocation=cfg.kv_allocation, speculative=cfg.speculative,
-                num_speculative_tokens=cfg.num_speculative_tokens, scheduling_policy=cfg.scheduling_policy,
-                priority_max_wait=cfg.priority_max_wait),
-                seq_ids=self._seq_ids, service=self.service)
+            sched = Scheduler(SchedulerConfig.for_worker(cfg, reg), seq_ids=self._seq_ids, service=self.service)
         except ValueError as e:  # e.g. swap space under a static kv_allocation
             raise EngineError(ErrorCode.FAILED_PRECONDITION, str(e)) from None
         w = WorkerHandle(f"worker-{next(self._worker_ids)}", reg, sched)

@@ -12,6 +12,7 @@ from grpc_reflection.v1alpha import reflection
 
 from pagedserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
 from pagedserve_common.config import DEFAULT_MAX_CONNECTIONS, ConnectionOptions
+from pagedserve_common.grpc_options import NO_PORT_SHARING, WORKER_SERVER_OPTIONS, receive_limit
 from pagedserve_common.startup import bind_failure, host_port
 from scheduler_svc import metrics_http
 from scheduler_svc.auth import Access, add_port
@@ -19,24 +20,6 @@ from scheduler_svc.connection_gate import INTERNAL_HOST, UNIX_SCHEMES, Connectio
 from scheduler_svc.grpc.servicers import GenerationServicer, WorkerControlServicer, add_generation_servicer
 
 log = structlog.get_logger("pagedserve.scheduler")
-
-# NOTE: keepalive on the worker endpoint finds a dead peer (a killed host, a stopped process, a cut cable) in
-# about KEEPALIVE_TIME + KEEPALIVE_TIMEOUT even while it has no step in flight; workers ping as well
-# (worker_svc.client), so the server must accept pings that often.
-KEEPALIVE_TIME_MS = 10_000
-KEEPALIVE_TIMEOUT_MS = 5_000
-# NOTE: gRPC sets SO_REUSEPORT by default: a second scheduler on a taken port would start and share it silently
-NO_PORT_SHARING = (("grpc.so_reuseport", 0),)
-WORKER_SERVER_OPTIONS = (
-    *NO_PORT_SHARING,
-    ("grpc.keepalive_time_ms", KEEPALIVE_TIME_MS),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_MS),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
-    ("grpc.http2.max_ping_strikes", 0),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-)
 
 # NOTE: the spurious CANCELLED of a flood. grpc.aio picks up new calls one at a time from the event loop; until
 # then grpc core holds them in a backlog, and past `grpc.server.max_pending_requests` (default 1000) it drops
@@ -158,7 +141,7 @@ def client_server(caps: ConnectionCaps, access: Access, frontend, health, listen
     """The client API (Generation, health, reflection) on --listen. NOTE: grpc refuses a message over
     max_message_size with RESOURCE_EXHAUSTED before the servicer (or the parser) sees it."""
     pending = pending_call_options(max_queued_requests)
-    server = grpc.aio.server(options=(*NO_PORT_SHARING, ("grpc.max_receive_message_length", max_message_size),
+    server = grpc.aio.server(options=(*NO_PORT_SHARING, *receive_limit(max_message_size),
                                       *pending, *connection_options(caps.grpc, header_timeout)),
                              interceptors=access.interceptors(),
                              maximum_concurrent_rpcs=pending[0][1])  # NOTE: beyond, RESOURCE_EXHAUSTED at once

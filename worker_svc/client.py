@@ -19,6 +19,7 @@ import torch
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from pagedserve_common import wire
 from pagedserve_common.config import UP_NONCE_METADATA, UP_NONCE_VARIABLE
+from pagedserve_common.grpc_options import WORKER_CHANNEL_OPTIONS
 from pagedserve_common.registration import WorkerRegistration, default_name
 from pagedserve_common.step import StepError, StepErrorKind
 from pagedserve_common.signals import exit_now
@@ -30,16 +31,6 @@ from worker_svc.worker import WorkerConfig, available_cores, create_runner
 
 log = structlog.get_logger("pagedserve.worker")
 
-# NOTE: pings find a dead scheduler (or a cut connection) in ~15 s even when no step is running; the
-# scheduler's server accepts pings this often (scheduler_svc.ports.WORKER_SERVER_OPTIONS).
-CHANNEL_OPTIONS = (
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_timeout_ms", 5_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    ("grpc.http2.max_pings_without_data", 0),
-    ("grpc.max_receive_message_length", 64 << 20),
-    ("grpc.max_send_message_length", 64 << 20),
-)
 # Configuration errors: dialling in again cannot help.
 FATAL_CODES = (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.INVALID_ARGUMENT)
 OUTBOX_POLL_SECONDS = 0.2
@@ -122,7 +113,7 @@ def run_worker(scheduler: str, cfg: WorkerConfig, shutdown: Shutdown | None = No
              warm_up_s=round(warm_up_s, 3))
     backoff, last_warning = Backoff(), float("-inf")
     while not shutdown.requested:
-        with dial(scheduler, credentials, [*CHANNEL_OPTIONS, *channel_options]) as channel:
+        with dial(scheduler, credentials, [*WORKER_CHANNEL_OPTIONS, *channel_options]) as channel:
             try:
                 _wait_ready(channel, shutdown)
             except grpc.FutureTimeoutError:

@@ -9,9 +9,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 
 from pagedserve_common.step import NewSequence, PromptLogprobs, SequenceDelta, StepPlan
-from pagedserve_common.config import EngineOptions
+from pagedserve_common.config import EngineOptions, default_batched_tokens
 from pagedserve_common.defaults import DEFAULT_BLOCK_SIZE
 from pagedserve_common.options import default_of
+from pagedserve_common.registration import WorkerRegistration
 from pagedserve_common.sampling import InvalidField
 from scheduler_svc.core import reservation
 from scheduler_svc.core.handover import Handover
@@ -20,7 +21,7 @@ from scheduler_svc.core.prompt_logprobs import due_rows
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput, RequestStatus
 from scheduler_svc.core.speculation import SPECULATIVE_METHODS, Speculator
 from scheduler_svc.core.step import ScheduledStep
-from scheduler_svc.core.waiting import SCHEDULING_POLICIES, ServiceCounter, WaitingQueue
+from scheduler_svc.core.waiting import ServiceCounter, WaitingQueue
 from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.manager import KVCacheManager
 from scheduler_svc.kv.static import KV_ALLOCATIONS, STATIC_KV_ALLOCATIONS, StaticKVCacheManager
@@ -45,12 +46,27 @@ class SchedulerConfig:
     kv_allocation: str = default_of(EngineOptions, "kv_allocation")  # or a contiguous reservation per sequence
     speculative: str = default_of(EngineOptions, "speculative")  # "ngram": decoding sequences draft tokens
     num_speculative_tokens: int = default_of(EngineOptions, "num_speculative_tokens")  # drafts per step at most
-    scheduling_policy: str = default_of(EngineOptions, "scheduling_policy")  # admission order (core.waiting)
+    # NOTE: admission order, checked in one place: WaitingQueue (core.waiting) refuses a policy it does not know
+    scheduling_policy: str = default_of(EngineOptions, "scheduling_policy")
     priority_max_wait: float = default_of(EngineOptions, "priority_max_wait")  # priority: a wait's bound, seconds
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
             self.max_num_batched_tokens = self.max_num_seqs * self.max_model_len
+
+    @classmethod
+    def for_worker(cls, engine: EngineOptions, reg: WorkerRegistration) -> SchedulerConfig:
+        """The configuration of one attached worker's scheduler: the engine's flags and model, the worker's pool,
+        swap space and block size (and its device: the token budget when --max-num-batched-tokens is not set).
+        `engine`: scheduler_svc.engine.EngineConfig, these flags with the model's max_model_len and eos_token_ids.
+        NOTE: typed by its base class: this module cannot import scheduler_svc.engine, which imports it."""
+        return cls(num_blocks=reg.num_blocks, max_model_len=engine.max_model_len, max_num_seqs=engine.max_num_seqs,
+                   max_num_batched_tokens=engine.max_num_batched_tokens or default_batched_tokens(reg.device),
+                   block_size=reg.block_size, enable_prefix_caching=not engine.no_prefix_caching,
+                   eos_token_ids=engine.eos_token_ids, num_cpu_blocks=reg.num_cpu_blocks,
+                   kv_allocation=engine.kv_allocation, speculative=engine.speculative,
+                   num_speculative_tokens=engine.num_speculative_tokens, scheduling_policy=engine.scheduling_policy,
+                   priority_max_wait=engine.priority_max_wait)
 
 
 @dataclass(slots=True)
@@ -88,9 +104,6 @@ class Scheduler(Handover, PolicyRoom):
         if config.kv_allocation not in KV_ALLOCATIONS:
             raise ValueError(f"kv_allocation must be one of {', '.join(KV_ALLOCATIONS)}, "
                              f"got {config.kv_allocation!r}")
-        if config.scheduling_policy not in SCHEDULING_POLICIES:
-            raise ValueError(f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, "
-                             f"got {config.scheduling_policy!r}")
         if config.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative must be one of {', '.join(SPECULATIVE_METHODS)}, got {config.speculative!r}")
         self.config = config
