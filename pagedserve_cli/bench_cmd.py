@@ -9,16 +9,21 @@ import sys
 import time
 from pathlib import Path
 
-from pagedserve_cli.bench.workloads import WORKLOADS, build_requests, parse_range
+from pagedserve_cli.bench.compare import COMPARISONS
+from pagedserve_cli.bench.kv_sampler import KV_SAMPLE_PERIOD_S
+from pagedserve_cli.bench.workloads import (DEFAULT_NUM_REQUESTS, DEFAULT_TURN_LEN, WORKLOADS, build_requests,
+                                            format_range, parse_range)
 from pagedserve_common.config import DTYPES, SPECULATIVE
 from pagedserve_common.defaults import (DEFAULT_LISTEN, DEFAULT_MODEL, MAX_TENANT_CHARS, METRICS_PORT, TENANT_HEADER,
                                          metrics_url)
-COMPARISON_NAMES = ("static-prealloc", "no-prefix-cache", "kv-int8", "batch-invariant")
+COMPARISON_NAMES = tuple(COMPARISONS)
 # NOTE: a comparison needs a pool that memory, not --max-num-seqs, fills: 512 MiB holds 11,650 tokens of the
 # default model in float32 (46,080 bytes each), 5 sequences of 2,048 slots, or about 45 of the mixed workload's.
 COMPARE_KV_MEMORY = "512MiB"
 COMPARE_MAX_MODEL_LEN = 2048
 COMPARE_DTYPE = "float32"  # NOTE: `auto` depends on the CPU (bfloat16 with AVX512-BF16 or AMX): block counts too
+# the comparisons' own defaults, which --help quotes
+KV_INT8, INVARIANT = COMPARISONS["kv-int8"].defaults, COMPARISONS["batch-invariant"].defaults
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -29,12 +34,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "--spawn or --compare: the model to serve (default: the default model)")
     p.add_argument("--workload", help=f"{' | '.join(WORKLOADS)} | FILE.jsonl (default mixed; with --compare: the "
                                       "comparison's own, mixed or shared-prefix)")
-    p.add_argument("--num-requests", type=int, help="default 64 (a .jsonl workload: all its lines)")
+    p.add_argument("--num-requests", type=int,
+                   help=f"default {DEFAULT_NUM_REQUESTS} (a .jsonl workload: all its lines)")
     p.add_argument("--rate", type=float, help="Poisson arrivals, requests/s (default: all at once)")
     p.add_argument("--max-concurrency", type=int, help="at most N requests in flight")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--prompt-len", type=parse_range, metavar="MIN:MAX",
-                   help="uniform prompt lengths (shared-prefix, multi-tenant: the user turn; default 32:96)")
+                   help="uniform prompt lengths (shared-prefix, multi-tenant: the user turn; default "
+                        f"{format_range(DEFAULT_TURN_LEN)})")
     p.add_argument("--output-len", type=parse_range, metavar="MIN:MAX", help="uniform output lengths")
     p.add_argument("--num-tenants", type=int, default=4, help="multi-tenant: distinct system prompts")
     p.add_argument("--ignore-eos", action="store_true", help="generate exactly max_tokens every time")
@@ -56,39 +63,51 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "the server's vllm:cache_config_info, or --spawn's --dtype; give it for a vLLM peer)")
     p.add_argument("--out", help="output dir (default bench/out/YYYYmmdd-HHMMSS)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    p.add_argument("--kv-sample-period", type=float, default=0.25, metavar="SECONDS",
+    p.add_argument("--kv-sample-period", type=float, default=KV_SAMPLE_PERIOD_S, metavar="SECONDS",
                    help="with our server: how often the worker's KV pool is sampled (GetKVState) for the block "
-                        "maps and the waste figures (default 0.25)")
+                        f"maps and the waste figures (default {KV_SAMPLE_PERIOD_S:g})")
+    add_private_server_flags(p)
+    p.set_defaults(func=run)
+
+
+def add_private_server_flags(p: argparse.ArgumentParser) -> None:
+    """--spawn, --compare and the flags of the servers they start."""
     s = p.add_argument_group("private servers", "--spawn starts its own `pagedserve up` (scheduler + one worker on "
                                                 "free loopback ports) and stops it after the run; --compare starts "
                                                 "one per side, one after another")
     s.add_argument("--compare", choices=COMPARISON_NAMES,
                    help="static-prealloc: paging vs contiguous preallocation of max_model_len (and of prompt + "
                         "max_tokens) slots per sequence, same KV budget; no-prefix-cache: prefix caching on vs off; "
-                        "kv-int8: a float32 KV cache vs an int8 one in the same --kv-memory (defaults: 128MiB, 96 "
-                        "requests at once, prompts 32:64, outputs 192:256 with EOS ignored, --max-num-seqs 256, "
-                        "--max-model-len 512, so that the float32 pool, not max-num-seqs, bounds the batch: ~10 "
-                        "sequences fit in float32, ~38 in int8), then both caches' perplexity (--ppl-tokens); "
-                        "batch-invariant: --batch-invariant on vs off (defaults: bench/vs_vllm.sh's 64 requests at "
-                        "once, prompts 32:256, outputs 16:128, EOS ignored)")
+                        "kv-int8: a float32 KV cache vs an int8 one in the same --kv-memory (defaults: "
+                        f"{KV_INT8['kv_memory']}, {KV_INT8['num_requests']} requests at once, prompts "
+                        f"{format_range(KV_INT8['prompt_len'])}, outputs {format_range(KV_INT8['output_len'])} with "
+                        f"EOS ignored, --max-num-seqs {KV_INT8['max_num_seqs']}, --max-model-len "
+                        f"{KV_INT8['max_model_len']}, so that the float32 pool, not max-num-seqs, bounds the batch: "
+                        "~10 sequences fit in float32, ~38 in int8), then both caches' perplexity (--ppl-tokens); "
+                        "batch-invariant: --batch-invariant on vs off (defaults: bench/vs_vllm.sh's "
+                        f"{INVARIANT['num_requests']} requests at once, prompts "
+                        f"{format_range(INVARIANT['prompt_len'])}, outputs {format_range(INVARIANT['output_len'])}, "
+                        "EOS ignored)")
     s.add_argument("--ppl-tokens", type=int, metavar="N",
                    help="with --compare kv-int8: the tokens of the corpus (Newton's Opticks) whose teacher-forced "
-                        "perplexity is measured with each cache, after the servers stop (default 4096)")
+                        "perplexity is measured with each cache, after the servers stop (default "
+                        f"{KV_INT8['ppl_tokens']})")
     s.add_argument("--spawn", action="store_true", help="bench a private server instead of --server")
     s.add_argument("--dtype", choices=DTYPES,
                    help="the worker's dtype (default: with --spawn auto, what `pagedserve up` picks; with --compare "
                         f"{COMPARE_DTYPE}, so that a comparison's figures are the same on every CPU)")
     s.add_argument("--kv-memory", help=f"the worker's KV pool, e.g. 512MiB (default: auto; with --compare "
-                                       f"{COMPARE_KV_MEMORY}, kv-int8 128MiB, so that memory, not max-num-seqs, bounds the batch)")
+                                       f"{COMPARE_KV_MEMORY}, kv-int8 {KV_INT8['kv_memory']}, so that memory, not "
+                                       "max-num-seqs, bounds the batch)")
     s.add_argument("--max-model-len", type=int,
                    help=f"the scheduler's max_model_len (default: the model's; with --compare {COMPARE_MAX_MODEL_LEN}, "
-                        "kv-int8: 512)")
-    s.add_argument("--max-num-seqs", type=int, help="the scheduler's --max-num-seqs (default: its own; with --compare kv-int8 256)")
+                        f"kv-int8: {KV_INT8['max_model_len']})")
+    s.add_argument("--max-num-seqs", type=int, help="the scheduler's --max-num-seqs (default: its own; with "
+                                                    f"--compare kv-int8 {KV_INT8['max_num_seqs']})")
     s.add_argument("--max-num-batched-tokens", type=int, help="the scheduler's token budget per step")
     s.add_argument("--threads", type=int, help="the worker's compute threads")
     s.add_argument("--speculative", choices=SPECULATIVE, help="the scheduler's --speculative (default: its own)")
     s.add_argument("--num-speculative-tokens", type=int, metavar="K", help="the scheduler's --num-speculative-tokens")
-    p.set_defaults(func=run)
 
 
 def _client(args: argparse.Namespace):

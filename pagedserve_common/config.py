@@ -27,6 +27,13 @@ CPU_PATHS = ("native", "amx", "avx512-bf16", "avx512", "avx2")
 SPECULATIVE = ("none", "ngram")  # scheduler_svc.core.speculation
 SCHEDULING_POLICIES = ("fcfs", "priority", "fair")  # scheduler_svc.core.waiting
 
+# The scheduler's constants that the help below quotes: the code reads them from here.
+NGRAM_MAX, NGRAM_MIN = 4, 2  # --speculative ngram: the n-gram lengths looked up, longest first (core.speculation)
+AGING_ADMISSIONS = 64  # --scheduling-policy priority: a waiting request gains one level per this many admissions
+FAIR_PREFILL_WEIGHT, FAIR_DECODE_WEIGHT = 1.0, 2.0  # --scheduling-policy fair: a prompt token's, an output token's
+ROUTING_BALANCE_EPS = 0.5  # --routing kv: a worker within (1 + this) x the fleet's average load (scheduler_svc.routing)
+MAX_STOP_CHARS = 1024  # each stop string (and bad word): scheduler_svc.frontend.limits.Limits
+
 # Tokens per step when not set. NOTE: a step is one forward, so its token budget bounds the inter-token latency
 # of every running stream while a long prompt is prefilled. Measured on a 2-core CPU with the default model
 # (64 mixed requests at once): 512 gives the best throughput too (256: -17%, 1024: -4%, 2048: -12%), and a
@@ -56,6 +63,10 @@ MAX_WORKER_BLOCKS = 1 << 22
 # tokenizing.
 PROMPT_CHARS_PER_TOKEN = 32
 DEFAULT_MAX_CONNECTIONS = 4096  # --max-http-connections and --max-grpc-connections at most, when not set
+PER_PEER_SHARE = 4  # --max-connections-per-peer when not set: a quarter of a port (scheduler_svc.ports.ConnectionCaps)
+# NOTE: ... and at least this many (or the whole of a smaller port): `up`'s workers all dial from one address, and
+# one host's benchmark client may open dozens of HTTP connections
+MIN_PER_PEER = 16
 
 # `pagedserve up`'s mark on the processes it starts (pagedserve_cli.up_cmd): a random nonce in this variable of its
 # scheduler's and its workers' environment. The scheduler answers health checks with it in this trailing metadata
@@ -105,22 +116,24 @@ class EngineOptions:
                  "max_tokens (FasterTransformer/Orca-style preallocation, to compare; no prefix caching, n = 1, no "
                  "swap space)", choices=KV_ALLOCATIONS, up=GIVEN)
     speculative: str = option("none", "speculative decoding: ngram drafts the tokens that followed the sequence's "
-                                      "last 4..2 tokens where they occurred before in its prompt or output (prompt "
-                                      "lookup), verified in the same forward; outputs are the same as without (greedy: "
-                                      "identical; sampled: the same draws)", choices=SPECULATIVE, up=GIVEN)
+                                      f"last {NGRAM_MAX}..{NGRAM_MIN} tokens where they occurred before in its prompt "
+                                      "or output (prompt lookup), verified in the same forward; outputs are the same "
+                                      "as without (greedy: identical; sampled: the same draws)", choices=SPECULATIVE,
+                              up=GIVEN)
     num_speculative_tokens: int = option(4, "drafts per sequence per step at most (--speculative)",
                                          type=at_least(int, 1, _POSITIVE), metavar="K", up=GIVEN)
     scheduling_policy: str = option(
         "fcfs", "the order waiting requests are admitted in: fcfs (first come, first served), priority (a request's "
                 "`priority` field, lower first, ties by arrival, at most its API key's max-priority; one with no room "
-                "preempts the running sequence of the worst priority, recomputed later; a request waiting through 64 "
-                "admissions gains one level, and one waiting --priority-max-wait goes first, so none starves), fair "
-                "(each tenant an equal share of the tokens computed, a prompt token counting 1 and an output token "
-                "2; the tenant: the API key's name, else one shared tenant; a gateway key's or a keyless server's "
-                "x-pagedserve-tenant header or gRPC metadata)",
+                "preempts the running sequence of the worst priority, recomputed later; a request waiting through "
+                f"{AGING_ADMISSIONS} admissions gains one level, and one waiting --priority-max-wait goes first, so "
+                "none starves), fair (each tenant an equal share of the tokens computed, a prompt token counting "
+                f"{FAIR_PREFILL_WEIGHT:g} and an output token {FAIR_DECODE_WEIGHT:g}; the tenant: the API key's name, "
+                "else one shared tenant; a gateway key's or a keyless server's x-pagedserve-tenant header or gRPC "
+                "metadata)",
         choices=SCHEDULING_POLICIES, up=GIVEN)
-    # NOTE: a bound in time, whatever the priority gap: ageing by admissions alone took 2^31 levels x 64 admissions
-    # to lift a priority-0 request over a flood at -2^31
+    # NOTE: a bound in time, whatever the priority gap: ageing by admissions alone took 2^31 levels x
+    # AGING_ADMISSIONS admissions to lift a priority-0 request over a flood at -2^31
     priority_max_wait: float = option(30.0, "--scheduling-policy priority: a request that has waited this long is "
                                             "admitted before every priority (by arrival among such), and may preempt "
                                             "for its room, so no flood of urgent requests holds it longer",
@@ -131,9 +144,9 @@ class EngineOptions:
               "tenants and the shared one weigh 1", metavar="FILE", default_text="none: every tenant weighs 1",
         up=GIVEN)
     routing: str = option("kv", "which worker takes a new request: kv (the one holding the longest prefix of the "
-                                "prompt, among those within 1.5x the average load, while what it holds outweighs "
-                                "its extra load: a prefix every request shares spreads by load), least-loaded "
-                                "(fewest pending tokens) or round-robin", choices=ROUTING, up=GIVEN)
+                                f"prompt, among those within {1 + ROUTING_BALANCE_EPS:g}x the average load, while what "
+                                "it holds outweighs its extra load: a prefix every request shares spreads by load), "
+                                "least-loaded (fewest pending tokens) or round-robin", choices=ROUTING, up=GIVEN)
     step_timeout: float = option(60.0, "a worker that takes longer for one step (its first one too: a worker "
                                        "warms up before it registers) is declared lost and its requests are "
                                        "recomputed elsewhere", type=at_least(float, 1e-3, "seconds > 0"),
@@ -171,8 +184,8 @@ class LimitOptions:
         None, "characters of a text prompt, or of a chat's messages together, checked before tokenizing",
         type=at_least(int, 1, _POSITIVE), metavar="N", default_text=f"{PROMPT_CHARS_PER_TOKEN} per token of "
                                                                       f"max_model_len", up=GIVEN)
-    max_stop_strings: int = option(MAX_STOP_STRINGS, "stop strings per request, each up to 1024 characters (and as "
-                                                     "many bad_words)",
+    max_stop_strings: int = option(MAX_STOP_STRINGS, f"stop strings per request, each up to {MAX_STOP_CHARS} "
+                                                     "characters (and as many bad_words)",
                                    type=at_least(int, 0, "an integer >= 0"), metavar="N", up=GIVEN)
     max_structured_output_bytes: int = option(
         MAX_STRUCTURED_OUTPUT_BYTES, "largest structured output spec (a JSON schema, regex or grammar; choices "
@@ -199,7 +212,7 @@ class ConnectionOptions:
         None, "open connections one peer address (an IPv6 /64) may hold on each port: the HTTP front (503 beyond), "
               "the client API and the worker port (closed at once beyond); 0: no per-peer cap (behind a proxy, "
               "where every client has the proxy's address)", type=at_least(int, 0, "an integer >= 0"), metavar="N",
-        default_text="a quarter of each port's cap, at least 16", up=GIVEN)
+        default_text=f"a quarter of each port's cap, at least {MIN_PER_PEER}", up=GIVEN)
     header_timeout: float = option(10.0, "a connection that has not sent a whole HTTP request head (or finished its "
                                          "gRPC handshake) this long after it opened or got its last answer is closed "
                                          "(HTTP: 408 if it sent part of one)",

@@ -11,7 +11,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from pagedserve.v1 import generate_pb2, worker_pb2, worker_pb2_grpc
-from pagedserve_common.config import DEFAULT_MAX_CONNECTIONS, ConnectionOptions
+from pagedserve_common.config import DEFAULT_MAX_CONNECTIONS, MIN_PER_PEER, PER_PEER_SHARE, ConnectionOptions
 from pagedserve_common.grpc_options import NO_PORT_SHARING, WORKER_SERVER_OPTIONS, receive_limit
 from pagedserve_common.startup import bind_failure, host_port
 from scheduler_svc import metrics_http
@@ -48,10 +48,6 @@ IDLE_CONNECTION_MS = 15_000
 
 # NOTE: a gRPC connection through a ConnectionGate holds three descriptors (the client's, the relay's, grpc's)
 GATED_DESCRIPTORS = 3
-PER_PEER_SHARE = 4  # one peer may hold a quarter of a port by default: one peer cannot hold it
-# NOTE: ... and at least this many (or the whole of a smaller port): `up`'s workers all dial from one address, and
-# one host's benchmark client may open dozens of HTTP connections
-MIN_PER_PEER = 16
 
 
 @dataclass(slots=True, frozen=True)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pagedserve_common.config import ROUTING as POLICIES
+from pagedserve_common.config import ROUTING as POLICIES, ROUTING_BALANCE_EPS
 from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.kv.manager import block_tokens
 
@@ -74,7 +74,7 @@ class Router:
     # runs: hit rate 0.84 down to 0.6-0.75, 2-4x the mean latency). A weight above 1 is also the honest price: the
     # lead is mostly output budget decoded in the same steps as this request's prefill, while a missed token is
     # computed before its first token, and a second copy of the prefix evicts someone else's.
-    def __init__(self, policy: str = "kv", balance_eps: float = 0.5, hit_weight: float = 4.0) -> None:
+    def __init__(self, policy: str = "kv", balance_eps: float = ROUTING_BALANCE_EPS, hit_weight: float = 4.0) -> None:
         if policy not in POLICIES:
             raise ValueError(f"routing must be one of {', '.join(POLICIES)}, got {policy!r}")
         if balance_eps < 0 or hit_weight < 0:

@@ -10,6 +10,8 @@ from pathlib import Path
 from typing import Protocol
 
 WORKLOADS = ("mixed", "shared-prefix", "multi-tenant", "edit", "chat")
+DEFAULT_NUM_REQUESTS = 64  # --num-requests of a synthetic workload
+DEFAULT_TURN_LEN = (32, 96)  # --prompt-len of a user turn (shared-prefix, multi-tenant, chat)
 
 # Plain English written for this file; prompts are cut from it, sentence order shuffled by the seed.
 _TEXT = """\
@@ -81,6 +83,11 @@ def parse_range(spec: str) -> tuple[int, int]:
     if not 1 <= lo <= hi:
         raise ValueError(f"expected 1 <= MIN <= MAX, got {spec!r}")
     return lo, hi
+
+
+def format_range(lengths: tuple[int, int]) -> str:
+    """A pair as 'MIN:MAX' (parse_range's inverse)."""
+    return f"{lengths[0]}:{lengths[1]}"
 
 
 class TextSource:
@@ -192,11 +199,11 @@ def build_workload(name: str, tokenizer: TokenizerLike, num_requests: int, seed:
     text = TextSource(tokenizer)
     outputs = _lengths(rng, num_requests, output_len, 64, 0.8, 16, 256)
     if name == "chat":
-        return chat_requests(rng, tokenizer, text, outputs, prompt_len or (32, 96))
+        return chat_requests(rng, tokenizer, text, outputs, prompt_len or DEFAULT_TURN_LEN)
     if name == "mixed":
         prompts = _lengths(rng, num_requests, prompt_len, 96, 1.0, 16, max(16, min(1024, max_model_len // 2)))
         return [BenchRequest(o, tuple(text.take(rng, p))) for p, o in zip(prompts, outputs)]
-    turn_range = prompt_len or (32, 96)
+    turn_range = prompt_len or DEFAULT_TURN_LEN
     turns = [rng.randint(*turn_range) for _ in range(num_requests)]
     if name == "shared-prefix":
         systems = [text.take(rng, min(1000, max_model_len // 2))]
@@ -277,6 +284,6 @@ def build_requests(args, server_max_len: int | None) -> tuple[list, dict]:
     # The shorter of the model's and the server's limits, so that both peers of a comparison get the same bytes.
     lens = [n for n in (_config_max_len(tok_dir), server_max_len) if n]
     max_len = min(lens) if lens else FALLBACK_MAX_MODEL_LEN
-    reqs = build_workload(args.workload, Tokenizer.from_model_dir(tok_dir), args.num_requests or 64, args.seed,
+    reqs = build_workload(args.workload, Tokenizer.from_model_dir(tok_dir), args.num_requests or DEFAULT_NUM_REQUESTS, args.seed,
                           args.prompt_len, args.output_len, args.num_tenants, max_len)
     return reqs, {"tokenizer": tok_dir, "max_model_len": max_len}

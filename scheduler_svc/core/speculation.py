@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pagedserve_common.config import SPECULATIVE as SPECULATIVE_METHODS  # --speculative
+# NGRAM_MAX, NGRAM_MIN: the n-gram lengths looked up, longest first (vLLM's prompt_lookup_max / _min)
+from pagedserve_common.config import NGRAM_MAX, NGRAM_MIN, SPECULATIVE
 from scheduler_svc.core.ngram import propose
 from scheduler_svc.core.request import Request
 
-NGRAM_MAX, NGRAM_MIN = 4, 2  # the n-gram lengths looked up, longest first (vLLM's prompt_lookup_max / _min)
+SPECULATIVE_METHODS = SPECULATIVE  # --speculative's methods (the Scheduler checks its config against them)
 MAX_BACKOFF_STEPS = 32  # a sequence whose drafts keep failing drafts again after at most this many steps
 # NOTE: drafts only while the step's tokens stay below this: a decode step of few sequences is bound by reading
 # the weights, so verifying more tokens costs little; one of many sequences is compute-bound and each draft costs

@@ -10,7 +10,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pagedserve_common.config import SCHEDULING_POLICIES  # --scheduling-policy
+from pagedserve_common.config import (AGING_ADMISSIONS, FAIR_DECODE_WEIGHT, FAIR_PREFILL_WEIGHT,
+                                      SCHEDULING_POLICIES)  # --scheduling-policy
 from scheduler_svc.identity import MIN_PRIORITY  # the most urgent priority a request may ask (32 bits)
 
 MAX_TENANT_WEIGHT = 1e6
@@ -71,8 +72,8 @@ class ServiceCounter:
     # NOTE: a decode token costs about twice a prompt token: bench/routing.py's cost model, calibrated on a 2-core CPU
     # worker with the default model, charges 2.5 ms a scheduled token plus 9 us a token of each sequence's context,
     # so a decode at a context of ~280 costs 2x a prefill token (VTC's paper weighs them 1 and 2 as well)
-    prefill_weight: float = 1.0  # a computed prompt (or recomputed) token
-    decode_weight: float = 2.0  # a token sampled (or a draft verified)
+    prefill_weight: float = FAIR_PREFILL_WEIGHT  # a computed prompt (or recomputed) token
+    decode_weight: float = FAIR_DECODE_WEIGHT  # a token sampled (or a draft verified)
     weights: dict[str, float] = field(default_factory=dict)  # tenant -> share weight (absent: 1)
     service: dict[str, float] = field(default_factory=dict)  # tenant -> counted service
     _floor: float = 0.0  # the least counter among the backlogged tenants when the queue last drained
@@ -122,7 +123,7 @@ class WaitingQueue:
     head in O(queued) or O(tenants).
     """
 
-    def __init__(self, policy: str = "fcfs", counter: ServiceCounter | None = None, aging_steps: int = 64,
+    def __init__(self, policy: str = "fcfs", counter: ServiceCounter | None = None, aging_steps: int = AGING_ADMISSIONS,
                  max_wait: float = math.inf, clock: Callable[[], float] = time.monotonic) -> None:
         """`max_wait`: priority: seconds of waiting after which a request is OVERDUE; `clock`: monotonic seconds."""
         if policy not in SCHEDULING_POLICIES:

@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from pagedserve_common.config import (MAX_MESSAGE_SIZE, MAX_SEQS_PER_REQUEST, MAX_STOP_STRINGS,
+from pagedserve_common.config import (MAX_MESSAGE_SIZE, MAX_SEQS_PER_REQUEST, MAX_STOP_CHARS, MAX_STOP_STRINGS,
                                       MAX_STRUCTURED_OUTPUT_BYTES, PROMPT_CHARS_PER_TOKEN)
 from scheduler_svc.errors import EngineError, ErrorCode
 
@@ -25,7 +25,7 @@ class Limits:
     max_stop_strings: int = MAX_STOP_STRINGS  # --max-stop-strings
     max_seqs_per_request: int = MAX_SEQS_PER_REQUEST  # --max-seqs-per-request: prompts x n
     max_structured_output_bytes: int = MAX_STRUCTURED_OUTPUT_BYTES  # --max-structured-output-bytes
-    max_stop_chars: int = 1024  # each stop string
+    max_stop_chars: int = MAX_STOP_CHARS  # each stop string
     max_stop_token_ids: int = 1024
     max_request_id_chars: int = 256
     max_cache_salt_chars: int = 256
