@@ -8,7 +8,7 @@ from pagedserve_common.defaults import (DEFAULT_BLOCK_SIZE, DEFAULT_HTTP, DEFAUL
                                         DEFAULT_MODEL, DEFAULT_WORKER_LISTEN)
 from pagedserve_common.kv_geometry import DTYPE_BYTES
 from pagedserve_common.model_spec import MODEL_HELP, REVISION_HELP
-from pagedserve_common.options import ALWAYS, GIVEN, at_least, byte_size, group, option, parse_device
+from pagedserve_common.options import ALWAYS, GIVEN, byte_size, count, group, option, parse_device, seconds
 from pagedserve_common.units import format_bytes
 
 ROUTING = ("kv", "least-loaded", "round-robin")  # scheduler_svc.routing
@@ -77,7 +77,6 @@ UP_NONCE_METADATA = "x-pagedserve-up-nonce"
 
 TLS_SERVER_NAME_HELP = "check the server's certificate for NAME instead of the host dialled"
 WORKER_TOKEN_HELP = "worker tokens, one a line (# comments)"
-_SECONDS, _POSITIVE = "seconds >= 0", "an integer >= 1"
 
 
 # -- the scheduler ------------------------------------------------------------------------------------------------
@@ -94,15 +93,13 @@ class SchedulerNetwork:
 class EngineOptions:
     """Batching, KV cache, routing and failure handling: the engine's (scheduler_svc.engine.EngineConfig) flags."""
 
-    max_num_seqs: int = option(64, "sequences per step (a request's n samples count one each)",
-                               type=at_least(int, 1, _POSITIVE), metavar="N", up=GIVEN)
-    max_num_batched_tokens: int | None = option(
-        None, "tokens per step; bounds inter-token latency during long prefills", type=at_least(int, 1, _POSITIVE),
-        metavar="N", default_text=f"{CPU_BATCHED_TOKENS} for a CPU worker, {GPU_BATCHED_TOKENS} for a GPU worker",
+    max_num_seqs: int = count(64, "sequences per step (a request's n samples count one each)", up=GIVEN)
+    max_num_batched_tokens: int | None = count(
+        None, "tokens per step; bounds inter-token latency during long prefills",
+        default_text=f"{CPU_BATCHED_TOKENS} for a CPU worker, {GPU_BATCHED_TOKENS} for a GPU worker",
         up=GIVEN)
-    max_queued_requests: int = option(1024, "unfinished requests beyond which a new one is refused "
-                                            "(RESOURCE_EXHAUSTED)", type=at_least(int, 1, _POSITIVE), metavar="N",
-                                      up=GIVEN)
+    max_queued_requests: int = count(1024, "unfinished requests beyond which a new one is refused "
+                                           "(RESOURCE_EXHAUSTED)", up=GIVEN)
     no_prefix_caching: bool = option(False, "never reuse the KV blocks of a prompt's prefix computed before",
                                      up=GIVEN)
     # NOTE: off by default: a prefix hit shows in usage's cached tokens (and in the time to first token), so a shared
@@ -120,8 +117,8 @@ class EngineOptions:
                                       "or output (prompt lookup), verified in the same forward; outputs are the same "
                                       "as without (greedy: identical; sampled: the same draws)", choices=SPECULATIVE,
                               up=GIVEN)
-    num_speculative_tokens: int = option(4, "drafts per sequence per step at most (--speculative)",
-                                         type=at_least(int, 1, _POSITIVE), metavar="K", up=GIVEN)
+    num_speculative_tokens: int = count(4, "drafts per sequence per step at most (--speculative)", metavar="K",
+                                        up=GIVEN)
     scheduling_policy: str = option(
         "fcfs", "the order waiting requests are admitted in: fcfs (first come, first served), priority (a request's "
                 "`priority` field, lower first, ties by arrival, at most its API key's max-priority; one with no room "
@@ -134,10 +131,9 @@ class EngineOptions:
         choices=SCHEDULING_POLICIES, up=GIVEN)
     # NOTE: a bound in time, whatever the priority gap: ageing by admissions alone took 2^31 levels x
     # AGING_ADMISSIONS admissions to lift a priority-0 request over a flood at -2^31
-    priority_max_wait: float = option(30.0, "--scheduling-policy priority: a request that has waited this long is "
-                                            "admitted before every priority (by arrival among such), and may preempt "
-                                            "for its room, so no flood of urgent requests holds it longer",
-                                      type=at_least(float, 1e-3, "seconds > 0"), metavar="SECONDS", up=GIVEN)
+    priority_max_wait: float = seconds(30.0, "--scheduling-policy priority: a request that has waited this long is "
+                                             "admitted before every priority (by arrival among such), and may preempt "
+                                             "for its room, so no flood of urgent requests holds it longer", up=GIVEN)
     tenant_weights: str | None = option(
         None, "--scheduling-policy fair: a file of `TENANT WEIGHT` lines (the weight last, the name before it; "
               "blank lines and # comments skipped): a tenant's share is proportional to its weight; unlisted "
@@ -147,30 +143,25 @@ class EngineOptions:
                                 f"prompt, among those within {1 + ROUTING_BALANCE_EPS:g}x the average load, while what "
                                 "it holds outweighs its extra load: a prefix every request shares spreads by load), "
                                 "least-loaded (fewest pending tokens) or round-robin", choices=ROUTING, up=GIVEN)
-    step_timeout: float = option(60.0, "a worker that takes longer for one step (its first one too: a worker "
-                                       "warms up before it registers) is declared lost and its requests are "
-                                       "recomputed elsewhere", type=at_least(float, 1e-3, "seconds > 0"),
-                                 metavar="SECONDS", up=GIVEN)
-    seed: int | None = option(None, "requests that bring no seed draw theirs from this one, in arrival order: the same "
-                                    "requests sent in the same order to a server started with the same seed sample "
-                                    "the same tokens", type=at_least(int, 0, "an integer >= 0"), metavar="N",
-                              default_text="none: each request's seed is random", up=GIVEN)
-    max_migrations: int = option(3, "a request whose steps took down N workers ends with INTERNAL",
-                                 type=at_least(int, 1, _POSITIVE), metavar="N", up=GIVEN)
-    no_worker_timeout: float = option(60.0, "while no worker is attached requests wait this long, then UNAVAILABLE",
-                                      type=at_least(float, 0, _SECONDS), metavar="SECONDS", up=GIVEN)
+    step_timeout: float = seconds(60.0, "a worker that takes longer for one step (its first one too: a worker "
+                                        "warms up before it registers) is declared lost and its requests are "
+                                        "recomputed elsewhere", up=GIVEN)
+    seed: int | None = count(None, "requests that bring no seed draw theirs from this one, in arrival order: the same "
+                                   "requests sent in the same order to a server started with the same seed sample the "
+                                   "same tokens", minimum=0, default_text="none: each request's seed is random",
+                             up=GIVEN)
+    max_migrations: int = count(3, "a request whose steps took down N workers ends with INTERNAL", up=GIVEN)
+    no_worker_timeout: float = seconds(60.0, "while no worker is attached requests wait this long, then UNAVAILABLE",
+                                       positive=False, up=GIVEN)
     # NOTE: also how long a worker that announces it leaves may finish its running requests before they move.
-    drain_timeout: float = option(30.0, "on SIGTERM the scheduler stops admitting (UNAVAILABLE) and lets in-flight "
-                                        "streams finish this long", type=at_least(float, 0, _SECONDS),
-                                  metavar="SECONDS", up=GIVEN)
+    drain_timeout: float = seconds(30.0, "on SIGTERM the scheduler stops admitting (UNAVAILABLE) and lets in-flight "
+                                         "streams finish this long", positive=False, up=GIVEN)
     # NOTE: a registration costs the scheduler memory in proportion to the blocks its requests use (the pool's
     # bookkeeping grows lazily), but a bound keeps one worker from claiming a pool no real device holds.
-    max_workers: int = option(MAX_WORKERS, "attached workers beyond which a registration is refused "
-                                           "(RESOURCE_EXHAUSTED)", type=at_least(int, 1, _POSITIVE), metavar="N",
-                              up=GIVEN)
-    max_worker_blocks: int = option(MAX_WORKER_BLOCKS, "KV blocks a worker may register, in its pool and in its swap "
-                                                       "space each (beyond: INVALID_ARGUMENT)",
-                                    type=at_least(int, 1, _POSITIVE), metavar="N", up=GIVEN)
+    max_workers: int = count(MAX_WORKERS, "attached workers beyond which a registration is refused "
+                                          "(RESOURCE_EXHAUSTED)", up=GIVEN)
+    max_worker_blocks: int = count(MAX_WORKER_BLOCKS, "KV blocks a worker may register, in its pool and in its swap "
+                                                      "space each (beyond: INVALID_ARGUMENT)", up=GIVEN)
 
 
 @dataclass(slots=True)
@@ -180,20 +171,17 @@ class LimitOptions:
     max_message_size: int = option(MAX_MESSAGE_SIZE, "largest client request: one gRPC message (RESOURCE_EXHAUSTED "
                                                      "beyond) or one HTTP body (413), e.g. 16MiB",
                                    type=byte_size(1024), metavar="BYTES", show=format_bytes, up=GIVEN)
-    max_prompt_chars: int | None = option(
+    max_prompt_chars: int | None = count(
         None, "characters of a text prompt, or of a chat's messages together, checked before tokenizing",
-        type=at_least(int, 1, _POSITIVE), metavar="N", default_text=f"{PROMPT_CHARS_PER_TOKEN} per token of "
-                                                                      f"max_model_len", up=GIVEN)
-    max_stop_strings: int = option(MAX_STOP_STRINGS, f"stop strings per request, each up to {MAX_STOP_CHARS} "
-                                                     "characters (and as many bad_words)",
-                                   type=at_least(int, 0, "an integer >= 0"), metavar="N", up=GIVEN)
+        default_text=f"{PROMPT_CHARS_PER_TOKEN} per token of max_model_len", up=GIVEN)
+    max_stop_strings: int = count(MAX_STOP_STRINGS, f"stop strings per request, each up to {MAX_STOP_CHARS} "
+                                                    "characters (and as many bad_words)", minimum=0, up=GIVEN)
     max_structured_output_bytes: int = option(
         MAX_STRUCTURED_OUTPUT_BYTES, "largest structured output spec (a JSON schema, regex or grammar; choices "
                                      "together), e.g. 256KiB", type=byte_size(1), metavar="BYTES", show=format_bytes,
         up=GIVEN)
-    max_seqs_per_request: int = option(MAX_SEQS_PER_REQUEST, "sequences one request may ask for: n, times the "
-                                                             "number of prompts of a /v1/completions batch",
-                                       type=at_least(int, 1, _POSITIVE), metavar="N", up=GIVEN)
+    max_seqs_per_request: int = count(MAX_SEQS_PER_REQUEST, "sequences one request may ask for: n, times the "
+                                                            "number of prompts of a /v1/completions batch", up=GIVEN)
 
 
 @dataclass(slots=True)
@@ -201,24 +189,21 @@ class ConnectionOptions:
     """Connection bounds of the HTTP front and the gRPC ports (scheduler_svc.http.connections, scheduler_svc.server):
     the caps default to a share of the open files limit (raised to the hard limit at start)."""
 
-    max_http_connections: int | None = option(
-        None, "open connections to the HTTP front; one more gets 503 and is closed", type=at_least(int, 1, _POSITIVE),
-        metavar="N", default_text=f"a quarter of the open files limit, at most {DEFAULT_MAX_CONNECTIONS}", up=GIVEN)
-    max_grpc_connections: int | None = option(
-        None, "open connections to the client API (--listen); one more is closed at once",
-        type=at_least(int, 1, _POSITIVE), metavar="N",
+    max_http_connections: int | None = count(
+        None, "open connections to the HTTP front; one more gets 503 and is closed",
         default_text=f"a quarter of the open files limit, at most {DEFAULT_MAX_CONNECTIONS}", up=GIVEN)
-    max_connections_per_peer: int | None = option(
+    max_grpc_connections: int | None = count(
+        None, "open connections to the client API (--listen); one more is closed at once",
+        default_text=f"a quarter of the open files limit, at most {DEFAULT_MAX_CONNECTIONS}", up=GIVEN)
+    max_connections_per_peer: int | None = count(
         None, "open connections one peer address (an IPv6 /64) may hold on each port: the HTTP front (503 beyond), "
               "the client API and the worker port (closed at once beyond); 0: no per-peer cap (behind a proxy, "
-              "where every client has the proxy's address)", type=at_least(int, 0, "an integer >= 0"), metavar="N",
+              "where every client has the proxy's address)", minimum=0,
         default_text=f"a quarter of each port's cap, at least {MIN_PER_PEER}", up=GIVEN)
-    header_timeout: float = option(10.0, "a connection that has not sent a whole HTTP request head (or finished its "
-                                         "gRPC handshake) this long after it opened or got its last answer is closed "
-                                         "(HTTP: 408 if it sent part of one)",
-                                   type=at_least(float, 1e-3, "seconds > 0"), metavar="SECONDS", up=GIVEN)
-    body_timeout: float = option(30.0, "an HTTP request body that brings no byte for this long is closed",
-                                 type=at_least(float, 1e-3, "seconds > 0"), metavar="SECONDS", up=GIVEN)
+    header_timeout: float = seconds(10.0, "a connection that has not sent a whole HTTP request head (or finished its "
+                                          "gRPC handshake) this long after it opened or got its last answer is closed "
+                                          "(HTTP: 408 if it sent part of one)", up=GIVEN)
+    body_timeout: float = seconds(30.0, "an HTTP request body that brings no byte for this long is closed", up=GIVEN)
 
 
 @dataclass(slots=True)
@@ -263,9 +248,8 @@ class SchedulerOptions:
     model: str = option(DEFAULT_MODEL, MODEL_HELP, up=ALWAYS)
     revision: str | None = option(None, REVISION_HELP, metavar="REV", default_text="the repo's default branch",
                                   up=GIVEN)
-    max_model_len: int | None = option(None, "longest sequence, prompt and output together",
-                                       type=at_least(int, 1, _POSITIVE), metavar="N",
-                                       default_text="the model's, also the upper bound", up=GIVEN)
+    max_model_len: int | None = count(None, "longest sequence, prompt and output together",
+                                      default_text="the model's, also the upper bound", up=GIVEN)
     served_model_name: tuple[str, ...] | None = option(
         None, "the model's name in the API (/v1/models, the `model` field, metrics); more names are aliases a request "
               "may use", nargs="+", metavar="NAME", default_text="--model", up=GIVEN)
@@ -309,11 +293,9 @@ class RunnerOptions:
     kv_memory: int | None = option(None, "bytes for the KV pool, e.g. 1GiB", type=byte_size(), metavar="BYTES",
                                    show=format_bytes, default_text=f"{format_bytes(CPU_KV_MEMORY)} on the CPU; on a "
                                                                     f"GPU, what its free memory allows", up=GIVEN)
-    block_size: int = option(DEFAULT_BLOCK_SIZE, "tokens per KV block", type=at_least(int, 1, _POSITIVE),
-                             metavar="N")
-    threads: int | None = option(None, "compute threads on the CPU", type=at_least(int, 1, _POSITIVE), metavar="N",
-                                 default_text="the cores this process may run on; under `up`, its share",
-                                 up=GIVEN)
+    block_size: int = count(DEFAULT_BLOCK_SIZE, "tokens per KV block")
+    threads: int | None = count(None, "compute threads on the CPU",
+                                default_text="the cores this process may run on; under `up`, its share", up=GIVEN)
     attention_backend: str = option("auto", "auto: the C++ kernel on the CPU, CuPy kernels on a GPU",
                                     choices=ATTENTION_BACKENDS)
     int8_qk: str = option("auto", "an int8 cache's Q.K on the cpu backend in int8 (queries quantised per head per "
@@ -364,9 +346,9 @@ class WorkerOptions:
 class UpOptions:
     """`pagedserve up`'s own flags; it also has the scheduler's and the workers' that Option.up marks."""
 
-    workers: int = option(1, "worker processes", type=at_least(int, 1, _POSITIVE), metavar="N")
+    workers: int = count(1, "worker processes")
     device: str | None = option(None, "cpu, cuda (worker i on GPU i mod the number of visible GPUs) or cuda:N (all "
                                       "on GPU N)", type=parse_device, default_text="cuda when a GPU is visible")
     http: str = option(DEFAULT_HTTP, "the OpenAI-compatible HTTP API ('' = off)", metavar="HOST:PORT")
-    startup_timeout: float = option(600.0, "seconds the scheduler and all workers may take to come up",
-                                    type=at_least(float, 0, _SECONDS), metavar="SECONDS")
+    startup_timeout: float = seconds(600.0, "seconds the scheduler and all workers may take to come up",
+                                     positive=False)

@@ -43,6 +43,18 @@ def option(default: Any, help: str, **kw: Any) -> Any:
     return dataclasses.field(default=default, metadata={OPTION: Option(help, **kw)})
 
 
+def count(default: Any, help: str, minimum: int = 1, **kw: Any) -> Any:
+    """A flag of an integer >= `minimum` (metavar N unless given)."""
+    kw.setdefault("metavar", "N")
+    return option(default, help, type=at_least(int, minimum, f"an integer >= {minimum}"), **kw)
+
+
+def seconds(default: Any, help: str, positive: bool = True, **kw: Any) -> Any:
+    """A flag of a duration in seconds: > 0 (at least a millisecond), or >= 0 unless `positive`."""
+    check = at_least(float, 1e-3, "seconds > 0") if positive else at_least(float, 0, "seconds >= 0")
+    return option(default, help, type=check, metavar="SECONDS", **kw)
+
+
 def group(cls: type, title: str) -> Any:
     """A dataclass field holding a group of options; `title` heads its section of --help."""
     return dataclasses.field(default_factory=cls, metadata={GROUP: title})
