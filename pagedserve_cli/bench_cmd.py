@@ -23,6 +23,14 @@ COMPARE_DTYPE = "float32"  # NOTE: `auto` depends on the CPU (bfloat16 with AVX5
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="load-test a server (ours over gRPC, or any OpenAI-compatible one)")
+    _add_load_args(p)
+    _add_report_args(p)
+    _add_private_server_args(p)
+    p.set_defaults(func=run)
+
+
+def _add_load_args(p: argparse.ArgumentParser) -> None:
+    """The server to bench and the load sent to it."""
     p.add_argument("--server", help=f"our gRPC client API, HOST:PORT (default {DEFAULT_LISTEN})")
     p.add_argument("--openai-url", help="an OpenAI-compatible server instead, e.g. http://127.0.0.1:8100/v1")
     p.add_argument("--model", help="with --openai-url: the served model name (default: the first it lists); with "
@@ -45,6 +53,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--priority", type=int, default=0,
                    help="every request's priority (a server with --scheduling-policy priority; lower runs first)")
     p.add_argument("--tokenizer", help="model dir whose tokenizer cuts the prompts (default: the default model)")
+
+
+def _add_report_args(p: argparse.ArgumentParser) -> None:
+    """What is measured beside the requests, and where the report goes."""
     p.add_argument("--metrics-url", help=f"Prometheus text to poll every 0.5 s (default with --server: "
                                          f"http://SERVER_HOST:{METRICS_PORT}/metrics; '' = off)")
     p.add_argument("--gemm-peak", metavar="FILE",
@@ -59,6 +71,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-sample-period", type=float, default=0.25, metavar="SECONDS",
                    help="with our server: how often the worker's KV pool is sampled (GetKVState) for the block "
                         "maps and the waste figures (default 0.25)")
+
+
+def _add_private_server_args(p: argparse.ArgumentParser) -> None:
     s = p.add_argument_group("private servers", "--spawn starts its own `pagedserve up` (scheduler + one worker on "
                                                 "free loopback ports) and stops it after the run; --compare starts "
                                                 "one per side, one after another")
@@ -88,7 +103,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--threads", type=int, help="the worker's compute threads")
     s.add_argument("--speculative", choices=SPECULATIVE, help="the scheduler's --speculative (default: its own)")
     s.add_argument("--num-speculative-tokens", type=int, metavar="K", help="the scheduler's --num-speculative-tokens")
-    p.set_defaults(func=run)
 
 
 def _client(args: argparse.Namespace):
