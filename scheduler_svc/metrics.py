@@ -76,6 +76,20 @@ class Metrics:
         ProcessCollector(registry=r)
         PlatformCollector(registry=r)
         GCCollector(registry=r)
+        # NOTE: declared family by family, in the order /metrics lists them
+        per_worker = functools.partial(_per_worker, registry=r)
+        self._add_load_gauges(r)
+        self._add_worker_counters(per_worker)
+        self._add_fleet_metrics(r)
+        self._add_latency_histograms(r, per_worker)
+        self._add_tenant_metrics(r)
+        self.protocol = ProtocolMetrics(r, model_name, max_model_len)
+
+        # NOTE: the `worker` labels whose series exist (DEPARTED's from the start: no worker may take it)
+        self.labels_in_use: set[str] = {DEPARTED}
+
+    def _add_load_gauges(self, r: Registry) -> None:
+        """The requests running and waiting, and each worker's KV blocks."""
         self.requests_running = Gauge("pagedserve_requests_running", "Sequences holding KV blocks", registry=r)
         self.requests_waiting = Gauge("pagedserve_requests_waiting", "Sequences waiting to be admitted",
                                       registry=r)
@@ -86,7 +100,9 @@ class Metrics:
                                       registry=r)
         self.kv_blocks_total = Gauge("pagedserve_kv_blocks_total", "KV blocks in the worker's pool", ["worker"],
                                      registry=r)
-        per_worker = functools.partial(_per_worker, registry=r)
+
+    def _add_worker_counters(self, per_worker: functools.partial) -> None:
+        """Each worker's prefix-cache, prefill, preemption and speculative-decoding counts."""
         self.prefix_queries = per_worker(Counter, "pagedserve_prefix_cache_queries_tokens", "Prompt tokens looked "
                                          "up in the prefix cache")
         self.prefix_hits = per_worker(Counter, "pagedserve_prefix_cache_hits_tokens", "Prompt tokens found in the "
@@ -101,6 +117,9 @@ class Metrics:
         self.spec_accepted_tokens = per_worker(Counter, "pagedserve_spec_decode_accepted_tokens", "Speculative "
                                                "decoding: drafted tokens the worker accepted (acceptance rate: these "
                                                "/ draft tokens)")
+
+    def _add_fleet_metrics(self, r: Registry) -> None:
+        """The workers attached and lost, and the requests moved between them."""
         self.workers = Gauge("pagedserve_workers", "Workers attached (leaving ones included)", registry=r)
         self.workers_lost = Counter("pagedserve_workers_lost", "Workers lost: their stream broke, they missed a step "
                                     "deadline, a step failed, or they answered one wrongly", ["reason"], registry=r)
@@ -108,6 +127,9 @@ class Metrics:
             self.workers_lost.labels(kind)
         self.migrations = Counter("pagedserve_migrations", "Requests moved to another worker and recomputed there "
                                   "(their worker was lost, or left with them queued)", registry=r)
+
+    def _add_latency_histograms(self, r: Registry, per_worker: functools.partial) -> None:
+        """Request latencies, and each worker's step time, idle time and batch size."""
         self.ttft = Histogram("pagedserve_ttft_seconds", "Time to first token", buckets=_LATENCY, registry=r)
         self.itl = Histogram("pagedserve_itl_seconds", "Inter-token latency", buckets=_LATENCY, registry=r)
         self.e2e = Histogram("pagedserve_e2e_seconds", "Request latency, arrival to last token",
@@ -120,6 +142,9 @@ class Metrics:
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1))
         self.batch_size = per_worker(Histogram, "pagedserve_batch_size", "Sequences per step",
                                      buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+
+    def _add_tenant_metrics(self, r: Registry) -> None:
+        """The fair policy's view of each tenant (its label bounded by TenantLabels)."""
         self.tenant_label = TenantLabels()
         self.tenant_service = Gauge("pagedserve_tenant_service", "The fair policy's counted service of the tenant: "
                                     "prompt tokens + 2 x output tokens computed, fleet-wide (lifted when it turns "
@@ -128,10 +153,6 @@ class Metrics:
                                     "admitted on a worker", ["tenant"], registry=r)
         self.tenant_ttft = Histogram("pagedserve_tenant_ttft_seconds", "Time to first token, by tenant",
                                      ["tenant"], buckets=_LATENCY, registry=r)
-        self.protocol = ProtocolMetrics(r, model_name, max_model_len)
-
-        # NOTE: the `worker` labels whose series exist (DEPARTED's from the start: no worker may take it)
-        self.labels_in_use: set[str] = {DEPARTED}
 
     # NOTE: when a worker leaves, its gauges go and its counters' and histograms' counts move to DEPARTED's.
     PER_WORKER_GAUGES = ("kv_blocks_used", "kv_blocks_cached", "kv_blocks_total")

@@ -46,70 +46,84 @@ class ProtocolMetrics:
 
     def __init__(self, r: CollectorRegistry, model_name: str, max_model_len: int) -> None:
         self.model_name = model_name
-        labels = ["model_name"]
+        self._registry = r
+        # NOTE: declared family by family, in the order /metrics lists them
+        self._add_gauges()
+        self._add_counters()
+        self._add_latency_histograms()
+        self._add_request_histograms(max_model_len)
 
-        def gauge(name, doc):
-            return Gauge(name, doc, labels, registry=r).labels(model_name)
+    def _gauge(self, name: str, doc: str):
+        return Gauge(name, doc, ["model_name"], registry=self._registry).labels(self.model_name)
 
-        def counter(name, doc):
-            return Counter(name, doc, labels, registry=r).labels(model_name)
+    def _counter(self, name: str, doc: str):
+        return Counter(name, doc, ["model_name"], registry=self._registry).labels(self.model_name)
 
-        def histogram(name, doc, buckets):
-            return Histogram(name, doc, labels, buckets=buckets, registry=r).labels(model_name)
+    def _histogram(self, name: str, doc: str, buckets: tuple):
+        return Histogram(name, doc, ["model_name"], buckets=buckets, registry=self._registry).labels(self.model_name)
 
-        self.running = gauge("vllm:num_requests_running", "Sequences holding KV blocks on a worker (a request "
-                             "with n > 1 counts n once forked): pagedserve_requests_running")
-        self.waiting = gauge("vllm:num_requests_waiting", "Requests waiting: for a worker, or on one for their "
-                             "first admission (preempted ones included): pagedserve_requests_waiting")
-        self.kv_usage = gauge("vllm:kv_cache_usage_perc", "KV-cache usage of the attached workers, 0 to 1: blocks "
-                              "held by live requests / blocks in their pools (cached but evictable blocks count "
-                              "as free, as in vLLM)")
+    def _add_gauges(self) -> None:
+        self.running = self._gauge("vllm:num_requests_running", "Sequences holding KV blocks on a worker (a request "
+                                   "with n > 1 counts n once forked): pagedserve_requests_running")
+        self.waiting = self._gauge("vllm:num_requests_waiting", "Requests waiting: for a worker, or on one for their "
+                                   "first admission (preempted ones included): pagedserve_requests_waiting")
+        self.kv_usage = self._gauge("vllm:kv_cache_usage_perc", "KV-cache usage of the attached workers, 0 to 1: "
+                                    "blocks held by live requests / blocks in their pools (cached but evictable blocks "
+                                    "count as free, as in vLLM)")
         self.cache_config = Gauge("vllm:cache_config_info", "The attached workers' KV cache: one series (value 1) "
                                   "per block size and cache dtype, num_gpu_blocks their total",
                                   ["model_name", "block_size", "num_gpu_blocks", "num_cpu_blocks", "cache_dtype",
-                                   "enable_prefix_caching"], registry=r)
-        self.prompt_tokens = counter("vllm:prompt_tokens", "Prompt tokens of requests that produced a first token "
-                                     "(usage.prompt_tokens: prefix-cache hits included, counted once per request)")
-        self.generation_tokens = counter("vllm:generation_tokens", "Tokens streamed to clients (usage."
-                                         "completion_tokens, every sample of a request summed)")
-        self.preemptions = counter("vllm:num_preemptions", "Sequences preempted (recomputed or swapped in later)")
-        self.prefix_queries = counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache, "
-                                      "once per admission")
-        self.prefix_hits = counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
-        self.spec_drafts = counter("vllm:spec_decode_num_drafts", "Speculative decoding (--speculative): sequences "
-                                   "that drafted tokens, once per step")
-        self.spec_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Speculative decoding: tokens drafted")
-        self.spec_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Speculative decoding: drafted "
-                                            "tokens accepted (acceptance rate: these / draft tokens)")
+                                   "enable_prefix_caching"], registry=self._registry)
+
+    def _add_counters(self) -> None:
+        self.prompt_tokens = self._counter("vllm:prompt_tokens", "Prompt tokens of requests that produced a first "
+                                           "token (usage.prompt_tokens: prefix-cache hits included, counted once per "
+                                           "request)")
+        self.generation_tokens = self._counter("vllm:generation_tokens", "Tokens streamed to clients (usage."
+                                               "completion_tokens, every sample of a request summed)")
+        self.preemptions = self._counter("vllm:num_preemptions", "Sequences preempted (recomputed or swapped in later)")
+        self.prefix_queries = self._counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache, "
+                                            "once per admission")
+        self.prefix_hits = self._counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache")
+        self.spec_drafts = self._counter("vllm:spec_decode_num_drafts", "Speculative decoding (--speculative): "
+                                         "sequences that drafted tokens, once per step")
+        self.spec_draft_tokens = self._counter("vllm:spec_decode_num_draft_tokens",
+                                               "Speculative decoding: tokens drafted")
+        self.spec_accepted_tokens = self._counter("vllm:spec_decode_num_accepted_tokens", "Speculative decoding: "
+                                                  "drafted tokens accepted (acceptance rate: these / draft tokens)")
         self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos", "Speculative decoding: "
                                              "drafts accepted at each draft position (0: the first draft)",
-                                             ["model_name", "position"], registry=r)
+                                             ["model_name", "position"], registry=self._registry)
         success = Counter("vllm:request_success", "Samples (choices) ended, by reason: stop (EOS, a stop token or "
                           "string), length (max_tokens or the context), abort (cancelled by the client), error "
-                          "(failed after admission)", ["model_name", "finished_reason"], registry=r)
-        self.success = {end: success.labels(model_name, end) for end in ENDS}  # NOTE: all present from the start
-        self.ttft = histogram("vllm:time_to_first_token_seconds", "Time to a request's first token",
-                              TTFT_BUCKETS)
-        self.itl = histogram("vllm:inter_token_latency_seconds", "Time between two steps' tokens of a sample",
-                             TOKEN_GAP_BUCKETS)
-        self.tpot = histogram("vllm:request_time_per_output_token_seconds", "A sample's decode time per token "
-                              "after its first (samples of two tokens or more)", TOKEN_GAP_BUCKETS)
-        self.e2e = histogram("vllm:e2e_request_latency_seconds", "Arrival to end (finished, aborted or failed)",
-                             REQUEST_BUCKETS)
-        self.queue = histogram("vllm:request_queue_time_seconds", "Arrival to first admission on a worker",
-                               REQUEST_BUCKETS)
-        self.prefill = histogram("vllm:request_prefill_time_seconds", "First admission to first token",
-                                 REQUEST_BUCKETS)
-        self.decode = histogram("vllm:request_decode_time_seconds", "First token to last token", REQUEST_BUCKETS)
-        self.inference = histogram("vllm:request_inference_time_seconds", "First admission to last token",
+                          "(failed after admission)", ["model_name", "finished_reason"], registry=self._registry)
+        self.success = {end: success.labels(self.model_name, end) for end in ENDS}  # NOTE: all present from the start
+
+    def _add_latency_histograms(self) -> None:
+        self.ttft = self._histogram("vllm:time_to_first_token_seconds", "Time to a request's first token",
+                                    TTFT_BUCKETS)
+        self.itl = self._histogram("vllm:inter_token_latency_seconds", "Time between two steps' tokens of a sample",
+                                   TOKEN_GAP_BUCKETS)
+        self.tpot = self._histogram("vllm:request_time_per_output_token_seconds", "A sample's decode time per token "
+                                    "after its first (samples of two tokens or more)", TOKEN_GAP_BUCKETS)
+        self.e2e = self._histogram("vllm:e2e_request_latency_seconds", "Arrival to end (finished, aborted or failed)",
                                    REQUEST_BUCKETS)
+        self.queue = self._histogram("vllm:request_queue_time_seconds", "Arrival to first admission on a worker",
+                                     REQUEST_BUCKETS)
+        self.prefill = self._histogram("vllm:request_prefill_time_seconds", "First admission to first token",
+                                       REQUEST_BUCKETS)
+        self.decode = self._histogram("vllm:request_decode_time_seconds", "First token to last token", REQUEST_BUCKETS)
+        self.inference = self._histogram("vllm:request_inference_time_seconds", "First admission to last token",
+                                         REQUEST_BUCKETS)
+
+    def _add_request_histograms(self, max_model_len: int) -> None:
         token_buckets = buckets_1_2_5(max_model_len)
-        self.request_prompt = histogram("vllm:request_prompt_tokens", "Prompt tokens per request", token_buckets)
-        self.request_generation = histogram("vllm:request_generation_tokens", "Tokens streamed per request (its "
-                                            "samples summed)", token_buckets)
-        self.params_n = histogram("vllm:request_params_n", "The n request parameter", N_BUCKETS)
-        self.params_max_tokens = histogram("vllm:request_params_max_tokens", "The max_tokens request parameter",
-                                           token_buckets)
+        self.request_prompt = self._histogram("vllm:request_prompt_tokens", "Prompt tokens per request", token_buckets)
+        self.request_generation = self._histogram("vllm:request_generation_tokens", "Tokens streamed per request (its "
+                                                  "samples summed)", token_buckets)
+        self.params_n = self._histogram("vllm:request_params_n", "The n request parameter", N_BUCKETS)
+        self.params_max_tokens = self._histogram("vllm:request_params_max_tokens", "The max_tokens request parameter",
+                                                 token_buckets)
 
     def fleet(self, registrations: Iterable[WorkerRegistration], no_prefix_caching: bool) -> None:
         """vllm:cache_config_info from the attached workers' registrations (redrawn when one comes or goes; no

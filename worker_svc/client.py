@@ -18,8 +18,8 @@ import torch
 
 from pagedserve.v1 import worker_pb2, worker_pb2_grpc
 from pagedserve_common import wire
-from pagedserve_common.config import UP_NONCE_METADATA, UP_NONCE_VARIABLE
 from pagedserve_common.grpc_options import WORKER_CHANNEL_OPTIONS
+from pagedserve_common.config import UP_NONCE_METADATA, UP_NONCE_VARIABLE
 from pagedserve_common.registration import WorkerRegistration, default_name
 from pagedserve_common.step import StepError, StepErrorKind
 from pagedserve_common.signals import exit_now
@@ -74,6 +74,22 @@ class Backoff:
         self.current = 0.0
 
 
+@dataclass(slots=True)
+class _Throttle:
+    """A warning said at most once every `seconds` while the scheduler stays away, not at every attempt."""
+
+    seconds: float = 30.0
+    last: float = float("-inf")
+
+    def due(self) -> bool:
+        """Whether the warning is due now; if it is, the next one is `seconds` away."""
+        now = time.monotonic()
+        if now - self.last <= self.seconds:
+            return False
+        self.last = now
+        return True
+
+
 def make_governor(cfg: WorkerConfig) -> ThreadGovernor | None:
     """Adaptive compute threads, unless --threads fixed them (or the worker is on a GPU)."""
     if cfg.threads is not None or cfg.device != "cpu":
@@ -102,6 +118,37 @@ def run_worker(scheduler: str, cfg: WorkerConfig, shutdown: Shutdown | None = No
     # NOTE: before registering: the first request would otherwise pay for first calls and an unsettled thread count
     # (TTFT 1.5-2.9 s, ~0.1 s later)
     warm_up_steps, warm_up_s = warm_up(runner, governor.tick if governor is not None else None)
+    _log_ready(scheduler, runner, reg, governor, warm_up_steps, warm_up_s)
+    backoff, warning = Backoff(), _Throttle()
+    while not shutdown.requested:
+        with dial(scheduler, credentials, [*WORKER_CHANNEL_OPTIONS, *channel_options]) as channel:
+            try:
+                _wait_ready(channel, shutdown)
+            except grpc.FutureTimeoutError:
+                if not shutdown.requested and warning.due():
+                    # NOTE: a refused client certificate looks like a scheduler that is down: retried with the
+                    # same backoff (the scheduler's CA may change without restarting this worker), said here.
+                    log.warning("waiting for the scheduler", scheduler=scheduler, **connect_error(channel))
+                _sleep(backoff.next(), shutdown)
+                continue
+            started = time.monotonic()
+            try:
+                serve_plans(channel, runner, reg, governor, shutdown, metadata)
+            except grpc.RpcError as e:
+                if _refused(e, scheduler, warning):
+                    return 1
+            runner.reset()
+        if shutdown.requested:
+            break
+        if time.monotonic() - started > 30:  # it served a while: dial in again promptly
+            backoff.reset()
+        _sleep(backoff.next(), shutdown)
+    log.info("worker leaving", reason=shutdown.reason)
+    return 0
+
+
+def _log_ready(scheduler: str, runner, reg: WorkerRegistration, governor: ThreadGovernor | None,
+               warm_up_steps: int, warm_up_s: float) -> None:
     log.info("worker ready", scheduler=scheduler, num_blocks=reg.num_blocks, block_size=reg.block_size,
              dtype=str(runner.loaded.dtype).removeprefix("torch."), dtype_reason=runner.loaded.dtype_reason,
              kv_cache_dtype=reg.dtype, device=reg.device,
@@ -111,44 +158,23 @@ def run_worker(scheduler: str, cfg: WorkerConfig, shutdown: Shutdown | None = No
              forward=runner.forward_path, batch_invariant=runner.batch_invariant,
              cpu_path=cpu_path.current().name, warm_up_steps=warm_up_steps,
              warm_up_s=round(warm_up_s, 3))
-    backoff, last_warning = Backoff(), float("-inf")
-    while not shutdown.requested:
-        with dial(scheduler, credentials, [*WORKER_CHANNEL_OPTIONS, *channel_options]) as channel:
-            try:
-                _wait_ready(channel, shutdown)
-            except grpc.FutureTimeoutError:
-                if not shutdown.requested and time.monotonic() - last_warning > 30:
-                    # NOTE: a refused client certificate looks like a scheduler that is down: retried with the
-                    # same backoff (the scheduler's CA may change without restarting this worker), said here.
-                    log.warning("waiting for the scheduler", scheduler=scheduler, **connect_error(channel))
-                    last_warning = time.monotonic()
-                _sleep(backoff.next(), shutdown)
-                continue
-            started = time.monotonic()
-            try:
-                serve_plans(channel, runner, reg, governor, shutdown, metadata)
-            except grpc.RpcError as e:
-                if e.code() == grpc.StatusCode.UNAUTHENTICATED:
-                    # NOTE: like a refused certificate: retried with the backoff (the scheduler may come back with
-                    # a token file that holds this worker's token), said at most every 30 s.
-                    if time.monotonic() - last_warning > 30:
-                        log.warning("waiting for the scheduler", scheduler=scheduler, error=e.details(),
-                                    hint=UNAUTHENTICATED_HINT)
-                        last_warning = time.monotonic()
-                elif e.code() in FATAL_CODES:
-                    log.error("the scheduler refused this worker", code=e.code().name, details=e.details())
-                    return 1
-                else:
-                    log.warning("the stream to the scheduler broke; dialling in again with an empty pool",
-                                code=e.code().name, details=e.details())
-            runner.reset()
-        if shutdown.requested:
-            break
-        if time.monotonic() - started > 30:  # it served a while: dial in again promptly
-            backoff.reset()
-        _sleep(backoff.next(), shutdown)
-    log.info("worker leaving", reason=shutdown.reason)
-    return 0
+
+
+def _refused(e: grpc.RpcError, scheduler: str, warning: _Throttle) -> bool:
+    """Says why the stream to the scheduler ended; True when the scheduler refused this worker's configuration
+    (FATAL_CODES: dialling in again cannot help)."""
+    if e.code() == grpc.StatusCode.UNAUTHENTICATED:
+        # NOTE: like a refused certificate: retried with the backoff (the scheduler may come back with a token file
+        # that holds this worker's token), said at most every 30 s.
+        if warning.due():
+            log.warning("waiting for the scheduler", scheduler=scheduler, error=e.details(), hint=UNAUTHENTICATED_HINT)
+        return False
+    if e.code() in FATAL_CODES:
+        log.error("the scheduler refused this worker", code=e.code().name, details=e.details())
+        return True
+    log.warning("the stream to the scheduler broke; dialling in again with an empty pool", code=e.code().name,
+                details=e.details())
+    return False
 
 
 def dial(scheduler: str, credentials: grpc.ChannelCredentials | None, options) -> grpc.Channel:

@@ -49,11 +49,28 @@ def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None]
     seq_id -> its number of drafts), at most that many; prompt logprobs for exactly the sequences `prompt_due` lists
     (seq_id -> PromptDue), each with its positions, their prompt tokens as their sampled entries, a rank in
     [1, vocab_size], at most the asked number of top entries, and logprobs as above."""
+    # NOTE: the order of blame: the first check that fails is the answer; each assumes the ones before it passed
+    # (the token checks index `sampled` by the plan's sequences, which _check_sampled holds to `due`'s)
+    sampled = result.sampled
+    return (_check_step(step_id, result)
+            or _check_sampled(sampled, due, vocab_size)
+            or _check_drafts(result.num_accepted_drafts, drafted or {}, due)
+            or _check_constraints(sampled, bitmasks or {}, banned or {}, allowed or {})
+            or _check_sample_logprobs(result.logprobs, sampled, due, vocab_size)
+            or _check_prompt_logprobs(result, prompt_due or {}, vocab_size))
+
+
+def _check_step(step_id: int, result: StepResult) -> WrongResult | None:
+    """The answer as a whole: the plan it answers and the idle its worker measured."""
     if result.step_id != step_id:
         return WrongResult(f"step_id {result.step_id} answers plan {step_id}")
     if not 0.0 <= result.idle_seconds <= MAX_IDLE_SECONDS:  # NOTE: written so that NaN fails it too
         return WrongResult(f"idle_seconds {result.idle_seconds!r} is not in [0, {MAX_IDLE_SECONDS:g}]")
-    sampled = result.sampled
+    return None
+
+
+def _check_sampled(sampled: Mapping[int, int], due: Mapping[int, int | None], vocab_size: int) -> WrongResult | None:
+    """Exactly the due sequences sampled, each a token of the vocabulary."""
     if sampled.keys() != due.keys():
         extra, missing = sorted(sampled.keys() - due.keys()), sorted(due.keys() - sampled.keys())
         if missing:
@@ -64,26 +81,44 @@ def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None]
         seq_id, tok = next((s, t) for s, t in sampled.items() if not 0 <= t < vocab_size)
         return WrongResult(f"token_id {tok} of seq {seq_id} is outside the vocabulary (0 .. {vocab_size - 1})",
                            seq_id)
-    for seq_id, n in result.num_accepted_drafts.items():
-        num_drafts = drafted.get(seq_id, 0) if drafted else 0
+    return None
+
+
+def _check_drafts(num_accepted: Mapping[int, int], drafted: Mapping[int, int],
+                  due: Mapping[int, int | None]) -> WrongResult | None:
+    """Drafts accepted only by a sequence that drafted, at most as many as it drafted."""
+    for seq_id, n in num_accepted.items():
+        num_drafts = drafted.get(seq_id, 0)
         if not 0 <= n <= num_drafts:
             return WrongResult(f"num_accepted_drafts {n} of seq {seq_id}, which drafted {num_drafts} tokens",
                                seq_id if seq_id in due else None)
-    for seq_id, bitmask in (bitmasks or {}).items():
+    return None
+
+
+def _check_constraints(sampled: Mapping[int, int], bitmasks: Mapping[int, bytes],
+                       banned: Mapping[int, frozenset[int]],
+                       allowed: Mapping[int, tuple[int, ...]]) -> WrongResult | None:
+    """Each token one its sequence may sample this step: its bitmask's, not banned, in its allow-list."""
+    for seq_id, bitmask in bitmasks.items():
         tok = sampled.get(seq_id)
         if tok is not None and not token_allowed(bitmask, tok):
             return WrongResult(f"token_id {tok} of seq {seq_id} is not allowed by its token_bitmask (structured "
                                f"output): the worker ignored the mask", seq_id)
-    for seq_id, ids in (banned or {}).items():
+    for seq_id, ids in banned.items():
         if sampled[seq_id] in ids:
             return WrongResult(f"token_id {sampled[seq_id]} of seq {seq_id} is a stop id before its min_tokens",
                                seq_id)
-    for seq_id, ids in (allowed or {}).items():
+    for seq_id, ids in allowed.items():
         tok = sampled[seq_id]
         at = bisect_left(ids, tok)
         if at == len(ids) or ids[at] != tok:
             return WrongResult(f"token_id {tok} of seq {seq_id} is not in its allowed_token_ids", seq_id)
-    logprobs = result.logprobs
+    return None
+
+
+def _check_sample_logprobs(logprobs: Mapping[int, PositionLogprobs], sampled: Mapping[int, int],
+                           due: Mapping[int, int | None], vocab_size: int) -> WrongResult | None:
+    """Logprobs for exactly the sequences that asked, each well-formed for its sampled token."""
     for seq_id in logprobs:
         if due[seq_id] is None:
             return WrongResult(f"logprobs for seq {seq_id}, which asked for none", seq_id)
@@ -95,7 +130,7 @@ def check_result(step_id: int, result: StepResult, due: Mapping[int, int | None]
             return WrongResult(f"logprobs: none for seq {seq_id}, which asked for them", seq_id)
         if (wrong := _check_logprobs(lp, sampled[seq_id], num_top, vocab_size)) is not None:
             return WrongResult(f"logprobs of seq {seq_id}: {wrong}", seq_id)
-    return _check_prompt_logprobs(result, prompt_due or {}, vocab_size)
+    return None
 
 
 def _check_prompt_logprobs(result: StepResult, due: Mapping[int, PromptDue], vocab_size: int) -> WrongResult | None:

@@ -80,9 +80,34 @@ class RequestStream:
         s = self.samples[out.index]
         if s.finished:
             return None
-        m, p = self.metrics, self.metrics.protocol
         first = s.num_tokens == 0
-        if first:
+        self._time_tokens(s, len(out.new_token_ids), now)
+        item = self._item(s, out, logprobs)
+        if first and self.request.prompt_log is not None:
+            # NOTE: complete now: a sample's first token comes after its prompt's last row (Scheduler.update)
+            item.prompt_logprobs = self.request.prompt_log.for_client()
+            if self._echo_text is not None:
+                self.queue.put_nowait(StreamItem(out.index, list(self.request.prompt_token_ids), self._echo_text,
+                                                 prompt_logprobs=item.prompt_logprobs, echo=True))
+                item.prompt_logprobs = None
+        reason = item.finish_reason
+        if reason is not None:
+            s.finished, s.finish_reason = True, reason
+            self.num_open -= 1
+            item.prompt_tokens = len(self.request.prompt_token_ids)
+            item.completion_tokens = 0 if self.discard_output else s.num_tokens
+            item.cached_prompt_tokens = self.request.num_cached_prompt_tokens
+            if self.num_open == 0:
+                self.metrics.e2e.observe(now - self.arrival)
+        self.queue.put_nowait(item)
+        if self.num_open == 0:
+            self.queue.put_nowait(None)
+        return reason
+
+    def _time_tokens(self, s: _Sample, num_new: int, now: float) -> None:
+        """Counts `num_new` tokens of sample `s` at `now`: TTFT at its first, inter-token latency after."""
+        m, p = self.metrics, self.metrics.protocol
+        if s.num_tokens == 0:
             m.ttft.observe(now - self.arrival)
             m.tenant_ttft.labels(m.tenant_label(self.request.tenant)).observe(now - self.arrival)
             s.first_token_time = now
@@ -92,40 +117,22 @@ class RequestStream:
         else:
             m.itl.observe(now - s.last_token_time)
             p.itl.observe(now - s.last_token_time)
-        s.num_tokens += len(out.new_token_ids)
-        p.generation_tokens.inc(len(out.new_token_ids))
+        s.num_tokens += num_new
+        p.generation_tokens.inc(num_new)
         s.last_token_time = now
+
+    def _item(self, s: _Sample, out: RequestOutput, logprobs: PositionLogprobs | None) -> StreamItem:
+        """The item of `out`'s tokens: their text (detokenized, up to a stop string) and finish reason."""
         if self.discard_output:  # NOTE: max_tokens is 1 here: the one token computed ends the sample
             reason = None if out.finish_reason is None else FinishReason.LENGTH
-            item = StreamItem(out.index, [], "", reason)
-        else:
-            res = s.detok.push(out.new_token_ids)
-            text, reason = res.text_delta, out.finish_reason
-            if res.stopped:
-                reason = FinishReason.STOP_STRING
-            elif reason is not None:
-                text += s.detok.flush().text_delta
-            item = StreamItem(out.index, list(out.new_token_ids), text, reason,
-                              [logprobs] if logprobs is not None else [])
-        if first and self.request.prompt_log is not None:
-            # NOTE: complete now: a sample's first token comes after its prompt's last row (Scheduler.update)
-            item.prompt_logprobs = self.request.prompt_log.for_client()
-            if self._echo_text is not None:
-                self.queue.put_nowait(StreamItem(out.index, list(self.request.prompt_token_ids), self._echo_text,
-                                                 prompt_logprobs=item.prompt_logprobs, echo=True))
-                item.prompt_logprobs = None
-        if reason is not None:
-            s.finished, s.finish_reason = True, reason
-            self.num_open -= 1
-            item.prompt_tokens = len(self.request.prompt_token_ids)
-            item.completion_tokens = 0 if self.discard_output else s.num_tokens
-            item.cached_prompt_tokens = self.request.num_cached_prompt_tokens
-            if self.num_open == 0:
-                m.e2e.observe(now - self.arrival)
-        self.queue.put_nowait(item)
-        if self.num_open == 0:
-            self.queue.put_nowait(None)
-        return reason
+            return StreamItem(out.index, [], "", reason)
+        res = s.detok.push(out.new_token_ids)
+        text, reason = res.text_delta, out.finish_reason
+        if res.stopped:
+            reason = FinishReason.STOP_STRING
+        elif reason is not None:
+            text += s.detok.flush().text_delta
+        return StreamItem(out.index, list(out.new_token_ids), text, reason, [logprobs] if logprobs is not None else [])
 
     def fail(self, code: str, message: str) -> None:
         self.queue.put_nowait((code, message))

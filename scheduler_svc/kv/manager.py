@@ -165,20 +165,12 @@ class KVCacheManager(BlockTables):
             if num_tokens < seq.num_tokens:
                 raise ValueError(f"request {request_id}: num_tokens {num_tokens} < {seq.num_tokens} already held")
             seq.num_tokens = num_tokens
-            if token_ids is not None and self.enable_prefix_caching:
-                num_full = min(num_tokens, len(token_ids)) // self.block_size
-                if num_full > seq.num_cached_blocks:
-                    self._cache_blocks(seq, token_ids, num_full)
+            self._cache_full_blocks(seq, token_ids)
             return NO_CHANGE
         if seq is None:
-            if self._blocks_needed(request_id, num_tokens, hit) > pool.num_free_blocks:
+            seq = self._start(request_id, num_tokens, hit, extra_key)
+            if seq is None:
                 return None
-            if hit is None:
-                seq = _Seq([], 0, 0, _root(extra_key))
-            else:
-                pool.touch(hit.block_ids)
-                seq = _Seq(list(hit.block_ids), hit.num_tokens, len(hit.block_ids), hit.parent)
-            self._seqs[request_id] = seq
         if num_tokens < seq.num_tokens:
             raise ValueError(f"request {request_id}: num_tokens {num_tokens} < {seq.num_tokens} already held")
         block_ids = seq.block_ids
@@ -201,13 +193,31 @@ class KVCacheManager(BlockTables):
         else:
             new_block_ids = ()
         seq.num_tokens = num_tokens
-        if token_ids is not None and self.enable_prefix_caching:
-            num_full = min(num_tokens, len(token_ids)) // self.block_size
-            if num_full > seq.num_cached_blocks:
-                self._cache_blocks(seq, token_ids, num_full)
+        self._cache_full_blocks(seq, token_ids)
         if not copies and not new_block_ids:
             return NO_CHANGE
         return Allocation(new_block_ids, copies)
+
+    def _start(self, request_id: Hashable, num_tokens: int, hit: PrefixHit | None,
+               extra_key: object) -> _Seq | None:
+        """The table of a new request, from its prefix hit; None (and no table) when the pool can't hold
+        `num_tokens` tokens of it."""
+        if self._blocks_needed(request_id, num_tokens, hit) > self.pool.num_free_blocks:
+            return None
+        if hit is None:
+            seq = _Seq([], 0, 0, _root(extra_key))
+        else:
+            self.pool.touch(hit.block_ids)
+            seq = _Seq(list(hit.block_ids), hit.num_tokens, len(hit.block_ids), hit.parent)
+        self._seqs[request_id] = seq
+        return seq
+
+    def _cache_full_blocks(self, seq: _Seq, token_ids: Sequence[int] | None) -> None:
+        """Enters the full blocks of `seq`'s known tokens (`token_ids`, None: unknown) into the prefix cache."""
+        if token_ids is not None and self.enable_prefix_caching:
+            num_full = min(seq.num_tokens, len(token_ids)) // self.block_size
+            if num_full > seq.num_cached_blocks:
+                self._cache_blocks(seq, token_ids, num_full)
 
     def _cache_blocks(self, seq: _Seq, token_ids: Sequence[int], num_full: int) -> None:
         bs, pool, parent = self.block_size, self.pool, seq.parent
