@@ -141,7 +141,7 @@ def test_the_circle_finder_finds_a_circle():
 def test_protobuf_stays_at_the_edges():
     """Only the codecs and the gRPC servers and clients touch generated messages: the engine, the scheduler core,
     the front end, the HTTP app and the worker's runner work on the shared dataclasses."""
-    edges = {"pagedserve_common.wire", "scheduler_svc.server", "worker_svc.client"}
+    edges = {"pagedserve_common.wire", "scheduler_svc.server", "scheduler_svc.ports", "worker_svc.client"}
     for package in ("scheduler_svc", "worker_svc", "pagedserve_common"):
         for module, names in _imported_modules(package).items():
             if module in edges or module.startswith("scheduler_svc.grpc."):
