@@ -105,9 +105,7 @@ class PolicyRoom:
 
     def charge(self, scheduled: list[tuple[Request, int]]) -> None:
         """fair: each tenant's service counted as its tokens are scheduled: the known tokens computed (prompt, or a
-        recomputation) as prefill, the rest (the token sampled next, drafts) as decode. Other policies: nothing."""
-        if not self.fair:
-            return
+        recomputation) as prefill, the rest (the token sampled next, drafts) as decode."""
         charge = self.waiting.counter.charge
         for req, num_new in scheduled:
             known = len(req.all_token_ids) - req.num_computed_tokens - 1  # known tokens before the last one

@@ -109,7 +109,7 @@ class Request:
                 self.prompt_token_ids + self.output_token_ids
         except OverflowError:
             # NOTE: an id outside int32 is in no vocabulary: kept as given (lists), so that the engine's check
-            # refuses the request naming the field (Engine._check); such a request never reaches a Scheduler.
+            # refuses the request naming the field (FrontEnd._check); such a request never reaches a Scheduler.
             self.prompt_token_ids, self.output_token_ids = list(self.prompt_token_ids), list(self.output_token_ids)
             self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
 
@@ -157,5 +157,5 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     seq_id: int = -1  # the sequence on the worker (to pick its logprobs off the step result)
     # The sample ended because its structured output's matcher gave up (a step's work limit): its text does not
-    # match the grammar, so the request ends with an error, never with a finish reason (Engine._publish)
+    # match the grammar, so the request ends with an error, never with a finish reason (Engine.deliver)
     constraint_failed: bool = False

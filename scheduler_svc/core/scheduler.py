@@ -346,14 +346,14 @@ class Scheduler:
     def _admit_waiting(self, room: StepRoom) -> None:
         """Then waiting requests in the policy's order, while slots, budget and blocks last; nobody when memory is
         so tight that someone was just preempted. A swapped-out one has its KV restored instead of recomputed."""
-        waiting, kv, step = self.waiting, self.kv, room.step
+        waiting, kv, step, fair = self.waiting, self.kv, room.step, self.policy.fair
         if room.num_preempted:
             self.waiting_for_blocks = bool(waiting)
             return
         while waiting and room.budget > 0:
-            # NOTE: fair: charged as it goes, so the next head is picked by the service so far
-            self.policy.charge(step.scheduled[room.num_charged:])
-            room.num_charged = len(step.scheduled)
+            if fair:  # NOTE: charged as it goes, so the next head is picked by the service so far
+                self.policy.charge(step.scheduled[room.num_charged:])
+                room.num_charged = len(step.scheduled)
             req = waiting[0]
             if self._num_seq_slots + (req.fork_into or 1) > self.config.max_num_seqs:
                 break
@@ -440,7 +440,8 @@ class Scheduler:
             if pending > 0:
                 num_prefill += num_new if num_new < pending else pending
         self.num_prefill_tokens += num_prefill
-        self.policy.charge(step.scheduled[room.num_charged:])
+        if self.policy.fair:
+            self.policy.charge(step.scheduled[room.num_charged:])
         if self.min_tokens_request_ids:
             self.min_tokens_request_ids &= self.requests.keys()
         step.any_constrained, step.any_min_tokens = bool(self.num_constrained), bool(self.min_tokens_request_ids)
