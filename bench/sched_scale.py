@@ -4,11 +4,11 @@ Per point: a Scheduler over --num-blocks blocks (optionally with that many cache
 cache first), --requests requests queued at once (a few shared 512-token system prompts + a random suffix, random
 decode lengths), then --warmup steps and --steps timed steps. A fake worker hands each sequence that finished its
 prompt or decoded a token derived from (seq_id, position). Timed per step, as the service does it on its loop
-(scheduler_svc/engine.py, Engine._serve): schedule(); plan_to_pb() + SerializeToString(); StepResult parse +
+(scheduler_svc/step_loop.py, StepLoop.run): schedule(); plan_to_pb() + SerializeToString(); StepResult parse +
 result_from_pb() + update(), in this thread's CPU time by default (--clock); full GC pauses are counted apart,
 except in median_step_ms/max_step_ms (the largest batch, every step whole), under the scheduler process's GC
 policy (scheduler_svc/gc_policy.py).
-Not timed: the worker, gRPC transport, asyncio, Engine._publish (streams, detokenization), metrics. At the end
+Not timed: the worker, gRPC transport, asyncio, StepLoop._publish (streams, detokenization), metrics. At the end
 every request's tokens are checked, all are aborted and every block must be back in the pool.
 usage: python bench/sched_scale.py [--quick] [--out DIR] [--profile]   (table, JSON and PNG under --out)
 """

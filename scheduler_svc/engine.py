@@ -4,30 +4,29 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import itertools
 import random
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import structlog
 
 from pagedserve_common.config import EngineOptions
-from pagedserve_common.step import StepError, StepPlan, StepResult
-from scheduler_svc.core.step import ScheduledStep
+from pagedserve_common.registration import WorkerRegistration
 from pagedserve_common.sampling import SamplingParams
 from scheduler_svc import request_log
+from scheduler_svc.core.kv_snapshot import KVPoolSnapshot, MAX_SNAPSHOT_BLOCKS, snapshot
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput
-from scheduler_svc.core.result_check import check_result
+from scheduler_svc.core.step import ScheduledStep
 from scheduler_svc.core.tenancy import prefix_salt, scoped_request_id
 from scheduler_svc.core.waiting import MAX_TENANT_COUNTERS, ServiceCounter
 from scheduler_svc.errors import DRAINING, EngineError, ErrorCode
 from scheduler_svc.metrics import Metrics
 from scheduler_svc.routing import Router
-from scheduler_svc.fleet import Fleet, Lost, WorkerHandle, bad_result, export, export_fleet
-from scheduler_svc.structured.matcher import fill_bitmasks
+from scheduler_svc.fleet import Fleet, Lost, WorkerHandle, export_fleet
+from scheduler_svc.step_loop import StepLoop
 
 if TYPE_CHECKING:  # NOTE: the front end makes the streams; the engine only feeds them
     from scheduler_svc.frontend.stream import RequestStream
@@ -36,22 +35,8 @@ if TYPE_CHECKING:  # NOTE: the front end makes the streams; the engine only feed
 
 log = structlog.get_logger("pagedserve.scheduler")
 
-LEAVING_POLL_SECONDS = 0.5  # a leaving worker with nothing to run still has its drain deadline checked
-NOT_YET = object()  # _next_step(wait=False): nothing to run now
-# The longest a step's publishing waits for the next plan's write (a worker that reads no plans holds the write).
-PLAN_WRITE_WAIT_SECONDS = 0.05
 CONSTRAINT_GAVE_UP = ("structured_output: following the grammar took more work for one token than a step allows "
                       "(the output so far does not match it); give a simpler grammar")
-
-
-@dataclass(slots=True)
-class PendingStep:
-    """A step whose results the scheduler has taken in (update) and its clients not yet (_publish)."""
-
-    plan: StepPlan
-    outputs: list[RequestOutput]
-    result: StepResult
-    step_seconds: float  # sent -> answer taken in: the step as the scheduler saw it
 
 
 @dataclass(slots=True, kw_only=True)
@@ -65,162 +50,152 @@ class EngineConfig(EngineOptions):
     eos_token_ids: tuple[int, ...] = ()
 
 
-class Engine(Fleet):
-    """Owns every request's stream and where it runs (`placement`: request id -> worker). Each worker has its
-    own Scheduler (block tables of its pool); the Router picks a worker for a new request. A request that
-    loses its worker is recomputed on another with all its streamed tokens, so its client sees no gap.
+class Engine:
+    """Owns every request's stream and where it runs (`placement`: request id -> worker): admission, placement and
+    failure. The Fleet holds the attached workers, each with its own Scheduler (block tables of its pool) and its
+    StepLoop (the step in flight); the Router picks a worker for a new request. A request that loses its worker is
+    recomputed on another with all its streamed tokens, so its client sees no gap.
 
-    NOTE: sequence ids come from one counter shared by all workers' schedulers: unique across the fleet.
+    Its public methods are the front end's and the servicers' whole interface: submit, abort, check_queue,
+    max_output_tokens, serving, model_workers, kv_state (requests); attach_worker, worker_leaving (the Attach
+    stream); lose_worker, fail_worker, leaving_tick, deliver, trace_step, export_fleet (a StepLoop).
     """
 
-    def __init__(self, config: EngineConfig, metrics: Metrics | None = None) -> None:
+    def __init__(self, config: EngineConfig, metrics: Metrics | None = None, tracing: Tracing | None = None) -> None:
         self.config = config
         self.metrics = metrics or Metrics(config.model_id, config.max_model_len)
+        self.tracing = tracing  # --otlp-endpoint (scheduler_svc.tracing); None: no traces, and no work for them
         self.router = Router(config.routing)
-        self.workers: dict[str, WorkerHandle] = {}
+        self.service = ServiceCounter()  # the fair policy's tenants' service, fleet-wide: every Scheduler's
+        self.fleet = Fleet(config, self.metrics, self.service)
         self.streams: dict[str, RequestStream] = {}  # unfinished client requests
         self.placement: dict[str, WorkerHandle] = {}  # request id -> the worker it runs on
         self.unplaced: dict[str, tuple[Request, float]] = {}  # waiting for a worker: request id -> (it, deadline)
         self.draining = False
-        self.last_worker_left: float | None = None  # monotonic; None while no worker has ever left
-        self._worker_ids = itertools.count()
-        self._seq_ids = itertools.count()
         # NOTE: --seed: the seeds of requests that bring none, drawn here in arrival order (not by each worker's
         # scheduler, where routing would decide the order); None: each worker's scheduler draws a random one
         self._seeds = None if config.seed is None else random.Random(config.seed)
-        self.service = ServiceCounter()  # the fair policy's tenants' service, fleet-wide: every Scheduler's
         self.on_workers_changed = lambda num_workers: None  # health: SERVING iff a worker is attached
-        self.tracing: Tracing | None = None  # --otlp-endpoint (scheduler_svc.tracing)
+
+    @property
+    def workers(self) -> dict[str, WorkerHandle]:
+        """The attached workers by id (read-only: the Fleet takes them in and lets them go)."""
+        return self.fleet.workers
 
     @property
     def num_unfinished(self) -> int:
         return len(self.streams)
 
-    # -- a worker's steps ----------------------------------------------------------------------------------
-    async def _serve(self, w: WorkerHandle) -> None:
-        """A worker's step loop: schedule -> [bitmasks] -> send -> [publish the step before] -> receive -> update,
-        one plan in flight, until the worker detaches (it left, or the server stops) or is lost (the one place a loss
-        is handled). A step's tokens are published (detokenized, streamed) once the next plan is written: the
-        worker computes meanwhile instead of waiting for 64 streams' writes (float32, 64 requests: 0.65 -> 0.52 s idle).
-        A sample whose text hits a stop string there has one more token computed in the plan already sent, which
-        update() drops as it does an abort's."""
-        pending: PendingStep | None = None
-        step: ScheduledStep | None = None  # the step in flight: this loop holds it, the scheduler does not
-        ended = None  # why the loop ended: a Lost, or None (detached)
-        try:
-            while True:
-                step = await self._next_step(w, wait=pending is None)  # schedule: waits while there is nothing to run
-                if step is NOT_YET:  # nothing to run before the streams have this step: publish it, then wait
-                    step = None
-                    self._publish(w, pending)
-                    pending = None
-                    continue
-                if not isinstance(step, ScheduledStep):
-                    ended, step = step, None
-                    break
-                plan = step.plan
-                t0 = time.perf_counter()
-                if due := step.constrained_due():  # structured output: each sample's allowed tokens
-                    # NOTE: on a thread, off the event loop: every other stream, health and the other workers'
-                    # loops go on meanwhile. Only this loop touches these matchers (update() runs after receive).
-                    masks = await asyncio.to_thread(fill_bitmasks, [r.constraint for r in due],
-                                                    self.config.vocab_size)
-                    plan.token_bitmasks = dict(zip([r.seq_id for r in due], masks))
-                if self.tracing is not None:
-                    self.tracing.step(w, step, self.streams)
-                w.plan_sent.clear()
-                w.outbox.put_nowait(plan)  # send: the Attach stream encodes and writes it
-                if pending is not None:
-                    await self._plan_written(w)
-                    self._publish(w, pending)
-                    pending = None
-                result = await self._receive(w, step)
-                if not isinstance(result, StepResult):
-                    ended = result
-                    break
-                outputs = w.scheduler.update(step, result.sampled, result.num_accepted_drafts, result.prompt_logprobs)
-                pending, step = PendingStep(plan, outputs, result, time.perf_counter() - t0), None
-            if pending is not None:  # NOTE: before a loss recomputes its requests elsewhere
-                self._publish(w, pending)
-            if isinstance(ended, Lost):
-                self.lose_worker(w, ended, step)
-        except Exception as e:  # a bug: end this worker's requests loudly rather than leave them hanging
-            log.exception("step loop failed", worker=w.worker_id)
+
+    # -- workers: what their coming and going means for requests ------------------------------------------
+    def attach_worker(self, reg: WorkerRegistration, origin: Mapping[str, str] | None = None) -> WorkerHandle:
+        """Takes the worker in (Fleet.attach: raises EngineError naming the field at fault), starts its StepLoop and
+        places the requests that waited for a worker."""
+        w = self.fleet.attach(reg, origin)
+        w.task = asyncio.get_running_loop().create_task(StepLoop(self, w).run())
+        # NOTE: its series go once its step loop has ended, not at detach: its last step publishes after a detach
+        # (a leave, a loss) and would otherwise bring them back, for good.
+        w.task.add_done_callback(lambda _: self.metrics.worker_left(w.label))
+        self._workers_changed()
+        for request_id in list(self.unplaced):  # requests that waited for a worker
+            req, _ = self.unplaced.pop(request_id)
+            self._place_or_wait(req)
+        return w
+
+    def lose_worker(self, w: WorkerHandle, lost: Lost, in_flight: ScheduledStep | None = None) -> None:
+        """The worker broke (or ran out of time leaving) with the step `in_flight` unanswered: recompute its
+        requests on the others (those in that step are charged a migration, when the loss is the step's fault)."""
+        if not w.attached:
+            return
+        reason = lost.reason
+        if lost.charge:
+            suspects = in_flight.request_ids() if in_flight is not None else set()
+        else:
+            suspects = lost.charged_request_ids
+        self.detach(w)
+        moved, failed = 0, 0
+        for req in w.scheduler.release_all(in_flight):
+            rid = req.request_id
+            self.placement.pop(rid, None)
+            stream = self.streams.get(rid)
+            if stream is None:
+                continue
+            if rid in suspects:
+                req.num_migrations += 1
+            if req.num_migrations >= self.config.max_migrations:
+                self._fail(rid, ErrorCode.INTERNAL, f"request {req.client_request_id} was in a step of "
+                           f"{req.num_migrations} workers that failed (the last: {w.worker_id}: {reason}); it is not "
+                           "retried again", w.worker_id)
+                failed += 1
+                continue
+            self.metrics.migrations.inc()
+            if stream.trace is not None:
+                stream.trace.moved(w.worker_id, lost.kind, reason, len(req.all_token_ids))
+            self._place_or_wait(req)
+            moved += 1
+        self.metrics.workers_lost.labels(lost.kind).inc()
+        log.warning("worker lost; its requests are recomputed elsewhere", worker=w.worker_id, reason=reason,
+                    migrated=moved, failed=failed, workers_left=len(self.workers))
+
+    def fail_worker(self, w: WorkerHandle, in_flight: ScheduledStep | None, message: str) -> None:
+        """A bug in the worker's step loop: its requests end with INTERNAL rather than hang."""
+        self.detach(w)
+        for req in w.scheduler.release_all(in_flight):
+            self.placement.pop(req.request_id, None)
+            self._fail(req.request_id, ErrorCode.INTERNAL, message, w.worker_id)
+
+    def worker_leaving(self, w: WorkerHandle, reason: str) -> None:
+        """The worker shuts down on purpose: no new requests; its queued ones move now, its running ones may
+        finish within the drain timeout (then they move too); then its stream ends and it exits."""
+        if not w.attached or w.leaving:
+            return
+        w.leaving, w.leave_deadline = True, time.monotonic() + self.config.drain_timeout
+        log.info("worker leaving", worker=w.worker_id, reason=reason, running=w.scheduler.num_running,
+                 waiting=w.scheduler.num_waiting)
+        self._move_queued(w)  # NOTE: safe with a step in flight: queued requests are not in it
+        w.wakeup.set()
+
+    def leaving_tick(self, w: WorkerHandle) -> Lost | None:
+        """Between a leaving worker's steps: move what can move, close it once it holds nothing; a Lost once its
+        drain deadline has passed."""
+        if time.monotonic() > w.leave_deadline:
+            return Lost("leave_timeout", f"its requests did not finish within {self.config.drain_timeout:g} s of it "
+                        "announcing it leaves", charge=False)
+        self._move_queued(w)
+        if not w.scheduler.has_unfinished_requests():
             self.detach(w)
-            for req in w.scheduler.release_all(step):
-                self.placement.pop(req.request_id, None)
-                self._fail(req.request_id, ErrorCode.INTERNAL, f"internal error on {w.worker_id}: {e}", w.worker_id)
-
-    @staticmethod
-    async def _plan_written(w: WorkerHandle) -> None:
-        """Until the Attach stream has written the plan just queued (or PLAN_WRITE_WAIT_SECONDS pass: a publish
-        then goes ahead). NOTE: publishing wakes every client stream's writer; queued before the plan's write on the
-        event loop, they held it back ~1 ms a step (float32, 64 requests: the worker's wait 2.1-2.3 -> 1.7 ms)."""
-        try:
-            await asyncio.wait_for(w.plan_sent.wait(), PLAN_WRITE_WAIT_SECONDS)
-        except TimeoutError:
-            pass
-
-    async def _receive(self, w: WorkerHandle, step: ScheduledStep) -> StepResult | Lost:
-        """The worker's answer to `plan`, checked, or why none will come: a missed deadline, a failed step, a
-        broken stream, a wrong answer. NOTE: one plan in flight per worker, so the next answer is this plan's.
-        The first step has the same deadline as any: a worker warms up (first calls, kernel builds) before it
-        registers (worker_svc.warm_up), and a longer first deadline let a silent new worker hold requests 4x as
-        long (241 s)."""
-        timeout, plan = self.config.step_timeout, step.plan
-        try:
-            answer = await asyncio.wait_for(w.inbox.get(), timeout)
-        except TimeoutError:
-            return Lost("deadline", f"no answer to step {plan.step_id} within {timeout:g} s")
-        if answer is None:  # detached while it waited: its requests were released or ended already
-            return Lost("stream", "its stream ended")
-        if isinstance(answer, Lost):
-            return answer
-        if isinstance(answer, StepError):
-            return Lost("failed_step", f"step {answer.step_id} failed ({answer.kind.name}): {answer.message}")
-        # NOTE: a worker that answers wrongly is lost, not its requests: they are recomputed elsewhere uncharged,
-        # but for the one whose own entry was wrong (Lost.charged_request_ids).
-        wrong = check_result(plan.step_id, answer, step.due_samples(), self.config.vocab_size,
-                             bitmasks=plan.token_bitmasks, banned=step.banned_samples(),
-                             allowed=step.allowed_samples(), drafted=step.drafted,
-                             prompt_due=step.prompt_logprobs_due())
-        if wrong is not None:
-            blamed = step.request_id_of(wrong.seq_id) if wrong.seq_id is not None else None
-            return bad_result(plan.step_id, wrong.message, frozenset(() if blamed is None else (blamed,)))
-        w.num_steps += 1
-        return answer
-
-    async def _next_step(self, w: WorkerHandle, wait: bool = True) -> ScheduledStep | Lost | object | None:
-        """The worker's next step; a Lost when its stream broke or its drain ran out; None once it is detached;
-        NOT_YET when there is nothing to run now and `wait` is False."""
-        while w.attached:
-            if w.lost is not None:
-                return w.lost
-            if w.leaving and (lost := self._leaving_tick(w)) is not None:
-                return lost
-            if not w.attached:
-                break
-            step = w.scheduler.schedule()
-            if step is not None:
-                return step
-            if not wait:
-                return NOT_YET
-            w.wakeup.clear()
-            w.back_to_back = False
-            if w.leaving:  # re-check its deadline now and then, even with nothing to run
-                try:
-                    await asyncio.wait_for(w.wakeup.wait(), LEAVING_POLL_SECONDS)
-                except TimeoutError:
-                    pass
-            else:
-                await w.wakeup.wait()
+            log.info("worker left", worker=w.worker_id, workers_left=len(self.workers))
         return None
 
-    def _publish(self, w: WorkerHandle, step: PendingStep) -> None:
+    def _move_queued(self, w: WorkerHandle) -> None:
+        """A leaving worker's queued requests (preempted ones too) go to the others, if there are any."""
+        if not self.fleet.routable():
+            return
+        for req in w.scheduler.take_queued():
+            self.placement.pop(req.request_id, None)
+            self.metrics.migrations.inc()
+            if (stream := self.streams.get(req.request_id)) is not None and stream.trace is not None:
+                stream.trace.moved(w.worker_id, "leaving", "the worker leaves", len(req.all_token_ids))
+            self._place_or_wait(req)
+
+    def detach(self, w: WorkerHandle) -> None:
+        """Ends the worker's step loop and its Attach stream (Fleet.detach); the router forgets it."""
+        self.fleet.detach(w)
+        self.router.forget_worker(w.worker_id)
+        self._workers_changed()
+
+    def _workers_changed(self) -> None:
+        m, workers = self.metrics, self.workers
+        m.workers.set(len(workers))
+        m.protocol.fleet([w.registration for w in workers.values()], self.config.no_prefix_caching)
+        self.export_fleet()
+        self.on_workers_changed(len(workers))
+
+    # -- a StepLoop's calls ----------------------------------------------------------------------------------
+    def deliver(self, w: WorkerHandle, outputs: list[RequestOutput], logprobs: dict | None) -> None:
         """Streams a step's tokens to their clients and finishes the samples whose text hit a stop string (the
-        scheduler cannot: stop strings need detokenized text); then the step's metrics."""
-        plan, outputs, result = step.plan, step.outputs, step.result
-        now, logprobs = time.monotonic(), result.logprobs
+        scheduler cannot: stop strings need detokenized text)."""
+        now = time.monotonic()
         for out in outputs:
             self.router.prefilled(out.request_id)  # its prompt's blocks are in the worker's cache now
             stream = self.streams.get(out.request_id)
@@ -238,17 +213,45 @@ class Engine(Fleet):
                 del self.streams[out.request_id]
                 self.placement.pop(out.request_id, None)
                 request_log.finished(stream, w.worker_id)
-        m, wid = self.metrics, w.label
-        m.step.labels(wid).observe(step.step_seconds)
-        if w.back_to_back:
-            m.worker_idle.labels(wid).observe(result.idle_seconds)
-        w.back_to_back = True
-        if plan.preempted_seq_ids:
-            log.info("preempted", worker=wid, seq_ids=list(plan.preempted_seq_ids),
-                     total=w.scheduler.num_preemptions)
-        m.batch_size.labels(wid).observe(plan.num_seqs)
-        export(w, m)
-        export_fleet(self)
+
+    def trace_step(self, w: WorkerHandle, step: ScheduledStep) -> None:
+        """A step goes to worker `w` (--otlp-endpoint: its requests' spans)."""
+        if self.tracing is not None:
+            self.tracing.step(w, step, self.streams)
+
+    def export_fleet(self) -> None:
+        export_fleet(self.metrics, self.fleet, len(self.unplaced))
+
+    # -- what the front end reads --------------------------------------------------------------------------
+    def serving(self) -> tuple[bool, str]:
+        """(True, "") when requests can be served now, else (False, why): draining, or no worker attached."""
+        if self.draining:
+            return False, DRAINING
+        if not self.workers:
+            return False, self.no_worker_reason()
+        return True, ""
+
+    def model_workers(self) -> dict[str, WorkerRegistration]:
+        """The attached workers' registrations by worker id (GetModelInfo, /v1/models)."""
+        return {worker_id: w.registration for worker_id, w in self.workers.items()}
+
+    def kv_state(self, worker_id: str = "", tenant: str | None = None) -> KVPoolSnapshot:
+        """One worker's KV pool between two steps (GetKVState): `worker_id` as model_workers() names it, '' for
+        the first attached; `tenant`: only that tenant's sequences (None: every tenant's, for an operator). Raises
+        EngineError: UNAVAILABLE with no worker attached, NOT_FOUND naming an unknown id."""
+        workers = self.workers
+        if not workers:
+            raise EngineError(ErrorCode.UNAVAILABLE, self.no_worker_reason())
+        w = workers.get(worker_id) if worker_id else next(iter(workers.values()))
+        if w is None:
+            raise EngineError(ErrorCode.NOT_FOUND, f"worker_id {worker_id!r} is not attached (attached: "
+                                                   f"{', '.join(workers)})", "worker_id")
+        num_blocks = w.scheduler.config.num_blocks
+        if num_blocks > MAX_SNAPSHOT_BLOCKS:
+            raise EngineError(ErrorCode.FAILED_PRECONDITION, f"{w.worker_id} has {num_blocks:,} KV blocks; GetKVState "
+                              f"describes pools of up to {MAX_SNAPSHOT_BLOCKS:,} (two bytes each, every call, on the "
+                              "scheduler's event loop)")
+        return snapshot(w.worker_id, w.scheduler, w.registration.kv_geometry, tenant)
 
     # -- requests -----------------------------------------------------------------------------------------
     def submit(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams, cache_salt: str = "",
@@ -278,7 +281,7 @@ class Engine(Fleet):
         req = Request(key, list(prompt_token_ids), sampling, salt, priority=priority, tenant=tenant,
                       constraint=grammar and grammar.constraint())
         try:
-            if self._routable():
+            if self.fleet.routable():
                 self._place(req)
         except ValueError as e:  # the chosen worker is smaller than the scheduler's limits
             raise EngineError(ErrorCode.INVALID_ARGUMENT, str(e), getattr(e, "field", None)) from None
@@ -313,15 +316,12 @@ class Engine(Fleet):
     def max_output_tokens(self, num_prompt_tokens: int, n: int = 1) -> int:
         """How many tokens a request may ask for to fill its context: up to max_model_len, and no more than the
         smallest attached pool can hold (a request that asks more is refused as never fitting)."""
-        limits = [w.scheduler.max_output_tokens(num_prompt_tokens, n) for w in self._routable()]
+        limits = [w.scheduler.max_output_tokens(num_prompt_tokens, n) for w in self.fleet.routable()]
         return min([self.config.max_model_len - num_prompt_tokens, *limits])
-
-    def _routable(self) -> list[WorkerHandle]:
-        return [w for w in self.workers.values() if not w.leaving]
 
     def _place(self, req: Request) -> WorkerHandle:
         """Routes `req` to a worker and queues it there; raises ValueError when that worker can't serve it."""
-        decision = self.router.choose(self._routable(), req.prompt_token_ids, req.cache_salt)
+        decision = self.router.choose(self.fleet.routable(), req.prompt_token_ids, req.cache_salt)
         w = self.workers[decision.worker_id]
         if req.seq_id < 0:  # never placed before
             w.scheduler.add_request(req)
@@ -334,7 +334,7 @@ class Engine(Fleet):
         return w
 
     def _place_or_wait(self, req: Request) -> None:
-        if not self._routable():
+        if not self.fleet.routable():
             self._wait_for_worker(req)
             return
         moved = req.seq_id >= 0  # else it waited for a first worker
@@ -353,7 +353,7 @@ class Engine(Fleet):
             self._fail(req.request_id, ErrorCode.UNAVAILABLE, self.no_worker_reason())
             return
         self.unplaced[req.request_id] = (req, time.monotonic() + timeout)
-        export_fleet(self)  # NOTE: no step runs while no worker is attached: the queue gauges move here
+        self.export_fleet()  # NOTE: no step runs while no worker is attached: the queue gauges move here
         asyncio.get_running_loop().call_later(timeout, self._expire_unplaced)
 
     def _expire_unplaced(self) -> None:
@@ -363,15 +363,10 @@ class Engine(Fleet):
                 del self.unplaced[request_id]
                 self._fail(request_id, ErrorCode.UNAVAILABLE,
                            f"no worker was attached for {self.config.no_worker_timeout:g} s")
-        export_fleet(self)
+        self.export_fleet()
 
     def no_worker_reason(self) -> str:
-        """Why no worker takes a new request now; honest about the past (none yet, or the last one left)."""
-        if self.workers:
-            return "no worker takes new requests: every attached worker is leaving"
-        if self.last_worker_left is None:
-            return "no worker is attached yet"
-        return f"no worker is attached (the last one left {time.monotonic() - self.last_worker_left:.0f} s ago)"
+        return self.fleet.no_worker_reason()
 
     def _fail(self, request_id: str, code: ErrorCode, message: str, worker: str | None = None) -> None:
         """Ends an admitted request with an error status. NOTE: every failure goes through here (one log line)."""
@@ -384,7 +379,7 @@ class Engine(Fleet):
         """Client cancel or deadline: its blocks go back to the pool at the next step."""
         stream = self.streams.pop(request_id, None)
         if self.unplaced.pop(request_id, None) is not None:
-            export_fleet(self)
+            self.export_fleet()
         self.router.prefilled(request_id)  # NOTE: its prompt no longer counts as pending on its worker
         w = self.placement.pop(request_id, None)
         if w is not None:

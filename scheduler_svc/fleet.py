@@ -1,22 +1,27 @@
-"""The attached workers: each one's handle (its Scheduler and its Attach stream's queues), and how the engine
-takes a worker in, loses one (its requests are recomputed elsewhere) and lets one leave (drained, then closed)."""
+"""The attached workers: each one's handle (its Scheduler and its Attach stream's queues), the Fleet that takes
+them in and lets them go, and their metrics."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import structlog
 
 from pagedserve_common.registration import MAX_NAME_CHARS, WorkerRegistration, name_error
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.core.speculation import SpecCounters
-from scheduler_svc.core.step import ScheduledStep
+from scheduler_svc.core.waiting import ServiceCounter
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.kv.manager import VALID_BLOCK_SIZES
 from scheduler_svc.metrics import Metrics
+
+if TYPE_CHECKING:
+    from scheduler_svc.engine import EngineConfig
 
 log = structlog.get_logger("pagedserve.scheduler")
 
@@ -63,7 +68,7 @@ class WorkerHandle:
     num_preemptions: int = 0
     num_prefill_tokens: int = 0
     # NOTE: its per-worker series' `worker` label: the name it registered with (HOST:PID), stable across scheduler
-    # restarts; "" takes the name (or the worker id for a nameless one). Fleet.attach_worker makes it unique among
+    # restarts; "" takes the name (or the worker id for a nameless one). Fleet.attach makes it unique among
     # the labels whose series exist (Metrics.labels_in_use): its series go when its step loop has ended.
     label: str = ""
 
@@ -112,11 +117,12 @@ def _export_spec(c: SpecCounters, wid: str, m: Metrics) -> None:
         p.spec_accepted_per_pos.labels(p.model_name, str(j)).inc(n)
 
 
-def export_fleet(engine) -> None:
-    """The fleet-wide gauges: requests running and waiting, KV usage over the attached workers."""
-    m, workers = engine.metrics, engine.workers.values()
+def export_fleet(m: Metrics, fleet: Fleet, num_unplaced: int) -> None:
+    """The fleet-wide gauges: requests running and waiting (`num_unplaced`: waiting for a worker), KV usage over the
+    attached workers."""
+    workers = fleet.workers.values()
     running = sum(x.scheduler.num_running for x in workers)
-    waiting = sum(x.scheduler.num_waiting for x in workers) + len(engine.unplaced)
+    waiting = sum(x.scheduler.num_waiting for x in workers) + num_unplaced
     m.requests_running.set(running)
     m.requests_waiting.set(waiting)
     m.protocol.running.set(running)
@@ -124,22 +130,22 @@ def export_fleet(engine) -> None:
     used = sum(x.scheduler.kv.pool.num_used_blocks for x in workers)
     total = sum(x.registration.num_blocks for x in workers)
     m.protocol.kv_usage.set(used / total if total else 0.0)  # NOTE: cached-but-evictable blocks count as free
-    export_tenants(engine)
+    export_tenants(m, fleet)
 
 
-def export_tenants(engine) -> None:
+def export_tenants(m: Metrics, fleet: Fleet) -> None:
     """Each tenant's counted service and sequences waiting on the workers, under its bounded label (a label's
     value: the sum over the tenants it stands for). NOTE: O(tenants), not O(queue): the queues keep the counts."""
-    m, label = engine.metrics, engine.metrics.tenant_label
+    label = m.tenant_label
     waiting: dict[str, int] = dict.fromkeys(label.named, 0)
-    for w in engine.workers.values():
+    for w in fleet.workers.values():
         for tenant, n in w.scheduler.waiting.num_waiting_by_tenant.items():
             key = label(tenant)
             waiting[key] = waiting.get(key, 0) + n
     for key, n in waiting.items():
         m.tenant_waiting.labels(key).set(n)
     service: dict[str, float] = {}
-    for tenant, s in engine.service.service.items():
+    for tenant, s in fleet.service.service.items():
         key = label(tenant)
         service[key] = service.get(key, 0.0) + s
     for key, s in service.items():
@@ -196,12 +202,24 @@ def _quoted(value: str, limit: int = 40) -> str:
 
 
 class Fleet:
-    """Part of Engine (a mixin over its state, as Handover is of Scheduler): workers coming and going. NOTE: a
-    loss is handled where a worker's step loop ends (Engine._serve); these are what it and the Attach stream
-    call."""
+    """Owned by the Engine: the attached workers, each with its own Scheduler (its pool's block tables), made from
+    the engine's flags and the worker's registration. NOTE: what a worker's coming and going means for requests
+    (placement, migration, failure) is the engine's; this takes workers in and lets them go."""
 
-    def attach_worker(self, reg: WorkerRegistration, origin: Mapping[str, str] | None = None) -> WorkerHandle:
-        """Takes the worker in; `origin` (who dialled in: peer, certificate subject or token id) goes to the log."""
+    def __init__(self, config: EngineConfig, metrics: Metrics, service: ServiceCounter) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.service = service  # the fair policy's tenants' service, fleet-wide: every Scheduler's
+        self.workers: dict[str, WorkerHandle] = {}
+        self.last_worker_left: float | None = None  # monotonic; None while no worker has ever left
+        self._worker_ids = itertools.count()
+        # NOTE: sequence ids come from one counter shared by all workers' schedulers: unique across the fleet (a
+        # moved sequence gets a fresh one)
+        self._seq_ids = itertools.count()
+
+    def attach(self, reg: WorkerRegistration, origin: Mapping[str, str] | None = None) -> WorkerHandle:
+        """Checks the registration and takes the worker in; `origin` (who dialled in: peer, certificate subject or
+        token id) goes to the log. Raises EngineError naming the field at fault."""
         cfg = self.config
         check_registration(reg, cfg.max_worker_blocks)
         check_serves(reg, cfg.model_id, cfg.max_model_len)
@@ -216,86 +234,9 @@ class Fleet:
         w.label = unique_label(w.label, self.metrics.labels_in_use)
         self.workers[w.worker_id] = w
         self.metrics.worker_attached(w.label, reg.num_blocks)
-        w.task = asyncio.get_running_loop().create_task(self._serve(w))
-        # NOTE: its series go once its step loop has ended, not at detach: its last step publishes after a detach
-        # (a leave, a loss) and would otherwise bring them back, for good.
-        w.task.add_done_callback(lambda _: self.metrics.worker_left(w.label))
         log.info("worker attached", worker=w.worker_id, name=reg.name, metrics_label=w.label, num_blocks=reg.num_blocks,
                  block_size=reg.block_size, kv_cache_dtype=reg.dtype, device=reg.device, **(origin or {}))
-        self._workers_changed()
-        for request_id in list(self.unplaced):  # requests that waited for a worker
-            req, _ = self.unplaced.pop(request_id)
-            self._place_or_wait(req)
         return w
-
-    def lose_worker(self, w: WorkerHandle, lost: Lost, in_flight: ScheduledStep | None = None) -> None:
-        """The worker broke (or ran out of time leaving) with the step `in_flight` unanswered: recompute its
-        requests on the others (those in that step are charged a migration, when the loss is the step's fault)."""
-        if not w.attached:
-            return
-        reason = lost.reason
-        if lost.charge:
-            suspects = in_flight.request_ids() if in_flight is not None else set()
-        else:
-            suspects = lost.charged_request_ids
-        self.detach(w)
-        moved, failed = 0, 0
-        limit = self.config.max_migrations
-        for req in w.scheduler.release_all(in_flight):
-            rid = req.request_id
-            self.placement.pop(rid, None)
-            stream = self.streams.get(rid)
-            if stream is None:
-                continue
-            if rid in suspects:
-                req.num_migrations += 1
-            if req.num_migrations >= limit:
-                self._fail(rid, ErrorCode.INTERNAL, f"request {req.client_request_id} was in a step of "
-                           f"{req.num_migrations} workers that failed (the last: {w.worker_id}: {reason}); it is not "
-                           "retried again", w.worker_id)
-                failed += 1
-                continue
-            self.metrics.migrations.inc()
-            if stream.trace is not None:
-                stream.trace.moved(w.worker_id, lost.kind, reason, len(req.all_token_ids))
-            self._place_or_wait(req)
-            moved += 1
-        self.metrics.workers_lost.labels(lost.kind).inc()
-        log.warning("worker lost; its requests are recomputed elsewhere", worker=w.worker_id, reason=reason,
-                    migrated=moved, failed=failed, workers_left=len(self.workers))
-
-    def worker_leaving(self, w: WorkerHandle, reason: str) -> None:
-        """The worker shuts down on purpose: no new requests; its queued ones move now, its running ones may
-        finish within the drain timeout (then they move too); then its stream ends and it exits."""
-        if not w.attached or w.leaving:
-            return
-        w.leaving, w.leave_deadline = True, time.monotonic() + self.config.drain_timeout
-        log.info("worker leaving", worker=w.worker_id, reason=reason, running=w.scheduler.num_running,
-                 waiting=w.scheduler.num_waiting)
-        self._move_queued(w)  # NOTE: safe with a step in flight: queued requests are not in it
-        w.wakeup.set()
-
-    def _leaving_tick(self, w: WorkerHandle) -> Lost | None:
-        """Between a leaving worker's steps: move what can move, close it once it holds nothing."""
-        if time.monotonic() > w.leave_deadline:
-            return Lost("leave_timeout", f"its requests did not finish within {self.config.drain_timeout:g} s of it "
-                        "announcing it leaves", charge=False)
-        self._move_queued(w)
-        if not w.scheduler.has_unfinished_requests():
-            self.detach(w)
-            log.info("worker left", worker=w.worker_id, workers_left=len(self.workers))
-        return None
-
-    def _move_queued(self, w: WorkerHandle) -> None:
-        """A leaving worker's queued requests (preempted ones too) go to the others, if there are any."""
-        if not self._routable():
-            return
-        for req in w.scheduler.take_queued():
-            self.placement.pop(req.request_id, None)
-            self.metrics.migrations.inc()
-            if (stream := self.streams.get(req.request_id)) is not None and stream.trace is not None:
-                stream.trace.moved(w.worker_id, "leaving", "the worker leaves", len(req.all_token_ids))
-            self._place_or_wait(req)
 
     def detach(self, w: WorkerHandle) -> None:
         """Ends the worker's step loop and its Attach stream (a worker still running registers again); its
@@ -304,15 +245,19 @@ class Fleet:
         self.workers.pop(w.worker_id, None)
         if not self.workers:
             self.last_worker_left = time.monotonic()
-        self.router.forget_worker(w.worker_id)
         w.inbox.put_nowait(None)
         w.outbox.put_nowait(None)
         w.wakeup.set()
         self.metrics.remove_gauges(w.label)  # NOTE: at once: they describe the fleet now
-        self._workers_changed()
 
-    def _workers_changed(self) -> None:
-        self.metrics.workers.set(len(self.workers))
-        self.metrics.protocol.fleet([w.registration for w in self.workers.values()], self.config.no_prefix_caching)
-        export_fleet(self)
-        self.on_workers_changed(len(self.workers))
+    def routable(self) -> list[WorkerHandle]:
+        """The workers that take new requests (all but the leaving ones)."""
+        return [w for w in self.workers.values() if not w.leaving]
+
+    def no_worker_reason(self) -> str:
+        """Why no worker takes a new request now; honest about the past (none yet, or the last one left)."""
+        if self.workers:
+            return "no worker takes new requests: every attached worker is leaving"
+        if self.last_worker_left is None:
+            return "no worker is attached yet"
+        return f"no worker is attached (the last one left {time.monotonic() - self.last_worker_left:.0f} s ago)"

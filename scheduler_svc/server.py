@@ -101,7 +101,7 @@ def build_frontend(cfg: ServerConfig, traces: tracing.Tracing | None, weights: d
     tokenizer = load_tokenizer(cfg)
     names = model_defaults.model_names(cfg.served_model_name, cfg.model)
     config = engine_config(cfg, tokenizer)
-    engine = Engine(config, Metrics(names[0], config.max_model_len))
+    engine = Engine(config, Metrics(names[0], config.max_model_len), tracing=traces)
     engine.service.weights.update(weights)
     return FrontEnd(engine, tokenizer, input_limits(cfg, config.max_model_len), tracing=traces, model_names=names,
                     sampling_defaults=model_defaults.sampling_defaults(cfg.generation_config, cfg.model_dir),

@@ -109,7 +109,7 @@ class Request:
                 self.prompt_token_ids + self.output_token_ids
         except OverflowError:
             # NOTE: an id outside int32 is in no vocabulary: kept as given (lists), so that the engine's check
-            # refuses the request naming the field (Engine._check); such a request never reaches a Scheduler.
+            # refuses the request naming the field (FrontEnd._check); such a request never reaches a Scheduler.
             self.prompt_token_ids, self.output_token_ids = list(self.prompt_token_ids), list(self.output_token_ids)
             self.all_token_ids = [*self.prompt_token_ids, *self.output_token_ids]
 
@@ -130,6 +130,18 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def fork_child(self, index: int, seq_id: int) -> Request:
+        """Sample `index` of this parent, whose prefix is computed: it shares the parent's tokens so far (its
+        blocks: KVCacheManager.fork), runs with the parent's seed + index, and starts running at once."""
+        return Request(self.request_id, self.prompt_token_ids, self.sampling, self.cache_salt, self.arrival_time,
+                       self.priority, self.tenant, status=RequestStatus.RUNNING,
+                       admitted_priority=self.admitted_priority, all_token_ids=self.all_token_ids[:],
+                       num_computed_tokens=self.num_computed_tokens, seq_id=seq_id,
+                       seed=(self.seed + index) % 2**64, index=index, parent=self,
+                       num_cached_prompt_tokens=self.num_cached_prompt_tokens, stop_ids=self.stop_ids,
+                       constraint=self.constraint and self.constraint.fork(),
+                       prompt_log=self.prompt_log)  # NOTE: complete: the parent computed rows 0 .. P - 2
+
     def num_target_tokens(self) -> int:
         """Tokens to compute before the next sample; a parent to fork stops before its last prompt token."""
         return len(self.all_token_ids) - 1 if self.fork_into else len(self.all_token_ids)
@@ -145,5 +157,5 @@ class RequestOutput:
     finish_reason: FinishReason | None = None
     seq_id: int = -1  # the sequence on the worker (to pick its logprobs off the step result)
     # The sample ended because its structured output's matcher gave up (a step's work limit): its text does not
-    # match the grammar, so the request ends with an error, never with a finish reason (Engine._publish)
+    # match the grammar, so the request ends with an error, never with a finish reason (Engine.deliver)
     constraint_failed: bool = False

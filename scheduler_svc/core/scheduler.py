@@ -6,21 +6,19 @@ import itertools
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 from pagedserve_common.step import NewSequence, PromptLogprobs, SequenceDelta, StepPlan
 from pagedserve_common.config import EngineOptions, default_batched_tokens
 from pagedserve_common.defaults import DEFAULT_BLOCK_SIZE
 from pagedserve_common.options import default_of
 from pagedserve_common.registration import WorkerRegistration
-from pagedserve_common.sampling import InvalidField
-from scheduler_svc.core import reservation
-from scheduler_svc.core.handover import Handover
+from scheduler_svc.core import capacity, handover, reservation
+from scheduler_svc.core.outputs import append_token, constraint_failed, merge_prompt_logprobs
 from scheduler_svc.core.policy_room import PolicyRoom
-from scheduler_svc.core.prompt_logprobs import due_rows
 from scheduler_svc.core.request import FinishReason, Request, RequestOutput, RequestStatus
 from scheduler_svc.core.speculation import SPECULATIVE_METHODS, Speculator
-from scheduler_svc.core.step import ScheduledStep
+from scheduler_svc.core.step import ScheduledStep, StepRoom, new_sequence
 from scheduler_svc.core.waiting import ServiceCounter, WaitingQueue
 from scheduler_svc.kv.block_pool import BlockPool
 from scheduler_svc.kv.manager import KVCacheManager
@@ -69,21 +67,7 @@ class SchedulerConfig:
                    priority_max_wait=engine.priority_max_wait)
 
 
-@dataclass(slots=True)
-class StepRoom:
-    """The working state of one schedule() call, passed from phase to phase: the step being built, what is left of
-    its token budget, and what the policies need between phases."""
-
-    step: ScheduledStep
-    budget: int  # tokens left this step (max_num_batched_tokens)
-    cap: int  # one sequence's tokens this step at most (long_prefill_token_threshold)
-    num_preempted: int = 0  # under memory pressure this step: then nobody is admitted
-    num_charged: int = 0  # fair: step.scheduled[:num_charged] is charged already
-    fair_head: tuple[str, int] | None = None  # fair: (the waiting head's tenant, its first chunk's tokens)
-    yielded: list[Request] = field(default_factory=list)  # fair: running chunks that gave way to the head
-
-
-class Scheduler(Handover, PolicyRoom):
+class Scheduler:
     """Decides each step's batch; owns every sequence's block table through a KVCacheManager (a
     StaticKVCacheManager in the static kv_allocation modes: one contiguous run per sequence, reserved at admission).
 
@@ -123,9 +107,7 @@ class Scheduler(Handover, PolicyRoom):
         self.requests: dict[str, Request] = {}  # unfinished client requests (parents for n > 1)
         # Admission order (scheduler_svc.core.waiting): fcfs, priority or fair; preempted sequences go back first
         self.waiting = WaitingQueue(config.scheduling_policy, service, max_wait=config.priority_max_wait)
-        self._fair = config.scheduling_policy == "fair"
-        self._priority = config.scheduling_policy == "priority"
-        self.num_policy_preemptions = 0  # made room for a waiting request its policy puts first
+        self.policy = PolicyRoom(config.scheduling_policy, self.waiting, config.max_num_seqs)
         self.running: list[Request] = []  # in admission order: the last is the first preemption victim
         self.num_preemptions = 0
         self.num_prefill_tokens = 0  # prompt tokens computed: prefix hits excluded, recomputation included
@@ -165,20 +147,7 @@ class Scheduler(Handover, PolicyRoom):
         """Raises InvalidField naming the field when this worker can never serve `req`: capacity only (its prompt
         does not fit max_model_len, or its worst case alone needs more than the pool). NOTE: the front end checked
         the request's shape and ranges (FrontEnd._check) before it reached a scheduler."""
-        cfg, sp = self.config, req.sampling
-        if len(req.prompt_token_ids) > cfg.max_model_len - 1:
-            raise InvalidField("prompt_token_ids", f"prompt_token_ids has {len(req.prompt_token_ids)} tokens; "
-                               f"max_model_len {cfg.max_model_len} leaves room for at most {cfg.max_model_len - 1}")
-        if self.static:
-            reservation.check_fits(cfg, len(req.prompt_token_ids), sp)
-            return
-        # The worst case alone: the longest sequence, and n of them sharing only the prompt's full blocks.
-        num_total = min(len(req.prompt_token_ids) + sp.max_tokens, cfg.max_model_len)
-        per_seq = self.kv.num_blocks_for(num_total)
-        need = per_seq + (sp.n - 1) * (per_seq - len(req.prompt_token_ids) // cfg.block_size)
-        if need > cfg.num_blocks:
-            raise InvalidField("max_tokens", f"prompt_token_ids + max_tokens need {need} KV blocks for n={sp.n}; "
-                                             f"the pool has {cfg.num_blocks}")
+        capacity.check_fits(self.config, len(req.prompt_token_ids), req.sampling)
 
     def num_reserved_tokens(self, num_prompt_tokens: int, max_tokens: int) -> int:
         """Static modes: the tokens a request reserves at admission (scheduler_svc.core.reservation)."""
@@ -186,13 +155,7 @@ class Scheduler(Handover, PolicyRoom):
 
     def max_output_tokens(self, num_prompt_tokens: int, n: int = 1) -> int:
         """The largest max_tokens check_fits accepts for a prompt this long with n samples (0: none)."""
-        cfg = self.config
-        if self.static:
-            return reservation.max_output_tokens(cfg, num_prompt_tokens, n)
-        # n sequences of b blocks each share the prompt's full blocks: b + (n - 1) * (b - shared) <= num_blocks
-        shared = num_prompt_tokens // cfg.block_size
-        per_seq = (cfg.num_blocks + (n - 1) * shared) // n
-        return max(0, min(per_seq * cfg.block_size, cfg.max_model_len) - num_prompt_tokens)
+        return capacity.max_output_tokens(self.config, num_prompt_tokens, n)
 
     def _new_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -242,6 +205,61 @@ class Scheduler(Handover, PolicyRoom):
             for child in parent.children:  # NOTE: no parent <-> child cycle outlives the request (Request.parent)
                 child.parent = None
 
+    # -- moving requests between workers (scheduler_svc.core.handover) ------------------------------------------
+    def release_all(self, in_flight: ScheduledStep | None = None) -> list[Request]:
+        """The worker is gone: every unfinished client request, oldest first, reset to be recomputed elsewhere
+        (adopt()). Every block goes back to the pool, the CPU blocks the step `in_flight` swapped in included."""
+        out = sorted(self.requests.values(), key=lambda r: r.arrival_time)
+        for seq in self.running:
+            self.kv.free(seq.seq_id)
+        for req in out:
+            for seq in handover.unfinished(req):
+                handover.reset_for_recompute(seq, self.cpu_pool)
+        self.running.clear()
+        self.waiting.clear()
+        self.requests.clear()
+        self._num_seq_slots, self.num_constrained = 0, 0
+        self._finished_seq_ids = []
+        self.min_tokens_request_ids.clear()
+        if in_flight is not None and in_flight.cpu_block_ids_to_free:
+            self.cpu_pool.free(in_flight.cpu_block_ids_to_free)
+            in_flight.cpu_block_ids_to_free = []
+        return out
+
+    def take_queued(self) -> list[Request]:
+        """Removes the client requests none of whose samples holds blocks here (queued: never started, or
+        preempted), reset for another worker to adopt(); for a worker that is leaving."""
+        out = []
+        for req in list(self.requests.values()):
+            seqs = handover.unfinished(req)
+            if any(s.status is _RUNNING for s in seqs):
+                continue
+            for seq in seqs:
+                self.waiting.remove(seq)
+                handover.reset_for_recompute(seq, self.cpu_pool)
+            del self.requests[req.request_id]
+            self.num_constrained -= req.constraint is not None
+            out.append(req)
+        return out
+
+    def adopt(self, req: Request) -> None:
+        """Queues a request released by another worker: its samples get fresh sequence ids and are recomputed
+        from all their known tokens (prompt and streamed output) with their own seeds, so they continue exactly
+        where they stopped. It queues by arrival time, ahead of younger requests (of its priority, of its tenant).
+        Raises ValueError like add_request when this worker can never serve it."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request_id {req.request_id!r} is already in flight")
+        self.check_fits(req)
+        seqs = handover.unfinished(req)
+        for seq in seqs:
+            seq.seq_id = self._new_seq_id()
+        for seq in seqs:
+            self.waiting.insert_by_arrival(seq)
+        self.requests[req.request_id] = req
+        self.num_constrained += req.constraint is not None
+        if req.sampling.min_tokens:
+            self.min_tokens_request_ids.add(req.request_id)
+
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
@@ -261,7 +279,7 @@ class Scheduler(Handover, PolicyRoom):
         self._schedule_running(room)
         self._admit_waiting(room)
         if room.yielded and room.budget > 0:
-            room.budget = self._resume_yielded(room.yielded, plan, room.step.scheduled, room.budget, room.cap)
+            self._resume_yielded(room)
         step = room.step
         if not step.scheduled and not plan.finished_seq_ids and not plan.preempted_seq_ids:
             return None
@@ -270,19 +288,23 @@ class Scheduler(Handover, PolicyRoom):
         return step
 
     def _make_room_by_policy(self, room: StepRoom) -> None:
-        """priority and fair: preemptions for the waiting head, and (fair) the head's first chunk kept in the
-        budget from the prefill chunks of running sequences of other tenants served no less (decodes are never held
-        back)."""
-        if not (self.waiting and self.running):
-            if self._fair and self.waiting:
-                room.fair_head = self._fair_head(room.cap)
-            return
-        if self._priority:
-            self._preempt_for_priority(room.step.plan, room.budget)
-        if self._fair:
-            self._preempt_for_fair_share(room.step.plan, room.budget)
-            if self.waiting:
-                room.fair_head = self._fair_head(room.cap)
+        """priority and fair: preemptions for the waiting head (PolicyRoom), and (fair) the head's first chunk kept
+        in the budget from the prefill chunks of running sequences of other tenants served no less (decodes are
+        never held back)."""
+        if self.waiting and self.running:
+            plan = room.step.plan
+            self.policy.make_room(self.running, lambda head: self._has_room(head, room.budget),
+                                  lambda victim: self._preempt(victim, plan))
+        room.fair_head = self.policy.fair_head(room.cap)
+
+    def _has_room(self, head: Request, budget: int) -> bool:
+        """Whether the waiting head can be admitted now: a sequence slot, and free blocks for its first chunk (prefix
+        hits not counted). NOTE: a static kv_allocation reserves at admission: slots only."""
+        if self._num_seq_slots + (head.fork_into or 1) > self.config.max_num_seqs:
+            return False
+        pool = getattr(self.kv, "pool", None)
+        num_new = min(head.num_target_tokens() - head.num_computed_tokens, budget)
+        return pool is None or pool.num_free_blocks >= self.kv.num_blocks_for(num_new)
 
     def _schedule_running(self, room: StepRoom) -> None:
         """Running sequences first, in admission order: each its decode or its next prefill chunk (and drafts,
@@ -299,7 +321,7 @@ class Scheduler(Handover, PolicyRoom):
             # NOTE: inlined num_target_tokens(): this loop runs once per running sequence per step.
             num_new = min(len(tokens) - (1 if req.fork_into else 0) - req.num_computed_tokens, budget, cap)
             # NOTE: before drafting: num_new > 1 is a prefill chunk here (a decode schedules 1)
-            if fair_head is not None and num_new > 1 and self._fair_yields(req, fair_head):
+            if fair_head is not None and num_new > 1 and self.policy.yields(req, fair_head):
                 num_new = min(num_new, budget - fair_head[1])
                 if num_new < 1:  # its chunk waits for the admissions: what they leave it is its (_resume_yielded)
                     room.yielded.append(req)
@@ -337,13 +359,13 @@ class Scheduler(Handover, PolicyRoom):
     def _admit_waiting(self, room: StepRoom) -> None:
         """Then waiting requests in the policy's order, while slots, budget and blocks last; nobody when memory is
         so tight that someone was just preempted. A swapped-out one has its KV restored instead of recomputed."""
-        waiting, kv, step = self.waiting, self.kv, room.step
+        waiting, kv, step, fair = self.waiting, self.kv, room.step, self.policy.fair
         if room.num_preempted:
             self.waiting_for_blocks = bool(waiting)
             return
         while waiting and room.budget > 0:
-            if self._fair:  # NOTE: charged as it goes, so the next head is picked by the service so far
-                self._charge(step.scheduled[room.num_charged:])
+            if fair:  # NOTE: charged as it goes, so the next head is picked by the service so far
+                self.policy.charge(step.scheduled[room.num_charged:])
                 room.num_charged = len(step.scheduled)
             req = waiting[0]
             if self._num_seq_slots + (req.fork_into or 1) > self.config.max_num_seqs:
@@ -399,6 +421,24 @@ class Scheduler(Handover, PolicyRoom):
             room.step.plan.new_seqs.append(self._new_plan(child, 1))
             self._scheduled_one(room, child, 1)
 
+    def _resume_yielded(self, room: StepRoom) -> None:
+        """fair: the budget the admissions left (the head may have found no room) goes to the running chunks that
+        gave way to it, in admission order, without preempting anyone: a step never idles for a yield."""
+        plan = room.step.plan
+        for req in room.yielded:
+            if room.budget <= 0:
+                break
+            num_new = min(req.num_target_tokens() - req.num_computed_tokens, room.budget, room.cap)
+            alloc = self.kv.allocate(req.seq_id, self._num_table_tokens(req, num_new), req.all_token_ids)
+            if alloc is None:
+                continue
+            plan.copies.extend(alloc.copies)
+            if req.on_worker:
+                plan.running.append(SequenceDelta(req.seq_id, list(alloc.new_block_ids), num_new, []))
+            else:
+                plan.new_seqs.append(self._new_plan(req, num_new))
+            self._scheduled_one(room, req, num_new)
+
     @staticmethod
     def _scheduled_one(room: StepRoom, req: Request, num_new: int) -> None:
         room.step.scheduled.append((req, num_new))
@@ -413,8 +453,8 @@ class Scheduler(Handover, PolicyRoom):
             if pending > 0:
                 num_prefill += num_new if num_new < pending else pending
         self.num_prefill_tokens += num_prefill
-        if self._fair:
-            self._charge(step.scheduled[room.num_charged:])
+        if self.policy.fair:
+            self.policy.charge(step.scheduled[room.num_charged:])
         if self.min_tokens_request_ids:
             self.min_tokens_request_ids &= self.requests.keys()
         step.any_constrained, step.any_min_tokens = bool(self.num_constrained), bool(self.min_tokens_request_ids)
@@ -448,21 +488,7 @@ class Scheduler(Handover, PolicyRoom):
         return self.kv.reserve(req.seq_id, max(num_tokens, num_new))
 
     def _new_plan(self, req: Request, num_new: int) -> NewSequence:
-        req.on_worker = True
-        sampling = req.sampling
-        if sampling.structured_output is not None:  # NOTE: the worker gets masks (token_bitmasks), not the spec
-            sampling = replace(sampling, structured_output=None)
-        if sampling.min_tokens and req.stop_ids != frozenset(sampling.stop_token_ids):
-            # NOTE: the worker masks stop_token_ids and its model's EOS until min_tokens: it is told this
-            # scheduler's EOS ids too (the tokenizer's), so that both sides agree on what may not end a sample early.
-            sampling = replace(sampling, stop_token_ids=tuple(sorted(req.stop_ids)))
-        log = req.prompt_log
-        req.prompt_logprobs_on_worker = log is not None and not log.complete
-        if sampling.prompt_logprobs is not None and not req.prompt_logprobs_on_worker:
-            # NOTE: every position is in already (a fork's sample, a recomputation past them): none computed again
-            sampling = replace(sampling, prompt_logprobs=None)
-        return NewSequence(req.seq_id, list(req.all_token_ids), self.kv.block_table(req.seq_id),
-                          req.num_computed_tokens, num_new, sampling, req.seed, len(req.prompt_token_ids))
+        return new_sequence(req, self.kv.block_table(req.seq_id), num_new)
 
     def _swap_in(self, req: Request, step: ScheduledStep, num_new: int) -> bool:
         """Admits a swapped-out sequence: fresh device blocks, its KV restored from CPU before the forward."""
@@ -509,14 +535,7 @@ class Scheduler(Handover, PolicyRoom):
         parent.fork_into = 0
         children = []
         for index in range(n):
-            child = Request(parent.request_id, parent.prompt_token_ids, parent.sampling, parent.cache_salt,
-                            parent.arrival_time, parent.priority, parent.tenant, status=_RUNNING,
-                            admitted_priority=parent.admitted_priority, all_token_ids=parent.all_token_ids[:],
-                            num_computed_tokens=parent.num_computed_tokens, seq_id=self._new_seq_id(),
-                            seed=(parent.seed + index) % 2**64, index=index, parent=parent,
-                            num_cached_prompt_tokens=parent.num_cached_prompt_tokens, stop_ids=parent.stop_ids,
-                            constraint=parent.constraint and parent.constraint.fork(),
-                            prompt_log=parent.prompt_log)  # NOTE: complete: the parent computed rows 0 .. P - 2
+            child = parent.fork_child(index, self._new_seq_id())
             kv.fork(parent.seq_id, child.seq_id)
             children.append(child)
         kv.free(parent.seq_id)  # the children now hold every block
@@ -548,7 +567,7 @@ class Scheduler(Handover, PolicyRoom):
                 outputs.append(self._update_drafted(req, plan.step_id, sampled, num_accepted_drafts or {}))
                 continue
             if req.prompt_logprobs_on_worker:
-                self._merge_prompt_logprobs(req, num, plan.step_id, prompt_logprobs)
+                merge_prompt_logprobs(req, num, plan.step_id, prompt_logprobs)
             num_computed = req.num_computed_tokens + num
             req.num_computed_tokens = num_computed
             tokens = req.all_token_ids
@@ -559,38 +578,12 @@ class Scheduler(Handover, PolicyRoom):
             tok = sampled.get(req.seq_id)
             if tok is None:
                 raise ValueError(f"step {plan.step_id}: no token for seq {req.seq_id}, which finished its prompt")
-            reason = self._append(req, tok, max_model_len)
+            reason = append_token(req, tok, max_model_len)
             if reason is not None:
                 self._finish(req, reason)
             outputs.append(RequestOutput(req.request_id, req.index, [tok], reason, req.seq_id,
-                                         _constraint_failed(req)))
+                                         constraint_failed(req)))
         return outputs
-
-    @staticmethod
-    def _merge_prompt_logprobs(req: Request, num: int, step_id: int,
-                               prompt_logprobs: dict[int, PromptLogprobs] | None) -> None:
-        """Before its num_computed_tokens moves: the positions its `num` scheduled tokens gave, into its log."""
-        if not due_rows(len(req.prompt_token_ids), req.num_computed_tokens, num)[1]:
-            return
-        chunk = prompt_logprobs.get(req.seq_id) if prompt_logprobs else None
-        if chunk is None:
-            raise ValueError(f"step {step_id}: no prompt logprobs for seq {req.seq_id}, whose prompt rows ran")
-        req.prompt_log.merge(chunk)
-
-    def _append(self, req: Request, tok: int, max_model_len: int) -> FinishReason | None:
-        """Commits one sampled token to `req`; why its sample ends there (None: it goes on)."""
-        req.all_token_ids.append(tok)
-        out = req.output_token_ids
-        out.append(tok)
-        if tok in req.stop_ids and len(out) > req.sampling.min_tokens:
-            return FinishReason.STOP
-        if req.constraint is not None and (not req.constraint.accept(tok) or req.constraint.finished):
-            # NOTE: a whole match that allows nothing more ends the sample, EOS or not (result_check checked
-            # the token against its bitmask, so a refusal here is the engine giving up: the sample ends too)
-            return FinishReason.STOP
-        if len(out) >= req.sampling.max_tokens or len(req.all_token_ids) >= max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     def _update_drafted(self, req: Request, step_id: int, sampled: dict[int, int],
                         num_accepted_drafts: dict[int, int]) -> RequestOutput:
@@ -606,10 +599,10 @@ class Scheduler(Handover, PolicyRoom):
         new, reason = [], None
         for t in (*drafts[:n], tok):
             new.append(t)
-            if (reason := self._append(req, t, self.config.max_model_len)) is not None:
+            if (reason := append_token(req, t, self.config.max_model_len)) is not None:
                 self._finish(req, reason)
                 break
-        return RequestOutput(req.request_id, req.index, new, reason, req.seq_id, _constraint_failed(req))
+        return RequestOutput(req.request_id, req.index, new, reason, req.seq_id, constraint_failed(req))
 
     # -- metrics ------------------------------------------------------------------------------------------
     @property
@@ -620,7 +613,12 @@ class Scheduler(Handover, PolicyRoom):
     def num_running(self) -> int:
         return len(self.running)
 
+    @property
+    def num_policy_preemptions(self) -> int:
+        return self.policy.num_preemptions
 
-def _constraint_failed(req: Request) -> bool:
-    """Whether `req`'s sample ended because its structured output's matcher gave up (not a whole match)."""
-    return req.constraint is not None and req.constraint.failed
+    @property
+    def num_pending_tokens(self) -> int:
+        """Tokens still to run here (handover.num_pending_tokens): the router's measure of a worker's load."""
+        return handover.num_pending_tokens((*self.running, *self.waiting))
+

@@ -4,9 +4,9 @@ nothing about the step in flight."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from pagedserve_common.step import StepPlan
+from pagedserve_common.step import NewSequence, StepPlan
 from scheduler_svc.core.prompt_logprobs import PromptDue, due_rows
 from scheduler_svc.core.request import Request
 
@@ -81,3 +81,39 @@ class ScheduledStep:
     def request_id_of(self, seq_id: int) -> str | None:
         """The client request of a sequence in this step (None when it is not in it)."""
         return next((seq.request_id for seq, _ in self.scheduled if seq.seq_id == seq_id), None)
+
+
+def new_sequence(req: Request, block_table: list[int], num_new: int) -> NewSequence:
+    """A sequence's whole state for the plan (new to the worker, or a table that is not an extension of what the
+    worker holds: a swap-in, a fork child's first step); marks it as held by the worker. The sampling sent is what
+    the worker applies: no grammar (it gets masks), this scheduler's stop ids under min_tokens, prompt logprobs only
+    while some are still due."""
+    req.on_worker = True
+    sampling = req.sampling
+    if sampling.structured_output is not None:  # NOTE: the worker gets masks (token_bitmasks), not the spec
+        sampling = replace(sampling, structured_output=None)
+    if sampling.min_tokens and req.stop_ids != frozenset(sampling.stop_token_ids):
+        # NOTE: the worker masks stop_token_ids and its model's EOS until min_tokens: it is told this
+        # scheduler's EOS ids too (the tokenizer's), so that both sides agree on what may not end a sample early.
+        sampling = replace(sampling, stop_token_ids=tuple(sorted(req.stop_ids)))
+    log = req.prompt_log
+    req.prompt_logprobs_on_worker = log is not None and not log.complete
+    if sampling.prompt_logprobs is not None and not req.prompt_logprobs_on_worker:
+        # NOTE: every position is in already (a fork's sample, a recomputation past them): none computed again
+        sampling = replace(sampling, prompt_logprobs=None)
+    return NewSequence(req.seq_id, list(req.all_token_ids), block_table, req.num_computed_tokens, num_new,
+                       sampling, req.seed, len(req.prompt_token_ids))
+
+
+@dataclass(slots=True)
+class StepRoom:
+    """The working state of one schedule() call, passed from phase to phase: the step being built, what is left of
+    its token budget, and what the policies need between phases."""
+
+    step: ScheduledStep
+    budget: int  # tokens left this step (max_num_batched_tokens)
+    cap: int  # one sequence's tokens this step at most (long_prefill_token_threshold)
+    num_preempted: int = 0  # under memory pressure this step: then nobody is admitted
+    num_charged: int = 0  # fair: step.scheduled[:num_charged] is charged already
+    fair_head: tuple[str, int] | None = None  # fair: (the waiting head's tenant, its first chunk's tokens)
+    yielded: list[Request] = field(default_factory=list)  # fair: running chunks that gave way to the head

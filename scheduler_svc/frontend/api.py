@@ -11,7 +11,8 @@ import jinja2
 
 from pagedserve_common.defaults import MAX_TENANT_CHARS, TENANT_HEADER
 from pagedserve_common.sampling import InvalidField, SamplingParams
-from scheduler_svc.core.kv_snapshot import MAX_SNAPSHOT_BLOCKS, KVPoolSnapshot, snapshot
+from pagedserve_common.registration import WorkerRegistration
+from scheduler_svc.core.kv_snapshot import KVPoolSnapshot
 from scheduler_svc.errors import DRAINING, EngineError, ErrorCode
 from scheduler_svc.frontend.inputs import INPUTS, GenerateInput
 from scheduler_svc.frontend.limits import Limits
@@ -87,7 +88,7 @@ class FrontEnd:
         self.model_names = model_names or (engine.config.model_id,)
         self.sampling_defaults = sampling_defaults or SamplingParams()
         self.fill_context_cap = fill_context_cap
-        self.tracing = engine.tracing = tracing  # None: no traces, and no work for them (--otlp-endpoint)
+        self.tracing = tracing  # None: no traces, and no work for them (--otlp-endpoint; the engine's too)
         self.tokenizer = tokenizer
         self.limits = limits or Limits.for_model(engine.config.max_model_len)
         self.pool = pool or TokenizerPool(tokenizer)
@@ -107,6 +108,16 @@ class FrontEnd:
         return self.model_names[0]
 
     @property
+    def root_model_id(self) -> str:
+        """The model itself (--model), whatever names it is served under."""
+        return self.engine.config.model_id
+
+    @property
+    def metrics_registry(self):
+        """The engine's metrics (prometheus_client's CollectorRegistry), for /metrics on the API port."""
+        return self.engine.metrics.registry
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.config.max_model_len
 
@@ -120,11 +131,7 @@ class FrontEnd:
 
     def serving(self) -> tuple[bool, str]:
         """(True, "") when requests can be served now, else (False, why): no worker, or draining."""
-        if self.engine.draining:
-            return False, DRAINING
-        if not self.engine.workers:
-            return False, self.engine.no_worker_reason()
-        return True, ""
+        return self.engine.serving()
 
     async def prompt_token_ids(self, inp: GenerateInput) -> tuple[str, list[int]]:
         """(the input's field name, its token ids). Raises EngineError(INVALID_ARGUMENT) naming the field, or
@@ -346,22 +353,12 @@ class FrontEnd:
                                              f"{sp.max_tokens}{_wrapped(sp.max_tokens)}")
 
     def kv_state(self, worker_id: str = "", tenant: str | None = None) -> KVPoolSnapshot:
-        """One worker's KV pool between two steps (GetKVState): `worker_id` as GetModelInfo lists it, '' for the
-        first attached; `tenant`: only that tenant's sequences (None: every tenant's, for an operator). Raises
-        EngineError: UNAVAILABLE with no worker attached, NOT_FOUND naming an unknown id."""
-        workers = self.engine.workers
-        if not workers:
-            raise EngineError(ErrorCode.UNAVAILABLE, self.engine.no_worker_reason())
-        w = workers.get(worker_id) if worker_id else next(iter(workers.values()))
-        if w is None:
-            raise EngineError(ErrorCode.NOT_FOUND, f"worker_id {worker_id!r} is not attached (attached: "
-                                                   f"{', '.join(workers)})", "worker_id")
-        num_blocks = w.scheduler.config.num_blocks
-        if num_blocks > MAX_SNAPSHOT_BLOCKS:
-            raise EngineError(ErrorCode.FAILED_PRECONDITION, f"{w.worker_id} has {num_blocks:,} KV blocks; GetKVState "
-                              f"describes pools of up to {MAX_SNAPSHOT_BLOCKS:,} (two bytes each, every call, on the "
-                              "scheduler's event loop)")
-        return snapshot(w.worker_id, w.scheduler, w.registration.kv_geometry, tenant)
+        """One worker's KV pool between two steps (GetKVState; Engine.kv_state)."""
+        return self.engine.kv_state(worker_id, tenant)
+
+    def model_workers(self) -> dict[str, WorkerRegistration]:
+        """The attached workers' registrations by worker id (GetModelInfo, /v1/models)."""
+        return self.engine.model_workers()
 
     def abort(self, request_id: str) -> None:
         """The client went away (cancel, deadline, disconnect): its blocks go back to the pool at the next step."""

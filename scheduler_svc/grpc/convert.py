@@ -12,6 +12,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 from pagedserve.v1 import generate_pb2
 
 from pagedserve_common.defaults import TENANT_HEADER
+from pagedserve_common.registration import WorkerRegistration
 from pagedserve_common.sampling import SamplingParams
 from pagedserve_common.wire import logprobs_to_pb, sampling_from_pb, with_defaults
 from scheduler_svc.core.kv_snapshot import KVPoolSnapshot
@@ -210,11 +211,10 @@ def item_to_pb(request_id: str, item: StreamItem) -> generate_pb2.GenerateRespon
 
 
 def model_info_to_pb(model_id: str, max_model_len: int, vocab_size: int, max_n: int,
-                     workers: dict) -> generate_pb2.GetModelInfoResponse:
+                     workers: dict[str, WorkerRegistration]) -> generate_pb2.GetModelInfoResponse:
     pb = generate_pb2.GetModelInfoResponse(model_id=model_id, max_model_len=max_model_len, vocab_size=vocab_size,
                                            max_n=max_n)
-    for worker_id, w in workers.items():
-        r = w.registration
+    for worker_id, r in workers.items():
         pb.block_size = r.block_size
         pb.workers.add(worker_id=worker_id, num_blocks=r.num_blocks, block_size=r.block_size, dtype=r.dtype,
                        device=r.device, name=r.name)

@@ -101,7 +101,7 @@ class GenerationServicer(generate_pb2_grpc.GenerationServicer):
     async def GetModelInfo(self, request, context):
         await _refuse_undecodable(request, context)
         f = self.frontend
-        return convert.model_info_to_pb(f.model_id, f.max_model_len, f.vocab_size, f.max_n, f.engine.workers)
+        return convert.model_info_to_pb(f.model_id, f.max_model_len, f.vocab_size, f.max_n, f.model_workers())
 
     async def GetKVState(self, request, context):
         await _refuse_undecodable(request, context)
@@ -166,7 +166,7 @@ class WorkerControlServicer(worker_pb2_grpc.WorkerControlServicer):
                     if kind == "result":
                         try:
                             handle.inbox.put_nowait(wire.result_from_pb(msg.result))
-                        except ValueError as e:  # NOTE: as any wrong answer (Engine._receive): lost, uncharged
+                        except ValueError as e:  # NOTE: as any wrong answer (StepLoop._receive): lost, uncharged
                             handle.inbox.put_nowait(bad_result(msg.result.step_id, str(e)))
                     elif kind == "error":
                         handle.inbox.put_nowait(wire.step_error_from_pb(msg.error))

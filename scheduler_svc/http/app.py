@@ -105,9 +105,9 @@ def _add_model_routes(app: FastAPI, frontend: FrontEnd, started: int) -> None:
     def model_object(name: str) -> dict:
         # NOTE: kv_cache_dtypes: the attached workers' cache element types (workers may differ), [] with none;
         # root: the model itself (--model), as vLLM names what an alias of --served-model-name serves
-        dtypes = sorted({w.registration.dtype for w in frontend.engine.workers.values()})
+        dtypes = sorted({r.dtype for r in frontend.model_workers().values()})
         return {"id": name, "object": "model", "created": started, "owned_by": "pagedserve",
-                "root": frontend.engine.config.model_id, "max_model_len": frontend.max_model_len,
+                "root": frontend.root_model_id, "max_model_len": frontend.max_model_len,
                 "kv_cache_dtypes": dtypes}
 
     @app.get("/v1/models")

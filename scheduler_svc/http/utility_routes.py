@@ -64,7 +64,7 @@ def add_routes(app: FastAPI, frontend, error) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         """The --metrics endpoint's text, here too (vLLM serves it on its API port): behind the API key, if any."""
-        return Response(generate_latest(frontend.engine.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(frontend.metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:

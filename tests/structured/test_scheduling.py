@@ -99,7 +99,7 @@ def test_a_token_outside_its_bitmask_is_a_wrong_result_naming_the_sequence():
 
 
 def test_a_matcher_that_gives_up_marks_its_output_constraint_failed_not_a_plain_stop(compile_):
-    """The engine then ends the request with an error (Engine._publish): its text does not match its grammar, and a
+    """The engine then ends the request with an error (Engine.deliver): its text does not match its grammar, and a
     finish reason `stop` would say it does (a{1000000} answered "aaaa", stop)."""
     g = compile_(StructuredOutput("regex", PATTERN))
     s, w = make(), MaskedWorker()

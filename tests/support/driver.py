@@ -51,7 +51,7 @@ class LocalDriver:
         return request_id
 
     def move_to(self, other: LocalDriver) -> None:
-        """This worker is lost: its scheduler releases every unfinished request (Handover.release_all) and `other`
+        """This worker is lost: its scheduler releases every unfinished request (Scheduler.release_all) and `other`
         adopts them, recomputing each from its prompt and the tokens it has streamed (what the engine does)."""
         for req in self.scheduler.release_all():
             other.scheduler.adopt(req)
