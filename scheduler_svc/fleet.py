@@ -8,10 +8,10 @@ import itertools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import structlog
 
+from pagedserve_common.config import EngineOptions
 from pagedserve_common.registration import MAX_NAME_CHARS, WorkerRegistration, name_error
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
 from scheduler_svc.core.speculation import SpecCounters
@@ -19,9 +19,6 @@ from scheduler_svc.core.waiting import ServiceCounter
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.kv.manager import VALID_BLOCK_SIZES
 from scheduler_svc.metrics import Metrics
-
-if TYPE_CHECKING:
-    from scheduler_svc.engine import EngineConfig
 
 log = structlog.get_logger("pagedserve.scheduler")
 
@@ -206,7 +203,8 @@ class Fleet:
     the engine's flags and the worker's registration. NOTE: what a worker's coming and going means for requests
     (placement, migration, failure) is the engine's; this takes workers in and lets them go."""
 
-    def __init__(self, config: EngineConfig, metrics: Metrics, service: ServiceCounter) -> None:
+    def __init__(self, config: EngineOptions, metrics: Metrics, service: ServiceCounter) -> None:
+        """`config`: the engine's (scheduler_svc.engine.EngineConfig: these flags and the model's limits)."""
         self.config = config
         self.metrics = metrics
         self.service = service  # the fair policy's tenants' service, fleet-wide: every Scheduler's

@@ -5,19 +5,18 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import structlog
 
+from pagedserve_common.config import EngineOptions
 from pagedserve_common.step import StepError, StepPlan, StepResult
 from scheduler_svc.core.request import RequestOutput
 from scheduler_svc.core.result_check import check_result
 from scheduler_svc.core.step import ScheduledStep
 from scheduler_svc.fleet import Lost, WorkerHandle, bad_result, export
+from scheduler_svc.metrics import Metrics
 from scheduler_svc.structured.matcher import fill_bitmasks
-
-if TYPE_CHECKING:  # NOTE: the engine owns the loop's requests (their streams, placement, failure)
-    from scheduler_svc.engine import Engine
 
 log = structlog.get_logger("pagedserve.scheduler")
 
@@ -37,13 +36,27 @@ class PendingStep:
     step_seconds: float  # sent -> answer taken in: the step as the scheduler saw it
 
 
+class StepLoopOwner(Protocol):
+    """What a StepLoop needs of the engine, which owns the loop's requests (their streams, placement, failure)."""
+
+    config: EngineOptions  # step_timeout; with the model's vocab_size (scheduler_svc.engine.EngineConfig)
+    metrics: Metrics
+
+    def deliver(self, w: WorkerHandle, outputs: list[RequestOutput], logprobs: dict | None) -> None: ...
+    def lose_worker(self, w: WorkerHandle, lost: Lost, in_flight: ScheduledStep | None = None) -> None: ...
+    def fail_worker(self, w: WorkerHandle, in_flight: ScheduledStep | None, message: str) -> None: ...
+    def leaving_tick(self, w: WorkerHandle) -> Lost | None: ...
+    def trace_step(self, w: WorkerHandle, step: ScheduledStep) -> None: ...
+    def export_fleet(self) -> None: ...
+
+
 class StepLoop:
     """Owns worker `w`'s steps, one plan in flight, until the worker detaches (it left, or the server stops) or is
     lost. The step in flight lives here (a ScheduledStep from schedule() to update()), nowhere else. What the steps
     mean for requests goes to the engine through three calls: `deliver` (tokens to their streams), `lose_worker`
     (the one place a loss is handled) and `leaving_tick` (a leaving worker's drain)."""
 
-    def __init__(self, engine: Engine, w: WorkerHandle) -> None:
+    def __init__(self, engine: StepLoopOwner, w: WorkerHandle) -> None:
         self.engine = engine
         self.w = w
         self.step_timeout = engine.config.step_timeout
