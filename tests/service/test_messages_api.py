@@ -16,8 +16,9 @@ import httpx
 import openai
 import pytest
 
-from tests.service.conftest import EXACT, KV_MEMORY, MAX_BATCHED, Service, free_port, stop_processes, wait_until
-from tests.service.inproc import EOS, HERMES, Front, Speaker, tokenizer, wait_for, with_server
+from pagedserve_common.ports import free_port
+from tests.support.service import EXACT, KV_MEMORY, MAX_BATCHED, Service, stop_processes, wait_until
+from tests.support.inproc import EOS, HERMES, Front, Speaker, tokenizer, wait_for, with_server
 
 KEY = "messages-test-key-0123456789abcdef"
 WRONG_KEY = "messages-test-key-wrong"

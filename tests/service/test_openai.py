@@ -13,8 +13,7 @@ import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.conftest import wait_until
-from tests.support.service import idle
+from tests.support.service import idle, wait_until
 
 PROMPT = "The capital of France is"
 
@@ -33,12 +32,6 @@ def grpc_samples(service, **fields) -> list[dict]:
         if m.finish_reason:
             s["finish_reason"] = pb.FinishReason.Name(m.finish_reason)
     return [out[i] for i in sorted(out)]
-
-
-@pytest.fixture(scope="module")
-def client(service):
-    with service.openai_client(timeout=120) as c:
-        yield c
 
 
 def test_models_and_health(service, client):

@@ -23,7 +23,7 @@ import time
 import httpx
 import pytest
 
-from tests.service.conftest import wait_until
+from tests.support.service import wait_until
 
 FLOOD = 48  # concurrent attackers, each re-sending its request as soon as it is answered
 COSTLY = ["a{1000}{1000}", "x{65535}"]  # ~100-500 ms and ~20-60 ms per token mask: far over the 10 ms budget

@@ -12,9 +12,8 @@ import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc, worker_pb2
-from tests.service.conftest import Service, started_service, wait_until
+from tests.support.service import RPC_TIMEOUT, Service, assert_idle_and_serving, started_service, wait_until
 from tests.support.fake_worker import FakeWorker, registration
-from tests.support.service import RPC_TIMEOUT, assert_idle_and_serving
 from tests.support.worker import assert_same_greedy, reference_greedy, reference_model
 
 MAX_WORKERS = 3

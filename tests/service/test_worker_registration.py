@@ -18,9 +18,9 @@ import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.conftest import Service, metric_value, started_service, wait_until
+from tests.support.service import (RPC_TIMEOUT, Service, assert_idle_and_serving, metric_value, started_service,
+                                   wait_until)
 from tests.support.fake_worker import FakeWorker, registration
-from tests.support.service import RPC_TIMEOUT, assert_idle_and_serving
 from tests.support.worker import assert_same_greedy, reference_greedy, reference_model
 
 STEP_TIMEOUT = 8.0  # seconds: a hung worker's requests move after this (the real worker's steps take milliseconds)

@@ -15,7 +15,7 @@ import json
 import random
 
 from pagedserve_common.sampling import SamplingParams
-from tests.support.driver import GREEDY, LocalDriver
+from pagedserve_cli.bench.local_driver import GREEDY, LocalDriver
 from worker_svc import cpu_path
 
 PROMPTS = [

@@ -16,7 +16,8 @@ import grpc
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.conftest import EXACT, free_port, metric_value, scrape
+from pagedserve_common.ports import free_port
+from tests.support.service import EXACT, metric_value, scrape
 
 EXE = [sys.executable, "-m", "pagedserve_cli.main"]
 NEW = 160  # long enough that every stream is mid-generation when a worker goes
