@@ -14,7 +14,7 @@ from pagedserve.v1 import generate_pb2_grpc
 from pagedserve_cli.bench.local_server import LocalServer
 from tests.support.service import EXACT, RPC_TIMEOUT, Service, assert_idle_and_serving
 
-BLOCK_BYTES = 16 * 512  # one tiny-model KV block (tests/service/conftest.py: KV_MEMORY)
+BLOCK_BYTES = 16 * 512  # one tiny-model KV block (tests/support/service.py: KV_MEMORY)
 MAX_QUEUED = 500
 PREFIX = "You are a terse assistant. Answer in one short line, and never repeat the question back. "
 

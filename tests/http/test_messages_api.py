@@ -305,7 +305,7 @@ def test_the_key_as_x_api_key_or_bearer_and_a_bad_key_is_a_401_in_anthropics_sha
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_frees_its_blocks(keyed, claude, stream):
-    """As the chat route's test (tests/service/test_openai.py): the worker paused, so that the request still holds
+    """As the chat route's test (tests/http/test_app.py): the worker paused, so that the request still holds
     its blocks when its client goes away; the scheduler's state is polled."""
     body = json.dumps({"model": keyed.model_dir, "max_tokens": 400, "messages": CONVERSATION,
                        "stream": stream}).encode()
