@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from pagedserve_common.ports import free_port
-from tests.support.service import EXACT, KV_MEMORY, MAX_BATCHED, Service, stop_processes, wait_until
+from tests.support.service import EXACT, KV_MEMORY, MAX_BATCHED, Service, recv_until, stop_processes, wait_until
 from tests.support.inproc import EOS, HERMES, Front, Speaker, tokenizer, wait_for, with_server
 
 KEY = "messages-test-key-0123456789abcdef"
@@ -316,11 +316,7 @@ def test_a_client_that_disconnects_frees_its_blocks(keyed, claude, stream):
                          b"\r\nContent-Length: %d\r\n\r\n%s" % (keyed.http.encode(), KEY.encode(), len(body), body))
             wait_until(lambda: len(keyed.live_request_ids()) == 1)  # admitted: holds blocks, a step in flight
             if stream:  # the event stream is open: its headers (and message_start) came before any token
-                head = b""
-                while b"event: ping" not in head:
-                    chunk = sock.recv(4096)
-                    assert chunk, head
-                    head += chunk
+                head = recv_until(sock, b"event: ping")
                 assert head.startswith(b"HTTP/1.1 200") and b"event: message_start" in head
         wait_until(lambda: keyed.live_request_ids() == [])  # the disconnect aborted it; its blocks are free
     assert create(keyed, claude, max_tokens=2).usage.output_tokens <= 2  # and the worker, resumed, serves on

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.fleet import NEW, PROMPTS, Streams, fleet_of, kill_busiest
+from tests.support.fleet import NEW, PROMPTS, Streams, fleet_of, streams_migrated_mid_way
 from tests.support.quantised import assert_same_up_to_noise
 
 LOGPROBS = {"logprobs": 5}  # what the comparison reads
@@ -33,11 +33,6 @@ def test_an_int8_stream_migrated_mid_way_equals_one_that_stays(int8_fleet):
     assert stay.errors == [] and all(len(t) == NEW for t in stay.tokens)
     assert int8_fleet.metric("pagedserve_migrations_total") == migrations
     assert int8_fleet.metric("pagedserve_preemptions_total") == 0
-    moved = Streams(int8_fleet, prompts, **LOGPROBS)
-    moved.wait_started()
-    kill_busiest(int8_fleet, ids)
-    moved.join()
-    assert moved.errors == []
-    assert int8_fleet.metric("pagedserve_migrations_total") > migrations
+    moved = streams_migrated_mid_way(int8_fleet, prompts, ids, **LOGPROBS)
     for i in range(len(prompts)):
         assert_same_up_to_noise(moved.tokens[i], moved.logprobs[i], stay.tokens[i], stay.logprobs[i], greedy=True)

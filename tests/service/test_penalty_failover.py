@@ -9,7 +9,7 @@ import pytest
 
 from pagedserve_common.sampling import SamplingParams
 from tests.support.service import started_service
-from tests.support.fleet import NEW, PROMPTS, Streams, fleet_of, kill_busiest
+from tests.support.fleet import NEW, PROMPTS, Streams, fleet_of, streams_migrated_mid_way
 from tests.support.worker import assert_same_within_ties, reference_greedy, reference_model, reference_rules
 
 PENALTIES = {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.3}
@@ -53,14 +53,7 @@ def test_a_penalised_greedy_stream_migrated_mid_way_equals_one_that_stays(fleet_
     prompts = PROMPTS[:4]
     model = reference_model(tiny_served_model)
     assert stay != [reference_greedy(model, p, NEW)[0] for p in prompts]  # the penalties change the output
-    ids = fleet_of_2.wait_workers(2)
-    migrations = fleet_of_2.metric("pagedserve_migrations_total")
-    moved = Streams(fleet_of_2, prompts, **PENALTIES)
-    moved.wait_started()
-    kill_busiest(fleet_of_2, ids)
-    moved.join()
-    assert moved.errors == []
-    assert fleet_of_2.metric("pagedserve_migrations_total") > migrations
+    moved = streams_migrated_mid_way(fleet_of_2, prompts, fleet_of_2.wait_workers(2), **PENALTIES)
     assert_as_stay(moved.tokens, stay, refs)
 
 

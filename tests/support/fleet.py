@@ -154,3 +154,16 @@ def kill_busiest(fleet: Fleet, worker_ids: list[str]) -> str:
         for p in frozen:
             os.kill(p.pid, signal.SIGCONT)
     return victim
+
+
+def streams_migrated_mid_way(fleet: Fleet, prompts: list[list[int]], worker_ids: list[str], **sampling) -> Streams:
+    """Streams of `prompts` whose busiest worker is killed -9 once they have all started: asserts that they end
+    without an error and that at least one migrated."""
+    migrations = fleet.metric("pagedserve_migrations_total")
+    moved = Streams(fleet, prompts, **sampling)
+    moved.wait_started()
+    kill_busiest(fleet, worker_ids)
+    moved.join()
+    assert moved.errors == []
+    assert fleet.metric("pagedserve_migrations_total") > migrations
+    return moved

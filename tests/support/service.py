@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -26,6 +27,7 @@ KV_MEMORY = 40 * 16 * 512  # 40 blocks of 16 tokens: 2 (K, V) x 2 layers x 2 kv 
 # AVX512-BF16 or AMX), so that KV_MEMORY is 40 blocks and greedy outputs are transformers' float32 ones everywhere.
 EXACT = ("--dtype", "float32")
 MAX_BATCHED = 64
+RPC_TIMEOUT = 300  # NOTE: generous; a request that hangs ends DEADLINE_EXCEEDED and fails the test
 
 
 @dataclass
@@ -96,6 +98,43 @@ class Service:
             yield
         finally:
             os.kill(worker.pid, signal.SIGCONT)
+
+
+class GreedyStream:
+    """One greedy gRPC request of exactly `max_tokens` tokens (ignore_eos) in a thread: its tokens, and its error
+    if it fails."""
+
+    def __init__(self, svc: Service, prompt: list[int], max_tokens: int, **sampling) -> None:
+        self.tokens: list[int] = []
+        self.error: tuple | None = None
+        self.thread = threading.Thread(target=self._run, args=(svc.address, prompt, max_tokens, sampling))
+        self.thread.start()
+
+    def _run(self, address: str, prompt: list[int], max_tokens: int, sampling: dict) -> None:
+        try:
+            with grpc.insecure_channel(address) as ch:
+                for msg in generate_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
+                        prompt_token_ids=prompt, sampling=pb.SamplingParams(
+                            max_tokens=max_tokens, temperature=0, ignore_eos=True, **sampling)), timeout=RPC_TIMEOUT):
+                    self.tokens.extend(msg.token_ids)
+        except grpc.RpcError as e:
+            self.error = (e.code(), e.details())
+
+    def result(self) -> list[int]:
+        self.thread.join(RPC_TIMEOUT)
+        assert self.error is None, self.error
+        return self.tokens
+
+
+def recv_until(sock, marker: bytes) -> bytes:
+    """What the socket `sock` receives until `marker` has come (a response's head, a stream's first event); fails
+    if the peer closes first."""
+    head = b""
+    while marker not in head:
+        chunk = sock.recv(4096)
+        assert chunk, head
+        head += chunk
+    return head
 
 
 def scrape(metrics: str) -> str:
@@ -169,7 +208,6 @@ def stop_processes(procs: list[subprocess.Popen]) -> None:
             p.kill()
 
 
-RPC_TIMEOUT = 300  # NOTE: generous; a request that hangs ends DEADLINE_EXCEEDED and fails the test
 
 
 def idle(service) -> bool:
