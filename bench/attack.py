@@ -234,7 +234,7 @@ def main(argv=None) -> int:
     if args.model:
         model = args.model
     else:
-        from tests.service.conftest import save_tiny_served_model
+        from pagedserve_cli.bench.tiny_model import save_tiny_served_model
         model = save_tiny_served_model(out / "tiny-model")
     http = f"127.0.0.1:{free_port()}"
 

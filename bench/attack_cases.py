@@ -30,6 +30,17 @@ async def connect(host: str, port: int, src: str, counts: collections.Counter):
     return conn
 
 
+async def opened_connections(host, port, src, stop: asyncio.Event, counts: collections.Counter, retry_s: float):
+    """Each connection to host:port from `src` as it opens, until `stop` is set; one that fails to open is tried
+    again `retry_s` seconds later."""
+    while not stop.is_set():
+        conn = await connect(host, port, src, counts)
+        if conn is None:
+            await asyncio.sleep(retry_s)
+            continue
+        yield conn
+
+
 async def drain_until_closed(reader: asyncio.StreamReader, stop: asyncio.Event, counts: collections.Counter,
                              poll: float = 1.0, on_quiet=None) -> None:
     """Reads (and drops) what the server sends until it closes the connection or `stop` is set; `on_quiet()`
@@ -54,12 +65,7 @@ async def drain_until_closed(reader: asyncio.StreamReader, stop: asyncio.Event, 
 async def hold_http(host, port, src, slow: bool, stop, counts) -> None:
     """One HTTP connection held open (idle, or a header byte every SLOWLORIS_PERIOD_S), opened again a second after
     the server closes it."""
-    while not stop.is_set():
-        conn = await connect(host, port, src, counts)
-        if conn is None:
-            await asyncio.sleep(REOPEN_AFTER_S)
-            continue
-        reader, writer = conn
+    async for reader, writer in opened_connections(host, port, src, stop, counts, REOPEN_AFTER_S):
         if slow:
             writer.write(b"GET /v1/models HTTP/1.1\r\nhost: x\r\n")
         try:
@@ -132,12 +138,7 @@ async def flood_regex(host, port, src, body: bytes, prefix: re.Pattern, stop, co
     server closes one)."""
     request = (f"POST /v1/completions HTTP/1.1\r\nhost: {host}:{port}\r\ncontent-type: application/json\r\n"
                f"content-length: {len(body)}\r\n\r\n").encode() + body
-    while not stop.is_set():
-        conn = await connect(host, port, src, counts)
-        if conn is None:
-            await asyncio.sleep(CONNECT_RETRY_S)
-            continue
-        reader, writer = conn
+    async for reader, writer in opened_connections(host, port, src, stop, counts, CONNECT_RETRY_S):
         try:
             while not stop.is_set():
                 writer.write(request)

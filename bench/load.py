@@ -200,7 +200,7 @@ def main(argv=None) -> int:
         if args.model:
             model = args.model
         else:
-            from tests.service.conftest import save_tiny_served_model  # the tests' tiny model
+            from pagedserve_cli.bench.tiny_model import save_tiny_served_model  # the tests' tiny model
 
             model = save_tiny_served_model(out / "tiny-model")
         # NOTE: the queue holds every client's request, so that only deliberate cancels end a request early

@@ -34,7 +34,7 @@ from pagedserve.v1 import generate_pb2_grpc  # noqa: E402
 from pagedserve_common.defaults import DEFAULT_MODEL  # noqa: E402
 from pagedserve_cli.bench.spawn import SpawnConfig, spawn  # noqa: E402
 from pagedserve_common.sampling import StructuredOutput  # noqa: E402
-from tests.support.structured_schemas import SCHEMAS  # noqa: E402
+from pagedserve_cli.bench.structured_schemas import SCHEMAS  # noqa: E402
 
 # NOTE: at least 200 numbers (~400 tokens): no output can close the array before its max_tokens (<= 128), so both runs
 # write the same tokens

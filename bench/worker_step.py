@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anywhere without installing
 
-from tests.support.driver import LocalDriver  # noqa: E402
+from pagedserve_cli.bench.local_driver import LocalDriver  # noqa: E402
 from worker_svc.kv_pool import KVPool  # noqa: E402
 from worker_svc.model_store import DEFAULT_MODEL, resolve_model  # noqa: E402
 from worker_svc.models import LoadedModel, load_model  # noqa: E402

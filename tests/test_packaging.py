@@ -189,9 +189,12 @@ def _names_imported(source: str, module: str) -> set[str]:
 
 
 def _test_layout_offences(module: str, names: set[str]) -> set[str]:
-    """What `module` (dotted, under tests) imports that a test folder must not: a test module (its helpers belong in
-    tests/support or a conftest), or bench/ outside tests/bench (which tests the benchmarks)."""
-    bad = {n for n in names if n.startswith("tests.") and any(p.startswith("test_") for p in n.split(".")[1:])}
+    """What `module` (dotted, under tests) imports that a test folder must not: a test module or a conftest (their
+    helpers belong in tests/support; a conftest holds fixtures and hooks, which pytest finds by name), or bench/
+    outside tests/bench (which tests the benchmarks)."""
+    bad = {n for n in names if n.startswith("tests.")
+           and any(p.startswith("test_") or p == "conftest" for p in n.split(".")[1:])}
+    bad |= {n for n in names if n == "conftest" or n.startswith("conftest.")}
     if not module.startswith("tests.bench."):
         bad |= {n for n in names if n == "bench" or n.startswith("bench.")}
     return bad
@@ -208,12 +211,25 @@ def test_no_test_module_imports_another_or_the_benchmarks():
 
 def test_the_layout_check_finds_a_test_module_imported():
     code = ("from tests.scheduler.test_scheduler import FakeWorker\nfrom . import test_wire\n"
-            "import tests.service.test_storms\nfrom bench.load import LocalServer\nfrom tests.support import worker\n")
+            "import tests.service.test_storms\nfrom bench.load import LocalServer\nfrom tests.support import worker\n"
+            "from tests.structured.conftest import VOCAB\nfrom .conftest import EOS\n")
     names = _names_imported(code, "tests.common.test_x")
     assert _test_layout_offences("tests.common.test_x", names) == {
         "tests.scheduler.test_scheduler", "tests.scheduler.test_scheduler.FakeWorker", "tests.common.test_wire",
-        "tests.service.test_storms", "bench.load", "bench.load.LocalServer"}
+        "tests.service.test_storms", "bench.load", "bench.load.LocalServer", "tests.structured.conftest",
+        "tests.structured.conftest.VOCAB", "tests.common.conftest", "tests.common.conftest.EOS"}
     assert _test_layout_offences("tests.bench.test_x", _names_imported("import bench.load", "tests.bench.test_x")) == set()
+
+
+def test_the_benchmarks_import_nothing_from_the_tests():
+    """bench/ runs from a clone without the test suite's helpers: what a benchmark shares with the tests (the tiny
+    served model, the in-process driver, the JSON schemas) lives in pagedserve_cli/bench."""
+    offences = {}
+    for path in sorted((ROOT / "bench").rglob("*.py")):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        if bad := {n for n in _names_imported(path.read_text(), module) if n == "tests" or n.startswith("tests.")}:
+            offences[module] = sorted(bad)
+    assert offences == {}
 
 
 def test_tests_sit_beside_what_they_test_not_at_the_root():

@@ -1,13 +1,10 @@
-"""The real scheduler+worker fixtures of tests/service, reused by the end-to-end bench test; bench scripts as modules."""
+"""Bench scripts as modules (the real scheduler and worker of the end-to-end bench test are tests/conftest.py's)."""
 
 import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
-
-from tests.service.conftest import service, tiny_served_model  # noqa: F401  (pytest finds fixtures by name)
-
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 

@@ -142,7 +142,7 @@ def test_spawn_reports_the_model_flops_share_of_the_peak_and_each_process_cpu_se
 
 def test_tenant_tags_every_request_of_a_run_on_both_apis(service, tmp_path):
     """--tenant sends x-pagedserve-tenant: two runs, two tenants, each request in its tenant's TTFT series."""
-    from tests.service.conftest import metric_value, scrape
+    from tests.support.service import metric_value, scrape
 
     grpc_run = bench(service, tmp_path / "a", "--num-requests", "4", "--prompt-len", "8:16", "--output-len", "2:4",
                      "--tenant", "bench-team-a", "--no-progress")

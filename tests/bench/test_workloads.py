@@ -9,12 +9,6 @@ import pytest
 from pagedserve_cli.bench import workloads
 from pagedserve_cli.bench.workloads import (WORKLOADS, BenchRequest, build_workload, dump_jsonl, load_jsonl,
                                             parse_range)
-from scheduler_svc.frontend.tokenizer import Tokenizer
-
-
-@pytest.fixture(scope="module")
-def tok(default_model) -> Tokenizer:
-    return Tokenizer.from_model_dir(default_model)
 
 
 def as_bytes(reqs: list[BenchRequest]) -> bytes:

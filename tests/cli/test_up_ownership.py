@@ -23,7 +23,8 @@ from pagedserve.v1 import generate_pb2_grpc
 from pagedserve_cli.up_cmd import NotOurScheduler, wait_healthy
 from pagedserve_common.config import UP_NONCE_METADATA, UP_NONCE_VARIABLE
 from scheduler_svc.worker_auth import OTHER_UP, other_up
-from tests.service.conftest import EXACT, KV_MEMORY, save_tiny_served_model, stop_processes, wait_until
+from pagedserve_cli.bench.tiny_model import save_tiny_served_model
+from tests.support.service import EXACT, KV_MEMORY, stop_processes, wait_until
 from tests.support.fake_worker import FakeWorker, registration
 from tests.support.processes import alive, children, free_port, stop_all, up, wait_for_line
 

@@ -3,6 +3,13 @@
 # NOTE: these machines reach no image registry, so base images are built from Debian's packages (mmdebstrap), and
 # the daemon runs under $WORK with its own socket, so it never touches a system-wide engine.
 
+# The base images both suites bootstrap, the image they build and run, and the model wheels' folder (under the
+# caller's $WORK, set before this file is sourced).
+BUILD_BASE=localhost/pagedserve-build-base:bookworm
+RUNTIME_BASE=localhost/pagedserve-base:bookworm
+export PAGEDSERVE_IMAGE=pagedserve:ci
+export PAGEDSERVE_MODEL_WHEELS="$WORK/model-wheels"
+
 ensure_packages() {
     local missing=()
     command -v dockerd >/dev/null || missing+=(docker.io)

@@ -13,10 +13,6 @@ COMPOSE=()
 # a rerun reuses its base images.
 WORK=${PAGEDSERVE_COMPOSE_WORK:-}
 [ -n "$WORK" ] || { WORK=$(mktemp -d /tmp/pagedserve-compose.XXXXXX); OWN_WORK=1; }
-BUILD_BASE=localhost/pagedserve-build-base:bookworm
-RUNTIME_BASE=localhost/pagedserve-base:bookworm
-export PAGEDSERVE_IMAGE=pagedserve:ci
-export PAGEDSERVE_MODEL_WHEELS="$WORK/model-wheels"
 # shellcheck source=tests/compose/engine.sh
 source "$ROOT/tests/compose/engine.sh"
 

@@ -40,19 +40,9 @@ HYP = settings(max_examples=150, deadline=None, suppress_health_check=[HealthChe
 
 
 @pytest.fixture(scope="module")
-def model_dir(default_model):
-    return default_model
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir) -> Tokenizer:
-    return Tokenizer.from_model_dir(model_dir)
-
-
-@pytest.fixture(scope="module")
-def hf(model_dir):
+def hf(default_model):
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return AutoTokenizer.from_pretrained(str(default_model))
 
 
 # --- tokenizer vs transformers ---
@@ -123,8 +113,8 @@ def _with_template(model_dir, template: str) -> Tokenizer:
     return t
 
 
-def test_continue_final_message_under_a_template_that_trims_and_documents_reach_it(model_dir, hf):
-    ours = _with_template(model_dir, TRIMMING)
+def test_continue_final_message_under_a_template_that_trims_and_documents_reach_it(default_model, hf):
+    ours = _with_template(default_model, TRIMMING)
     conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "  Hello, I  "}]
     text = ours.apply_chat_template(conv, add_generation_prompt=False, continue_final_message=True,
                                     documents=DOCUMENTS)
@@ -136,14 +126,15 @@ def test_continue_final_message_under_a_template_that_trims_and_documents_reach_
                                   continue_final_message=True, documents=DOCUMENTS, return_dict=False)
 
 
-def test_continue_final_message_refuses_what_it_cannot_continue(tok, model_dir):
+def test_continue_final_message_refuses_what_it_cannot_continue(tok, default_model):
     conv = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I"}]
     with pytest.raises(ValueError, match="add_generation_prompt"):
         tok.apply_chat_template(conv, add_generation_prompt=True, continue_final_message=True)
     with pytest.raises(FinalMessageError, match="no text content"):
         tok.apply_chat_template([*conv[:1], {"role": "assistant", "content": None}], add_generation_prompt=False,
                                 continue_final_message=True)
-    clipping = _with_template(model_dir, "{% for m in messages %}{{ m['role'] }}: {{ m['content'][:4] }}\n{% endfor %}")
+    clipping = _with_template(default_model,
+                              "{% for m in messages %}{{ m['role'] }}: {{ m['content'][:4] }}\n{% endfor %}")
     with pytest.raises(FinalMessageError, match="does not render the final message's content"):
         clipping.encode_chat(conv, add_generation_prompt=False, continue_final_message=True)
 
@@ -155,9 +146,10 @@ def _bos_post_processor() -> dict:
             "special_tokens": {"<|im_start|>": {"id": "<|im_start|>", "ids": [1], "tokens": ["<|im_start|>"]}}}
 
 
-def test_add_special_tokens_puts_the_tokenizers_bos_before_a_rendered_chat_as_transformers_does(model_dir, tmp_path):
+def test_add_special_tokens_puts_the_tokenizers_bos_before_a_rendered_chat_as_transformers_does(default_model,
+                                                                                                  tmp_path):
     from transformers import AutoTokenizer
-    d = _copy_dir(model_dir, tmp_path)
+    d = _copy_dir(default_model, tmp_path)
     _edit_json(d / "tokenizer.json", post_processor=_bos_post_processor())
     _edit_json(d / "tokenizer_config.json", add_bos_token=None)
     ours, ref = Tokenizer.from_model_dir(d), AutoTokenizer.from_pretrained(str(d))
@@ -197,9 +189,9 @@ def _bos_eos_post_processor() -> dict:
 
 @pytest.mark.parametrize("flags", [{"add_bos_token": True, "add_eos_token": True},
                                    {"add_bos_token": None, "add_eos_token": None}])
-def test_bos_eos_from_tokenizer_json_post_processor_match_transformers(model_dir, tmp_path, flags):
+def test_bos_eos_from_tokenizer_json_post_processor_match_transformers(default_model, tmp_path, flags):
     from transformers import AutoTokenizer
-    d = _copy_dir(model_dir, tmp_path)
+    d = _copy_dir(default_model, tmp_path)
     _edit_json(d / "tokenizer.json", post_processor=_bos_eos_post_processor())
     _edit_json(d / "tokenizer_config.json", **flags)
     ours, ref = Tokenizer.from_model_dir(d), AutoTokenizer.from_pretrained(str(d))
@@ -210,11 +202,11 @@ def test_bos_eos_from_tokenizer_json_post_processor_match_transformers(model_dir
         assert ours.encode(text, add_special_tokens=False) == ref(text, add_special_tokens=False)["input_ids"]
 
 
-def test_add_bos_token_in_tokenizer_config_is_respected(model_dir, tmp_path):
+def test_add_bos_token_in_tokenizer_config_is_respected(default_model, tmp_path):
     # NOTE: transformers 5 ignores these flags when tokenizer.json exists (its post-processor decides);
     # transformers 4 (and so vLLM on it) applied them. We follow the config, which is what the model expects.
     from transformers import AutoTokenizer
-    d = _copy_dir(model_dir, tmp_path)
+    d = _copy_dir(default_model, tmp_path)
     _edit_json(d / "tokenizer_config.json", add_bos_token=True)
     ours, ref = Tokenizer.from_model_dir(d), AutoTokenizer.from_pretrained(str(d))
     assert ours.encode("Hello there") == [1] + ref("Hello there")["input_ids"]
@@ -222,8 +214,8 @@ def test_add_bos_token_in_tokenizer_config_is_respected(model_dir, tmp_path):
     assert Tokenizer.from_model_dir(d).encode("Hello there") == ref("Hello there")["input_ids"] + [2]
 
 
-def test_eos_ids_fall_back_from_generation_config_to_config_to_tokenizer_config(model_dir, tmp_path):
-    d = _copy_dir(model_dir, tmp_path)
+def test_eos_ids_fall_back_from_generation_config_to_config_to_tokenizer_config(default_model, tmp_path):
+    d = _copy_dir(default_model, tmp_path)
     _edit_json(d / "generation_config.json", eos_token_id=[2, 0, 2])
     assert Tokenizer.from_model_dir(d).eos_token_ids == (2, 0)
     (d / "generation_config.json").unlink()
@@ -233,8 +225,8 @@ def test_eos_ids_fall_back_from_generation_config_to_config_to_tokenizer_config(
     assert Tokenizer.from_model_dir(d).eos_token_ids == (2,)  # "<|im_end|>" from tokenizer_config.json
 
 
-def test_chat_template_from_tokenizer_config_and_template_helpers(model_dir, tmp_path):
-    d = _copy_dir(model_dir, tmp_path)
+def test_chat_template_from_tokenizer_config_and_template_helpers(default_model, tmp_path):
+    d = _copy_dir(default_model, tmp_path)
     (d / "chat_template.jinja").unlink()
     template = ("{% if messages[0]['role'] == 'bad' %}{{ raise_exception('no bad roles') }}{% endif %}"
                 "{{ bos_token }}{% for m in messages %}\n  {{ m['content'] | tojson }}\n{% endfor %}{{ eos_token }}")

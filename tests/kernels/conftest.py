@@ -7,7 +7,6 @@ tests exercise the backend's planning code as well as the kernel logic.
 from __future__ import annotations
 
 import ctypes
-import os
 import shutil
 import subprocess
 import tempfile
@@ -16,25 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.support.cuda import cuda_home
 from worker_svc.attention.cupy_backend import CUDA_DIR, KERNEL_SOURCE
 
 ARCHS = ("sm_80", "sm_90")
-
-
-def cuda_home() -> Path | None:
-    """The CUDA toolkit folder (beside nvcc), whose include/ has cuda_fp16.h and cuda_bf16.h."""
-    candidates = []
-    nvcc = shutil.which("nvcc")
-    if nvcc:
-        candidates.append(Path(os.path.realpath(nvcc)).parent.parent)
-    for env in ("CUDA_HOME", "CUDA_PATH"):
-        if os.environ.get(env):
-            candidates.append(Path(os.environ[env]))
-    candidates += sorted(Path("/usr/local").glob("cuda*"), reverse=True)
-    for c in candidates:
-        if (c / "include" / "cuda_fp16.h").is_file():
-            return c
-    return None
 
 
 def nvcc_path() -> str | None:

@@ -14,7 +14,7 @@ import site
 
 import pytest
 
-from tests.kernels.conftest import cuda_home
+from tests.support.cuda import cuda_home
 from worker_svc.attention.cupy_backend import CUDA_DIR, KERNEL_SOURCE, _cuda_include_options
 
 

@@ -7,7 +7,8 @@ import random
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from tests.support.worker import TINY, assert_same_greedy
+from pagedserve_cli.bench.tiny_model import TINY
+from tests.support.worker import assert_same_greedy
 
 # head_dim 64 (256 / 4), the kernels' smallest instantiation: the TINY models' head_dim 16 would send every
 # attention call to the torch fallback and prove nothing about the kernels. GQA ratio 2.
@@ -39,7 +40,7 @@ def check_greedy_tokens(model_dir: str, backend, device: str, chunk: int) -> Non
 def run_greedy(model_dir: str, backend, device: str, chunk: int, kv_cache_dtype: str = "auto"):
     """check_greedy_tokens' workload through the worker's runner and the real scheduler, on a `kv_cache_dtype`
     pool: returns ([(request id, prompt)], {request id: [sample tokens]})."""
-    from tests.support.driver import LocalDriver
+    from pagedserve_cli.bench.local_driver import LocalDriver
     from worker_svc.kv_pool import KVPool
     from worker_svc.models import load_model
     from worker_svc.runner import ModelRunner

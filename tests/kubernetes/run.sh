@@ -15,10 +15,6 @@ cd "$ROOT"
 # NOTE: a folder of our own is removed at the end; one given is kept, so that a rerun reuses its base images.
 WORK=${PAGEDSERVE_COMPOSE_WORK:-}
 [ -n "$WORK" ] || { WORK=$(mktemp -d /tmp/pagedserve-kubernetes.XXXXXX); OWN_WORK=1; }
-BUILD_BASE=localhost/pagedserve-build-base:bookworm
-RUNTIME_BASE=localhost/pagedserve-base:bookworm
-export PAGEDSERVE_IMAGE=pagedserve:ci
-export PAGEDSERVE_MODEL_WHEELS="$WORK/model-wheels"
 # shellcheck source=tests/compose/engine.sh
 source "$ROOT/tests/compose/engine.sh"
 K8S="$WORK/kubernetes"

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from pagedserve_common.ports import free_port
-from tests.service.conftest import save_tiny_served_model
+from pagedserve_cli.bench.tiny_model import save_tiny_served_model
 from tests.support.fake_hub import FakeHub, Repo, files_of
 from tests.support.processes import children, stop_all, up
 from tests.support.tiny_gguf import NUM_TENSORS, write_tiny_gguf

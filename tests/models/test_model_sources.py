@@ -14,7 +14,7 @@ from safetensors.torch import load as load_safetensors, save as save_safetensors
 from pagedserve_common.defaults import DEFAULT_MODEL
 from pagedserve_common.model_spec import ModelFetchError, ModelSpecError, snapshot_commit
 from scheduler_svc.frontend import Tokenizer
-from tests.service.conftest import save_tiny_served_model
+from pagedserve_cli.bench.tiny_model import save_tiny_served_model
 from tests.support.fake_hub import FakeHub, Repo, files_of
 from worker_svc import model_store
 from worker_svc.model_store import MARKER, REGISTRY, resolve_model

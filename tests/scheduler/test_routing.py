@@ -25,7 +25,7 @@ class W:
     scheduler: Scheduler
 
 
-def fleet(n: int = 2, num_blocks: int = 32) -> list[W]:
+def make_fleet(n: int = 2, num_blocks: int = 32) -> list[W]:
     ids = itertools.count()
     return [W(f"worker-{i}", Scheduler(SchedulerConfig(num_blocks=num_blocks, max_model_len=256), seq_ids=ids))
             for i in range(n)]
@@ -66,7 +66,7 @@ def burst(router: Router, workers: list[W], prompts: list[list[int]]) -> list[st
 
 
 def test_kv_routes_to_the_worker_that_holds_the_prefix_and_says_how_much():
-    a, b = fleet()
+    a, b = make_fleet()
     prefill(b, "warm", SYSTEM + [1, 2, 3])
     decision = Router("kv").choose([a, b], SYSTEM + [7, 8], None)
     assert (decision.worker_id, decision.cached_tokens) == ("worker-1", 32)
@@ -75,7 +75,7 @@ def test_kv_routes_to_the_worker_that_holds_the_prefix_and_says_how_much():
 
 
 def test_asking_every_worker_has_no_side_effects_on_their_caches():
-    a, b = fleet()
+    a, b = make_fleet()
     prefill(b, "warm", SYSTEM + [1, 2, 3])
     b.scheduler.abort("warm")
     kv = b.scheduler.kv
@@ -86,7 +86,7 @@ def test_asking_every_worker_has_no_side_effects_on_their_caches():
 
 
 def test_a_burst_sharing_a_prefix_follows_the_first_prompt_before_it_has_run():
-    a, b = fleet()
+    a, b = make_fleet()
     router = Router("kv")
     first = router.choose([a, b], SYSTEM + [1], None)
     assert first.worker_id == "worker-0"  # nothing held anywhere, equal loads: the first worker
@@ -103,12 +103,12 @@ def test_a_shared_chat_system_prompt_spreads_over_two_workers():
     # Issue 48: every chat request shares the template's system prefix. One block is worth 4 x 16 tokens of lead:
     # the holder takes the second request (60 tokens ahead), not the third (121 ahead): that one goes to the idle
     # worker, and once both hold the prefix, load alone decides.
-    a, b = fleet(num_blocks=64)
+    a, b = make_fleet(num_blocks=64)
     prompts = [CHAT + [300 + i] * (20 + i) for i in range(8)]  # 44 to 51 tokens, 16 to generate each
     assert burst(Router("kv"), [a, b], prompts) == ["worker-0", "worker-0", "worker-1", "worker-1"] + \
         ["worker-0", "worker-1"] * 2
     # Both cache it now: the lighter one takes the next, even though the other one served it first.
-    a2, b2 = fleet()
+    a2, b2 = make_fleet()
     cache(a2, CHAT + [1])
     cache(b2, CHAT + [2])
     load(a2, 10)
@@ -117,7 +117,7 @@ def test_a_shared_chat_system_prompt_spreads_over_two_workers():
 
 def test_a_short_prefix_stays_with_its_holder_only_while_its_lead_is_under_4x_what_it_holds():
     for lead, expected in [(127, "worker-1"), (128, "worker-0"), (129, "worker-0")]:  # 128: a tie, the lighter
-        a, b = fleet()
+        a, b = make_fleet()
         cache(b, SYSTEM + [1])
         load(a, 100)
         load(b, 100 + lead)
@@ -129,7 +129,7 @@ def test_a_long_shared_document_goes_to_its_holder_while_within_the_bound():
     # DOC is 160 tokens, worth 640 of lead: the bound decides here. With one idle worker, the holder is within
     # 1.5 x the average while its load <= 0.75 x (its load + the 162-token prompt), i.e. <= 486 tokens.
     for holder_load, expected in [(0, "worker-1"), (300, "worker-1"), (486, "worker-1"), (487, "worker-0")]:
-        a, b = fleet()
+        a, b = make_fleet()
         cache(b, DOC + [1])
         if holder_load:
             load(b, holder_load)
@@ -139,7 +139,7 @@ def test_a_long_shared_document_goes_to_its_holder_while_within_the_bound():
 
 
 def test_a_hot_prefix_spreads_once_its_holder_exceeds_the_bound_and_its_overflow_follows_one_second_holder():
-    a, b, c = fleet(3, num_blocks=128)
+    a, b, c = make_fleet(3, num_blocks=128)
     cache(a, DOC + [1])
     prompts = [DOC + [7, 8 + i] for i in range(10)]  # 162 tokens + 16 to generate each: 178 pending
     # The second request finds worker-0 178 tokens ahead, beyond 1.5 x the average (178 + 162) / 3: the idle ones
@@ -159,7 +159,7 @@ def test_the_bound_is_relative_so_small_requests_balance_too():
 
 
 def test_least_loaded_and_round_robin():
-    a, b, c = fleet(3)
+    a, b, c = make_fleet(3)
     a.scheduler.add_request(Request("q", [9] * 20, GREEDY))
     c.scheduler.add_request(Request("r", [9] * 2, GREEDY))
     assert Router("least-loaded").choose([a, b, c], [1, 2], None).worker_id == "worker-1"

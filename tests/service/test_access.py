@@ -23,7 +23,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from pagedserve_cli.certs_cmd import dev_certificates, issue
-from tests.service.conftest import MAX_BATCHED, Service, free_port, start_worker, stop_processes
+from pagedserve_common.ports import free_port
+from tests.support.service import MAX_BATCHED, Service, start_worker, stop_processes
 from tests.support.processes import wait_for_line
 from tests.support.worker import assert_same_greedy, reference_greedy, reference_model
 

@@ -16,8 +16,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from scheduler_svc.frontend import Tokenizer
-from tests.service.conftest import wait_until
-from tests.support.service import idle
+from tests.support.service import idle, wait_until
 from tests.support.worker import assert_same_within_ties, reference_model
 
 NEW = 12

@@ -11,8 +11,7 @@ import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.conftest import wait_until
-from tests.support.service import idle, no_error_logged
+from tests.support.service import idle, no_error_logged, wait_until
 
 # The `service` fixture: max_model_len 512 (the tiny model's), --max-num-seqs 64, the default bounds.
 MAX_PROMPT_CHARS = 512 * 32

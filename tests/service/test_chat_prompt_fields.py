@@ -10,8 +10,7 @@ import json
 import httpx
 import pytest
 
-from tests.service.conftest import wait_until
-from tests.support.service import idle
+from tests.support.service import idle, wait_until
 
 CONTINUED = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello, I"}]
 ASKED = [{"role": "user", "content": "Complete this: the sky is"}]

@@ -10,7 +10,7 @@ import shutil
 import pytest
 
 from scheduler_svc.frontend import Tokenizer
-from tests.service.inproc import EOS, Front, ScriptedWorker, Speaker, wait_for, with_server
+from tests.support.inproc import EOS, Front, ScriptedWorker, Speaker, wait_for, with_server
 from tests.support.network import default_model_dir
 
 BOS = 1  # <|im_start|>, which the post-processor below puts before every text encoded with special tokens
@@ -25,7 +25,7 @@ CONTINUE = {"add_generation_prompt": False, "continue_final_message": True}
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
+def bos_tokenizer_dir(tmp_path_factory):
     """The default model's tokenizer, with a BOS post-processor and TEMPLATE."""
     d = tmp_path_factory.mktemp("bos-tokenizer")
     src = default_model_dir()
@@ -46,12 +46,12 @@ def model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def hf(model_dir):
+def hf(bos_tokenizer_dir):
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(model_dir))
+    return AutoTokenizer.from_pretrained(str(bos_tokenizer_dir))
 
 
-def test_add_special_tokens_and_documents_give_transformers_ids(model_dir, hf):
+def test_add_special_tokens_and_documents_give_transformers_ids(bos_tokenizer_dir, hf):
     opened = {"add_generation_prompt": True}  # NOTE: vLLM's default (transformers' is false)
     chat_text = hf.apply_chat_template(ASKED, tokenize=False, **opened)
     cases = [  # (route, request fields, transformers' ids)
@@ -70,7 +70,7 @@ def test_add_special_tokens_and_documents_give_transformers_ids(model_dir, hf):
     async def run(engine, channel):
         ScriptedWorker(channel, answer=True)
         await wait_for(lambda: engine.workers)
-        async with Front(engine, Tokenizer.from_model_dir(model_dir)) as client:
+        async with Front(engine, Tokenizer.from_model_dir(bos_tokenizer_dir)) as client:
             for route, fields, ids in cases:
                 given = {"messages": ASKED} if "chat" in route else {"prompt": "Hello there"}
                 r = await client.post(route, json={"model": "m", "max_tokens": 1, "return_token_ids": True, **given,
@@ -83,12 +83,12 @@ def test_add_special_tokens_and_documents_give_transformers_ids(model_dir, hf):
     run()
 
 
-def test_echo_and_continue_final_message_with_a_scripted_answer(model_dir):
+def test_echo_and_continue_final_message_with_a_scripted_answer(bos_tokenizer_dir):
     @with_server(eos_token_ids=(EOS,), max_num_seqs=2)
     async def run(engine, channel):
         Speaker(channel, "there!")
         await wait_for(lambda: engine.workers)
-        async with Front(engine, Tokenizer.from_model_dir(model_dir)) as client:
+        async with Front(engine, Tokenizer.from_model_dir(bos_tokenizer_dir)) as client:
             body = {"model": "m", "max_tokens": 10, "messages": CONTINUED, "echo": True, "n": 2, **CONTINUE}
             whole = (await client.post("/v1/chat/completions", json=body)).json()
             assert [c["message"]["content"] for c in whole["choices"]] == ["Hello, there!"] * 2
@@ -107,12 +107,12 @@ def test_echo_and_continue_final_message_with_a_scripted_answer(model_dir):
     run()
 
 
-def test_a_final_message_the_template_does_not_render_whole_is_refused_by_name(model_dir):
+def test_a_final_message_the_template_does_not_render_whole_is_refused_by_name(bos_tokenizer_dir):
     @with_server(eos_token_ids=(EOS,))
     async def run(engine, channel):
         ScriptedWorker(channel, answer=True)
         await wait_for(lambda: engine.workers)
-        async with Front(engine, Tokenizer.from_model_dir(model_dir)) as client:
+        async with Front(engine, Tokenizer.from_model_dir(bos_tokenizer_dir)) as client:
             clipped = [*ASKED, {"role": "assistant", "content": "word " * 50}]  # TEMPLATE keeps 200 characters
             for route, extra in (("/v1/chat/completions", {"model": "m", "max_tokens": 1}), ("/tokenize", {})):
                 r = await client.post(route, json={"messages": clipped, **CONTINUE, **extra})

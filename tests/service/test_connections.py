@@ -19,8 +19,7 @@ from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from pagedserve_cli.bench.local_server import LocalServer
 from pagedserve_common.ports import free_port
-from tests.service.conftest import Service, scrape, wait_until
-from tests.support.service import RPC_TIMEOUT, assert_idle_and_serving
+from tests.support.service import RPC_TIMEOUT, Service, assert_idle_and_serving, scrape, wait_until
 
 TIMEOUT_S = 2  # --header-timeout and --body-timeout here
 MAX_HTTP = 8  # --max-http-connections here

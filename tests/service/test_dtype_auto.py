@@ -13,7 +13,7 @@ from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from pagedserve_cli.bench.local_server import LocalServer
 from pagedserve_common.kv_geometry import KVGeometry
-from tests.service.conftest import KV_MEMORY, metric_value, scrape
+from tests.support.service import KV_MEMORY, metric_value, scrape
 from tests.support.processes import wait_for_line
 from worker_svc.models import resolve_dtype
 

@@ -9,7 +9,7 @@ import grpc
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc, worker_pb2
 from scheduler_svc.engine import Engine, EngineConfig
-from tests.service.inproc import TOKEN, ScriptedWorker, generate, status_of, tokens_of, wait_for, with_server
+from tests.support.inproc import TOKEN, ScriptedWorker, generate, status_of, tokens_of, wait_for, with_server
 
 
 @with_server()

@@ -8,7 +8,7 @@ import asyncio
 import grpc
 
 from pagedserve.v1 import worker_pb2
-from tests.service.inproc import TOKEN, ScriptedWorker, generate, status_of, tokens_of, wait_for, with_server
+from tests.support.inproc import TOKEN, ScriptedWorker, generate, status_of, tokens_of, wait_for, with_server
 
 PROMPT = [5, 6, 7]
 

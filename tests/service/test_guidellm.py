@@ -16,7 +16,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.service.conftest import free_port, wait_until
+from pagedserve_common.ports import free_port
+from tests.support.service import wait_until
 from tests.support.processes import stop_all
 
 # NOTE: setup (a slow, busy machine may take minutes to start the server) and guidellm's run count against the

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from pagedserve_cli.health_cmd import worker_attached
-from tests.service.conftest import free_port
+from pagedserve_common.ports import free_port
 
 HEALTH = [sys.executable, "-m", "pagedserve_cli.main", "health"]
 

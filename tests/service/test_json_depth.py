@@ -4,7 +4,7 @@ unbounded (a RecursionError: a 500 with a traceback)."""
 
 from __future__ import annotations
 
-from tests.service.inproc import Front, Speaker, wait_for, with_server
+from tests.support.inproc import Front, Speaker, wait_for, with_server
 
 ASK = {"role": "user", "content": "What is the weather in Paris?"}
 

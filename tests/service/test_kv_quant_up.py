@@ -16,7 +16,8 @@ from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from pagedserve_common.defaults import DEFAULT_MODEL
 from pagedserve_common.kv_geometry import KVGeometry
-from tests.service.conftest import free_port, wait_until
+from pagedserve_common.ports import free_port
+from tests.support.service import wait_until
 from tests.support.processes import stop_all, up, wait_for_line
 
 pytestmark = pytest.mark.slow
@@ -63,7 +64,7 @@ def test_the_scheduler_shows_the_int8_cache_and_counts_its_blocks(server):
     done = subprocess.run([sys.executable, "-m", "pagedserve_cli.main", "kv-map", "--server", listen, "--once"],
                           capture_output=True, text=True, timeout=HANG_GUARD)
     assert done.returncode == 0, done.stderr
-    assert f"block size 16 tokens · 21 blocks · int8 cache (12,240 B/token) · " in done.stdout, done.stdout
+    assert "block size 16 tokens · 21 blocks · int8 cache (12,240 B/token) · " in done.stdout, done.stdout
     assert INT8.bytes_per_token == 12_240
 
 

@@ -20,8 +20,8 @@ from scheduler_svc.auth import ApiKeyInterceptor, ApiKeys
 from scheduler_svc.engine import Engine, EngineConfig
 from scheduler_svc.frontend import FrontEnd
 from scheduler_svc.grpc.servicers import GenerationServicer, add_generation_servicer
-from tests.service.conftest import KV_MEMORY
-from tests.service.inproc import ScriptedWorker, generate, tokenizer, wait_for, with_server
+from tests.support.service import KV_MEMORY
+from tests.support.inproc import ScriptedWorker, generate, tokenizer, wait_for, with_server
 
 PROMPT = list(range(100, 140))  # 40 tokens: 2 full blocks of 16 and 8 tokens
 HANG_GUARD = 120  # seconds; never a measure of speed
@@ -84,7 +84,7 @@ async def test_two_requests_with_one_prompt_share_its_full_blocks_then_free_them
 
 def test_the_api_key_interceptor_covers_get_kv_state():
     async def main():
-        from tests.service.conftest import free_port
+        from pagedserve_common.ports import free_port
 
         engine = Engine(EngineConfig(model_id="m", max_model_len=128, vocab_size=49152, no_worker_timeout=0))
         server = grpc.aio.server(interceptors=[ApiKeyInterceptor(ApiKeys.of(["k1"]))])

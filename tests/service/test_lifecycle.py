@@ -16,7 +16,8 @@ from pagedserve.v1 import generate_pb2_grpc
 from pagedserve_cli.up_cmd import core_shares
 from scheduler_svc.errors import DRAINING
 from scheduler_svc.server import LIVENESS
-from tests.service.conftest import free_port, wait_until
+from pagedserve_common.ports import free_port
+from tests.support.service import wait_until
 from tests.support.processes import alive, children, stop_all, up
 
 

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.service.conftest import wait_until
-from tests.support.service import idle
+from tests.support.service import idle, wait_until
 from tests.support.worker import reference_model
 
 lm_eval = pytest.importorskip("lm_eval")

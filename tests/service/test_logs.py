@@ -17,7 +17,8 @@ import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.conftest import free_port, wait_until
+from pagedserve_common.ports import free_port
+from tests.support.service import wait_until
 from tests.support.processes import stop_all, up
 
 END_EVENTS = ("request finished", "request aborted", "request failed")

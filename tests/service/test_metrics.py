@@ -10,8 +10,8 @@ import httpx
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.conftest import metric_value, wait_until
-from tests.service.inproc import ScriptedWorker, generate, status_of, tokens_of, wait_for, with_server
+from tests.support.service import metric_value, wait_until
+from tests.support.inproc import ScriptedWorker, generate, status_of, tokens_of, wait_for, with_server
 
 M = {"model_name": "m"}
 

@@ -16,8 +16,7 @@ import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.conftest import started_service
-from tests.support.service import RPC_TIMEOUT
+from tests.support.service import RPC_TIMEOUT, started_service
 
 ATTACKER = "127.0.0.2"
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])  # and an empty SETTINGS frame

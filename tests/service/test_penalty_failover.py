@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 
 from pagedserve_common.sampling import SamplingParams
-from tests.service.conftest import started_service
-from tests.service.fleet import NEW, PROMPTS, Streams, fleet_of, kill_busiest
+from tests.support.service import started_service
+from tests.support.fleet import NEW, PROMPTS, Streams, fleet_of, streams_migrated_mid_way
 from tests.support.worker import assert_same_within_ties, reference_greedy, reference_model, reference_rules
 
 PENALTIES = {"repetition_penalty": 1.3, "presence_penalty": 0.4, "frequency_penalty": 0.3}
@@ -29,38 +29,31 @@ def assert_as_stay(got: list[list[int]], stay: list[list[int]], refs) -> None:
 
 
 @pytest.fixture(scope="module")
-def stay(fleet, refs) -> list[list[int]]:
+def stay(fleet_of_2, refs) -> list[list[int]]:
     """The penalised greedy streams of PROMPTS[:4] on the fleet, untouched: no migration, no preemption (each
     worker's pool holds them all), checked against the float64 reference."""
-    migrations = fleet.metric("pagedserve_migrations_total")
-    streams = Streams(fleet, PROMPTS[:4], **PENALTIES)
+    migrations = fleet_of_2.metric("pagedserve_migrations_total")
+    streams = Streams(fleet_of_2, PROMPTS[:4], **PENALTIES)
     streams.join()
     assert streams.errors == [] and all(len(t) == NEW for t in streams.tokens)
-    assert fleet.metric("pagedserve_migrations_total") == migrations
-    assert fleet.metric("pagedserve_preemptions_total") == 0
+    assert fleet_of_2.metric("pagedserve_migrations_total") == migrations
+    assert fleet_of_2.metric("pagedserve_preemptions_total") == 0
     for got, ref in zip(streams.tokens, refs):
         assert_same_within_ties(got, *ref)
     return streams.tokens
 
 
 @pytest.fixture(scope="module")
-def fleet(tiny_served_model):
+def fleet_of_2(tiny_served_model):
     with fleet_of(tiny_served_model, 2) as f:
         yield f
 
 
-def test_a_penalised_greedy_stream_migrated_mid_way_equals_one_that_stays(fleet, tiny_served_model, stay, refs):
+def test_a_penalised_greedy_stream_migrated_mid_way_equals_one_that_stays(fleet_of_2, tiny_served_model, stay, refs):
     prompts = PROMPTS[:4]
     model = reference_model(tiny_served_model)
     assert stay != [reference_greedy(model, p, NEW)[0] for p in prompts]  # the penalties change the output
-    ids = fleet.wait_workers(2)
-    migrations = fleet.metric("pagedserve_migrations_total")
-    moved = Streams(fleet, prompts, **PENALTIES)
-    moved.wait_started()
-    kill_busiest(fleet, ids)
-    moved.join()
-    assert moved.errors == []
-    assert fleet.metric("pagedserve_migrations_total") > migrations
+    moved = streams_migrated_mid_way(fleet_of_2, prompts, fleet_of_2.wait_workers(2), **PENALTIES)
     assert_as_stay(moved.tokens, stay, refs)
 
 

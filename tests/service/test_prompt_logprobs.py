@@ -16,8 +16,7 @@ from transformers import AutoTokenizer
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.conftest import started_service, wait_until
-from tests.support.service import idle
+from tests.support.service import idle, started_service, wait_until
 from tests.support.worker import reference_model
 
 TOL = 1e-4

@@ -11,7 +11,7 @@ from structlog.testing import capture_logs
 
 from pagedserve.v1 import generate_pb2 as pb
 from scheduler_svc.errors import ErrorCode
-from tests.service.inproc import Front, ScriptedWorker, generate, status_of, tokens_of, wait_for, with_server
+from tests.support.inproc import Front, ScriptedWorker, generate, status_of, tokens_of, wait_for, with_server
 
 END_EVENTS = ("request finished", "request aborted", "request failed")
 END_FIELDS = {"request_id", "worker", "prompt_tokens", "output_tokens", "ttft_s", "e2e_s"}

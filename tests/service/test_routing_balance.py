@@ -9,7 +9,7 @@ from collections import Counter
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.conftest import started_service, start_worker, stop_processes, wait_until
+from tests.support.service import start_worker, started_service, stop_processes, wait_until
 
 NUM_REQUESTS = 20
 MAX_TOKENS = 16

@@ -14,9 +14,7 @@ import torch
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from scheduler_svc.frontend import Tokenizer
-from tests.service.conftest import started_service, wait_until
-from tests.support.service import idle
+from tests.support.service import idle, started_service, wait_until
 from pagedserve_common.sampling import SamplingParams
 from tests.support.worker import assert_same_within_ties, reference_model, reference_rules
 
@@ -26,26 +24,10 @@ HI = [{"role": "user", "content": "Say hi."}]  # greedy: 24 tokens, then EOS
 
 
 @pytest.fixture(scope="module")
-def model_dir(default_model) -> str:
-    return str(default_model)
-
-
-@pytest.fixture(scope="module")
 def service(model_dir, tmp_path_factory):
     with started_service(model_dir, "--max-num-seqs", "8", kv_memory=str(64 << 20),
                          log=tmp_path_factory.mktemp("controls") / "scheduler.log") as s:
         yield s
-
-
-@pytest.fixture(scope="module")
-def client(service):
-    with service.openai_client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def tok(model_dir) -> Tokenizer:
-    return Tokenizer.from_model_dir(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.conftest import KV_MEMORY, MAX_BATCHED, wait_until
+from tests.support.service import KV_MEMORY, MAX_BATCHED, wait_until
 from tests.support.worker import assert_same_greedy, reference_greedy, reference_model
 
 PROMPTS = [[random.Random(100 + i).randrange(3, 49152) for _ in range(random.Random(i).randint(4, 60))]

@@ -13,10 +13,10 @@ from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc, worker_pb2
 from pagedserve_common.defaults import DEFAULT_MODEL
 from pagedserve_cli.up_cmd import wait_healthy
-from tests.service.conftest import free_port, metric_value, scrape, started_service, wait_until
+from pagedserve_common.ports import free_port
+from tests.support.service import RPC_TIMEOUT, metric_value, scrape, started_service, wait_until
 from tests.support.fake_worker import FakeWorker, registration
 from tests.support.processes import stop_all, up
-from tests.support.service import RPC_TIMEOUT
 from worker_svc.model_store import resolve_model
 
 PASSAGE = ("It was a bright cold day in April, and the clocks were striking thirteen. Winston Smith, his chin nuzzled "

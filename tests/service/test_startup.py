@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.service.conftest import free_port
+from pagedserve_common.ports import free_port
 
 EXE = [sys.executable, "-m", "pagedserve_cli.main"]
 PORT_FLAGS = ("--http", "--listen", "--worker-listen", "--metrics")

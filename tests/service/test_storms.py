@@ -12,10 +12,9 @@ import pytest
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from pagedserve_cli.bench.local_server import LocalServer
-from tests.service.conftest import EXACT, Service
-from tests.support.service import RPC_TIMEOUT, assert_idle_and_serving
+from tests.support.service import EXACT, RPC_TIMEOUT, Service, assert_idle_and_serving
 
-BLOCK_BYTES = 16 * 512  # one tiny-model KV block (tests/service/conftest.py: KV_MEMORY)
+BLOCK_BYTES = 16 * 512  # one tiny-model KV block (tests/support/service.py: KV_MEMORY)
 MAX_QUEUED = 500
 PREFIX = "You are a terse assistant. Answer in one short line, and never repeat the question back. "
 

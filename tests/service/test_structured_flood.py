@@ -8,7 +8,7 @@ p99 went from 0.31 s to 2.26 s); and `a{1000000}` answered "aaaa" with finish re
 match. Now a grammar whose per-token mask costs more than MASK_BUDGET_SECONDS is refused when it is compiled (a 400
 naming guided_regex), compiles run off the loop, and the honest stream goes on as it does alone.
 
-A real scheduler (--http) and CPU worker on the tests' tiny model (tests/service/conftest.py's `service`). The only
+A real scheduler (--http) and CPU worker on the tests' tiny model (tests/conftest.py's `service`). The only
 timing assertions are wide (busy 2-core CI machines): the honest stream's longest gap under the flood stays under
 max(1 s, 10x its longest gap alone), and /health answers within HEALTH_WITHIN seconds."""
 
@@ -23,7 +23,7 @@ import time
 import httpx
 import pytest
 
-from tests.service.conftest import wait_until
+from tests.support.service import wait_until
 
 FLOOD = 48  # concurrent attackers, each re-sending its request as soon as it is answered
 COSTLY = ["a{1000}{1000}", "x{65535}"]  # ~100-500 ms and ~20-60 ms per token mask: far over the 10 ms budget

@@ -16,39 +16,32 @@ from pydantic import BaseModel, Field
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.conftest import started_service
-from tests.support.service import assert_idle_and_serving, no_error_logged
-from tests.support.structured_schemas import SCHEMAS
+from tests.support.service import assert_idle_and_serving, no_error_logged, started_service
+from pagedserve_cli.bench.structured_schemas import SCHEMAS
 
 MAX_TOKENS = 512  # room: the longest of the twenty takes ~120 tokens greedy; a string of odd characters more
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory, default_model):
+def service(tmp_path_factory, model_dir):
     log = tmp_path_factory.mktemp("structured") / "scheduler.log"
-    with started_service(str(default_model), "--max-num-seqs", "32", kv_memory="256MiB",
+    with started_service(model_dir, "--max-num-seqs", "32", kv_memory="256MiB",
                          log=log) as s:
         yield s
 
 
-@pytest.fixture(scope="module")
-def client(served):
-    with served.openai_client() as c:
-        yield c
-
-
-def chat(served, body: dict) -> httpx.Response:
-    return httpx.post(f"http://{served.http}/v1/chat/completions", json={"max_tokens": 64, **body}, timeout=300)
+def chat(service, body: dict) -> httpx.Response:
+    return httpx.post(f"http://{service.http}/v1/chat/completions", json={"max_tokens": 64, **body}, timeout=300)
 
 
 def ask(prompt: str, **fields) -> dict:
     return {"messages": [{"role": "user", "content": prompt}], **fields}
 
 
-async def _all_schemas(served, **sampling) -> list[dict]:
+async def _all_schemas(service, **sampling) -> list[dict]:
     async with httpx.AsyncClient(timeout=600) as h:
         async def one(i: int, prompt: str, schema: dict) -> dict:
-            r = await h.post(f"http://{served.http}/v1/chat/completions", json=ask(
+            r = await h.post(f"http://{service.http}/v1/chat/completions", json=ask(
                 prompt, max_tokens=MAX_TOKENS, response_format={"type": "json_schema", "json_schema": {
                     "name": f"s{i}", "schema": schema, "strict": True}}, **sampling, **(
                     {"seed": 1000 + i} if sampling.get("temperature") else {})))
@@ -58,8 +51,8 @@ async def _all_schemas(served, **sampling) -> list[dict]:
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_twenty_schemas_validate(served, temperature):
-    choices = asyncio.run(_all_schemas(served, temperature=temperature))
+def test_twenty_schemas_validate(service, temperature):
+    choices = asyncio.run(_all_schemas(service, temperature=temperature))
     invalid = []
     for (name, _, schema), choice in zip(SCHEMAS, choices):
         try:
@@ -70,49 +63,49 @@ def test_twenty_schemas_validate(served, temperature):
     assert invalid == [], invalid
 
 
-def test_regex_choice_and_grammar(served):
-    r = chat(served, ask("Give me a phone number.", temperature=0, guided_regex=r"\d{3}-\d{4}"))
+def test_regex_choice_and_grammar(service):
+    r = chat(service, ask("Give me a phone number.", temperature=0, guided_regex=r"\d{3}-\d{4}"))
     assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", r.json()["choices"][0]["message"]["content"]), r.text
     for spelling in ({"guided_choice": ["yes", "no"]}, {"structured_outputs": {"choice": ["yes", "no"]}}):
-        r = chat(served, ask("Is the sky blue? Answer yes or no.", temperature=0, **spelling))
+        r = chat(service, ask("Is the sky blue? Answer yes or no.", temperature=0, **spelling))
         assert r.json()["choices"][0]["message"]["content"] in ("yes", "no"), r.text
         assert r.json()["choices"][0]["finish_reason"] == "stop"
     lark = 'start: "The answer is " NUMBER "."\nNUMBER: /[1-9][0-9]?/'
-    r = chat(served, ask("What is 6 times 7?", temperature=1.0, seed=5, guided_grammar=lark))
+    r = chat(service, ask("What is 6 times 7?", temperature=1.0, seed=5, guided_grammar=lark))
     assert re.fullmatch(r"The answer is [1-9][0-9]?\.", r.json()["choices"][0]["message"]["content"]), r.text
     gbnf = 'root ::= "x" [0-9]+ "y"'  # GBNF, as llama.cpp clients write it
-    r = chat(served, ask("Write something.", temperature=0, structured_outputs={"grammar": gbnf}, max_tokens=12))
+    r = chat(service, ask("Write something.", temperature=0, structured_outputs={"grammar": gbnf}, max_tokens=12))
     assert re.fullmatch(r"x[0-9]+y?", r.json()["choices"][0]["message"]["content"]), r.text
 
 
-def test_json_object_and_guided_json_as_text_on_completions(served):
-    r = chat(served, ask('Repeat this JSON object: {"name": "Tom", "legs": 4}', temperature=0, max_tokens=MAX_TOKENS,
+def test_json_object_and_guided_json_as_text_on_completions(service):
+    r = chat(service, ask('Repeat this JSON object: {"name": "Tom", "legs": 4}', temperature=0, max_tokens=MAX_TOKENS,
                          response_format={"type": "json_object"}))
     choice = r.json()["choices"][0]
     assert isinstance(json.loads(choice["message"]["content"]), dict) and choice["finish_reason"] == "stop"
     schema = SCHEMAS[0][2]
-    r = httpx.post(f"http://{served.http}/v1/completions", json={
+    r = httpx.post(f"http://{service.http}/v1/completions", json={
         "prompt": "A person as JSON:", "max_tokens": MAX_TOKENS, "temperature": 0, "guided_json": json.dumps(schema)},
         timeout=300)
     jsonschema.validate(json.loads(r.json()["choices"][0]["text"]), schema)
 
 
-def test_n2_samples_each_match_and_a_stop_string_still_ends_a_sample(served):
+def test_n2_samples_each_match_and_a_stop_string_still_ends_a_sample(service):
     _, prompt, schema = SCHEMAS[2]
-    r = chat(served, ask(prompt, temperature=1.0, seed=7, n=3, max_tokens=MAX_TOKENS,
+    r = chat(service, ask(prompt, temperature=1.0, seed=7, n=3, max_tokens=MAX_TOKENS,
                          structured_outputs={"json": schema}))
     outs = [c["message"]["content"] for c in r.json()["choices"]]
     for out in outs:
         jsonschema.validate(json.loads(out), schema)
-    r = chat(served, ask(prompt, temperature=0, stop=[","], guided_json=schema))
+    r = chat(service, ask(prompt, temperature=0, stop=[","], guided_json=schema))
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop" and "," not in choice["message"]["content"], r.text
 
 
-def test_a_prefix_cache_hit_gives_the_same_constrained_output(served):
+def test_a_prefix_cache_hit_gives_the_same_constrained_output(service):
     _, prompt, schema = SCHEMAS[5]
     body = ask(prompt, temperature=0, max_tokens=MAX_TOKENS, guided_json=schema)
-    first, second = chat(served, body).json(), chat(served, body).json()
+    first, second = chat(service, body).json(), chat(service, body).json()
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
     assert first["choices"][0]["message"] == second["choices"][0]["message"]
     jsonschema.validate(json.loads(first["choices"][0]["message"]["content"]), schema)
@@ -133,12 +126,12 @@ def test_a_prefix_cache_hit_gives_the_same_constrained_output(served):
     ({"response_format": {"type": "json_object"}, "guided_choice": ["a"]}, "guided_choice"),
     ({"guided_regex": "a" * 70_000}, "guided_regex"),  # over --max-structured-output-bytes (64 KiB)
 ])
-def test_a_bad_spec_is_a_400_naming_the_field_and_the_server_keeps_serving(served, body, param):
-    with no_error_logged(served):
-        r = chat(served, ask("hi", **body))
+def test_a_bad_spec_is_a_400_naming_the_field_and_the_server_keeps_serving(service, body, param):
+    with no_error_logged(service):
+        r = chat(service, ask("hi", **body))
         assert r.status_code == 400, r.text
         assert r.json()["error"]["param"] == param and r.json()["error"]["type"] == "invalid_request_error"
-        assert_idle_and_serving(served)
+        assert_idle_and_serving(service)
 
 
 class Person(BaseModel):
@@ -151,27 +144,27 @@ class Team(BaseModel):
     members: list[Person] = Field(min_length=1, max_length=3)
 
 
-def test_the_openai_clients_parse_helper_returns_a_parsed_model(served, client):
+def test_the_openai_clients_parse_helper_returns_a_parsed_model(service, client):
     parse = client.chat.completions.parse if hasattr(client.chat.completions, "parse") else \
         client.beta.chat.completions.parse
-    out = parse(model=served.model_dir, messages=[{"role": "user", "content": "Describe a team of two people."}],
+    out = parse(model=service.model_dir, messages=[{"role": "user", "content": "Describe a team of two people."}],
                 response_format=Team, temperature=0, max_tokens=MAX_TOKENS)
     team = out.choices[0].message.parsed
     assert isinstance(team, Team) and 1 <= len(team.members) <= 3, out
 
 
-def test_langchain_with_structured_output_returns_a_parsed_model(served):
+def test_langchain_with_structured_output_returns_a_parsed_model(service):
     from langchain_openai import ChatOpenAI
 
-    llm = ChatOpenAI(base_url=f"http://{served.http}/v1", api_key="unused", model=served.model_dir,
+    llm = ChatOpenAI(base_url=f"http://{service.http}/v1", api_key="unused", model=service.model_dir,
                      temperature=0, max_tokens=MAX_TOKENS, max_retries=0, timeout=300)
     person = llm.with_structured_output(Person, method="json_schema").invoke("Describe a person.")
     assert isinstance(person, Person) and 0 <= person.age <= 120
 
 
-def test_grpc_structured_output_and_a_bad_one_is_invalid_argument(served):
+def test_grpc_structured_output_and_a_bad_one_is_invalid_argument(service):
     schema = SCHEMAS[9][2]
-    with served.channel() as ch:
+    with service.channel() as ch:
         stub = generate_pb2_grpc.GenerationStub(ch)
         msgs = list(stub.Generate(pb.GenerateRequest(prompt="Settings as JSON:", sampling=pb.SamplingParams(
             max_tokens=MAX_TOKENS, temperature=0, structured_output=pb.StructuredOutput(

@@ -19,7 +19,8 @@ import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.conftest import EXACT, free_port, metric_value, scrape
+from pagedserve_common.ports import free_port
+from tests.support.service import EXACT, metric_value, scrape
 from tests.support.network import default_model_dir
 
 EXE = [sys.executable, "-m", "pagedserve_cli.main"]
@@ -74,9 +75,9 @@ class Fleet:
 class Stream(threading.Thread):
     """One constrained greedy stream over gRPC: its tokens and text as they arrive, and its end."""
 
-    def __init__(self, fleet: Fleet, i: int) -> None:
+    def __init__(self, small_pool_fleet: Fleet, i: int) -> None:
         super().__init__()
-        self.fleet, self.i = fleet, i
+        self.fleet, self.i = small_pool_fleet, i
         self.tokens: list[int] = []
         self.text = ""
         self.finish_reason = None
@@ -104,7 +105,7 @@ class Stream(threading.Thread):
 
 
 @pytest.fixture(scope="module")
-def fleet():
+def small_pool_fleet():
     f = Fleet()
     try:
         f.wait_workers(2)
@@ -114,39 +115,40 @@ def fleet():
 
 
 @pytest.fixture(scope="module")
-def undisturbed(fleet) -> list[tuple[list[int], str]]:
+def undisturbed(small_pool_fleet) -> list[tuple[list[int], str]]:
     """Each stream alone on the fleet: nothing preempts or moves it."""
-    before = fleet.metric("pagedserve_preemptions_total")
-    out = [Stream(fleet, i).result() for i in range(len(PROMPTS))]
-    assert fleet.metric("pagedserve_preemptions_total") == before
+    before = small_pool_fleet.metric("pagedserve_preemptions_total")
+    out = [Stream(small_pool_fleet, i).result() for i in range(len(PROMPTS))]
+    assert small_pool_fleet.metric("pagedserve_preemptions_total") == before
     return out
 
 
-def test_preempted_constrained_streams_equal_the_undisturbed_ones(fleet, undisturbed):
-    before = fleet.metric("pagedserve_preemptions_total")
-    streams = [Stream(fleet, i) for i in range(len(PROMPTS))]  # at least two share a worker: ~12 blocks of its 10
+def test_preempted_constrained_streams_equal_the_undisturbed_ones(small_pool_fleet, undisturbed):
+    before = small_pool_fleet.metric("pagedserve_preemptions_total")
+    # at least two share a worker: ~12 blocks of its 10
+    streams = [Stream(small_pool_fleet, i) for i in range(len(PROMPTS))]
     assert [s.result() for s in streams] == undisturbed
-    assert fleet.metric("pagedserve_preemptions_total") > before
+    assert small_pool_fleet.metric("pagedserve_preemptions_total") > before
 
 
-def test_a_constrained_stream_whose_worker_is_killed_mid_way_equals_the_undisturbed_one(fleet, undisturbed):
-    ids = fleet.wait_workers(2)
-    stream = Stream(fleet, 0)
+def test_a_constrained_stream_whose_worker_is_killed_mid_way_equals_the_undisturbed_one(small_pool_fleet, undisturbed):
+    ids = small_pool_fleet.wait_workers(2)
+    stream = Stream(small_pool_fleet, 0)
     deadline = time.monotonic() + 300
     while len(stream.tokens) < 10:  # mid-way: inside the array
         assert stream.error is None and stream.is_alive() and time.monotonic() < deadline, stream.error
         time.sleep(0.01)
     # NOTE: frozen while the victim is chosen, so that the stream cannot end first on a loaded machine
-    for p in fleet.workers:
+    for p in small_pool_fleet.workers:
         os.kill(p.pid, signal.SIGSTOP)
     try:
-        names = {w.worker_id: w.name for w in fleet.info().workers}  # NOTE: the metrics' worker label
-        victim = max(ids, key=lambda w: fleet.metric("pagedserve_kv_blocks_used", worker=names[w]))
-        assert fleet.metric("pagedserve_kv_blocks_used", worker=names[victim]) > 0
-        os.kill(fleet.pid_of(victim), signal.SIGKILL)
+        names = {w.worker_id: w.name for w in small_pool_fleet.info().workers}  # NOTE: the metrics' worker label
+        victim = max(ids, key=lambda w: small_pool_fleet.metric("pagedserve_kv_blocks_used", worker=names[w]))
+        assert small_pool_fleet.metric("pagedserve_kv_blocks_used", worker=names[victim]) > 0
+        os.kill(small_pool_fleet.pid_of(victim), signal.SIGKILL)
     finally:
-        for p in fleet.workers:
+        for p in small_pool_fleet.workers:
             if p.poll() is None:
                 os.kill(p.pid, signal.SIGCONT)
     assert stream.result() == undisturbed[0]
-    assert fleet.metric("pagedserve_migrations_total") > 0
+    assert small_pool_fleet.metric("pagedserve_migrations_total") > 0

@@ -14,7 +14,7 @@ from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from scheduler_svc.auth import ApiKeys
 from scheduler_svc.identity import GATEWAY, MIN_PRIORITY, OPERATOR, Identity
-from tests.service.inproc import Front, ScriptedWorker, status_of, tokens_of, wait_for, with_server
+from tests.support.inproc import Front, ScriptedWorker, status_of, tokens_of, wait_for, with_server
 
 KEYS = ApiKeys.of(["k-victim", "k-flood", "k-a", "k-b", "k-op", "k-gw"],
                   ["victim", "", "team-a", "team-b", Identity("ops", OPERATOR, MIN_PRIORITY), Identity("gw", GATEWAY)])

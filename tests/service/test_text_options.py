@@ -7,11 +7,7 @@ import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from pagedserve_common.defaults import DEFAULT_MODEL
-from scheduler_svc.frontend import Tokenizer
-from tests.service.conftest import started_service
-from tests.support.service import RPC_TIMEOUT, assert_idle_and_serving
-from worker_svc.model_store import resolve_model
+from tests.support.service import RPC_TIMEOUT, assert_idle_and_serving, started_service
 
 PROMPT = "The capital of France is"
 COLOR = [{"role": "user", "content": "Name a color. Answer in one word."}]
@@ -19,23 +15,12 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def service(tmp_path_factory):
+def service(model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("text-options") / "scheduler.log"
-    with started_service(str(resolve_model(DEFAULT_MODEL)), "--max-num-seqs", "8", kv_memory=str(64 << 20),
+    with started_service(model_dir, "--max-num-seqs", "8", kv_memory=str(64 << 20),
                          log=log) as s:
         yield s
         assert_idle_and_serving(s)  # every block went back
-
-
-@pytest.fixture(scope="module")
-def client(service):
-    with service.openai_client() as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def tok(service) -> Tokenizer:
-    return Tokenizer.from_model_dir(service.model_dir)
 
 
 def generate(service, **fields) -> list[list[pb.GenerateResponse]]:

@@ -25,7 +25,7 @@ from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from pagedserve_common.ports import free_port
 from scheduler_svc.tracing.spans import Tracing
-from tests.service.conftest import started_service, wait_until
+from tests.support.service import started_service, wait_until
 from tests.support import inproc_scheduler
 
 TRACE_ID = "4bf92f3577b34da6a3ce929d0e0e4736"

@@ -4,7 +4,6 @@ the real one with exactly the greedy tokens, no INTERNAL, every block back."""
 
 from __future__ import annotations
 
-import threading
 import urllib.request
 
 import grpc
@@ -12,9 +11,8 @@ import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc, worker_pb2
-from tests.service.conftest import Service, started_service, wait_until
+from tests.support.service import GreedyStream, Service, assert_idle_and_serving, started_service, wait_until
 from tests.support.fake_worker import FakeWorker, registration
-from tests.support.service import RPC_TIMEOUT, assert_idle_and_serving
 from tests.support.worker import assert_same_greedy, reference_greedy, reference_model
 
 MAX_WORKERS = 3
@@ -36,31 +34,6 @@ def reference(tiny_served_model):
     return {tuple(p): reference_greedy(model, p, NEW) for p in (PROMPT, BALLAST)}
 
 
-class Stream:
-    """One greedy request in a thread: its tokens, and its error if it fails."""
-
-    def __init__(self, svc: Service, prompt: list[int], **sampling) -> None:
-        self.tokens: list[int] = []
-        self.error: tuple | None = None
-        self.thread = threading.Thread(target=self._run, args=(svc.address, prompt, sampling))
-        self.thread.start()
-
-    def _run(self, address: str, prompt: list[int], sampling: dict) -> None:
-        try:
-            with grpc.insecure_channel(address) as ch:
-                for msg in generate_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
-                        prompt_token_ids=prompt, sampling=pb.SamplingParams(
-                            max_tokens=NEW, temperature=0, ignore_eos=True, **sampling)), timeout=RPC_TIMEOUT):
-                    self.tokens.extend(msg.token_ids)
-        except grpc.RpcError as e:
-            self.error = (e.code(), e.details())
-
-    def result(self) -> list[int]:
-        self.thread.join(RPC_TIMEOUT)
-        assert self.error is None, self.error
-        return self.tokens
-
-
 def workers(svc: Service) -> list[str]:
     with svc.channel() as ch:
         info = generate_pb2_grpc.GenerationStub(ch).GetModelInfo(pb.GetModelInfoRequest(), timeout=60)
@@ -74,7 +47,7 @@ def health(svc: Service) -> int:
 def assert_still_serving(svc: Service, reference) -> None:
     """Health says so, an honest request gets exactly the greedy tokens, and every block is back."""
     assert health(svc) == 200
-    assert_same_greedy(Stream(svc, PROMPT).result(), *reference[tuple(PROMPT)])
+    assert_same_greedy(GreedyStream(svc, PROMPT, NEW).result(), *reference[tuple(PROMPT)])
     assert_idle_and_serving(svc)
     assert workers(svc) == ["worker-0"]  # the real worker, never lost
 
@@ -163,12 +136,12 @@ def test_a_poisoned_result_loses_the_fake_worker_and_the_request_completes_on_th
     lost = svc.metric("pagedserve_workers_lost_total", reason="bad_result")
     sampling = {} if logprobs is None else {"logprobs": logprobs}
     with svc.worker_paused():  # the ballast's first step stays in flight: the real worker is the busier one
-        ballast = Stream(svc, BALLAST)
+        ballast = GreedyStream(svc, BALLAST, NEW)
         wait_until(lambda: len(svc.live_request_ids()) == 1)  # planned on the real worker, its step in flight
         fake = FakeWorker(svc.worker_listen, registration(svc.model_dir))
         try:
             wait_until(lambda: len(workers(svc)) == 2)
-            honest = Stream(svc, PROMPT, **sampling)
+            honest = GreedyStream(svc, PROMPT, NEW, **sampling)
             plan = fake.next_plan()
             assert [list(n.token_ids) for n in plan.new_seqs] == [PROMPT]  # the honest request landed on the fake
             fake.send(poisoned(kind, plan))

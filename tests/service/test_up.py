@@ -17,7 +17,8 @@ from pagedserve_cli.main import build_parser
 from pagedserve_cli.serve_cmd import parse_device, scheduler_policy_argv
 from pagedserve_cli.up_cmd import describe_exit, restart_delay, worker_devices
 from pagedserve_common.startup import StartupError
-from tests.service.conftest import free_port, wait_until
+from pagedserve_common.ports import free_port
+from tests.support.service import wait_until
 from tests.support.processes import alive, children, stop_all, up
 
 

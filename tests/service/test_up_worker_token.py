@@ -15,7 +15,7 @@ import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.conftest import free_port
+from pagedserve_common.ports import free_port
 from tests.support.fake_worker import FakeWorker, registration
 from tests.support.processes import children, stop_all, up
 

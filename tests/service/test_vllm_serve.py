@@ -12,7 +12,7 @@ import httpx
 import openai
 import pytest
 
-from tests.service.conftest import free_port
+from pagedserve_common.ports import free_port
 from tests.support.processes import stop_all
 
 KEY = "serve-test-key"
@@ -45,13 +45,13 @@ def served(tiny_served_model, tmp_path_factory):
         stop_all(proc)
 
 
-def client(address: str, key: str = KEY) -> openai.OpenAI:
+def openai_at(address: str, key: str = KEY) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"http://{address}/v1", api_key=key, max_retries=0, timeout=300)
 
 
 def test_every_served_name_answers_and_another_is_a_404(served):
     address, model_dir = served
-    c = client(address)
+    c = openai_at(address)
     assert [m.id for m in c.models.list().data] == ["my-model", "alias"]
     texts = {name: c.completions.create(model=name, prompt="The capital of France", max_tokens=8, temperature=0)
              for name in ("my-model", "alias")}
@@ -65,7 +65,7 @@ def test_every_served_name_answers_and_another_is_a_404(served):
 def test_the_api_key_is_required_as_a_bearer_or_x_api_key(served):
     address, _ = served
     with pytest.raises(openai.AuthenticationError):
-        client(address, "wrong").models.list()
+        openai_at(address, "wrong").models.list()
     assert httpx.get(f"http://{address}/v1/models", headers={"x-api-key": KEY}).status_code == 200
     assert httpx.get(f"http://{address}/v1/models").status_code == 401
     both = httpx.get(f"http://{address}/v1/models", headers={"x-api-key": KEY, "authorization": f"Bearer {KEY}"})
@@ -89,13 +89,13 @@ def test_tokenize_counts_what_a_request_is_charged_and_detokenize_inverts_it(ser
     auth = {"authorization": f"Bearer {KEY}"}
     prompt = "Tokens are counted the same way everywhere."
     tok = httpx.post(f"http://{address}/tokenize", json={"model": "my-model", "prompt": prompt}, headers=auth).json()
-    used = client(address).completions.create(model="my-model", prompt=prompt, max_tokens=1).usage.prompt_tokens
+    used = openai_at(address).completions.create(model="my-model", prompt=prompt, max_tokens=1).usage.prompt_tokens
     assert tok["count"] == len(tok["tokens"]) == used and tok["max_model_len"] > 0
     back = httpx.post(f"http://{address}/detokenize", json={"tokens": tok["tokens"]}, headers=auth).json()
     assert back["prompt"].endswith(prompt)
     messages = [{"role": "user", "content": "Hello there"}]
     chat = httpx.post(f"http://{address}/tokenize", json={"messages": messages}, headers=auth).json()
-    used = client(address).chat.completions.create(model="my-model", messages=messages, max_tokens=1)
+    used = openai_at(address).chat.completions.create(model="my-model", messages=messages, max_tokens=1)
     assert chat["count"] == used.usage.prompt_tokens
     bad = httpx.post(f"http://{address}/detokenize", json={"tokens": [10 ** 9]}, headers=auth)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
@@ -105,7 +105,7 @@ def test_tokenize_counts_what_a_request_is_charged_and_detokenize_inverts_it(ser
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(served):
     address, _ = served
-    chunks = list(client(address).completions.create(
+    chunks = list(openai_at(address).completions.create(
         model="my-model", prompt="Count with me: one, two", max_tokens=6, temperature=0, stream=True,
         extra_body={"ignore_eos": True}, stream_options={"include_usage": True, "continuous_usage_stats": True}))
     with_text = [c for c in chunks if c.choices]
@@ -118,7 +118,7 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(served):
 
 def test_the_models_generation_config_sets_the_defaults_and_the_chat_template_is_the_flags(served):
     address, _ = served
-    c = client(address)
+    c = openai_at(address)
     prompt = "Once upon a time"
     default = c.completions.create(model="my-model", prompt=prompt, max_tokens=12, extra_body={"ignore_eos": True})
     greedy = c.completions.create(model="my-model", prompt=prompt, max_tokens=12, temperature=0,

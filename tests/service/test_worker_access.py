@@ -16,7 +16,8 @@ import pytest
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from scheduler_svc.worker_auth import token_id
-from tests.service.conftest import MAX_BATCHED, Service, free_port, start_worker, stop_processes, wait_until
+from pagedserve_common.ports import free_port
+from tests.support.service import MAX_BATCHED, Service, start_worker, stop_processes, wait_until
 from tests.support.fake_worker import FakeWorker, registration
 from tests.support.processes import wait_for_line
 from tests.support.worker import assert_same_greedy, reference_greedy, reference_model

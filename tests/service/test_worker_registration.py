@@ -10,7 +10,6 @@ real scheduler process beside a real worker:
 
 from __future__ import annotations
 
-import threading
 import time
 
 import grpc
@@ -18,9 +17,9 @@ import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.conftest import Service, metric_value, started_service, wait_until
+from tests.support.service import (GreedyStream, Service, assert_idle_and_serving, metric_value, started_service,
+                                   wait_until)
 from tests.support.fake_worker import FakeWorker, registration
-from tests.support.service import RPC_TIMEOUT, assert_idle_and_serving
 from tests.support.worker import assert_same_greedy, reference_greedy, reference_model
 
 STEP_TIMEOUT = 8.0  # seconds: a hung worker's requests move after this (the real worker's steps take milliseconds)
@@ -45,31 +44,6 @@ def svc(tiny_served_model):
 def reference(tiny_served_model):
     model = reference_model(tiny_served_model)
     return {tuple(p): reference_greedy(model, p, NEW) for p in PROMPTS}
-
-
-class Stream:
-    """One greedy request in a thread: its tokens, and its error if it fails."""
-
-    def __init__(self, svc: Service, prompt: list[int]) -> None:
-        self.tokens: list[int] = []
-        self.error: tuple | None = None
-        self.thread = threading.Thread(target=self._run, args=(svc.address, prompt))
-        self.thread.start()
-
-    def _run(self, address: str, prompt: list[int]) -> None:
-        try:
-            with grpc.insecure_channel(address) as ch:
-                for msg in generate_pb2_grpc.GenerationStub(ch).Generate(pb.GenerateRequest(
-                        prompt_token_ids=prompt, sampling=pb.SamplingParams(
-                            max_tokens=NEW, temperature=0, ignore_eos=True)), timeout=RPC_TIMEOUT):
-                    self.tokens.extend(msg.token_ids)
-        except grpc.RpcError as e:
-            self.error = (e.code(), e.details())
-
-    def result(self) -> list[int]:
-        self.thread.join(RPC_TIMEOUT)
-        assert self.error is None, self.error
-        return self.tokens
 
 
 def worker_names(svc: Service) -> list[str]:
@@ -158,7 +132,7 @@ def test_300_attach_detach_cycles_leave_metrics_as_large_as_with_one_worker(svc)
 def test_a_sum_over_workers_never_drops_when_a_worker_goes_and_departed_takes_its_counts(svc, reference, how):
     name = f"counted:{how}"
     fake = attach(svc, name, answering=True)  # answers each plan with token 5, well-formed
-    streams = [Stream(svc, p) for p in PROMPTS]  # round-robin: one on each worker
+    streams = [GreedyStream(svc, p, NEW) for p in PROMPTS]  # round-robin: one on each worker
     for s in streams:
         s.result()
     wait_until(lambda: idle(svc, name))
@@ -189,7 +163,8 @@ def test_a_worker_claiming_a_shorter_context_is_refused_and_every_honest_request
     assert code == grpc.StatusCode.FAILED_PRECONDITION, (code, details)
     assert "max_model_len 4 is below the scheduler's 512" in details, details
     assert fake.num_plans == 0 and "short:1" not in worker_names(svc)
-    streams = [Stream(svc, p) for p in (*PROMPTS, *PROMPTS, *PROMPTS)]  # six, as in the attack: 5 of 6 failed
+    # six, as in the attack: 5 of 6 failed
+    streams = [GreedyStream(svc, p, NEW) for p in (*PROMPTS, *PROMPTS, *PROMPTS)]
     for s, p in zip(streams, (*PROMPTS, *PROMPTS, *PROMPTS)):
         assert_same_greedy(s.result(), *reference[tuple(p)])
 
@@ -200,7 +175,7 @@ def test_a_silent_new_worker_holds_its_request_one_step_timeout_and_it_completes
     fake = attach(svc, "silent:1")
     try:
         start = time.monotonic()
-        streams = [Stream(svc, p) for p in PROMPTS]  # round-robin: one lands on the silent worker
+        streams = [GreedyStream(svc, p, NEW) for p in PROMPTS]  # round-robin: one lands on the silent worker
         held = fake.next_plan()
         assert [list(n.token_ids) for n in held.new_seqs] in ([PROMPTS[0]], [PROMPTS[1]])
         for s, p in zip(streams, PROMPTS):

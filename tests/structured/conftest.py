@@ -8,9 +8,7 @@ import pytest
 
 from scheduler_svc.frontend import Tokenizer
 from scheduler_svc.structured import GrammarCompiler
-
-VOCAB = 49152
-EOS = 2
+from tests.support.grammar import EOS, VOCAB
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,7 @@ from pagedserve_common.sampling import InvalidField, StructuredOutput
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.structured import GrammarCompiler, fill_bitmasks, token_allowed
 from scheduler_svc.structured.compiler import ascii_classes
-from tests.structured.conftest import EOS, VOCAB
+from tests.support.grammar import EOS, VOCAB
 
 
 def allowed(constraint) -> set[int]:

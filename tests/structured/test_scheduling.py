@@ -11,7 +11,7 @@ from pagedserve_common.step import StepResult
 from scheduler_svc.core.request import FinishReason, Request
 from scheduler_svc.core.result_check import check_result
 from scheduler_svc.structured import fill_bitmasks, token_allowed
-from tests.structured.conftest import VOCAB
+from tests.support.grammar import VOCAB
 from tests.support.scheduler import FakeWorker, make
 
 PATTERN = "[a-c]{6}x"

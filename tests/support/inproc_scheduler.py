@@ -16,7 +16,7 @@ from pagedserve_cli.main import build_parser
 from pagedserve_cli.serve_cmd import scheduler_config
 from pagedserve_cli.up_cmd import wait_healthy
 from pagedserve_common.ports import free_port
-from tests.service.conftest import start_worker, stop_processes
+from tests.support.service import start_worker, stop_processes
 
 MAX_BATCHED = 64
 

@@ -5,7 +5,7 @@ Run as `python -m tests.support.invariance --dtype D --kv-cache-dtype K` under a
 before torch loads: tests/worker/test_batch_invariance.py starts one process per path); prints one JSON object:
 {"batch_invariant": bool, "reason": str, "cases": {case: [tokens of each prompt]}, "preemptions": N}.
 The production path end to end but for gRPC: the real Scheduler drives ModelRunners through serialized plans
-(tests/support/driver.py).
+(pagedserve_cli/bench/local_driver.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import random
 
 from pagedserve_common.sampling import SamplingParams
-from tests.support.driver import GREEDY, LocalDriver
+from pagedserve_cli.bench.local_driver import GREEDY, LocalDriver
 from worker_svc import cpu_path
 
 PROMPTS = [

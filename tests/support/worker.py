@@ -14,11 +14,6 @@ from worker_svc.models import load_model
 from worker_svc.runner import ModelRunner
 from worker_svc.worker import make_backend
 
-# initializer_range 0.2: random weights peaked enough that greedy outputs vary with the context.
-TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.2, eos_token_id=None,
-            bos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
-
 
 def reference_model(model_dir: str):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
@@ -36,6 +31,14 @@ def make_runner(model_dir: str, num_blocks: int = 64, block_size: int = 16, path
     runner = ModelRunner(loaded, pool, make_backend(backend, "cpu", pool.geometry), lean=lean)
     assert runner.forward_path == ("lean" if lean else "transformers"), runner.lean_skip_reason
     return runner
+
+
+def swap_runner(model_dir: str) -> ModelRunner:
+    """The production path (lean forward, CPU attention) in float32, with swap space: 64 blocks of 16 tokens, 32
+    more on the CPU."""
+    loaded = load_model(model_dir, dtype="float32")
+    pool = KVPool(loaded.kv_geometry(16), 64, num_cpu_blocks=32)
+    return ModelRunner(loaded, pool, make_backend("cpu", "cpu", pool.geometry))
 
 
 def reference_greedy(model, prompt: list[int], max_new_tokens: int) -> tuple[list[int], torch.Tensor]:

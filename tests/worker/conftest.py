@@ -1,4 +1,4 @@
-"""Fixtures for worker tests: tiny random Llama and Qwen2 checkpoints."""
+"""Fixtures for worker tests: tiny random Llama, Qwen2, Qwen3 and Mistral checkpoints, and SmolLM2 itself."""
 
 from __future__ import annotations
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-from tests.support.worker import TINY
+from pagedserve_cli.bench.tiny_model import TINY
+from worker_svc.model_store import resolve_model
 
 
 def _save(tmp_path_factory, name: str, config) -> str:
@@ -37,3 +38,9 @@ def tiny_qwen3_dir(tmp_path_factory) -> str:
 @pytest.fixture(scope="session")
 def tiny_mistral_dir(tmp_path_factory) -> str:
     return _save(tmp_path_factory, "tiny-mistral", MistralConfig(**TINY, sliding_window=None))
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> str:
+    """SmolLM2-135M-Instruct's directory, by name (the tests that use it are about that model, whatever the default)."""
+    return str(resolve_model("smollm2-135m-instruct"))

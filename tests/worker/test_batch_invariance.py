@@ -17,18 +17,12 @@ import pytest
 from tests.support.invariance import RESULT
 from worker_svc import cpu_path
 from worker_svc.cpu_features import cpu_flags
-from worker_svc.model_store import resolve_model
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 # The named paths this CPU runs (native is the best of them); off x86, native alone.
 CPU_PATHS = [p for p in cpu_path.supported(cpu_flags()) if p != "native"] or ["native"]
 CONFIGS = {"float32": ("float32", "auto"), "bfloat16": ("bfloat16", "auto"), "int8-kv": ("float32", "int8")}
-
-
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(resolve_model("smollm2-135m-instruct"))
 
 
 def _run(model_dir: str, path: str, dtype: str, kv_cache_dtype: str) -> dict:
@@ -44,8 +38,8 @@ def _run(model_dir: str, path: str, dtype: str, kv_cache_dtype: str) -> dict:
 
 @pytest.mark.parametrize("config", list(CONFIGS))
 @pytest.mark.parametrize("path", CPU_PATHS)
-def test_greedy_tokens_do_not_depend_on_the_batch(model_dir, path, config):
-    got = _run(model_dir, path, *CONFIGS[config])
+def test_greedy_tokens_do_not_depend_on_the_batch(smollm2_dir, path, config):
+    got = _run(smollm2_dir, path, *CONFIGS[config])
     assert got["cpu_path"] == path
     assert got["batch_invariant"], got["reason"]
     assert got["preemptions"] > 0  # the crowded case really recomputed some sequences

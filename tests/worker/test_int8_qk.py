@@ -7,7 +7,7 @@ import torch
 from pagedserve_common.kv_geometry import KVGeometry
 from pagedserve_common.step import NewSequence, StepPlan
 from pagedserve_common.startup import USAGE, StartupError
-from tests.support.driver import GREEDY, LocalDriver
+from pagedserve_cli.bench.local_driver import GREEDY, LocalDriver
 from worker_svc.attention import cpu_backend
 from worker_svc.kv_pool import KVPool
 from worker_svc.models import load_model

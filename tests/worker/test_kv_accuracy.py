@@ -15,27 +15,22 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def model_dir(default_model) -> str:
-    return str(default_model)
-
-
-@pytest.fixture(scope="module")
 def text(model_dir) -> list[int]:
     return corpus_token_ids(model_dir)
 
 
 @pytest.fixture(scope="module")
-def runner(model_dir):
+def float32_runner(model_dir):
     """A float32 cache, built as `pagedserve worker` builds it (the C++ kernel where it loads)."""
     return scoring_runner(model_dir, "float32", kv_memory=64 << 20, threads=1)
 
 
 @CORPUS_MARK
-def test_float32_cache_perplexity_is_transformers_own(model_dir, text, runner):
+def test_float32_cache_perplexity_is_transformers_own(model_dir, text, float32_runner):
     """One 512-token window prefilled 128 tokens per step (each chunk reading the earlier chunks' KV from the
     pool) scores the same summed NLL as transformers' forward over the whole window."""
     tokens = text[:512]
-    scored = perplexity(runner, tokens, window=512, chunk=128)
+    scored = perplexity(float32_runner, tokens, window=512, chunk=128)
     ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
     with torch.inference_mode():
         logits = ref_model.eval()(torch.tensor([tokens])).logits[0, :-1]
@@ -45,9 +40,9 @@ def test_float32_cache_perplexity_is_transformers_own(model_dir, text, runner):
 
 
 @CORPUS_MARK
-def test_8bit_caches_stay_within_the_bounds_and_their_kl_against_float32_is_small(text, runner):
-    runners = {"float32": runner, "int8": sibling_runner(runner, "int8"),
-               "fp8_e4m3": sibling_runner(runner, "fp8_e4m3")}
+def test_8bit_caches_stay_within_the_bounds_and_their_kl_against_float32_is_small(text, float32_runner):
+    runners = {"float32": float32_runner, "int8": sibling_runner(float32_runner, "int8"),
+               "fp8_e4m3": sibling_runner(float32_runner, "fp8_e4m3")}
     scored = compare(runners, "float32", text[:1024], window=1024, chunk=256)
     base = scored["float32"].perplexity
     assert all(s.num_tokens == 1023 for s in scored.values())
@@ -58,9 +53,9 @@ def test_8bit_caches_stay_within_the_bounds_and_their_kl_against_float32_is_smal
 
 
 @CORPUS_MARK
-def test_a_cache_dtype_against_itself_on_another_pool_has_kl_zero(text, runner):
-    twin = sibling_runner(runner, "float32")
-    scored = compare({"float32": runner, "twin": twin}, "float32", text[:256], window=256, chunk=128)
+def test_a_cache_dtype_against_itself_on_another_pool_has_kl_zero(text, float32_runner):
+    twin = sibling_runner(float32_runner, "float32")
+    scored = compare({"float32": float32_runner, "twin": twin}, "float32", text[:256], window=256, chunk=128)
     assert scored["twin"].kl_sum == 0.0 and scored["twin"].perplexity == scored["float32"].perplexity
 
 
@@ -71,9 +66,9 @@ def test_kl_of_a_distribution_against_itself_is_zero_and_positive_otherwise():
 
 
 @CORPUS_MARK
-def test_greedy_agreement_of_a_runner_with_itself_is_total(text, runner):
+def test_greedy_agreement_of_a_runner_with_itself_is_total(text, float32_runner):
     prompts = held_out_prompts(text, 1024, num_prompts=4, prompt_len=32)
-    first, again = greedy_tokens(runner, prompts, 16, batch=3), greedy_tokens(runner, prompts, 16)
+    first, again = greedy_tokens(float32_runner, prompts, 16, batch=3), greedy_tokens(float32_runner, prompts, 16)
     a = agreement(first, again)
     assert (a.share, a.mean_first_divergence, a.num_positions) == (1.0, 16.0, 64)
     assert all(len(t) == 16 for t in first)

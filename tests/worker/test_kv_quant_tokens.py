@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 
 from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.core.scheduler import Scheduler
-from tests.support.driver import LocalDriver
+from pagedserve_cli.bench.local_driver import LocalDriver
 from tests.support.quantised import assert_same_up_to_noise
 from worker_svc.kv_pool import KVPool
 from worker_svc.models import load_model
@@ -34,18 +34,13 @@ SEEDED = SamplingParams(temperature=0.8, top_p=0.95, seed=1234, ignore_eos=True,
 
 
 @pytest.fixture(scope="module")
-def model_dir(default_model) -> str:
-    return str(default_model)
-
-
-@pytest.fixture(scope="module")
 def prompts(model_dir) -> list[list[int]]:
     tok = AutoTokenizer.from_pretrained(model_dir)
     return [tok(t)["input_ids"] for t in TEXTS]
 
 
 @pytest.fixture(scope="module")
-def runner(model_dir) -> ModelRunner:
+def int8_runner(model_dir) -> ModelRunner:
     """The worker's own choice of forward and backend for an int8 cache, with room for everything and swap space
     (each test's scheduler decides how much of the pool it plans with)."""
     torch.set_num_threads(1)
@@ -89,11 +84,11 @@ def all_at_once(prompts, sp: SamplingParams) -> list:
 
 
 @pytest.fixture(scope="module")
-def undisturbed(runner, prompts) -> dict[SamplingParams, LocalDriver]:
+def undisturbed(int8_runner, prompts) -> dict[SamplingParams, LocalDriver]:
     """Each setting's run with room for every sequence: nothing preempted."""
     out = {}
     for sp in (GREEDY, SEEDED):
-        out[sp] = drive(runner, all_at_once(prompts, sp))
+        out[sp] = drive(int8_runner, all_at_once(prompts, sp))
         assert out[sp].scheduler.num_preemptions == 0
     return out
 
@@ -108,8 +103,8 @@ def preempted(runner, prompts, sp: SamplingParams, num_cpu_blocks: int) -> Local
 
 @pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("num_cpu_blocks", [0, 32], ids=["recompute", "swap"])
-def test_preemption_changes_no_int8_stream(runner, prompts, undisturbed, sp, num_cpu_blocks):
-    same_streams(preempted(runner, prompts, sp, num_cpu_blocks), undisturbed[sp], sp)
+def test_preemption_changes_no_int8_stream(int8_runner, prompts, undisturbed, sp, num_cpu_blocks):
+    same_streams(preempted(int8_runner, prompts, sp, num_cpu_blocks), undisturbed[sp], sp)
 
 
 def stale_scales(runner: ModelRunner) -> None:
@@ -120,7 +115,7 @@ def stale_scales(runner: ModelRunner) -> None:
     runner.pool.cpu_scales.fill_(1.0)
 
 
-def test_a_swap_in_that_drops_the_scales_changes_the_streams(runner, prompts, undisturbed, monkeypatch):
+def test_a_swap_in_that_drops_the_scales_changes_the_streams(int8_runner, prompts, undisturbed, monkeypatch):
     """The check above has teeth: swapped-in blocks read with the stale scales their device blocks held."""
     swap_in = KVPool.swap_in
 
@@ -130,46 +125,46 @@ def test_a_swap_in_that_drops_the_scales_changes_the_streams(runner, prompts, un
         self.scales.copy_(scales)
 
     monkeypatch.setattr(KVPool, "swap_in", codes_only)
-    stale_scales(runner)
+    stale_scales(int8_runner)
     with pytest.raises(AssertionError, match="differ"):
-        same_streams(preempted(runner, prompts, GREEDY, 32), undisturbed[GREEDY], GREEDY)
+        same_streams(preempted(int8_runner, prompts, GREEDY, 32), undisturbed[GREEDY], GREEDY)
 
 
 @pytest.mark.parametrize("sp", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_prefix_cache_hits_change_no_int8_stream(runner, model_dir, sp):
+def test_prefix_cache_hits_change_no_int8_stream(int8_runner, model_dir, sp):
     """Four prompts behind one shared instruction: the first computes it, the other three (arriving later) read
     its blocks; their streams equal those of a run without the prefix cache, where each computes its own."""
     tok = AutoTokenizer.from_pretrained(model_dir)
     prompts = [tok(SHARED + t)["input_ids"] for t in TEXTS]
     requests = [(p, sp, 1, 0 if i == 0 else 4 + i) for i, p in enumerate(prompts)]
-    hits = drive(runner, requests)
+    hits = drive(int8_runner, requests)
     assert hits.scheduler.kv.prefix_hit_tokens == 3 * 2 * BLOCK_SIZE  # each later prompt reads 2 blocks
-    misses = drive(runner, requests, enable_prefix_caching=False)
+    misses = drive(int8_runner, requests, enable_prefix_caching=False)
     assert misses.scheduler.kv.prefix_hit_tokens == 0
     same_streams(hits, misses, sp)
 
 
-def test_parallel_samples_share_and_copy_their_partial_block(runner, prompts, undisturbed):
+def test_parallel_samples_share_and_copy_their_partial_block(int8_runner, prompts, undisturbed):
     """n = 2: the prompt is computed once and its partial last block shared, then copied on the first write.
     Greedy, both samples are the one greedy stream; seeded, sample i draws as a lone request seeded seed + i."""
     prompt = next(p for p in prompts if len(p) % BLOCK_SIZE)  # a partial last block to share
     index = f"r{prompts.index(prompt)}"
-    forked = drive(runner, [(prompt, GREEDY, 2, 0), (prompt, SEEDED, 2, 0)])
+    forked = drive(int8_runner, [(prompt, GREEDY, 2, 0), (prompt, SEEDED, 2, 0)])
     assert forked.num_copies >= 2
     for sample in (0, 1):
         same_stream(forked, "r0", undisturbed[GREEDY], index, GREEDY, got_index=sample)
-    alone = drive(runner, [(prompt, SEEDED, 1, 0), (prompt, dataclasses.replace(SEEDED, seed=SEEDED.seed + 1), 1, 0)])
+    alone = drive(int8_runner, [(prompt, SEEDED, 1, 0), (prompt, dataclasses.replace(SEEDED, seed=SEEDED.seed + 1), 1, 0)])
     for sample in (0, 1):
         same_stream(forked, "r1", alone, f"r{sample}", SEEDED, got_index=sample)
     assert forked.outputs["r1"][0] != forked.outputs["r1"][1]
 
 
-def test_a_copy_on_write_that_drops_the_scales_changes_a_forked_sample(runner, prompts, undisturbed, monkeypatch):
+def test_a_copy_on_write_that_drops_the_scales_changes_a_forked_sample(int8_runner, prompts, undisturbed, monkeypatch):
     """The check above has teeth: the copied partial block keeps the scales its device block held before."""
     monkeypatch.setattr(KVPool, "copy_blocks", lambda self, copies, backend: backend.copy_blocks(self.kv, copies))
     prompt = next(p for p in prompts if len(p) % BLOCK_SIZE)
-    stale_scales(runner)
-    forked = drive(runner, [(prompt, GREEDY, 2, 0)])
+    stale_scales(int8_runner)
+    forked = drive(int8_runner, [(prompt, GREEDY, 2, 0)])
     assert forked.num_copies == 1
     with pytest.raises(AssertionError, match="differ"):
         for sample in (0, 1):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from worker_svc import model_store
-from tests.service.conftest import wait_until
+from tests.support.service import wait_until
 from tests.support.tiny_gguf import NUM_TENSORS, write_tiny_gguf
 from worker_svc.model_store import DEFAULT_MODEL, MARKER, pull, resolve_model
 

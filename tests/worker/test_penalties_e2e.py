@@ -16,14 +16,10 @@ from pagedserve_common.step import NewSequence, SequenceDelta, StepPlan
 from pagedserve_common.wire import plan_from_pb, plan_to_pb, result_from_pb, result_to_pb
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from tests.support.driver import LocalDriver
-from tests.support.worker import (assert_same_within_ties, make_runner, pack_bitmask, reference_model,
-                                  reference_rules)
+from pagedserve_cli.bench.local_driver import LocalDriver
+from tests.support.worker import (assert_same_within_ties, make_runner, pack_bitmask, reference_model, reference_rules,
+                                  swap_runner)
 from worker_svc.batch import BadPlan
-from worker_svc.kv_pool import KVPool
-from worker_svc.models import load_model
-from worker_svc.runner import ModelRunner
-from worker_svc.worker import make_backend
 
 NEW = 48
 PROMPTS = [[random.Random(i).randrange(3, 512) for _ in range(random.Random(100 + i).randint(4, 30))]
@@ -46,19 +42,16 @@ def drive(runner, sp: SamplingParams, num_blocks_used: int | None = None, num_cp
 
 
 @pytest.fixture(scope="module")
-def runner(tiny_llama_dir):
-    """The production path (lean forward, CPU attention), with swap space."""
-    loaded = load_model(tiny_llama_dir, dtype="float32")
-    pool = KVPool(loaded.kv_geometry(16), 64, num_cpu_blocks=32)
-    return ModelRunner(loaded, pool, make_backend("cpu", "cpu", pool.geometry))
+def tiny_llama_runner(tiny_llama_dir):
+    return swap_runner(tiny_llama_dir)
 
 
 @pytest.fixture(scope="module")
-def unpreempted(runner) -> dict[SamplingParams, dict[str, list[list[int]]]]:
+def unpreempted(tiny_llama_runner) -> dict[SamplingParams, dict[str, list[list[int]]]]:
     """Each setting's outputs with room for every sequence: nothing preempted, nothing migrated."""
     out = {}
     for sp in (PENALISED, SEEDED):
-        outputs, num_preemptions = drive(runner, sp)
+        outputs, num_preemptions = drive(tiny_llama_runner, sp)
         assert num_preemptions == 0
         out[sp] = outputs
     return out
@@ -74,9 +67,9 @@ def test_a_penalised_greedy_run_matches_the_float64_reference(tiny_llama_dir, un
 
 @pytest.mark.parametrize("sp", [PENALISED, SEEDED], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("num_cpu_blocks", [0, 32], ids=["recompute", "swap"])
-def test_preemption_changes_no_penalised_stream(runner, unpreempted, sp, num_cpu_blocks):
+def test_preemption_changes_no_penalised_stream(tiny_llama_runner, unpreempted, sp, num_cpu_blocks):
     # 12 blocks of 16 tokens for 6 sequences of up to 78: they preempt each other many times
-    outputs, num_preemptions = drive(runner, sp, num_blocks_used=12, num_cpu_blocks=num_cpu_blocks)
+    outputs, num_preemptions = drive(tiny_llama_runner, sp, num_blocks_used=12, num_cpu_blocks=num_cpu_blocks)
     assert num_preemptions > 0
     assert outputs == unpreempted[sp]
 
@@ -86,9 +79,9 @@ def roundtrip(plan):
 
 
 @pytest.mark.parametrize("sp", [PENALISED, SEEDED], ids=["greedy", "seeded"])
-def test_a_migration_mid_way_changes_no_penalised_stream(tiny_llama_dir, runner, unpreempted, sp):
+def test_a_migration_mid_way_changes_no_penalised_stream(tiny_llama_dir, tiny_llama_runner, unpreempted, sp):
     """Every request is released by its worker mid-generation (as when the worker dies) and recomputed on
-    another runner of its own, which rebuilds each sequence's counts from its tokens."""
+    another tiny_llama_runner of its own, which rebuilds each sequence's counts from its tokens."""
     seq_ids = itertools.count()
     config = SchedulerConfig(num_blocks=64, max_model_len=512, block_size=16, max_num_batched_tokens=64)
     first, second = Scheduler(config, seq_ids), Scheduler(config, seq_ids)
@@ -96,7 +89,7 @@ def test_a_migration_mid_way_changes_no_penalised_stream(tiny_llama_dir, runner,
     reqs = [Request(f"r{i}", p, dataclasses.replace(sp, max_tokens=NEW)) for i, p in enumerate(PROMPTS)]
     for r in reqs:
         first.add_request(r)
-    runner.reset()
+    tiny_llama_runner.reset()
 
     def step(sched, worker) -> None:
         scheduled = sched.schedule()
@@ -104,11 +97,11 @@ def test_a_migration_mid_way_changes_no_penalised_stream(tiny_llama_dir, runner,
             sched.update(scheduled, result_from_pb(result_to_pb(worker.step(roundtrip(scheduled.plan)))).sampled)
 
     while min(len(r.output_token_ids) for r in reqs) < NEW // 3:
-        step(first, runner)
+        step(first, tiny_llama_runner)
     in_flight = first.schedule()  # a step in flight when the worker goes: lost with it
     for r in first.release_all(in_flight):
         second.adopt(r)
-    runner.reset()
+    tiny_llama_runner.reset()
     while second.has_unfinished_requests():
         step(second, other)
     assert {r.request_id: [list(r.output_token_ids)] for r in reqs} == unpreempted[sp]
@@ -118,8 +111,8 @@ def pack(allowed: list[int]) -> bytes:
     return pack_bitmask(allowed, 512)
 
 
-def test_the_runner_samples_inside_each_bitmask_and_refuses_a_bad_one(runner):
-    runner.reset()
+def test_the_runner_samples_inside_each_bitmask_and_refuses_a_bad_one(tiny_llama_runner):
+    tiny_llama_runner.reset()
     greedy, seeded = SamplingParams(temperature=0.0, logprobs=1), SamplingParams(temperature=1.0, seed=3)
     bad_first = dataclasses.replace(greedy, bad_words_token_ids=((300,),))
     prompt = [5, 6, 7]
@@ -128,7 +121,7 @@ def test_the_runner_samples_inside_each_bitmask_and_refuses_a_bad_one(runner):
                                  NewSequence(2, prompt, [2], 0, 3, bad_first, 0, 3),
                                  NewSequence(3, prompt, [3], 0, 3, greedy, 0, 3)],
                     token_bitmasks={0: pack([100, 200]), 1: pack([100, 200]), 2: pack([300])})
-    result = runner.step(plan)
+    result = tiny_llama_runner.step(plan)
     assert result.sampled[0] in (100, 200) and result.sampled[1] in (100, 200)
     assert result.sampled[2] == 300  # the bad word leaves the bitmask nothing: the bitmask wins
     # logprobs are the raw distribution's: its most likely token is the unconstrained greedy one
@@ -136,11 +129,11 @@ def test_the_runner_samples_inside_each_bitmask_and_refuses_a_bad_one(runner):
     assert result.logprobs[0].sampled.token_id == result.sampled[0]
     running = [SequenceDelta(i, [], 1) for i in range(4)]
     with pytest.raises(BadPlan, match="token_bitmasks: seq 0: the bitmask has 4 bytes; a vocabulary of 512 takes 64"):
-        runner.step(StepPlan(1, running=running, token_bitmasks={0: b"\xff" * 4}))
+        tiny_llama_runner.step(StepPlan(1, running=running, token_bitmasks={0: b"\xff" * 4}))
     with pytest.raises(BadPlan, match="token_bitmasks: seq 1: the bitmask allows no token"):
-        runner.step(StepPlan(1, running=running, token_bitmasks={1: pack([])}))
+        tiny_llama_runner.step(StepPlan(1, running=running, token_bitmasks={1: pack([])}))
     with pytest.raises(BadPlan, match="token_bitmasks: seq 7 is not in this plan"):
-        runner.step(StepPlan(1, running=running, token_bitmasks={7: pack([1])}))
-    assert sorted(runner.batch.seqs) == [0, 1, 2, 3]  # refused plans changed nothing
-    assert all(len(s.token_ids) == 4 for s in runner.batch.seqs.values())
-    assert set(runner.step(StepPlan(1, running=running, token_bitmasks={3: pack([42])})).sampled.items()) >= {(3, 42)}
+        tiny_llama_runner.step(StepPlan(1, running=running, token_bitmasks={7: pack([1])}))
+    assert sorted(tiny_llama_runner.batch.seqs) == [0, 1, 2, 3]  # refused plans changed nothing
+    assert all(len(s.token_ids) == 4 for s in tiny_llama_runner.batch.seqs.values())
+    assert set(tiny_llama_runner.step(StepPlan(1, running=running, token_bitmasks={3: pack([42])})).sampled.items()) >= {(3, 42)}

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from tests.support.driver import GREEDY, LocalDriver
+from pagedserve_cli.bench.local_driver import GREEDY, LocalDriver
 from tests.support.worker import PATHS, make_runner, reference_model
 
 TOL = 1e-4

@@ -11,7 +11,7 @@ import torch
 from tests.support.worker import make_runner
 from pagedserve_common.sampling import SamplingParams
 from worker_svc.attention.torch_backend import TorchAttentionBackend
-from tests.support.driver import LocalDriver
+from pagedserve_cli.bench.local_driver import LocalDriver
 from pagedserve_common.kv_geometry import KVGeometry
 from worker_svc.kv_pool import KVPool
 from worker_svc.models import load_model

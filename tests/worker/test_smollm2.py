@@ -10,9 +10,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tests.support.worker import PATHS, assert_same_greedy, reference_greedy
 from worker_svc.attention import AttentionMetadata
-from tests.support.driver import LocalDriver
+from pagedserve_cli.bench.local_driver import LocalDriver
 from worker_svc.kv_pool import KVPool
-from worker_svc.model_store import resolve_model
 from worker_svc.models import load_model
 from worker_svc.runner import ModelRunner, StepContext
 from worker_svc.worker import make_backend
@@ -23,19 +22,14 @@ TEXTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in 
 NEW = 32
 
 
-@pytest.fixture(scope="module")
-def model_dir() -> str:
-    return str(resolve_model("smollm2-135m-instruct"))
-
-
 @pytest.mark.parametrize("path", list(PATHS))
-def test_smollm2_greedy_matches_transformers_in_mixed_chunked_batches(model_dir, path):
+def test_smollm2_greedy_matches_transformers_in_mixed_chunked_batches(smollm2_dir, path):
     torch.set_num_threads(1)
-    tok = AutoTokenizer.from_pretrained(model_dir)
+    tok = AutoTokenizer.from_pretrained(smollm2_dir)
     prompts = [tok(t)["input_ids"] for t in TEXTS]
-    ref_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    ref_model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32, attn_implementation="sdpa")
     refs = [reference_greedy(ref_model.eval(), p, NEW) for p in prompts]
-    loaded = load_model(model_dir, dtype="float32")
+    loaded = load_model(smollm2_dir, dtype="float32")
     lean, backend = PATHS[path]
     pool = KVPool(loaded.kv_geometry(16), 64)
     runner = ModelRunner(loaded, pool, make_backend(backend, "cpu", pool.geometry), lean=lean)
@@ -49,7 +43,7 @@ def test_smollm2_greedy_matches_transformers_in_mixed_chunked_batches(model_dir,
     assert tok.decode(out[ids[0]][0]).startswith(" Paris")
 
 
-def test_smollm2_lean_decode_logits_are_within_float32s_rounding_bound_of_float64(model_dir):
+def test_smollm2_lean_decode_logits_are_within_float32s_rounding_bound_of_float64(smollm2_dir):
     """The production path (lean forward, C++ attention): every decode step's logits against transformers' forward
     over the whole sequence in float64, the exact reference. The bound is derived, not picked: the probabilistic
     rounding-error bound of a computation of n sequential float32 roundings, sqrt(n) * u * |logits| (u = 2^-24;
@@ -60,7 +54,7 @@ def test_smollm2_lean_decode_logits_are_within_float32s_rounding_bound_of_float6
     anywhere (u = 2^-8) does not."""
     torch.set_num_threads(1)
     tokens = list(range(1000, 1096))
-    loaded = load_model(model_dir, dtype="float32")
+    loaded = load_model(smollm2_dir, dtype="float32")
     pool = KVPool(loaded.kv_geometry(16), 8)
     backend = make_backend("cpu", "cpu", pool.geometry)
     runner = ModelRunner(loaded, pool, backend)
@@ -76,7 +70,7 @@ def test_smollm2_lean_decode_logits_are_within_float32s_rounding_bound_of_float6
             ours.append(runner.lean.forward(torch.tensor([tokens[p]]), torch.tensor([p]),
                                             StepContext(runner.pool.kv, meta, backend), torch.tensor([0]))[0])
         ours = torch.stack(ours).double()
-        exact_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float64, attn_implementation="sdpa")
+        exact_model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float64, attn_implementation="sdpa")
         exact = exact_model.eval()(torch.tensor([tokens])).logits[0, n:].double()
     cfg = exact_model.config
     head_dim = cfg.hidden_size // cfg.num_attention_heads

@@ -18,8 +18,9 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from pagedserve_common.sampling import SamplingParams
 from pagedserve_common.step import NewSequence, SequenceDelta, StepPlan
 from scheduler_svc.core.scheduler import Scheduler
-from tests.support.driver import LocalDriver
-from tests.support.worker import TINY
+from pagedserve_cli.bench.local_driver import LocalDriver
+from pagedserve_cli.bench.tiny_model import TINY
+from tests.support.worker import swap_runner
 from worker_svc.kv_pool import KVPool
 from worker_svc.models import load_model
 from worker_svc.runner import ModelRunner
@@ -56,30 +57,28 @@ def run(runner, sp: SamplingParams, speculative: str, prompts, new: int = 40, **
 
 
 @pytest.fixture(scope="module")
-def runner(tmp_path_factory):
+def tiny_vocab_runner(tmp_path_factory):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(LlamaConfig(**{**TINY, "vocab_size": VOCAB}), dtype=torch.float32)
     path = tmp_path_factory.mktemp("tiny-vocab")
     model.save_pretrained(path)
-    loaded = load_model(str(path), dtype="float32")
-    pool = KVPool(loaded.kv_geometry(16), 64, num_cpu_blocks=32)  # the production path, with swap space
-    return ModelRunner(loaded, pool, make_backend("cpu", "cpu", pool.geometry))
+    return swap_runner(str(path))  # the production path, with swap space
 
 
 @pytest.mark.parametrize("sp", [GREEDY, SEEDED, TOP_K], ids=["greedy", "top-p", "top-k+min-p"])
-def test_drafts_change_no_token_of_a_tiny_model(runner, sp):
-    plain, _ = run(runner, sp, "none", loop_prompts())
-    fast, sched = run(runner, sp, "ngram", loop_prompts())
+def test_drafts_change_no_token_of_a_tiny_model(tiny_vocab_runner, sp):
+    plain, _ = run(tiny_vocab_runner, sp, "none", loop_prompts())
+    fast, sched = run(tiny_vocab_runner, sp, "ngram", loop_prompts())
     assert fast == plain
     c = sched.spec.counters
     assert c.num_accepted_tokens > 0 and c.num_draft_tokens > c.num_accepted_tokens  # both ways were taken
 
 
-def test_drafts_change_no_token_under_preemption_and_swaps(runner):
-    plain, _ = run(runner, SEEDED, "none", loop_prompts())
+def test_drafts_change_no_token_under_preemption_and_swaps(tiny_vocab_runner):
+    plain, _ = run(tiny_vocab_runner, SEEDED, "none", loop_prompts())
     for num_cpu_blocks in (0, 32):
-        runner.reset()
-        driver = LocalDriver(runner, speculative="ngram", num_cpu_blocks=num_cpu_blocks)
+        tiny_vocab_runner.reset()
+        driver = LocalDriver(tiny_vocab_runner, speculative="ngram", num_cpu_blocks=num_cpu_blocks)
         driver.scheduler = Scheduler(dataclasses.replace(driver.scheduler.config, num_blocks=10))
         for p in loop_prompts():
             driver.add(p, 40, SEEDED)
@@ -87,16 +86,16 @@ def test_drafts_change_no_token_under_preemption_and_swaps(runner):
         assert driver.scheduler.num_preemptions > 0 and driver.scheduler.spec.counters.num_accepted_tokens > 0
 
 
-def test_the_batch_keeps_only_the_emitted_tokens_and_the_kv_up_to_the_last_accepted_draft(runner):
-    runner.reset()
+def test_the_batch_keeps_only_the_emitted_tokens_and_the_kv_up_to_the_last_accepted_draft(tiny_vocab_runner):
+    tiny_vocab_runner.reset()
     prompt = loop_prompts()[0]
     plan = StepPlan(0, new_seqs=[NewSequence(1, prompt, [0, 1], 0, len(prompt), GREEDY)])
-    first = runner.step(plan).sampled[1]
-    s = runner.batch.seqs[1]
+    first = tiny_vocab_runner.step(plan).sampled[1]
+    s = tiny_vocab_runner.batch.seqs[1]
     known = list(s.token_ids)
     assert known == [*prompt, first]
     wrong = (first + 1) % VOCAB
-    res = runner.step(StepPlan(1, running=[SequenceDelta(1, [], 3, [wrong, wrong])]))
+    res = tiny_vocab_runner.step(StepPlan(1, running=[SequenceDelta(1, [], 3, [wrong, wrong])]))
     assert res.num_accepted_drafts == {}  # the first draft was refused
     assert s.token_ids == [*known, res.sampled[1]] and s.num_computed_tokens == len(known)
     assert s.num_draft_tokens == 0
@@ -192,10 +191,10 @@ def test_greedy_verification_accepts_drafts_while_they_are_the_argmax():
     assert verify_many(GREEDY, rows, [3, 1], [0]) == [[0]]
 
 
-def test_plans_with_drafts_the_worker_cannot_verify_are_refused(runner):
-    runner.reset()
+def test_plans_with_drafts_the_worker_cannot_verify_are_refused(tiny_vocab_runner):
+    tiny_vocab_runner.reset()
     prompt = loop_prompts()[0]
-    runner.step(StepPlan(0, new_seqs=[NewSequence(1, prompt, [0, 1], 0, len(prompt), GREEDY),
+    tiny_vocab_runner.step(StepPlan(0, new_seqs=[NewSequence(1, prompt, [0, 1], 0, len(prompt), GREEDY),
                                       NewSequence(2, prompt, [2, 3], 0, len(prompt) - 3, GREEDY),
                                       NewSequence(3, prompt, [4, 5], 0, len(prompt),
                                                   SamplingParams(temperature=0.0, logprobs=1))]))
@@ -204,10 +203,10 @@ def test_plans_with_drafts_the_worker_cannot_verify_are_refused(runner):
                          (SequenceDelta(1, [], 3, [5, VOCAB]), "draft token id is outside the vocabulary"),
                          (SequenceDelta(3, [], 2, [5]), "drafts for a sequence with logprobs"),
                          (SequenceDelta(1, [], 33, [1] * 32), "tokens need 4 blocks, its table has 2")]:
-        before = (list(runner.batch.seqs[1].token_ids), runner.batch.seqs[1].num_computed_tokens)
+        before = (list(tiny_vocab_runner.batch.seqs[1].token_ids), tiny_vocab_runner.batch.seqs[1].num_computed_tokens)
         with pytest.raises(BadPlan, match=match):
-            runner.step(StepPlan(1, running=[delta]))
-        assert (runner.batch.seqs[1].token_ids, runner.batch.seqs[1].num_computed_tokens) == before
+            tiny_vocab_runner.step(StepPlan(1, running=[delta]))
+        assert (tiny_vocab_runner.batch.seqs[1].token_ids, tiny_vocab_runner.batch.seqs[1].num_computed_tokens) == before
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from pagedserve_common.sampling import SamplingParams
-from tests.support.driver import LocalDriver
+from pagedserve_cli.bench.local_driver import LocalDriver
 from tests.support.worker import PATHS, make_runner
 from worker_svc.warm_up import warm_up, warm_up_plans
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
-from tests.service.conftest import started_service
+from tests.support.service import started_service
 
 WEATHER_PARAMS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 24},
                                                    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
@@ -30,12 +30,6 @@ HISTORY = [*ASK, {"role": "assistant", "content": None, "tool_calls": [CALL]},
 
 
 # -- the tiny model, no --tool-call-parser ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def client(service):
-    with service.openai_client() as c:
-        yield c
-
-
 def test_tool_choice_none_with_tools_answers_with_text(service, client):
     out = client.chat.completions.create(model=service.model_dir, messages=ASK, tools=[WEATHER], tool_choice="none",
                                          max_tokens=5)

@@ -13,8 +13,7 @@ import pytest
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.conftest import wait_until
-from tests.support.service import idle
+from tests.support.service import idle, recv_until, wait_until
 
 PROMPT = "The capital of France is"
 
@@ -33,12 +32,6 @@ def grpc_samples(service, **fields) -> list[dict]:
         if m.finish_reason:
             s["finish_reason"] = pb.FinishReason.Name(m.finish_reason)
     return [out[i] for i in sorted(out)]
-
-
-@pytest.fixture(scope="module")
-def client(service):
-    with service.openai_client(timeout=120) as c:
-        yield c
 
 
 def test_models_and_health(service, client):
@@ -249,11 +242,7 @@ def test_a_client_that_disconnects_frees_its_blocks(service, stream):
                          b"Content-Length: %d\r\n\r\n%s" % (service.http.encode(), len(body), body))
             wait_until(lambda: len(service.live_request_ids()) == 1)  # admitted: holds blocks, a step in flight
             if stream:  # the event stream is open: its headers came before any token
-                head = b""
-                while b"\r\n\r\n" not in head:
-                    chunk = sock.recv(4096)
-                    assert chunk, head
-                    head += chunk
+                head = recv_until(sock, b"\r\n\r\n")
                 assert head.startswith(b"HTTP/1.1 200") and b"text/event-stream" in head
         wait_until(lambda: service.live_request_ids() == [])  # the disconnect aborted it; its blocks are free
     wait_until(lambda: idle(service))  # the gauges, exported after the worker's next step

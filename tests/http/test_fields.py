@@ -18,8 +18,7 @@ from openai.types.chat import completion_create_params as chat_create_params
 from scheduler_svc.http import fields
 from scheduler_svc.http.fields import CHAT, COMPLETIONS, IGNORED, IMPLEMENTED, REFUSED
 from scheduler_svc.http.schemas import StreamOptions
-from tests.service.conftest import wait_until
-from tests.support.service import idle
+from tests.support.service import idle, wait_until
 
 VLLM = json.loads(Path(__file__).with_name("vllm_request_fields.json").read_text())  # record_vllm_fields.py
 README = Path(__file__).parents[2] / "README.md"

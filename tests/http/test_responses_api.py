@@ -18,7 +18,7 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import ValidationError
 
-from tests.service.inproc import EOS, HERMES, Front, ScriptedWorker, Speaker, wait_for, with_server
+from tests.support.inproc import EOS, HERMES, Front, ScriptedWorker, Speaker, wait_for, with_server
 from tests.support.service import assert_idle_and_serving, no_error_logged
 
 CONVERSATION = [{"role": "user", "content": "Name a city in France."},
@@ -37,12 +37,6 @@ WEATHER = {"type": "function", "name": "get_weather", "description": "The weathe
 CHAT_WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                                  "parameters": PARAMS, "strict": True}}
 ASK = [{"role": "user", "content": "What is the weather like in Paris?"}]
-
-
-@pytest.fixture(scope="module")
-def client(service):
-    with service.openai_client(timeout=120) as c:
-        yield c
 
 
 def chat_text(service, client, messages: list[dict], max_tokens: int = MAX, **fields):

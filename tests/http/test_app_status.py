@@ -6,7 +6,7 @@ import httpx
 
 from pagedserve.v1 import worker_pb2
 from scheduler_svc.errors import ErrorCode
-from tests.service.inproc import Front, ScriptedWorker, generate, wait_for, with_server
+from tests.support.inproc import Front, ScriptedWorker, generate, wait_for, with_server
 
 
 async def complete(client: httpx.AsyncClient, **body) -> httpx.Response:

@@ -10,7 +10,7 @@ import pytest
 from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from scheduler_svc.frontend import Tokenizer
-from tests.service.inproc import EOS, HERMES, Front, Speaker, tokenizer, wait_for, with_server
+from tests.support.inproc import EOS, HERMES, Front, Speaker, tokenizer, wait_for, with_server
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

@@ -19,7 +19,7 @@ from scheduler_svc.frontend import FrontEnd, Tokenizer
 from scheduler_svc.http.app import create_app
 from scheduler_svc.http.connections import ConnectionLimits
 from scheduler_svc.http.server import HttpServer
-from tests.service.conftest import free_port
+from pagedserve_common.ports import free_port
 from tests.support.network import default_model_dir
 
 TOKEN = 7  # what a ScriptedWorker samples, for every sequence

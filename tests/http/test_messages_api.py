@@ -16,8 +16,9 @@ import httpx
 import openai
 import pytest
 
-from tests.service.conftest import EXACT, KV_MEMORY, MAX_BATCHED, Service, free_port, stop_processes, wait_until
-from tests.service.inproc import EOS, HERMES, Front, Speaker, tokenizer, wait_for, with_server
+from pagedserve_common.ports import free_port
+from tests.support.service import EXACT, KV_MEMORY, MAX_BATCHED, Service, recv_until, stop_processes, wait_until
+from tests.support.inproc import EOS, HERMES, Front, Speaker, tokenizer, wait_for, with_server
 
 KEY = "messages-test-key-0123456789abcdef"
 WRONG_KEY = "messages-test-key-wrong"
@@ -304,7 +305,7 @@ def test_the_key_as_x_api_key_or_bearer_and_a_bad_key_is_a_401_in_anthropics_sha
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_a_client_that_disconnects_frees_its_blocks(keyed, claude, stream):
-    """As the chat route's test (tests/service/test_openai.py): the worker paused, so that the request still holds
+    """As the chat route's test (tests/http/test_app.py): the worker paused, so that the request still holds
     its blocks when its client goes away; the scheduler's state is polled."""
     body = json.dumps({"model": keyed.model_dir, "max_tokens": 400, "messages": CONVERSATION,
                        "stream": stream}).encode()
@@ -315,11 +316,7 @@ def test_a_client_that_disconnects_frees_its_blocks(keyed, claude, stream):
                          b"\r\nContent-Length: %d\r\n\r\n%s" % (keyed.http.encode(), KEY.encode(), len(body), body))
             wait_until(lambda: len(keyed.live_request_ids()) == 1)  # admitted: holds blocks, a step in flight
             if stream:  # the event stream is open: its headers (and message_start) came before any token
-                head = b""
-                while b"event: ping" not in head:
-                    chunk = sock.recv(4096)
-                    assert chunk, head
-                    head += chunk
+                head = recv_until(sock, b"event: ping")
                 assert head.startswith(b"HTTP/1.1 200") and b"event: message_start" in head
         wait_until(lambda: keyed.live_request_ids() == [])  # the disconnect aborted it; its blocks are free
     assert create(keyed, claude, max_tokens=2).usage.output_tokens <= 2  # and the worker, resumed, serves on

@@ -16,7 +16,8 @@ import grpc
 
 from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
-from tests.service.conftest import EXACT, free_port, metric_value, scrape
+from pagedserve_common.ports import free_port
+from tests.support.service import EXACT, metric_value, scrape
 
 EXE = [sys.executable, "-m", "pagedserve_cli.main"]
 NEW = 160  # long enough that every stream is mid-generation when a worker goes
@@ -153,3 +154,16 @@ def kill_busiest(fleet: Fleet, worker_ids: list[str]) -> str:
         for p in frozen:
             os.kill(p.pid, signal.SIGCONT)
     return victim
+
+
+def streams_migrated_mid_way(fleet: Fleet, prompts: list[list[int]], worker_ids: list[str], **sampling) -> Streams:
+    """Streams of `prompts` whose busiest worker is killed -9 once they have all started: asserts that they end
+    without an error and that at least one migrated."""
+    migrations = fleet.metric("pagedserve_migrations_total")
+    moved = Streams(fleet, prompts, **sampling)
+    moved.wait_started()
+    kill_busiest(fleet, worker_ids)
+    moved.join()
+    assert moved.errors == []
+    assert fleet.metric("pagedserve_migrations_total") > migrations
+    return moved
