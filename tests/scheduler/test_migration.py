@@ -5,8 +5,8 @@ from __future__ import annotations
 import itertools
 
 from scheduler_svc.core.request import FinishReason, RequestStatus
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
-from tests.support.scheduler import BS, FakeWorker, config, drive, req, step, toks
+from scheduler_svc.core.scheduler import Scheduler
+from tests.support.scheduler import FakeWorker, config, drive, req, step, toks
 
 
 def by_position(seq_id: int, position: int) -> int:

@@ -9,7 +9,7 @@ from pagedserve_common.wire import plan_to_pb, result_from_pb
 from pagedserve_common.step import NewSequence, SequenceDelta
 from scheduler_svc.core.request import FinishReason, Request, RequestStatus
 from pagedserve_common.sampling import SamplingParams
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
 from pagedserve.v1 import worker_pb2
 from tests.support.scheduler import FakeWorker, config, drive, make, position_token, random_steps, req, step, toks
 

@@ -11,7 +11,7 @@ from pagedserve_common.step import SequenceDelta, StepResult
 from scheduler_svc.core.request import FinishReason, Request
 from scheduler_svc.core.result_check import check_result
 from scheduler_svc.core.speculation import MAX_BACKOFF_STEPS, Speculator
-from tests.support.scheduler import FakeWorker, drive, make, random_steps, req, step, toks
+from tests.support.scheduler import FakeWorker, drive, make, req, step, toks
 
 PROMPT = toks(100, 10)  # 100 .. 109
 

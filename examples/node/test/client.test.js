@@ -38,7 +38,7 @@ function scrape() {
   });
 }
 
-/** The sum of a metric's samples (every label set), as tests/service/conftest.py's Service.metric does. */
+/** The sum of a metric's samples (every label set), as tests/support/service.py's Service.metric does. */
 function metric(text, name) {
   return text.split('\n')
     .filter((line) => line.startsWith(name) && [' ', '{'].includes(line[name.length]))
@@ -70,7 +70,7 @@ async function liveRequestIds(client) {
 }
 
 /** No request runs or waits on the worker and no step is in flight (every plan sent has been answered), as
- * tests/service/conftest.py's Service.worker_idle: scraped first, so answered then <= answered now <= planned. */
+ * tests/support/service.py's Service.worker_idle: scraped first, so answered then <= answered now <= planned. */
 async function workerIdle(client) {
   const text = await scrape();
   const state = await kvState(client);
