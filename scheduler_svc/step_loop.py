@@ -26,16 +26,6 @@ NOT_YET = object()  # _next_step(wait=False): nothing to run now
 PLAN_WRITE_WAIT_SECONDS = 0.05
 
 
-@dataclass(slots=True)
-class PendingStep:
-    """A step whose results the scheduler has taken in (update) and its clients not yet (_publish)."""
-
-    plan: StepPlan
-    outputs: list[RequestOutput]
-    result: StepResult
-    step_seconds: float  # sent -> answer taken in: the step as the scheduler saw it
-
-
 class StepLoopOwner(Protocol):
     """What a StepLoop needs of the engine, which owns the loop's requests (their streams, placement, failure)."""
 
@@ -50,11 +40,21 @@ class StepLoopOwner(Protocol):
     def export_fleet(self) -> None: ...
 
 
+@dataclass(slots=True)
+class PendingStep:
+    """A step whose results the scheduler has taken in (update) and its clients not yet (_publish)."""
+
+    plan: StepPlan
+    outputs: list[RequestOutput]
+    result: StepResult
+    step_seconds: float  # sent -> answer taken in: the step as the scheduler saw it
+
+
 class StepLoop:
     """Owns worker `w`'s steps, one plan in flight, until the worker detaches (it left, or the server stops) or is
     lost. The step in flight lives here (a ScheduledStep from schedule() to update()), nowhere else. What the steps
-    mean for requests goes to the engine through three calls: `deliver` (tokens to their streams), `lose_worker`
-    (the one place a loss is handled) and `leaving_tick` (a leaving worker's drain)."""
+    mean for requests goes to the engine (StepLoopOwner): `deliver` (tokens to their streams), `lose_worker` (the one
+    place a loss is handled; `fail_worker` for a bug here) and `leaving_tick` (a leaving worker's drain)."""
 
     def __init__(self, engine: StepLoopOwner, w: WorkerHandle) -> None:
         self.engine = engine
