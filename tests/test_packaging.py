@@ -4,7 +4,6 @@ mirror the packages without importing one another."""
 import subprocess
 import sys
 import tomllib
-from fnmatch import fnmatch
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,13 +22,16 @@ def test_every_python_package_is_listed_in_pyproject():
 
 
 def test_every_kernel_source_ships_as_package_data():
-    # The CPU kernel library is compiled at first use from these files: an install without one cannot build it.
-    from worker_svc.attention.cpu_backend import _sources
+    # The CPU kernel library is compiled at first use from these files (the units and the headers they include): an
+    # install without one cannot build it. A package's patterns are globs below its folder, as setuptools reads them.
+    from worker_svc.cpu_build import sources
 
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
-    for path in _sources():
-        package = ".".join(path.parent.relative_to(ROOT).parts)
-        assert any(fnmatch(path.name, pattern) for pattern in data.get(package, ())), path
+    assert any(path.suffix == ".h" for path in sources())
+    for path in sources():
+        folder = next(p for p in path.parents if (p / "__init__.py").is_file())
+        package = ".".join(folder.relative_to(ROOT).parts)
+        assert any(path in set(folder.glob(pattern)) for pattern in data.get(package, ())), path
 
 
 def test_kv_manager_imports_neither_torch_nor_grpc():

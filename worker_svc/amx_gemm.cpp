@@ -1,6 +1,6 @@
 // The bfloat16 lean forward's small-batch matmuls on AMX tiles (worker_svc/linear.py's "amx" kind): out = x . W^T
 // for x [M, K], W [N, K], bfloat16 in and out, float32 accumulation. Built into the CPU kernel library with
-// paged_attention_cpu.cpp and cpu_ops.cpp (worker_svc/attention/cpu_backend.py).
+// paged_attention_cpu.cpp and cpu_ops.cpp (worker_svc/cpu_build.py).
 //
 // Why: a decode step multiplies a few rows by every weight of the model, so it is bound by reading the weights.
 // oneDNN's prepacked kernel read them at ~55% of the plain read rate on a 2-core Sapphire Rapids (the default

@@ -1,6 +1,6 @@
 // Fused elementwise ops for the bfloat16 lean forward on the CPU (worker_svc/cpu_ops.py): each is one pass over
 // its rows instead of the 5-10 torch kernels (and float32 round trips) of the same math op for op. Built into the
-// CPU kernel library with paged_attention_cpu.cpp (worker_svc/attention/cpu_backend.py).
+// CPU kernel library with paged_attention_cpu.cpp (worker_svc/cpu_build.py).
 //
 // Rounding follows torch's bfloat16 ops: every op computes in float32 and rounds to bfloat16 (nearest even) where
 // torch's op would store its bfloat16 result, so only the order of the RMSNorm's sum differs from torch.
@@ -12,6 +12,8 @@
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
+
+#include "kernels/exp.h"
 
 namespace {
 
@@ -31,24 +33,8 @@ inline uint16_t f2bf(float f) {  // round to nearest even; NaN stays a (quiet) N
 
 inline float rbf(float f) { return bf2f(f2bf(f)); }  // a float32 rounded through bfloat16
 
-// exp(x) clamped to [-87, 87]: 2^n * p(f) (rel. error < 2e-7).
-inline float exp_clamped(float x) {
-  x = x < -87.0f ? -87.0f : (x > 87.0f ? 87.0f : x);
-  const float t = x * 1.44269504088896341f;
-  const float n = std::floor(t);
-  const float f = t - n;
-  float p = 1.535336188319500e-4f;
-  p = p * f + 1.339887440266574e-3f;
-  p = p * f + 9.618437357674640e-3f;
-  p = p * f + 5.550332471162809e-2f;
-  p = p * f + 2.402264791363012e-1f;
-  p = p * f + 6.931472028550421e-1f;
-  p = p * f + 1.0f;
-  const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;  // n in [-126, 127]: a normal power of two
-  float scale;
-  std::memcpy(&scale, &bits, 4);
-  return p * scale;
-}
+// exp(x) clamped to [-87, 87]: exp_poly (rel. error < 2e-7).
+inline float exp_clamped(float x) { return exp_poly(x < -87.0f ? -87.0f : (x > 87.0f ? 87.0f : x)); }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define PS_OPS_AVX512 1
@@ -92,22 +78,9 @@ inline void vstore2(uint16_t* p, __m512 even, __m512 odd) {  // the 32 values vl
   _mm512_storeu_si512(p, _mm512_or_si512(vround_hi(odd), _mm512_srli_epi32(vround_hi(even), 16)));
 }
 inline __m512 vexp(__m512 x) {  // exp_clamped, 16 lanes
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(87.0f));
-  const __m512 t = _mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f));
-  const __m512 n = _mm512_roundscale_ps(t, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 f = _mm512_sub_ps(t, n);
-  __m512 p = _mm512_set1_ps(1.535336188319500e-4f);
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.339887440266574e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618437357674640e-3f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550332471162809e-2f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(2.402264791363012e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(6.931472028550421e-1f));
-  p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
+  return exp_poly16(_mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(87.0f)));
 }
 #endif
-
-constexpr int64_t kParallelElems = 1 << 16;  // below this many elements one thread does it (a fork costs more)
 
 // out = bf16(w * bf16(x * rsqrt(mean(x^2) + eps))) for one row of `dim`.
 inline void norm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t dim, uint16_t* out) {
@@ -140,123 +113,120 @@ inline void norm_row(const uint16_t* x, const uint16_t* w, float eps, int64_t di
   for (; d < dim; ++d) out[d] = f2bf(bf2f(w[d]) * rbf(bf2f(x[d]) * inv));
 }
 
+// x = bf16(x + delta), one row.
+inline void add_row(uint16_t* x, const uint16_t* delta, int64_t dim) {
+  int64_t d = 0;
+#if defined(PS_OPS_AVX512)
+  for (; d + 32 <= dim; d += 32) {
+    __m512 xe, xo, de, dd;
+    vload2(x + d, xe, xo);
+    vload2(delta + d, de, dd);
+    vstore2(x + d, _mm512_add_ps(xe, de), _mm512_add_ps(xo, dd));
+  }
+  for (; d + 16 <= dim; d += 16) vstore(x + d, _mm512_add_ps(vload(x + d), vload(delta + d)));
+#endif
+  for (; d < dim; ++d) x[d] = f2bf(bf2f(x[d]) + bf2f(delta[d]));
+}
+
+// The SiLU-gated MLP's middle for one row: o[i] = bf16(bf16(silu(g)) * u).
+inline void silu_mul_row(const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t inter) {
+  int64_t i = 0;
+#if defined(PS_OPS_AVX512)
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (; i + 32 <= inter; i += 32) {
+    __m512 ge, go, ue, uo;
+    vload2(g + i, ge, go);
+    vload2(u + i, ue, uo);
+    const __m512 se = _mm512_div_ps(ge, _mm512_add_ps(one, vexp(_mm512_sub_ps(_mm512_setzero_ps(), ge))));
+    const __m512 so = _mm512_div_ps(go, _mm512_add_ps(one, vexp(_mm512_sub_ps(_mm512_setzero_ps(), go))));
+    vstore2(o + i, _mm512_mul_ps(vrbf_hi(se), ue), _mm512_mul_ps(vrbf_hi(so), uo));
+  }
+  for (; i + 16 <= inter; i += 16) {
+    const __m512 v = vload(g + i);
+    const __m512 s = _mm512_div_ps(v, _mm512_add_ps(one, vexp(_mm512_sub_ps(_mm512_setzero_ps(), v))));
+    vstore(o + i, _mm512_mul_ps(vrbf(s), vload(u + i)));
+  }
+#endif
+  for (; i < inter; ++i) {
+    const float v = bf2f(g[i]);
+    o[i] = f2bf(rbf(v / (1.0f + exp_clamped(-v))) * bf2f(u[i]));
+  }
+}
+
+// Rotate-half rotary of one head of hd = 2 * half (v: its values, c/s: its token's cos/sin):
+// v = bf16(bf16(v * cos) + bf16(rotate_half(v) * sin)). NOTE: always inlined, as the loop over heads held it before
+// row_ops.h (GCC's size limit would make it a call a head).
+__attribute__((always_inline)) inline void rope_head(uint16_t* v, const uint16_t* c, const uint16_t* s, int64_t half) {
+#if defined(PS_OPS_AVX512)
+  if (half % 32 == 0) {
+    for (int64_t d = 0; d < half; d += 32) {
+      __m512 le, lo, he, ho, cle, clo, che, cho, sle, slo, she, sho;
+      vload2(v + d, le, lo);
+      vload2(v + d + half, he, ho);
+      vload2(c + d, cle, clo);
+      vload2(c + d + half, che, cho);
+      vload2(s + d, sle, slo);
+      vload2(s + d + half, she, sho);
+      const __m512 z = _mm512_setzero_ps();
+      vstore2(v + d, _mm512_add_ps(vrbf_hi(_mm512_mul_ps(le, cle)), vrbf_hi(_mm512_mul_ps(_mm512_sub_ps(z, he), sle))),
+              _mm512_add_ps(vrbf_hi(_mm512_mul_ps(lo, clo)), vrbf_hi(_mm512_mul_ps(_mm512_sub_ps(z, ho), slo))));
+      vstore2(v + d + half, _mm512_add_ps(vrbf_hi(_mm512_mul_ps(he, che)), vrbf_hi(_mm512_mul_ps(le, she))),
+              _mm512_add_ps(vrbf_hi(_mm512_mul_ps(ho, cho)), vrbf_hi(_mm512_mul_ps(lo, sho))));
+    }
+    return;
+  }
+  if (half % 16 == 0) {
+    for (int64_t d = 0; d < half; d += 16) {
+      const __m512 lo = vload(v + d), hi = vload(v + d + half);
+      const __m512 nlo = _mm512_add_ps(vrbf(_mm512_mul_ps(lo, vload(c + d))),
+                                       vrbf(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), vload(s + d))));
+      const __m512 nhi = _mm512_add_ps(vrbf(_mm512_mul_ps(hi, vload(c + d + half))),
+                                       vrbf(_mm512_mul_ps(lo, vload(s + d + half))));
+      vstore(v + d, nlo);
+      vstore(v + d + half, nhi);
+    }
+    return;
+  }
+#endif
+  float lo[256], hi[256];
+  for (int64_t d = 0; d < half; ++d) {
+    lo[d] = bf2f(v[d]);
+    hi[d] = bf2f(v[d + half]);
+  }
+#pragma omp simd
+  for (int64_t d = 0; d < half; ++d) {
+    v[d] = f2bf(rbf(lo[d] * bf2f(c[d])) + rbf(-hi[d] * bf2f(s[d])));
+    v[d + half] = f2bf(rbf(hi[d] * bf2f(c[d + half])) + rbf(lo[d] * bf2f(s[d + half])));
+  }
+}
+
 }  // namespace
+
+#include "kernels/row_ops.h"  // NOTE: after the row functions it calls (see there)
 
 extern "C" {
 
 // RMSNorm of `rows` rows of `dim` bfloat16 values (transformers' LlamaRMSNorm in bfloat16).
 void ps_rms_norm_bf16(const uint16_t* x, const uint16_t* w, float eps, int64_t rows, int64_t dim, uint16_t* out) {
-#pragma omp parallel for if (rows * dim >= kParallelElems)
-  for (int64_t r = 0; r < rows; ++r) norm_row(x + r * dim, w, eps, dim, out + r * dim);
+  rms_norm_rows(x, w, eps, rows, dim, out);
 }
 
 // The residual add, then the next RMSNorm: x = bf16(x + delta) in place, out = rms_norm(x).
 void ps_add_rms_norm_bf16(uint16_t* x, const uint16_t* delta, const uint16_t* w, float eps, int64_t rows,
                           int64_t dim, uint16_t* out) {
-#pragma omp parallel for if (rows * dim >= kParallelElems)
-  for (int64_t r = 0; r < rows; ++r) {
-    uint16_t* xr = x + r * dim;
-    const uint16_t* dr = delta + r * dim;
-    int64_t d = 0;
-#if defined(PS_OPS_AVX512)
-    for (; d + 32 <= dim; d += 32) {
-      __m512 xe, xo, de, dd;
-      vload2(xr + d, xe, xo);
-      vload2(dr + d, de, dd);
-      vstore2(xr + d, _mm512_add_ps(xe, de), _mm512_add_ps(xo, dd));
-    }
-    for (; d + 16 <= dim; d += 16) vstore(xr + d, _mm512_add_ps(vload(xr + d), vload(dr + d)));
-#endif
-    for (; d < dim; ++d) xr[d] = f2bf(bf2f(xr[d]) + bf2f(dr[d]));
-    norm_row(xr, w, eps, dim, out + r * dim);
-  }
+  add_rms_norm_rows(x, delta, w, eps, rows, dim, out);
 }
 
 // The SiLU-gated MLP's middle: gu is [rows, 2 * inter] (gate | up); out[r, i] = bf16(bf16(silu(g)) * u).
 void ps_silu_mul_bf16(const uint16_t* gu, int64_t rows, int64_t inter, uint16_t* out) {
-#pragma omp parallel for if (rows * inter >= kParallelElems)
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* g = gu + r * 2 * inter;
-    const uint16_t* u = g + inter;
-    uint16_t* o = out + r * inter;
-    int64_t i = 0;
-#if defined(PS_OPS_AVX512)
-    const __m512 one = _mm512_set1_ps(1.0f);
-    for (; i + 32 <= inter; i += 32) {
-      __m512 ge, go, ue, uo;
-      vload2(g + i, ge, go);
-      vload2(u + i, ue, uo);
-      const __m512 se = _mm512_div_ps(ge, _mm512_add_ps(one, vexp(_mm512_sub_ps(_mm512_setzero_ps(), ge))));
-      const __m512 so = _mm512_div_ps(go, _mm512_add_ps(one, vexp(_mm512_sub_ps(_mm512_setzero_ps(), go))));
-      vstore2(o + i, _mm512_mul_ps(vrbf_hi(se), ue), _mm512_mul_ps(vrbf_hi(so), uo));
-    }
-    for (; i + 16 <= inter; i += 16) {
-      const __m512 v = vload(g + i);
-      const __m512 s = _mm512_div_ps(v, _mm512_add_ps(one, vexp(_mm512_sub_ps(_mm512_setzero_ps(), v))));
-      vstore(o + i, _mm512_mul_ps(vrbf(s), vload(u + i)));
-    }
-#endif
-    for (; i < inter; ++i) {
-      const float v = bf2f(g[i]);
-      o[i] = f2bf(rbf(v / (1.0f + exp_clamped(-v))) * bf2f(u[i]));
-    }
-  }
+  silu_mul_rows(gu, rows, inter, out);
 }
 
 // Rotate-half rotary embedding in place: x is [tokens, heads, hd] with rows `x_stride` elements apart (heads are
 // contiguous within a row), cos/sin [tokens, hd]; x = bf16(bf16(x * cos) + bf16(rotate_half(x) * sin)).
 void ps_rope_bf16(uint16_t* x, int64_t x_stride, const uint16_t* cos, const uint16_t* sin, int64_t tokens,
                   int64_t heads, int64_t hd) {
-  const int64_t half = hd / 2;
-#pragma omp parallel for if (tokens * heads * hd >= kParallelElems)
-  for (int64_t t = 0; t < tokens; ++t) {
-    const uint16_t* c = cos + t * hd;
-    const uint16_t* s = sin + t * hd;
-    for (int64_t h = 0; h < heads; ++h) {
-      uint16_t* v = x + t * x_stride + h * hd;
-#if defined(PS_OPS_AVX512)
-      if (half % 32 == 0) {
-        for (int64_t d = 0; d < half; d += 32) {
-          __m512 le, lo, he, ho, cle, clo, che, cho, sle, slo, she, sho;
-          vload2(v + d, le, lo);
-          vload2(v + d + half, he, ho);
-          vload2(c + d, cle, clo);
-          vload2(c + d + half, che, cho);
-          vload2(s + d, sle, slo);
-          vload2(s + d + half, she, sho);
-          const __m512 z = _mm512_setzero_ps();
-          vstore2(v + d, _mm512_add_ps(vrbf_hi(_mm512_mul_ps(le, cle)), vrbf_hi(_mm512_mul_ps(_mm512_sub_ps(z, he), sle))),
-                  _mm512_add_ps(vrbf_hi(_mm512_mul_ps(lo, clo)), vrbf_hi(_mm512_mul_ps(_mm512_sub_ps(z, ho), slo))));
-          vstore2(v + d + half, _mm512_add_ps(vrbf_hi(_mm512_mul_ps(he, che)), vrbf_hi(_mm512_mul_ps(le, she))),
-                  _mm512_add_ps(vrbf_hi(_mm512_mul_ps(ho, cho)), vrbf_hi(_mm512_mul_ps(lo, sho))));
-        }
-        continue;
-      }
-      if (half % 16 == 0) {
-        for (int64_t d = 0; d < half; d += 16) {
-          const __m512 lo = vload(v + d), hi = vload(v + d + half);
-          const __m512 nlo = _mm512_add_ps(vrbf(_mm512_mul_ps(lo, vload(c + d))),
-                                           vrbf(_mm512_mul_ps(_mm512_sub_ps(_mm512_setzero_ps(), hi), vload(s + d))));
-          const __m512 nhi = _mm512_add_ps(vrbf(_mm512_mul_ps(hi, vload(c + d + half))),
-                                           vrbf(_mm512_mul_ps(lo, vload(s + d + half))));
-          vstore(v + d, nlo);
-          vstore(v + d + half, nhi);
-        }
-        continue;
-      }
-#endif
-      float lo[256], hi[256];
-      for (int64_t d = 0; d < half; ++d) {
-        lo[d] = bf2f(v[d]);
-        hi[d] = bf2f(v[d + half]);
-      }
-#pragma omp simd
-      for (int64_t d = 0; d < half; ++d) {
-        v[d] = f2bf(rbf(lo[d] * bf2f(c[d])) + rbf(-hi[d] * bf2f(s[d])));
-        v[d + half] = f2bf(rbf(hi[d] * bf2f(c[d + half])) + rbf(lo[d] * bf2f(s[d + half])));
-      }
-    }
-  }
+  rope_rows(x, x_stride, cos, sin, tokens, heads, hd);
 }
 
 // Greedy sampling's argmax: out[r] = the lowest index of row r's maximum (NaN never wins; a row of only -inf or

@@ -1,4 +1,4 @@
-"""The CPU worker's fused ops (in the CPU kernel library): the lean forward's RMSNorm, residual add + RMSNorm, SiLU-gated
+"""The CPU worker's fused ops (in the CPU kernel library, worker_svc/cpu_build.py): the lean forward's RMSNorm, residual add + RMSNorm, SiLU-gated
 product and rotary (one pass each instead of torch's 3-10 kernels; bfloat16: cpu_ops.cpp, float32: f32_ops.cpp), the
 bfloat16 AMX small-batch matmul (amx_gemm.cpp), the float32 panel matmul (f32_gemm.cpp), and greedy sampling's row
 argmax."""
@@ -9,7 +9,7 @@ import ctypes
 
 import torch
 
-from worker_svc.attention.cpu_backend import load_library
+from worker_svc.cpu_build import load_library
 
 _i64, _ptr, _f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 

@@ -2,7 +2,7 @@
 // that every run-time feature check of the library (AMX, AVX512-BF16 dot products, the AVX-512 and AVX2 panel
 // matmuls) honours, so that one machine can run the paths of lesser CPUs (an AMD part without AMX, an AVX2-only
 // one) and test them. The compile-time paths (AVX-512, AVX2, VNNI) come from the build's -march instead
-// (cpu_backend.build_library builds a library per path). One value per loaded library: a library file is loaded
+// (cpu_build.build_library builds a library per path). One value per loaded library: a library file is loaded
 // once per process, so each path has a file of its own.
 extern "C" {
 

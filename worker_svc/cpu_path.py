@@ -2,7 +2,7 @@
 runs, and tests, what a lesser CPU would (`--cpu-path`, PAGEDSERVE_CPU_PATH).
 
 The kernels choose their code two ways, and a path caps both: at build time by -march (the attention kernel's
-AVX-512, AVX2 and VNNI code: cpu_backend builds a library per path), and at run time by CPUID (AMX, AVX512-BF16 dot
+AVX-512, AVX2 and VNNI code: cpu_build builds a library per path), and at run time by CPUID (AMX, AVX512-BF16 dot
 products, the AVX-512 and AVX2 panel matmuls: cpu_path.cpp's cap, set when the library loads). A worker started
 with a path also caps torch's own kernels (oneDNN's ISA, ATen's vector code) before torch loads, unless the user set
 those variables, and `--dtype auto` sees only the path's features.

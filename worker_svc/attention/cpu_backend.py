@@ -1,44 +1,22 @@
-"""The CPU worker's attention: our C++ kernel (paged_attention_cpu.cpp), built once with g++, called via ctypes."""
+"""The CPU worker's attention: our C++ kernel (paged_attention_cpu.cpp and its parts in worker_svc/kernels/attention/),
+in the CPU kernel library that worker_svc/cpu_build.py builds, called via ctypes."""
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
 import structlog
 import torch
 
-from worker_svc import cpu_features, cpu_path
+from worker_svc import cpu_build, cpu_path
 from worker_svc.attention.backend import check_shapes
 from worker_svc.attention.metadata import AttentionMetadata
 from worker_svc.attention.torch_backend import TorchAttentionBackend
 
 log = structlog.get_logger("pagedserve.worker")
 
-SOURCE = Path(__file__).with_name("paged_attention_cpu.cpp")
-# Built into the same library: the lean forward's fused elementwise ops (bfloat16 and float32), the bfloat16 AMX
-# matmuls and the float32 panel matmuls (worker_svc/cpu_ops.py).
-OPS_SOURCE = Path(__file__).parents[1] / "cpu_ops.cpp"
-AMX_SOURCE = Path(__file__).parents[1] / "amx_gemm.cpp"
-F32_SOURCE = Path(__file__).parents[1] / "f32_gemm.cpp"
-F32_OPS_SOURCE = Path(__file__).parents[1] / "f32_ops.cpp"
-PATH_SOURCE = Path(__file__).parents[1] / "cpu_path.cpp"
-
-
-def _sources() -> tuple[Path, ...]:
-    # NOTE: read at each build: tests swap SOURCE for a broken copy
-    return SOURCE, OPS_SOURCE, AMX_SOURCE, F32_SOURCE, F32_OPS_SOURCE, PATH_SOURCE
-
-
-def _sources_text() -> str:
-    return "\0".join(path.read_text() for path in _sources())
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")
 # The kernel's dtype codes (paged_attention_cpu.cpp's Dtype): float pools, and 8-bit caches (codes + scales).
 POOL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2, torch.float8_e4m3fn: 3, torch.float8_e5m2: 4}
 Q_TILE = 16  # prefill query tokens per work item (x group heads = rows sharing each K/V block read)
@@ -57,110 +35,10 @@ INT8_QK_AUTO = True  # measured faster on 7 of 9 points (geometric mean 0.93x) a
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("PAGEDSERVE_CACHE", Path.home() / ".cache" / "pagedserve")) / "kernels"
-
-
-# Portable builds for machines without a compiler (the container image), best first, with the /proc/cpuinfo
-# flags each needs. NOTE: the kernel branches on AVX-512 f/bw/vl (x86-64-v4) and AVX2 + FMA + F16C (x86-64-v3);
-# its int8 Q.K path needs VNNI, which neither level implies: only a native build on such a CPU has it.
-_V2 = ("sse4_1", "sse4_2", "ssse3", "popcnt", "cx16")
-_V3 = (*_V2, "avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "movbe")
-PORTABLE_TARGETS = {
-    "x86-64-v4": (*_V3, "avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd"),
-    "x86-64-v3": _V3,
-    "x86-64-v2": _V2,
-}
-
-
-def prebuilt_dir() -> Path:
-    return Path(os.environ.get("PAGEDSERVE_KERNEL_DIR", Path(__file__).with_name("prebuilt")))
-
-
-def _compile(cxx: str, flags: tuple[str, ...], out: Path) -> Path:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    # NOTE: build beside the target, then rename: workers starting together never load a half-written file.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        res = subprocess.run([cxx, *flags, "-o", tmp, *map(str, _sources())], capture_output=True, text=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} failed:\n{res.stderr[-2000:]}")
-        os.chmod(tmp, 0o755)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return out
-
-
-def _portable_flags(target: str) -> tuple[str, ...]:
-    return tuple(f"-march={target}" if f == "-march=native" else f for f in FLAGS)
-
-
-def _prebuilt_name(target: str) -> str:
-    key = hashlib.sha256("\0".join([_sources_text(), *_portable_flags(target)]).encode()).hexdigest()[:16]
-    return f"paged_attention_cpu-{target}-{key}.so"
-
-
-def prebuild(out_dir: Path | None = None, compiler: str = "g++") -> list[Path]:
-    """Compiles every portable target into `out_dir` (an image build does this, then drops the compiler)."""
-    cxx = shutil.which(compiler)
-    if cxx is None:
-        raise RuntimeError(f"{compiler} is not installed")
-    out_dir = out_dir or prebuilt_dir()
-    return [_compile(cxx, _portable_flags(t), out_dir / _prebuilt_name(t)) for t in PORTABLE_TARGETS]
-
-
-def prebuilt_library(cpu_flags: set[str] | None = None) -> Path | None:
-    """The best prebuilt library for this source that this CPU can run, if one was built."""
-    if cpu_flags is None:
-        cpu_flags = cpu_features.cpu_flags()
-    for target, needed in PORTABLE_TARGETS.items():
-        path = prebuilt_dir() / _prebuilt_name(target)
-        if cpu_flags.issuperset(needed) and path.is_file():
-            return path
-    return None
-
-
-def build_library(compiler: str = "g++", path: cpu_path.CpuPath | None = None) -> Path:
-    """The compiled kernel library for `path` (default: the process's CPU path): built for this CPU, or the path's
-    -march, on first use (cached by source, flags, compiler and CPU); without a compiler, the best prebuilt portable
-    build.
-
-    NOTE: each path has a file of its own, even where two share the flags (amx, avx512-bf16 and native): a file is
-    loaded once per process, and the cap load_library sets lives in it."""
-    path = path or cpu_path.current()
-    cxx = shutil.which(compiler)
-    if cxx is None:
-        prebuilt = prebuilt_library()
-        if prebuilt is not None:
-            return prebuilt
-        raise RuntimeError(f"{compiler} is not installed and no prebuilt kernel fits this CPU in {prebuilt_dir()}")
-    flags = FLAGS if path.target == "native" else _portable_flags(path.target)
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([_sources_text(), *flags, version, cpu_features.cpu_signature()]).encode())
-    digest = key.hexdigest()[:16]
-    out = cache_dir() / (f"paged_attention_cpu-{digest}.so" if path.name == "native" else
-                         f"paged_attention_cpu-{path.name}-{digest}.so")
-    if out.exists():
-        return out
-    same_build = cache_dir() / f"paged_attention_cpu-{digest}.so"
-    if path.target == "native" and same_build.exists():  # the native build's bits under another name (see NOTE)
-        tmp = out.with_suffix(f".{os.getpid()}.tmp")
-        shutil.copyfile(same_build, tmp)
-        os.replace(tmp, out)
-        return out
-    return _compile(cxx, flags, out)
-
-
 def load_library(path: Path | None = None, cpu: cpu_path.CpuPath | None = None) -> ctypes.CDLL:
-    """The kernel library at `path` (default: build_library's for `cpu`, the process's CPU path), with its functions'
-    signatures declared and its run-time feature checks capped to `cpu`."""
-    cpu = cpu or cpu_path.current()
-    lib = ctypes.CDLL(str(path or build_library(path=cpu)))
-    lib.ps_set_cpu_path_cap.argtypes, lib.ps_set_cpu_path_cap.restype = [ctypes.c_int], None
-    lib.ps_set_cpu_path_cap(cpu.cap)
+    """The kernel library at `path` (default: cpu_build's for `cpu`, the process's CPU path), with the attention
+    functions' signatures declared and its run-time feature checks capped to `cpu`."""
+    lib = cpu_build.load_library(path, cpu)
     fn = lib.ps_paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int, _ptr, ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
@@ -278,10 +156,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
 
-if __name__ == "__main__":  # python -m worker_svc.attention.cpu_backend --prebuild [DIR]
+if __name__ == "__main__":  # python -m worker_svc.attention.cpu_backend --prebuild [DIR] (the image's build step)
     import sys
 
-    if sys.argv[1:2] != ["--prebuild"]:
-        sys.exit("usage: python -m worker_svc.attention.cpu_backend --prebuild [DIR]")
-    for built in prebuild(Path(sys.argv[2]) if len(sys.argv) > 2 else None):
-        print(built)
+    cpu_build.main(sys.argv[1:])

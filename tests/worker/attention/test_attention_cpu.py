@@ -7,6 +7,7 @@ import torch
 from tests.support.attention import GQA, MIXED, make_batch, random_batches
 from tests.support.attention import check as shared_check
 from worker_svc.attention import AttentionMetadata
+from worker_svc import cpu_build
 from worker_svc.attention import cpu_backend
 from worker_svc.attention.cpu_backend import CpuAttentionBackend
 from worker_svc.cpu_features import cpu_flags
@@ -21,6 +22,23 @@ def backend() -> CpuAttentionBackend:
 
 def check(backend, query, pool, meta, dtype):
     shared_check(query, pool, meta, dtype, backend)
+
+
+def break_kernel(tmp_path, monkeypatch, right: str, wrong: str) -> None:
+    """Points the library's build at a copy of its sources with every `right` replaced by `wrong` (in whichever of
+    the kernel's files hold it), and its cache at tmp_path."""
+    copy = tmp_path / "src"
+    changed = []
+    for path in cpu_build.sources():
+        target = copy / path.relative_to(cpu_build.SOURCE_ROOT)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        text = path.read_text()
+        target.write_text(text.replace(right, wrong))
+        if right in text:
+            changed.append(target.name)
+    assert changed, f"no kernel source holds {right!r}"
+    monkeypatch.setattr(cpu_build, "SOURCE_ROOT", copy)
+    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -116,12 +134,7 @@ def test_random_batches_match_reference(backend, seed, kinds, block_size, heads,
 
 def test_a_broken_softmax_rescale_fails_the_comparison(tmp_path, monkeypatch):
     # The comparison has teeth: the same kernel without the online-softmax correction is caught.
-    src = cpu_backend.SOURCE.read_text()
-    broken = src.replace("const float corr = fast_exp(m[r] - m_new);", "const float corr = 1.0f;")
-    assert broken != src
-    (tmp_path / "broken.cpp").write_text(broken)
-    monkeypatch.setattr(cpu_backend, "SOURCE", tmp_path / "broken.cpp")
-    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    break_kernel(tmp_path, monkeypatch, "const float corr = fast_exp(m[r] - m_new);", "const float corr = 1.0f;")
     bad = CpuAttentionBackend()
     rng = np.random.default_rng(2)
     query, pool, meta = make_batch(rng, ["decode"] * 5, 8, 6, 2, 64, torch.float32)
@@ -132,46 +145,46 @@ def test_a_broken_softmax_rescale_fails_the_comparison(tmp_path, monkeypatch):
 def test_build_failure_is_an_error_naming_the_compiler(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
     with pytest.raises(RuntimeError, match="no-such-g"):
-        cpu_backend.build_library("no-such-g++")
+        cpu_build.build_library("no-such-g++")
 
 
 # Portable prebuilt libraries: what a container image without a compiler loads.
 
 def test_prebuild_compiles_every_portable_target_named_by_source_hash(tmp_path):
-    built = cpu_backend.prebuild(tmp_path)
+    built = cpu_build.prebuild(tmp_path)
     assert [p.name.split("-")[1:4] for p in built] == [["x86", "64", "v4"], ["x86", "64", "v3"], ["x86", "64", "v2"]]
     assert all(p.parent == tmp_path and p.stat().st_size > 0 for p in built)
 
 
 def test_without_a_compiler_the_best_prebuilt_build_this_cpu_runs_is_used(tmp_path, monkeypatch):
-    v4, v3, v2 = cpu_backend.prebuild(tmp_path)
+    v4, v3, v2 = cpu_build.prebuild(tmp_path)
     monkeypatch.setenv("PAGEDSERVE_KERNEL_DIR", str(tmp_path))
-    avx512 = set(cpu_backend.PORTABLE_TARGETS["x86-64-v4"])
-    avx2 = set(cpu_backend.PORTABLE_TARGETS["x86-64-v3"]) | set(cpu_backend.PORTABLE_TARGETS["x86-64-v2"])
-    assert cpu_backend.prebuilt_library(avx512) == v4
-    assert cpu_backend.prebuilt_library(avx512 - {"avx512vl"}) == v3  # every AVX-512 flag v4 needs, or v3
-    assert cpu_backend.prebuilt_library(avx2) == v3
-    assert cpu_backend.prebuilt_library(set(cpu_backend.PORTABLE_TARGETS["x86-64-v2"])) == v2
-    assert cpu_backend.prebuilt_library({"sse2"}) is None
+    avx512 = set(cpu_build.PORTABLE_TARGETS["x86-64-v4"])
+    avx2 = set(cpu_build.PORTABLE_TARGETS["x86-64-v3"]) | set(cpu_build.PORTABLE_TARGETS["x86-64-v2"])
+    assert cpu_build.prebuilt_library(avx512) == v4
+    assert cpu_build.prebuilt_library(avx512 - {"avx512vl"}) == v3  # every AVX-512 flag v4 needs, or v3
+    assert cpu_build.prebuilt_library(avx2) == v3
+    assert cpu_build.prebuilt_library(set(cpu_build.PORTABLE_TARGETS["x86-64-v2"])) == v2
+    assert cpu_build.prebuilt_library({"sse2"}) is None
     v4.unlink()  # stale or missing builds are never picked
-    assert cpu_backend.prebuilt_library(avx512) == v3
+    assert cpu_build.prebuilt_library(avx512) == v3
     v3.unlink()
-    assert cpu_backend.prebuilt_library(avx2) == v2
-    monkeypatch.setattr(cpu_backend.shutil, "which", lambda _: None)
-    assert cpu_backend.build_library() in (v2, v3, v4)
+    assert cpu_build.prebuilt_library(avx2) == v2
+    monkeypatch.setattr(cpu_build.shutil, "which", lambda _: None)
+    assert cpu_build.build_library() in (v2, v3, v4)
 
 
 def test_without_a_compiler_or_a_prebuilt_build_the_error_says_both(tmp_path, monkeypatch):
     monkeypatch.setenv("PAGEDSERVE_KERNEL_DIR", str(tmp_path))
-    monkeypatch.setattr(cpu_backend.shutil, "which", lambda _: None)
+    monkeypatch.setattr(cpu_build.shutil, "which", lambda _: None)
     with pytest.raises(RuntimeError, match="g\\+\\+ is not installed and no prebuilt kernel"):
-        cpu_backend.build_library()
+        cpu_build.build_library()
 
 
 @pytest.mark.parametrize("target", ["x86-64-v4", "x86-64-v3", "x86-64-v2"])
 def test_prebuilt_libraries_match_the_float64_reference(tmp_path, target):
-    built = dict(zip(cpu_backend.PORTABLE_TARGETS, cpu_backend.prebuild(tmp_path)))
-    needed = set(cpu_backend.PORTABLE_TARGETS[target])
+    built = dict(zip(cpu_build.PORTABLE_TARGETS, cpu_build.prebuild(tmp_path)))
+    needed = set(cpu_build.PORTABLE_TARGETS[target])
     if not needed <= cpu_flags():
         pytest.skip(f"this CPU cannot run {target}")
     backend = CpuAttentionBackend(lib=cpu_backend.load_library(built[target]))
@@ -247,12 +260,7 @@ def test_write_kv_refuses_a_slot_outside_the_pool_and_writes_nothing(backend):
 
 def test_a_broken_rescale_in_the_16_key_block_paths_fails_the_comparison(backend, tmp_path, monkeypatch):
     # The same teeth for the 16-key block paths (16-token blocks, head_dim 64): their own online-softmax correction.
-    src = cpu_backend.SOURCE.read_text()
-    broken = src.replace("corr[r] = fast_exp(m[r] - m_new);", "corr[r] = 1.0f;")
-    assert broken != src
-    (tmp_path / "broken.cpp").write_text(broken)
-    monkeypatch.setattr(cpu_backend, "SOURCE", tmp_path / "broken.cpp")
-    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    break_kernel(tmp_path, monkeypatch, "corr[r] = fast_exp(m[r] - m_new);", "corr[r] = 1.0f;")
     bad = CpuAttentionBackend()
     if cpu_backend.simd_width(bad.lib) != 512:
         pytest.skip("the 16-key block path is AVX-512 only; this CPU's build has none")
@@ -286,13 +294,7 @@ def test_bfloat16_queries_take_the_bf16_paths_and_float32_ones_do_not(tmp_path, 
     # Teeth for the paths only a bfloat16 model's queries take over a bfloat16 pool: broken, they must fail the
     # comparison (decodes on the dot path; prefill tiles on AMX where the CPU has it), while float32 queries over the
     # same pool (which never take them) still pass at float32's tolerance.
-    src = cpu_backend.SOURCE.read_text()
-    right, wrong = BF16_BREAKS[path]
-    broken = src.replace(right, wrong)
-    assert broken != src
-    (tmp_path / "broken.cpp").write_text(broken)
-    monkeypatch.setattr(cpu_backend, "SOURCE", tmp_path / "broken.cpp")
-    monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
+    break_kernel(tmp_path, monkeypatch, *BF16_BREAKS[path])
     # AMX tiles run only where batch invariance is off (a batch-invariant call keeps every row on the dot path)
     bad = CpuAttentionBackend(batch_invariant=path == "dot")
     if not cpu_backend.bf16_dot(bad.lib):

@@ -22,6 +22,7 @@ import torch
 
 from tests.support.attention import GQA, MIXED, make_batch, random_batches
 from worker_svc.attention import AttentionMetadata, reference_attention
+from worker_svc import cpu_build
 from worker_svc.attention import cpu_backend
 from worker_svc.attention.cpu_backend import CpuAttentionBackend
 from worker_svc.cpu_features import cpu_flags
@@ -46,11 +47,11 @@ def builds(tmp_path_factory) -> dict[str, object]:
     out = tmp_path_factory.mktemp("kernels")
     libs = {"native": cpu_backend.load_library()}
     flags = cpu_flags()
-    for target, path in zip(cpu_backend.PORTABLE_TARGETS, cpu_backend.prebuild(out)):
-        if flags.issuperset(cpu_backend.PORTABLE_TARGETS[target]):
+    for target, path in zip(cpu_build.PORTABLE_TARGETS, cpu_build.prebuild(out)):
+        if flags.issuperset(cpu_build.PORTABLE_TARGETS[target]):
             libs[target] = cpu_backend.load_library(path)
-    if flags.issuperset(cpu_backend.PORTABLE_TARGETS["x86-64-v3"]) and "avx_vnni" in flags:
-        path = cpu_backend._compile(shutil.which("g++"), (*cpu_backend._portable_flags("x86-64-v3"), "-mavxvnni"),
+    if flags.issuperset(cpu_build.PORTABLE_TARGETS["x86-64-v3"]) and "avx_vnni" in flags:
+        path = cpu_build._compile(shutil.which("g++"), (*cpu_build._portable_flags("x86-64-v3"), "-mavxvnni"),
                                     out / "avxvnni.so")
         libs["x86-64-v3+avxvnni"] = cpu_backend.load_library(path)
     return libs
