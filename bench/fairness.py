@@ -27,7 +27,8 @@ from routing import step_seconds  # noqa: E402
 
 from pagedserve_common.sampling import SamplingParams  # noqa: E402
 from scheduler_svc.core.request import Request  # noqa: E402
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from scheduler_svc.core.config import SchedulerConfig  # noqa: E402
+from scheduler_svc.core.scheduler import Scheduler  # noqa: E402
 from scheduler_svc.core.waiting import ServiceCounter  # noqa: E402
 
 

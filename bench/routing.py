@@ -24,7 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from anyw
 from pagedserve_cli.bench.workloads import BenchRequest, TextSource, build_workload, chat_requests  # noqa: E402
 from scheduler_svc.core.request import Request  # noqa: E402
 from pagedserve_common.sampling import SamplingParams  # noqa: E402
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig  # noqa: E402
+from scheduler_svc.core.config import SchedulerConfig  # noqa: E402
+from scheduler_svc.core.scheduler import Scheduler  # noqa: E402
 from scheduler_svc.core.step import ScheduledStep  # noqa: E402
 from scheduler_svc.routing import Router  # noqa: E402
 from pagedserve_common.defaults import DEFAULT_MODEL  # noqa: E402

@@ -32,7 +32,8 @@ from pagedserve_common.sampling import SamplingParams
 from pagedserve_common.wire import plan_to_pb, result_from_pb
 from scheduler_svc import gc_policy
 from scheduler_svc.core.request import Request, token_ids
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its sibling, when run as a script
 from sched_scale_report import report  # noqa: E402

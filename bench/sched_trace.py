@@ -16,7 +16,8 @@ import time
 from pagedserve_common.wire import plan_to_pb
 from scheduler_svc.core.request import Request
 from pagedserve_common.sampling import SamplingParams
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
 
 
 def read_trace(path: str) -> list[dict]:

@@ -13,7 +13,8 @@ import structlog
 
 from pagedserve_common.config import EngineOptions
 from pagedserve_common.registration import MAX_NAME_CHARS, WorkerRegistration, name_error
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.speculation import SpecCounters
 from scheduler_svc.core.waiting import ServiceCounter
 from scheduler_svc.errors import EngineError, ErrorCode

@@ -14,7 +14,8 @@ from pagedserve_common.wire import plan_to_pb, result_from_pb
 from scheduler_svc.core.request import Request
 from scheduler_svc.core.result_check import check_result
 from pagedserve_common.sampling import SamplingParams
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
 from pagedserve_common.wire import plan_from_pb, result_to_pb
 from worker_svc.runner import ModelRunner
 

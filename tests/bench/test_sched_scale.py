@@ -12,7 +12,8 @@ import pytest
 
 from scheduler_svc.core.request import Request
 from pagedserve_common.sampling import SamplingParams
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
 
 _BENCH = Path(__file__).resolve().parents[2] / "bench"
 LAST_LINE = re.compile(r"sched_scale batch_at_10pct=\d+ us_per_seq=\d+\.\d\d workers_fed_at_256=\d+ "

@@ -10,7 +10,8 @@ import pytest
 from scheduler_svc import gc_policy
 from pagedserve_common.sampling import SamplingParams
 from scheduler_svc.core.request import Request, token_ids
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
 
 
 def test_token_ids_are_int32_arrays_a_full_collection_does_not_walk():

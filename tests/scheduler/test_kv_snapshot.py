@@ -8,7 +8,8 @@ from scheduler_svc.grpc.convert import kv_state_to_pb
 from scheduler_svc.core.kv_snapshot import SequenceBlocks, cached_bytes, ref_count_bytes, snapshot
 from scheduler_svc.core.request import Request
 from pagedserve_common.sampling import SamplingParams
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
 
 BS = 8
 PROMPT = list(range(100, 120))  # 20 tokens: 2 full blocks and 4 tokens

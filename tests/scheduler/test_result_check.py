@@ -9,7 +9,8 @@ import pytest
 
 from pagedserve_common.step import PositionLogprobs, StepResult, TokenLogprob
 from scheduler_svc.core.result_check import check_result
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
 from tests.support.scheduler import FakeWorker, drive, make, req, toks
 
 VOCAB = 100

@@ -10,7 +10,8 @@ import pytest
 
 from scheduler_svc.core.request import Request
 from pagedserve_common.sampling import SamplingParams
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.routing import Load, RouteDecision, Router, chain_hashes
 
 GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

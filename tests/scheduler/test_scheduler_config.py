@@ -3,7 +3,7 @@
 from pagedserve_common.config import CPU_BATCHED_TOKENS, GPU_BATCHED_TOKENS
 from pagedserve_common.kv_geometry import KVGeometry
 from pagedserve_common.registration import WorkerRegistration
-from scheduler_svc.core.scheduler import SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig
 from scheduler_svc.engine import EngineConfig
 
 

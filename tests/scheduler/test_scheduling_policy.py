@@ -3,7 +3,8 @@
 import pytest
 
 from scheduler_svc.core.request import Request
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
 from scheduler_svc.core.waiting import ServiceCounter
 from pagedserve_common.sampling import SamplingParams
 from tests.support.scheduler import BS, FakeWorker, drive, make, position_token, step, toks

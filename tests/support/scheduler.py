@@ -7,7 +7,8 @@ from pagedserve_common.sampling import SamplingParams
 from pagedserve_common.step import StepPlan
 from pagedserve_common.wire import plan_to_pb
 from scheduler_svc.core.request import Request
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
 
 BS = 8
 # the scheduling policy make() and config() default to: tests/scheduler/conftest.py runs the scheduler's own tests

@@ -14,7 +14,8 @@ from pagedserve.v1 import worker_pb2
 from pagedserve_common.wire import plan_to_pb, result_from_pb
 from scheduler_svc.core.request import Request
 from pagedserve_common.sampling import SamplingParams
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
 from tests.support.worker import assert_same_greedy, make_runner, reference_greedy, reference_model
 from worker_svc.client import serve_plans
 from pagedserve_common.kv_geometry import KVGeometry

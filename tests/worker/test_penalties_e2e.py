@@ -15,7 +15,8 @@ from pagedserve_common.sampling import SamplingParams
 from pagedserve_common.step import NewSequence, SequenceDelta, StepPlan
 from pagedserve_common.wire import plan_from_pb, plan_to_pb, result_from_pb, result_to_pb
 from scheduler_svc.core.request import Request
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
 from pagedserve_cli.bench.local_driver import LocalDriver
 from tests.support.worker import (assert_same_within_ties, make_runner, pack_bitmask, reference_model, reference_rules,
                                   swap_runner)

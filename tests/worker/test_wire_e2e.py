@@ -8,7 +8,8 @@ from pagedserve.v1 import worker_pb2
 from pagedserve_common.wire import plan_to_pb, result_from_pb
 from scheduler_svc.core.request import Request
 from pagedserve_common.sampling import SamplingParams
-from scheduler_svc.core.scheduler import Scheduler, SchedulerConfig
+from scheduler_svc.core.config import SchedulerConfig
+from scheduler_svc.core.scheduler import Scheduler
 from tests.support.worker import assert_same_greedy, make_runner, reference_greedy, reference_model
 from pagedserve_common.wire import plan_from_pb, result_to_pb
 
