@@ -101,13 +101,13 @@ async def serve_rounds(model_dir: str, endpoint: str, concurrency: int, max_toke
 
     # NOTE: the request log's lines are dropped at the level filter (the server writes them: the same for all three)
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(30))
-    engine = Engine(EngineConfig(model_id="m", max_model_len=512, vocab_size=49152, max_num_seqs=64))
-    extra = {}
+    extra = {}  # NOTE: none without an endpoint: the baseline tree's Engine takes no tracing
     if endpoint:
         from scheduler_svc import tracing
 
         extra["tracing"] = tracing.start(endpoint, "m")
-    frontend = FrontEnd(engine, Tokenizer.from_model_dir(model_dir), **extra)
+    engine = Engine(EngineConfig(model_id="m", max_model_len=512, vocab_size=49152, max_num_seqs=64), **extra)
+    frontend = FrontEnd(engine, Tokenizer.from_model_dir(model_dir))
     w = engine.attach_worker(WorkerRegistration("m", 512, "cpu", KVGeometry(1, 1, 8, "float32", 16), 8192))
 
     async def answer() -> None:

@@ -103,7 +103,7 @@ def build_frontend(cfg: ServerConfig, traces: tracing.Tracing | None, weights: d
     config = engine_config(cfg, tokenizer)
     engine = Engine(config, Metrics(names[0], config.max_model_len), tracing=traces)
     engine.service.weights.update(weights)
-    return FrontEnd(engine, tokenizer, input_limits(cfg, config.max_model_len), tracing=traces, model_names=names,
+    return FrontEnd(engine, tokenizer, input_limits(cfg, config.max_model_len), model_names=names,
                     sampling_defaults=model_defaults.sampling_defaults(cfg.generation_config, cfg.model_dir),
                     fill_context_cap=model_defaults.fill_context_cap(cfg.generation_config, cfg.model_dir))
 

@@ -78,7 +78,7 @@ class FrontEnd:
     """What the gRPC servicer and the HTTP app call: one validation, one tokenization, one stream type."""
 
     def __init__(self, engine: Engine, tokenizer: Tokenizer, limits: Limits | None = None,
-                 pool: TokenizerPool | None = None, tracing: Tracing | None = None,
+                 pool: TokenizerPool | None = None,
                  model_names: tuple[str, ...] = (), sampling_defaults: SamplingParams | None = None,
                  fill_context_cap: int | None = None) -> None:
         """`model_names`: the names a request may give as `model`, the first the one answers carry (default: the
@@ -88,7 +88,9 @@ class FrontEnd:
         self.model_names = model_names or (engine.config.model_id,)
         self.sampling_defaults = sampling_defaults or SamplingParams()
         self.fill_context_cap = fill_context_cap
-        self.tracing = tracing  # None: no traces, and no work for them (--otlp-endpoint; the engine's too)
+        # NOTE: the engine's (--otlp-endpoint): a request's spans begin here and go on in its steps; None: no traces,
+        # and no work for them
+        self.tracing: Tracing | None = engine.tracing
         self.tokenizer = tokenizer
         self.limits = limits or Limits.for_model(engine.config.max_model_len)
         self.pool = pool or TokenizerPool(tokenizer)
