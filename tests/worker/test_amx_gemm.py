@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.support.gemm import assert_each_row_alone, gemm_data, product_and_reference
 from worker_svc.cpu_ops import shared_ops
 from worker_svc.linear import AMX_MAX_ROWS, make_linear
 
@@ -17,25 +18,19 @@ pytestmark = pytest.mark.skipif(OPS is None or not OPS.amx_available(),
 
 
 def _data(rows, out, inp, seed):
-    gen = torch.Generator().manual_seed(seed)
-    w = (torch.randn(out, inp, generator=gen) * 0.1).bfloat16()
-    b = torch.randn(out, generator=gen).bfloat16()
-    x = torch.randn(rows, inp, generator=gen).bfloat16()
-    return w, b, x
+    w, b, x = gemm_data(rows, out, inp, seed)
+    return w.bfloat16(), b.bfloat16(), x.bfloat16()
 
 
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 24, 31, 32, 33, 48, 63, 64, 100])
 @pytest.mark.parametrize("out,inp", [(48, 64), (96, 576), (576, 1536)])  # 3 column blocks: one pair and a single
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_amx_linear_is_the_float64_product_rounded_once_to_bfloat16(rows, out, inp, with_bias):
-    w, b, x = _data(rows, out, inp, seed=rows * 1000 + out)
-    bias = b if with_bias else None
-    got = OPS.amx_linear(x, OPS.amx_pack(w), out, bias)
-    assert got.shape == (rows, out) and got.dtype == torch.bfloat16
-    want = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    data = _data(rows, out, inp, seed=rows * 1000 + out)  # bfloat16: got's dtype too
+    got, want, magnitude = product_and_reference(OPS.amx_linear, OPS.amx_pack, data, out, with_bias)
     # float32 accumulation of exact bfloat16 products (|error| <= inp * 2^-24 * sum |x w|), then one rounding to
     # bfloat16 (half a unit in the last place: <= 2^-8 relative; the bias added before it)
-    bound = 2.0 ** -8 * want.abs() + inp * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T) + 1e-30
+    bound = 2.0 ** -8 * want.abs() + inp * 2.0 ** -24 * magnitude + 1e-30
     assert ((got.double() - want).abs() <= bound * 1.0001).all()
 
 
@@ -43,10 +38,7 @@ def test_each_row_gets_the_bits_it_gets_alone():
     # A decode step's rows are other requests: a row's result must not depend on who shares its tiles.
     w, b, x = _data(64, 576, 576, seed=3)
     packed = OPS.amx_pack(w)
-    batch = OPS.amx_linear(x, packed, 576, b)
-    for r in (0, 15, 16, 40, 63):
-        assert torch.equal(OPS.amx_linear(x[r:r + 1].contiguous(), packed, 576, b)[0], batch[r])
-    assert torch.equal(OPS.amx_linear(x[:17].contiguous(), packed, 576, b), batch[:17])
+    assert_each_row_alone(lambda rows: OPS.amx_linear(rows, packed, 576, b), x, (0, 15, 16, 40, 63))
 
 
 def test_no_rows_is_an_empty_result_and_bad_shapes_are_refused():

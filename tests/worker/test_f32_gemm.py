@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.support.gemm import assert_each_row_alone, gemm_data, product_and_reference
 from worker_svc.cpu_ops import shared_ops
 from worker_svc.linear import F32_PANEL_ROWS, F32_VOCAB_PANEL_ROWS, make_linear, transposed
 
@@ -18,35 +19,23 @@ pytestmark = pytest.mark.skipif(OPS is None or OPS.panel_width() != 512,
                                 reason="no AVX-512 on this CPU: the kernel never runs here")
 
 
-def _data(rows, out, inp, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(out, inp, generator=gen) * 0.1, torch.randn(out, generator=gen),
-            torch.randn(rows, inp, generator=gen))
-
-
 @pytest.mark.parametrize("rows", [1, 7, 8, 9, 16, 17, 63, 64, 65, 130])
 @pytest.mark.parametrize("out,inp", [(48, 64), (100, 33), (576, 1536), (960, 576)])  # 100: a last panel of 4
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_f32_linear_is_the_float64_product_within_float32_accumulation(rows, out, inp, with_bias):
-    w, b, x = _data(rows, out, inp, seed=rows * 1000 + out)
-    bias = b if with_bias else None
-    got = OPS.f32_linear(x, OPS.f32_pack(w), out, bias)
-    assert got.shape == (rows, out) and got.dtype == torch.float32
-    want = x.double() @ w.double().T + (0 if bias is None else bias.double())
+    w, b, x = gemm_data(rows, out, inp, seed=rows * 1000 + out)  # float32: got's dtype too
+    got, want, magnitude = product_and_reference(OPS.f32_linear, OPS.f32_pack, (w, b, x), out, with_bias)
     # one chain of float32 FMAs over K, then the bias: each step rounds once (<= 2^-24 relative of the partial sum)
-    scale = x.double().abs() @ w.double().abs().T + (0 if bias is None else bias.double().abs())
+    scale = magnitude + (b.double().abs() if with_bias else 0)
     assert ((got.double() - want).abs() <= (inp + 1) * 2.0 ** -24 * scale + 1e-30).all()
 
 
 def test_each_row_gets_the_bits_it_gets_alone_at_any_thread_count():
     # A decode step's rows are other requests: a row's result must not depend on who shares its step, nor on how
     # many threads the worker has now (the thread governor changes it between steps).
-    w, b, x = _data(64, 576, 576, seed=3)
+    w, b, x = gemm_data(64, 576, 576, seed=3)
     packed = OPS.f32_pack(w)
-    batch = OPS.f32_linear(x, packed, 576, b)
-    for r in (0, 7, 8, 40, 63):
-        assert torch.equal(OPS.f32_linear(x[r:r + 1].contiguous(), packed, 576, b)[0], batch[r])
-    assert torch.equal(OPS.f32_linear(x[:17].contiguous(), packed, 576, b), batch[:17])
+    batch = assert_each_row_alone(lambda rows: OPS.f32_linear(rows, packed, 576, b), x, (0, 7, 8, 40, 63))
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
@@ -56,14 +45,14 @@ def test_each_row_gets_the_bits_it_gets_alone_at_any_thread_count():
 
 
 def test_a_weight_packs_the_same_from_either_storage_order():
-    w, _, x = _data(5, 96, 80, seed=4)
+    w, _, x = gemm_data(5, 96, 80, seed=4)
     assert torch.equal(OPS.f32_pack(w), OPS.f32_pack(transposed(w)))  # the [in, out] storage the mm layout keeps
     assert OPS.f32_pack(w).numel() == 96 * 80
     assert OPS.f32_pack(w[:50]).numel() == 96 * 80  # 50 columns: one panel of 48 and one padded to 48
 
 
 def test_no_rows_is_an_empty_result_and_bad_inputs_are_refused():
-    w, _, x = _data(4, 48, 64, seed=5)
+    w, _, x = gemm_data(4, 48, 64, seed=5)
     packed = OPS.f32_pack(w)
     assert OPS.f32_linear(x[:0].contiguous(), packed, 48, None).shape == (0, 48)
     with pytest.raises(ValueError, match="features"):
@@ -76,7 +65,7 @@ def test_no_rows_is_an_empty_result_and_bad_inputs_are_refused():
 
 @pytest.mark.parametrize("vocab", [False, True])
 def test_a_float32_weight_with_its_copy_takes_the_panels_up_to_panel_rows_and_its_layout_beyond(vocab):
-    w, b, _ = _data(1, 96, 576, seed=7)
+    w, b, _ = gemm_data(1, 96, 576, seed=7)
     bias = None if vocab else b
     lin = make_linear(w if vocab else transposed(w), bias, vocab=vocab, f32_copy=True)
     limit = F32_VOCAB_PANEL_ROWS if vocab else F32_PANEL_ROWS

@@ -42,32 +42,16 @@ PS_BF16_TARGET inline void dot_scores_rows16(const uint16_t* qb, const uint16_t*
   for (int r = 0; r < RS; ++r)
 #pragma GCC unroll 4
     for (int c = 0; c < NC; ++c) qv[r][c] = as_bh(_mm512_loadu_si512(qb + r * D + 32 * c));
-  __m512 y0[RS], s01[RS];
-#pragma GCC unroll 4
-  for (int kc = 0; kc < 4; ++kc) {
-    __m512 part[RS][4];
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const int k = kc * 4 + j;
-      if (k < n) {
-        const uint16_t* kr = kb + k * stride;
-        __m512bh kv[NC];
-#pragma GCC unroll 4
-        for (int c = 0; c < NC; ++c) kv[c] = as_bh(_mm512_loadu_si512(kr + 32 * c));
-#pragma GCC unroll 4
-        for (int r = 0; r < RS; ++r) {
-          __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[r][0], kv[0]);
-#pragma GCC unroll 4
-          for (int c = 1; c < NC; ++c) a = _mm512_dpbf16_ps(a, qv[r][c], kv[c]);
-          part[r][j] = a;
-        }
-      } else {
-#pragma GCC unroll 4
-        for (int r = 0; r < RS; ++r) part[r][j] = _mm512_setzero_ps();
-      }
+  PS_ROWS16_KEYS(RS, n, out, {
+    const uint16_t* kr = kb + k * stride;
+    __m512bh kv[NC];
+    _Pragma("GCC unroll 4") for (int c = 0; c < NC; ++c) kv[c] = as_bh(_mm512_loadu_si512(kr + 32 * c));
+    _Pragma("GCC unroll 4") for (int r = 0; r < RS; ++r) {
+      __m512 a = _mm512_dpbf16_ps(_mm512_setzero_ps(), qv[r][0], kv[0]);
+      _Pragma("GCC unroll 4") for (int c = 1; c < NC; ++c) a = _mm512_dpbf16_ps(a, qv[r][c], kv[c]);
+      part[r][j] = a;
     }
-    fold_keys<RS>(kc, part, y0, s01, out);
-  }
+  });
 }
 
 // group_step for bfloat16 queries (qb: the item's rows, D apart, padded to whole row tiles): scores on AMX tiles
@@ -97,10 +81,7 @@ PS_BF16_TARGET void group_step_bf16(const uint16_t* qb, bool amx_qk, float qscal
       const int64_t rs = std::min<int64_t>(4, rows - r0);
       __m512 sc[4];
       if (nmax > 0) {
-        if (rs == 4) dot_scores_rows16<D, 4>(qb + r0 * D, kb[b], stride, nmax, sc);
-        else if (rs == 3) dot_scores_rows16<D, 3>(qb + r0 * D, kb[b], stride, nmax, sc);
-        else if (rs == 2) dot_scores_rows16<D, 2>(qb + r0 * D, kb[b], stride, nmax, sc);
-        else dot_scores_rows16<D, 1>(qb + r0 * D, kb[b], stride, nmax, sc);
+        PS_WITH_ROW_COUNT(rs, dot_scores_rows16, D, qb + r0 * D, kb[b], stride, nmax, sc);
       }
       for (int64_t i = 0; i < rs; ++i) put_scores(sbuf, r0 + i, b, nk[r0 + i][b], nmax, _mm512_mul_ps(sc[i], sv));
     }

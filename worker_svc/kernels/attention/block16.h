@@ -74,41 +74,58 @@ inline void fold_keys(int kc, const __m512 (*part)[4], __m512* y0, __m512* s01, 
   }
 }
 
+// The key loop of scores_rows16 and dot_scores_rows16: for key k = 4 kc + j of the block, the statement block given
+// last where k < n (it reads k and sets part[r][j] for r < RS: row r's partial sums for key k), zeros from n on;
+// each quarter of keys folded into out by fold_keys. NOTE: a macro, not a template over the scoring:
+// dot_scores_rows16's bf16 intrinsics need its target attribute in every function whose body holds them, which a
+// template shared with the float path cannot carry (a lambda loses it). The generated code is the two hand-written
+// loops' (the same disassembly, every -march).
+#define PS_ROWS16_KEYS(RS, n, out, ...)                                                                        \
+  __m512 y0[RS], s01[RS];                                                                                      \
+  _Pragma("GCC unroll 4") for (int kc = 0; kc < 4; ++kc) {                                                     \
+    __m512 part[RS][4];                                                                                        \
+    _Pragma("GCC unroll 4") for (int j = 0; j < 4; ++j) {                                                      \
+      const int k = kc * 4 + j;                                                                                \
+      if (k < (n)) __VA_ARGS__                                                                                 \
+      else {                                                                                                   \
+        _Pragma("GCC unroll 4") for (int r = 0; r < RS; ++r) part[r][j] = _mm512_setzero_ps();                 \
+      }                                                                                                        \
+    }                                                                                                          \
+    fold_keys<RS>(kc, part, y0, s01, out);                                                                     \
+  }
+
 // scores16 for RS rows at once: each key row is loaded (bf16: widened) once for all RS rows, where scores16 per
-// row reloads it (bf16 decode, 64 x 192, 1 thread: 40 -> 36 ms a step of 30 layers; prefill 2 x 256: 49 -> 44). Keys k < n (the block's furthest-seeing row's count) are scored for every row; the caller masks
+// row reloads it (bf16 decode, 64 x 192, 1 thread: 40 -> 36 ms a step of 30 layers; prefill 2 x 256: 49 -> 44).
+// Keys k < n (the block's furthest-seeing row's count) are scored for every row; the caller masks
 // each row's own causal tail. Per (row, key) the same chain of FMAs and the same transpose-add tree as scores16,
 // so a valid lane has scores16's bits. out[r]: row r's 16 scores (lanes from n on: 0 sums, masked by the caller).
 template <int D, int RS, typename E>
 inline void scores_rows16(const float* q, const E* kb, int64_t stride, int64_t n, __m512 out[RS]) {
   constexpr int NV = D / 16;
-  __m512 y0[RS], s01[RS];
-#pragma GCC unroll 4
-  for (int kc = 0; kc < 4; ++kc) {
-    __m512 part[RS][4];
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const int k = kc * 4 + j;
-      if (k < n) {
-        const E* kr = kb + k * stride;
-        __m512 kv[NV];
-#pragma GCC unroll 8
-        for (int i = 0; i < NV; ++i) kv[i] = load16(kr + 16 * i);
-#pragma GCC unroll 4
-        for (int r = 0; r < RS; ++r) {
-          const float* qr = q + r * D;
-          __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);
-#pragma GCC unroll 8
-          for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * i), kv[i], a);
-          part[r][j] = a;
-        }
-      } else {
-#pragma GCC unroll 4
-        for (int r = 0; r < RS; ++r) part[r][j] = _mm512_setzero_ps();
-      }
+  PS_ROWS16_KEYS(RS, n, out, {
+    const E* kr = kb + k * stride;
+    __m512 kv[NV];
+    _Pragma("GCC unroll 8") for (int i = 0; i < NV; ++i) kv[i] = load16(kr + 16 * i);
+    _Pragma("GCC unroll 4") for (int r = 0; r < RS; ++r) {
+      const float* qr = q + r * D;
+      __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr), kv[0]);
+      _Pragma("GCC unroll 8") for (int i = 1; i < NV; ++i) a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * i), kv[i], a);
+      part[r][j] = a;
     }
-    fold_keys<RS>(kc, part, y0, s01, out);
-  }
+  });
 }
+
+// KERNEL<D, RS>(...) for the run-time row count rs (1..4) as RS, which the row-block kernels (scores_rows16,
+// dot_scores_rows16) take as a template argument so that their row loops unroll. NOTE: a macro, not a template
+// over a lambda: the lambda would lose bf16_dot.h's target attribute (dot_scores_rows16 then stays a call), and
+// its closure changes the code GCC makes for the float path too (a larger stack frame in attend_item).
+#define PS_WITH_ROW_COUNT(rs, KERNEL, D, ...)                                                          \
+  do {                                                                                                 \
+    if ((rs) == 4) KERNEL<D, 4>(__VA_ARGS__);                                                          \
+    else if ((rs) == 3) KERNEL<D, 3>(__VA_ARGS__);                                                     \
+    else if ((rs) == 2) KERNEL<D, 2>(__VA_ARGS__);                                                     \
+    else KERNEL<D, 1>(__VA_ARGS__);                                                                    \
+  } while (0)
 
 // One block of n <= 16 keys for `rows` rows: scores, the online-softmax update of m/l, and acc = acc * corr + P.V.
 // q: [rows, D] (pre-scaled), acc: [rows, D], nr[r]: keys row r sees in this block (causal), kb/vb: key/value rows

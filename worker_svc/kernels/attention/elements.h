@@ -74,6 +74,33 @@ inline void widen_row(const int8_t* src, float s, float* dst, int64_t D) {
   for (; d < D; ++d) dst[d] = static_cast<float>(src[d]) * s;
 }
 
+#if defined(__AVX2__)
+// 16-bit integer lanes of either width, by overload: __m256i for the AVX-512 path's 16 e4m3 codes, __m128i for
+// AVX2's 8. Each is the one intrinsic the width's hand-written copy had (the second argument of widen_u8 only picks
+// the width).
+inline __m256i widen_u8(const uint8_t* p, __m256i) {
+  return _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m128i widen_u8(const uint8_t* p, __m128i) {
+  return _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256i and16(__m256i a, __m256i b) { return _mm256_and_si256(a, b); }
+inline __m128i and16(__m128i a, __m128i b) { return _mm_and_si128(a, b); }
+inline __m256i or16(__m256i a, __m256i b) { return _mm256_or_si256(a, b); }
+inline __m128i or16(__m128i a, __m128i b) { return _mm_or_si128(a, b); }
+inline __m256i shl16(__m256i a, int n) { return _mm256_slli_epi16(a, n); }
+inline __m128i shl16(__m128i a, int n) { return _mm_slli_epi16(a, n); }
+
+// The e4m3 codes at c8 (one per 16-bit lane) as float16 bits (see widen_row's NOTE); mag: each code without its
+// sign, 0x7f where it is NaN. m7f, m80: 0x7f and 0x80 in every lane.
+template <typename V>
+inline V e4m3_half_bits(const uint8_t* c8, V m7f, V m80, V& mag) {
+  const V x = widen_u8(c8, m7f);
+  mag = and16(x, m7f);
+  return or16(shl16(and16(x, m80), 8), shl16(mag, 7));
+}
+#endif
+
 // NOTE: no table gather on the vector paths: vpgatherdd is microcoded (and slowed further by the Gather Data
 // Sampling mitigation), measured 50x slower than this. An e4m3 code S.EEEE.MMM placed as the float16
 // S.0EEEE.MMM0000000 reads as 2^(E-15) * 1.M (subnormals too), so value = half * 2^8; S.1111.111 is NaN.
@@ -85,9 +112,8 @@ inline void widen_row(const E4M3* src, float s, float* dst, int64_t D) {
   const __m512 sv = _mm512_set1_ps(256.0f * s), nan = _mm512_set1_ps(NAN);
   const __m256i m7f = _mm256_set1_epi16(0x7f), m80 = _mm256_set1_epi16(0x80);
   for (; d + 16 <= D; d += 16) {
-    const __m256i x = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c8 + d)));
-    const __m256i mag = _mm256_and_si256(x, m7f);
-    const __m256i h = _mm256_or_si256(_mm256_slli_epi16(_mm256_and_si256(x, m80), 8), _mm256_slli_epi16(mag, 7));
+    __m256i mag;
+    const __m256i h = e4m3_half_bits(c8 + d, m7f, m80, mag);
     const __mmask16 is_nan = _mm256_cmpeq_epi16_mask(mag, m7f);
     _mm512_storeu_ps(dst + d, _mm512_mask_blend_ps(is_nan, _mm512_mul_ps(_mm512_cvtph_ps(h), sv), nan));
   }
@@ -95,9 +121,8 @@ inline void widen_row(const E4M3* src, float s, float* dst, int64_t D) {
   const __m256 sv = _mm256_set1_ps(256.0f * s), nan = _mm256_set1_ps(NAN);
   const __m128i m7f = _mm_set1_epi16(0x7f), m80 = _mm_set1_epi16(0x80);
   for (; d + 8 <= D; d += 8) {
-    const __m128i x = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c8 + d)));
-    const __m128i mag = _mm_and_si128(x, m7f);
-    const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(x, m80), 8), _mm_slli_epi16(mag, 7));
+    __m128i mag;
+    const __m128i h = e4m3_half_bits(c8 + d, m7f, m80, mag);
     const __m256 is_nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(mag, m7f)));
     _mm256_storeu_ps(dst + d, _mm256_blendv_ps(_mm256_mul_ps(_mm256_cvtph_ps(h), sv), nan, is_nan));
   }

@@ -35,10 +35,7 @@ inline void group_step(const float* q, float* acc, float* m, float* l, const int
       const int64_t rs = std::min<int64_t>(4, rows - r0);
       __m512 sc[4];
       if (nmax > 0) {
-        if (rs == 4) scores_rows16<D, 4>(q + r0 * D, kb[b], stride, nmax, sc);
-        else if (rs == 3) scores_rows16<D, 3>(q + r0 * D, kb[b], stride, nmax, sc);
-        else if (rs == 2) scores_rows16<D, 2>(q + r0 * D, kb[b], stride, nmax, sc);
-        else scores_rows16<D, 1>(q + r0 * D, kb[b], stride, nmax, sc);
+        PS_WITH_ROW_COUNT(rs, scores_rows16, D, q + r0 * D, kb[b], stride, nmax, sc);
       }
       for (int64_t i = 0; i < rs; ++i) put_scores(sbuf, r0 + i, b, nk[r0 + i][b], nmax, sc[i]);
     }

@@ -16,6 +16,37 @@
 
 namespace {
 
+#if PS_INT8_QK == 512
+// The int8 Q.K path's vectors of one width behind one interface (as simd.h's float32 ones), so that int8_scores is
+// written once: each member is the one intrinsic (or the one reduction) the width's hand-written copy had.
+struct VnniWidth {
+  using V = __m512i;
+  static constexpr int kBytes = 64;
+  static V zero() { return _mm512_setzero_si512(); }
+  static V set1_i8(char x) { return _mm512_set1_epi8(x); }
+  static V load(const void* p) { return _mm512_loadu_si512(p); }
+  static V sub(V a, V b) { return _mm512_sub_epi32(a, b); }
+  static V dpbusd(V acc, V u, V s) { return _mm512_dpbusd_epi32(acc, u, s); }
+  static int32_t sum(V v) { return _mm512_reduce_add_epi32(v); }
+};
+#elif PS_INT8_QK == 256
+struct VnniWidth {
+  using V = __m256i;
+  static constexpr int kBytes = 32;
+  static V zero() { return _mm256_setzero_si256(); }
+  static V set1_i8(char x) { return _mm256_set1_epi8(x); }
+  static V load(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+  static V sub(V a, V b) { return _mm256_sub_epi32(a, b); }
+  static V dpbusd(V acc, V u, V s) { return _mm256_dpbusd_avx_epi32(acc, u, s); }
+  static int32_t sum(V v) {
+    __m128i x = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4e));
+    x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xb1));
+    return _mm_cvtsi128_si32(x);
+  }
+};
+#endif
+
 // Quantises one query row: u[d] = round_half_even(q[d] / qs) + 128 with qs = absmax / 127; returns qs.
 inline float quantize_query(const float* q, int64_t D, uint8_t* u) {
   float amax = 0.0f;
@@ -37,26 +68,17 @@ inline void int8_scores(const uint8_t* u, const float* qs, int64_t rows, const i
     const int8_t* key = keys + k * stride;
     int64_t d = 0;
     int32_t tail_sum = 0;
-#if PS_INT8_QK == 512
-    __m512i kv[kMaxHeadDim / 64];
-    __m512i bias = _mm512_setzero_si512();
-    const __m512i b128 = _mm512_set1_epi8(static_cast<char>(128));
-    const int64_t nv = D / 64;
+#if PS_INT8_QK
+    using W = VnniWidth;
+    W::V kv[kMaxHeadDim / W::kBytes];
+    W::V bias = W::zero();
+    const W::V b128 = W::set1_i8(static_cast<char>(128));
+    const int64_t nv = D / W::kBytes;
     for (int64_t i = 0; i < nv; ++i) {
-      kv[i] = _mm512_loadu_si512(key + 64 * i);
-      bias = _mm512_dpbusd_epi32(bias, b128, kv[i]);
+      kv[i] = W::load(key + W::kBytes * i);
+      bias = W::dpbusd(bias, b128, kv[i]);
     }
-    d = nv * 64;
-#elif PS_INT8_QK == 256
-    __m256i kv[kMaxHeadDim / 32];
-    __m256i bias = _mm256_setzero_si256();
-    const __m256i b128 = _mm256_set1_epi8(static_cast<char>(128));
-    const int64_t nv = D / 32;
-    for (int64_t i = 0; i < nv; ++i) {
-      kv[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(key + 32 * i));
-      bias = _mm256_dpbusd_avx_epi32(bias, b128, kv[i]);
-    }
-    d = nv * 32;
+    d = nv * W::kBytes;
 #endif
     const int64_t d_vec = d;
     for (; d < D; ++d) tail_sum += key[d];
@@ -65,18 +87,10 @@ inline void int8_scores(const uint8_t* u, const float* qs, int64_t rows, const i
       if (k >= nr[r]) continue;
       const uint8_t* ur = u + r * D;
       int32_t dot = 0;
-#if PS_INT8_QK == 512
-      __m512i acc = _mm512_sub_epi32(_mm512_setzero_si512(), bias);
-      for (int64_t i = 0; i < nv; ++i) acc = _mm512_dpbusd_epi32(acc, _mm512_loadu_si512(ur + 64 * i), kv[i]);
-      dot = _mm512_reduce_add_epi32(acc);
-#elif PS_INT8_QK == 256
-      __m256i acc = _mm256_sub_epi32(_mm256_setzero_si256(), bias);
-      for (int64_t i = 0; i < nv; ++i)
-        acc = _mm256_dpbusd_avx_epi32(acc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ur + 32 * i)), kv[i]);
-      __m128i x = _mm_add_epi32(_mm256_castsi256_si128(acc), _mm256_extracti128_si256(acc, 1));
-      x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0x4e));
-      x = _mm_add_epi32(x, _mm_shuffle_epi32(x, 0xb1));
-      dot = _mm_cvtsi128_si32(x);
+#if PS_INT8_QK
+      W::V acc = W::sub(W::zero(), bias);
+      for (int64_t i = 0; i < nv; ++i) acc = W::dpbusd(acc, W::load(ur + W::kBytes * i), kv[i]);
+      dot = W::sum(acc);
 #endif
       for (int64_t e = d_vec; e < D; ++e) dot += static_cast<int32_t>(ur[e]) * key[e];
       dot -= 128 * tail_sum;
