@@ -12,7 +12,7 @@ from prometheus_client.metrics_core import Metric
 
 from scheduler_svc.metrics_protocol import ProtocolMetrics
 
-# NOTE: up to 30 minutes and past it: the README's own CPU run has a 160 s TTFT.
+# NOTE: up to 30 minutes and past it: docs/kv-cache.md's own CPU run has a 160 s TTFT.
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600)
 _CREATED_SUFFIXES = ("_created", "_gcreated")
 LOST_KINDS = ("stream", "deadline", "failed_step", "bad_result", "leave_timeout")  # fleet.Lost.kind

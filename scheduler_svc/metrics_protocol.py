@@ -10,8 +10,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from pagedserve_common.registration import WorkerRegistration
 from scheduler_svc.core.request import FinishReason
 
-# NOTE: vLLM's boundaries (vllm/v1/metrics/loggers.py), each list reaching past 30 minutes: the README's own CPU run
-# has a 160 s TTFT, and a request that waits for a worker or is migrated twice can take far longer.
+# NOTE: vLLM's boundaries (vllm/v1/metrics/loggers.py), each list reaching past 30 minutes: a CPU run of
+# docs/kv-cache.md has a 160 s TTFT, and a request that waits for a worker or is migrated twice can take far longer.
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                 40.0, 80.0, 160.0, 640.0, 2560.0)
 TOKEN_GAP_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,

@@ -1,8 +1,8 @@
 """The lean forward's matmuls: each weight laid out once, at load, for the fastest CPU GEMM of its dtype.
 
-Measured on the default model's shapes (`python bench/gemm_layouts.py`, one thread, CPU time; README "Serving
-speed"): F.linear hands MKL a transposed [out, in] weight that it repacks on every call, which costs most at the
-decode step's 16-64 rows. So on the CPU:
+Measured on the default model's shapes (`python bench/gemm_layouts.py`, one thread, CPU time;
+docs/performance-history.md, "Serving speed"): F.linear hands MKL a transposed [out, in] weight that it repacks
+on every call, which costs most at the decode step's 16-64 rows. So on the CPU:
 - float32 layer weights are stored transposed, [in, out] contiguous, and run as torch.mm / addmm (1.1-1.6x F.linear
   at 16-64 rows, even at 512); the transformers modules' weights become views of that storage (no second copy).
 - bfloat16 weights, and the float32 lm_head (K = hidden is short, N = vocab is long), go through oneDNN with the

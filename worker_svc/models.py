@@ -77,8 +77,9 @@ def checkpoint_dtype(config: dict) -> str:
 
 def auto_cpu_dtype(flags: Collection[str], checkpoint: str) -> tuple[str, str]:
     """`--dtype auto` on the CPU, from its /proc/cpuinfo flags: (dtype, why). bfloat16 where the CPU computes it
-    natively (AVX512-BF16 or AMX; its speed and accuracy against float32: README "Which dtype `auto` picks"), else
-    float32, whatever the checkpoint's dtype: an emulated 16-bit GEMM is slower than float32's."""
+    natively (AVX512-BF16 or AMX; its speed and accuracy against float32: docs/performance-history.md, "Which
+    dtype `auto` picks"), else float32, whatever the checkpoint's dtype: an emulated 16-bit GEMM is slower than
+    float32's."""
     native = native_bf16_flags(flags)
     if native:
         cast = f" (the {checkpoint} checkpoint cast to bfloat16)" if checkpoint in ("float16", "float64") else ""

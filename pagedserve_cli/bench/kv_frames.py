@@ -113,7 +113,7 @@ def write_gif(path: Path, sides: list[tuple[str, list]]) -> Path:
 
 
 def busiest_time(states: list[tuple[float, object]]) -> float:
-    """When the first side held the most slots (the README's still picture)."""
+    """When the first side held the most slots (docs/kv-cache.md's still picture)."""
     return max(states, key=lambda s: usage_of(s[1], s[0]).reserved)[0]
 
 

@@ -13,7 +13,7 @@ SPECULATIVE_METHODS = SPECULATIVE  # --speculative's methods (the Scheduler chec
 MAX_BACKOFF_STEPS = 32  # a sequence whose drafts keep failing drafts again after at most this many steps
 # NOTE: drafts only while the step's tokens stay below this: a decode step of few sequences is bound by reading
 # the weights, so verifying more tokens costs little; one of many sequences is compute-bound and each draft costs
-# about what a token costs (measured on a 2-core CPU with the default model: README, "Speculative decoding").
+# about what a token costs (measured on a 2-core CPU with the default model: docs/speculative.md).
 MAX_STEP_TOKENS = 48
 
 

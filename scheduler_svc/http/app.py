@@ -32,7 +32,7 @@ def _check_openai(frontend: FrontEnd, body) -> None:
 def create_app(frontend: FrontEnd, api_keys: ApiKeys | None = None, tool_call_parser: str = "none") -> FastAPI:
     """`tool_call_parser`: the model's tool-call format (--tool-call-parser), which tool_choice auto parses."""
     # NOTE: no /docs, /redoc or /openapi.json: they would be served without the API key, and they describe the
-    # pydantic models, not the API (the README does)
+    # pydantic models, not the API (docs/api.md does)
     app = FastAPI(title="pagedserve", summary="OpenAI-compatible API of a pagedserve scheduler", docs_url=None,
                   redoc_url=None, openapi_url=None)
     app.add_middleware(BodyLimit, max_bytes=frontend.limits.max_message_size)

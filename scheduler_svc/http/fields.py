@@ -146,8 +146,8 @@ def check(body: BaseModel) -> None:
         if name in refused:
             _refuse_unless_neutral(name, name, refused[name], value)
         elif name not in ignored:
-            raise invalid(name[:80], f"{name[:80]}: unknown field (the README's OpenAI-compatible section lists "
-                                     "every field this server accepts)")
+            raise invalid(name[:80], f"{name[:80]}: unknown field (docs/api.md lists every field this server "
+                                     "accepts)")
     if body.stream_options is not None:
         _check_nested("stream_options", "stream_options", body.stream_options, STREAM_OPTIONS_REFUSED,
                       STREAM_OPTIONS_IGNORED)
@@ -180,7 +180,7 @@ def _check_messages(body: ChatCompletionRequest) -> None:
 
 
 def markdown() -> str:
-    """The README's lists of ignored and refused fields (tests/scheduler/test_http_fields.py keeps them equal)."""
+    """docs/api.md's lists of ignored and refused fields (tests/http/test_fields.py keeps them equal)."""
     lines = ["| ignored field | endpoints | why its value cannot change the output here |", "| --- | --- | --- |"]
     for name, endpoints, rule in _rows(IGNORED_FIELDS):
         lines.append(f"| `{name}` | {endpoints} | {rule.reason} |")

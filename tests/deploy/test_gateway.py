@@ -389,17 +389,17 @@ def test_the_policy_check_sees_the_picker_and_the_gateway_shut_out_without_the_o
         assert any(admits(p, patched, epp_pod, 9464) for p in of_kind(docs, "NetworkPolicy"))
 
 
-def readme_add_a_cell() -> str:
-    """The README's "Add a cell" commands (the fenced block that makes cells/c), as written there."""
-    readme = (KUBERNETES.parents[1] / "README.md").read_text()
-    section = readme.split("### A fleet behind the Gateway API Inference Extension", 1)[1].split("\n## ", 1)[0]
+def docs_add_a_cell() -> str:
+    """docs/deployment.md's "Add a cell" commands (the fenced block that makes cells/c), as written there."""
+    page = (KUBERNETES.parents[1] / "docs" / "deployment.md").read_text()
+    section = page.split("### A fleet behind the Gateway API Inference Extension", 1)[1].split("\n## ", 1)[0]
     [block] = [b for b in re.findall(r"```bash\n(.*?)```", section, re.S) if "cells/c" in b]
     return textwrap.dedent(block)
 
 
-def test_the_readmes_recipe_adds_a_third_cell_that_passes_the_same_checks(tmp_path):
+def test_the_docs_recipe_adds_a_third_cell_that_passes_the_same_checks(tmp_path):
     shutil.copytree(KUBERNETES, tmp_path / "deploy" / "kubernetes")
-    out = subprocess.run(["bash", "-euo", "pipefail", "-c", readme_add_a_cell()], cwd=tmp_path,
+    out = subprocess.run(["bash", "-euo", "pipefail", "-c", docs_add_a_cell()], cwd=tmp_path,
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     grown = render(tmp_path / GATEWAY_OVERLAY.relative_to(KUBERNETES.parents[1]))

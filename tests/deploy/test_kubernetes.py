@@ -19,7 +19,7 @@ from tests.deploy.manifests import (AFTER_DRAIN_S, BIN, IMAGE_ENV, KUBERNETES, R
                                     containers, cpu_cores, flag_variables, kustomize, main_container,
                                     manifest_variables, parse, run)
 
-KUBERNETES_VERSION = "1.34.0"  # the version README "Run on Kubernetes" names
+KUBERNETES_VERSION = "1.34.0"  # the version docs/deployment.md "Run on Kubernetes" names
 # The overlays, and the image tag each runs; "all" is every component in one kustomization (they compose).
 IMAGE_TAGS = {"cpu": "latest", "gpu": "gpu", "tls": "latest", "autoscale": "latest", "all": "gpu"}
 COMPONENTS = ("gpu", "tls", "autoscale")

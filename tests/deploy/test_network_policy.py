@@ -22,7 +22,7 @@ from tests.deploy.rendered import GATEWAY_OVERLAY, KUBERNETES, ROOT, of_kind, re
 
 NAME, CELL = "app.kubernetes.io/name", "app.kubernetes.io/instance"
 SCHEDULER, WORKER, EPP = "pagedserve-scheduler", "pagedserve-worker", "pagedserve-epp"
-CLIENT_LABEL = {"pagedserve-client": "true"}  # the base's default clients (README "Run on Kubernetes")
+CLIENT_LABEL = {"pagedserve-client": "true"}  # the base's default clients (docs/deployment.md)
 GATEWAY_NAME = "gateway.networking.k8s.io/gateway-name"  # on a Gateway's in-cluster pods (GEP-1762)
 CLIENT_PORTS = ("grpc", "http")
 COMPONENTS = ("gpu", "tls", "autoscale")
@@ -206,17 +206,17 @@ def test_every_service_address_a_pod_dials_admits_it(renders, overlay):
     assert dials >= 2 * len([t for t in targets(docs) if t.labels[NAME] == WORKER])  # the worker port and the probe
 
 
-def readme_client_patch() -> str:
-    """The README's kustomization that names the clients' namespace (Run on Kubernetes), as written there."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Run on Kubernetes", 1)[1].split("\n## ", 1)[0]
+def docs_client_patch() -> str:
+    """docs/deployment.md's kustomization that names the clients' namespace (Run on Kubernetes), as written there."""
+    page = (ROOT / "docs" / "deployment.md").read_text()
+    section = page.split("## Run on Kubernetes", 1)[1].split("\n## ", 1)[0]
     [block] = [b for b in re.findall(r"```yaml\n(.*?)```", section, re.S) if "kind: NetworkPolicy" in b]
     return block
 
 
-def test_the_readmes_patch_admits_the_clients_namespace_it_names_and_no_other(tmp_path):
+def test_the_docs_patch_admits_the_clients_namespace_it_names_and_no_other(tmp_path):
     shutil.copytree(KUBERNETES, tmp_path / "deploy" / "kubernetes")
-    text = readme_client_patch()
+    text = docs_client_patch()
     [path] = re.findall(r"^# (deploy/kubernetes/\S+/kustomization\.yaml)", text, re.M)
     (tmp_path / path).parent.mkdir(parents=True)
     (tmp_path / path).write_text(text)

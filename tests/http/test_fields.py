@@ -21,7 +21,7 @@ from scheduler_svc.http.schemas import StreamOptions
 from tests.support.service import idle, wait_until
 
 VLLM = json.loads(Path(__file__).with_name("vllm_request_fields.json").read_text())  # record_vllm_fields.py
-README = Path(__file__).parents[2] / "README.md"
+API_PAGE = Path(__file__).parents[2] / "docs" / "api.md"
 
 
 def _keys(*typed_dicts) -> set[str]:
@@ -298,8 +298,8 @@ def test_the_classes_are_disjoint():
         assert refused & declared == ({"best_of"} if kind == COMPLETIONS else set())  # checked where it is used
 
 
-def test_the_readme_lists_the_ignored_and_refused_fields():
-    assert fields.markdown() in README.read_text(), "README's OpenAI-compatible section: paste fields.markdown()"
+def test_the_docs_list_the_ignored_and_refused_fields():
+    assert fields.markdown() in API_PAGE.read_text(), "docs/api.md: paste fields.markdown()"
 
 
 def test_the_vllm_record_names_its_version():

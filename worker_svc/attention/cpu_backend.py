@@ -28,7 +28,7 @@ MAX_KERNEL_Q_LEN = 512
 NO_Q_LEN_LIMIT = 2**62  # a batch-invariant backend's: every chunk in the kernel, whatever its length
 
 # `--int8-qk auto`: whether an int8 cache takes the int8 Q.K path where the kernel has one (VNNI). Decided by
-# measurement (README "### Kernels"): bench/kv_attention_long.py for speed against dequantise-then-float, and the
+# measurement (docs/kv-cache.md "Kernels"): bench/kv_attention_long.py for speed against dequantise-then-float, and the
 # default model's perplexity on 4096 tokens of the corpus (the bound: within 1% of the float32 cache).
 INT8_QK_AUTO = True  # measured faster on 7 of 9 points (geometric mean 0.93x) at +0.14% perplexity
 
