@@ -169,9 +169,10 @@ def _imported_modules(package: str) -> dict[str, set[str]]:
     return out
 
 
-# NOTE: the repository-wide checks stay at tests/: this file (every package, the layering, the tests' own layout)
-# and test_protos.py (protos/ against its generated stubs). Every other test sits in the folder of what it tests.
-ROOT_TESTS = {"test_packaging.py", "test_protos.py"}
+# NOTE: the repository-wide checks stay at tests/: this file (every package, the layering, the tests' own layout),
+# test_protos.py (protos/ against its generated stubs) and test_docs.py (README.md, docs/ and mkdocs.yml against the
+# repository and the CLI). Every other test sits in the folder of what it tests.
+ROOT_TESTS = {"test_packaging.py", "test_protos.py", "test_docs.py"}
 
 
 def _names_imported(source: str, module: str) -> set[str]:
