@@ -3,7 +3,7 @@
 # old tree, then at once on this one (a git worktree of BASE; the same venv, each tree first on PYTHONPATH).
 #   usage: bench/before_after.sh BASE_REV [FIGURES]      FIGURES: any of sched_scale sched_vs_vllm vs_vllm
 #                                                                  plan_codec suite (default: all of them)
-#   env:   VLLM_CORE_VENV (/work/vllm_core_venv), VLLM_VENV (/work/vllm_venv): the peers of ../shared/peers;
+#   env:   VLLM_CORE_VENV, VLLM_VENV, PEERS: the peers (bench/peers/defaults.sh; this tree's bench/peers for both);
 #          MODEL_DIR (default: `pagedserve model pull`'s); OUT (bench/out/before_after-YYYYmmdd-HHMMSS); PYTHON;
 #          ROUNDS (1): sched_scale runs before, after, before, after, ... ROUNDS times each and reports the medians
 #          (a noisy shared machine slows whole minutes down: alternating puts both sides in the same minutes)
@@ -14,8 +14,11 @@ shift
 figures=${*:-sched_scale sched_vs_vllm vs_vllm plan_codec suite}
 new=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-python}
-# NOTE: the peers' scripts find ../shared/peers from their own tree; BASE's tree is a temporary worktree elsewhere
-export PEERS=${PEERS:-$new/../shared/peers}
+# NOTE: both trees run this tree's peers (BASE's may predate bench/peers, or pin another vLLM): the same peer on
+# both sides
+# shellcheck source=bench/peers/defaults.sh
+source "$new/bench/peers/defaults.sh"
+export PEERS VLLM_VENV VLLM_CORE_VENV
 out=${OUT:-$new/bench/out/before_after-$(date +%Y%m%d-%H%M%S)}
 mkdir -p "$out"
 base=$(mktemp -d)/base
@@ -61,9 +64,10 @@ for figure in $figures; do
          "after=$(cat "$out"/sched_scale_after_*.txt | grep -o 'max_step_ms=[^ ]*' | cut -d= -f2 | sort -g | tail -1)"
     ;;
   sched_vs_vllm)
+    bash "$PEERS/setup_vllm_core.sh" "$VLLM_CORE_VENV"  # idempotent; BASE's script may not build it
     for side in before after; do
       tree=$([ $side = before ] && echo "$base" || echo "$new")
-      PYTHONPATH="$tree:$tree/protos" bash "$tree/bench/sched_scale_vs_vllm.sh" "${VLLM_CORE_VENV:-/work/vllm_core_venv}" \
+      PYTHONPATH="$tree:$tree/protos" bash "$tree/bench/sched_scale_vs_vllm.sh" "$VLLM_CORE_VENV" \
         > "$out/sched_vs_vllm_$side.txt"
     done
     echo "before_after sched_vs_vllm before=\"$(tail -1 "$out/sched_vs_vllm_before.txt")\"" \
@@ -71,11 +75,12 @@ for figure in $figures; do
     ;;
   vs_vllm)
     model=${MODEL_DIR:-$(cd "$new" && "$py" -m pagedserve_cli.main model pull | tail -1)}
+    bash "$PEERS/setup_vllm_serve.sh" "$VLLM_VENV"  # idempotent; BASE's scripts may look for it elsewhere
     for side in before after; do
       tree=$([ $side = before ] && echo "$base" || echo "$new")
       # NOTE: from inside TREE: `python -m` puts the working directory ahead of PYTHONPATH
       in_tree "$tree" env OUT="$out/vs_vllm_$side" bash bench/vs_vllm.sh "$model" \
-        "${VLLM_VENV:-/work/vllm_venv}" > "$out/vs_vllm_$side.txt" 2> "$out/vs_vllm_$side.err"
+        "$VLLM_VENV" > "$out/vs_vllm_$side.txt" 2> "$out/vs_vllm_$side.err"
     done
     echo "before_after ratio_vs_vllm before=$(field "$out/vs_vllm_before.txt" ratio_vs_vllm)" \
          "after=$(field "$out/vs_vllm_after.txt" ratio_vs_vllm)"

@@ -8,7 +8,7 @@
 # running are sampled from its /metrics (vllm:num_requests_running) every 0.25 s. If vLLM refuses fp8 on the CPU,
 # its error line is printed and the script goes on.
 #   usage: bench/kv_int8_vs_vllm.sh [MODEL_DIR] [VLLM_VENV] [more `pagedserve bench --compare kv-int8` args]
-#          (MODEL_DIR default: the default model's; VLLM_VENV /work/vllm_venv)
+#          (MODEL_DIR default: the default model's; VLLM_VENV: bench/peers/defaults.sh's)
 #   env:   KV_BYTES (134217728 = the comparison's default 128MiB), MAX_NUM_SEQS (256), MAX_MODEL_LEN (512),
 #          VLLM_ARGS more vLLM api_server args; VLLM_PORT (8100); OUT (bench/out/kv_int8_vs_vllm-DATE); PYTHON;
 #          PAGEDSERVE_OUT: the --out of a finished `pagedserve bench --compare kv-int8` at the same KV bytes, reused
@@ -18,7 +18,8 @@ py=${PYTHON:-python}
 model=""
 if [ $# -gt 0 ] && [[ $1 != -* ]]; then model=$1; shift; fi
 model=${model:-$("$py" -c 'from pagedserve_cli.serve_cmd import model_dir; from pagedserve_common.defaults import DEFAULT_MODEL; print(model_dir(DEFAULT_MODEL))')}
-venv=/work/vllm_venv
+source "$(dirname "$0")/peers/defaults.sh"  # PEERS, VLLM_VENV
+venv=$VLLM_VENV
 if [ $# -gt 0 ] && [[ $1 != -* ]]; then venv=$1; shift; fi
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/bench/out/kv_int8_vs_vllm-$(date +%Y%m%d-%H%M%S)}

@@ -1,4 +1,4 @@
-"""Drives the KV block manager over a trace, as ../shared/peers/vllm_kv.py drives vLLM's KVCacheManager.
+"""Drives the KV block manager over a trace, as bench/peers/vllm_kv.py drives vLLM's KVCacheManager.
 
 Per request: prefix lookup + allocate the prompt, append the decode tokens one at a time, free. One warm-up
 run, then --runs timed runs; prints `prefix_hit_tokens=H/T` and, last, `median_wall_s=X`.

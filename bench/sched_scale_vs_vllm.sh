@@ -1,14 +1,18 @@
 #!/usr/bin/env bash
-# Our Scheduler (bench/sched_trace.py) and vLLM's V1 Scheduler (../shared/peers/vllm_sched.py) on the same trace,
+# Our Scheduler (bench/sched_trace.py) and vLLM's V1 Scheduler (bench/peers/vllm_sched.py) on the same trace,
 # back to back per batch size; per-step time = median wall / steps (both time from building their requests,
 # hashing included, to the last step; ours also converts and serialises each plan to protobuf).
 # usage: bench/sched_scale_vs_vllm.sh [VLLM_VENV] [REQUESTS] [BATCH_SIZES] [NUM_BLOCKS] [RUNS]
-#   defaults: /work/vllm_core_venv (built by ../shared/peers/setup_vllm.sh), 6000, "64 256 1024", 1000000, 3
+#   defaults: $VLLM_CORE_VENV (bench/peers/defaults.sh; built by bench/peers/setup_vllm_core.sh when missing),
+#             6000, "64 256 1024", 1000000, 3
+#   env:      PEERS (bench/peers), PYTHON (python)
 # Last line: `sched_vs_vllm B=ratio ...` (ours/vLLM per-step time; < 1: ours is faster).
 set -euo pipefail
 here=$(cd "$(dirname "$0")/.." && pwd)
-peers=${PEERS:-$here/../shared/peers}
-venv=${1:-/work/vllm_core_venv}
+# shellcheck source=bench/peers/defaults.sh
+source "$here/bench/peers/defaults.sh"
+peers=$PEERS
+venv=${1:-$VLLM_CORE_VENV}
 requests=${2:-6000}
 batch_sizes=${3:-64 256 1024}
 num_blocks=${4:-1000000}
@@ -16,6 +20,9 @@ runs=${5:-3}
 py=${PYTHON:-python}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
+if ! "$venv/bin/python" -c "import vllm.v1.core.sched.scheduler" 2>/dev/null; then
+  bash "$peers/setup_vllm_core.sh" "$venv"
+fi
 python3 "$peers/trace.py" "$tmp/trace.jsonl" --requests "$requests"
 echo "trace: $requests requests (trace.py defaults otherwise), num_blocks=$num_blocks, runs=$runs"
 printf '%6s %8s %10s %10s %8s %10s %10s %7s\n' B steps ours_s vllm_s v_steps ours_ms vllm_ms ratio

@@ -1,4 +1,4 @@
-"""Drives the Scheduler over a trace, as ../shared/peers/vllm_sched.py drives vLLM's V1 Scheduler.
+"""Drives the Scheduler over a trace, as bench/peers/vllm_sched.py drives vLLM's V1 Scheduler.
 
 All requests are submitted at once (max_tokens = len(decode), ignore_eos); each step a fake worker hands every
 sequence that reached the end of its known tokens its next trace decode token. Each step's plan is converted to

@@ -1,5 +1,8 @@
 # Sourced by the bench/*.sh scripts: a free loopback port, starting vLLM (start_vllm), and stopping the one server a
-# script started. Needs $py (the Python to run); sets $pid to "" and traps EXIT so the server never outlives the script.
+# script started. Needs $py (the Python to run) and $root (the repository); sets $pid to "" and traps EXIT so the server never outlives the script.
+
+# shellcheck source=bench/peers/defaults.sh
+source "$root/bench/peers/defaults.sh"
 
 free_port() { "$py" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 
@@ -15,14 +18,14 @@ stop_server() {  # only the server this script started, by its pid; it stops its
 }
 trap stop_server EXIT
 
-# vLLM's OpenAI server (its CPU build, set up in $venv if missing) for $model as "smollm2" on 127.0.0.1:$port,
+# vLLM's OpenAI server (its CPU build, set up in $venv by bench/peers/setup_vllm_serve.sh if missing) for $model as "smollm2" on 127.0.0.1:$port,
 # $peer_dtype (float32), plus $VLLM_ARGS; its log in $out/vllm.log. Sets $pid; returns once it is healthy (exits if it dies first).
 # Its KV cache: $VLLM_KV_CACHE_BYTES bytes exactly when set (--kv-cache-memory-bytes; VLLM_CPU_KVCACHE_SPACE, whole
 # GiB only, is then unset, since vLLM lets it override the bytes), else VLLM_CPU_KVCACHE_SPACE GiB (default 1).
 # With VLLM_MAY_FAIL=1 a vLLM that exits before it is healthy makes start_vllm return 1 (log kept) instead of exiting.
 start_vllm() {
   if ! "$venv/bin/python" -c "import vllm.entrypoints.openai.api_server" 2>/dev/null; then
-    bash "$root/../shared/peers/setup_vllm_serve.sh" "$venv"
+    bash "$PEERS/setup_vllm_serve.sh" "$venv"
   fi
   echo "== vLLM on 127.0.0.1:$port (log: $out/vllm.log)" >&2
   local kv_env=(env "VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}") kv_args=()

@@ -3,12 +3,13 @@
 # one after the other in one script so that the two never share the CPU: bench/structured.py's lines for us
 # (`mask ...`, `throughput ...`, `stall ...`, `schemas server=pagedserve ...`, `ratio_structured=X`), then vLLM's
 # `schemas server=peer ...` line.
-#   usage: bench/structured_vs_vllm.sh MODEL_DIR [VLLM_VENV] [bench/structured.py args]   (VLLM_VENV /work/vllm_venv)
+#   usage: bench/structured_vs_vllm.sh MODEL_DIR [VLLM_VENV] [bench/structured.py args]   (VLLM_VENV: bench/peers/defaults.sh)
 #   env:   VLLM_ARGS more vLLM api_server args; VLLM_PORT (8100); OUT (bench/out/structured-DATE); PYTHON (python)
 set -euo pipefail
 model=${1:?usage: bench/structured_vs_vllm.sh MODEL_DIR [VLLM_VENV] [bench/structured.py args]}
 shift
-venv=/work/vllm_venv
+source "$(dirname "$0")/peers/defaults.sh"  # PEERS, VLLM_VENV
+venv=$VLLM_VENV
 if [ $# -gt 0 ] && [[ $1 != -* ]]; then venv=$1; shift; fi
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-python}

@@ -2,7 +2,7 @@
 # pagedserve and vLLM (its CPU build, a measurement peer only), one after the other, under the same
 # `pagedserve bench` workload; prints the summaries, then `ratio_http_vs_vllm=Y ratio_http_vs_grpc=Z` (our
 # OpenAI-compatible front, benched like vLLM's) and last `ratio_vs_vllm=X` (our gRPC output tok/s over vLLM's).
-#   usage: bench/vs_vllm.sh MODEL_DIR [VLLM_VENV] [extra bench args]      (VLLM_VENV default /work/vllm_venv)
+#   usage: bench/vs_vllm.sh MODEL_DIR [VLLM_VENV] [extra bench args]      (VLLM_VENV: see bench/peers/defaults.sh)
 #   env:   PAGEDSERVE_UP_ARGS  more `pagedserve up` args (e.g. "--kv-memory 2GiB --threads 2")
 #          VLLM_ARGS           more vLLM api_server args;  VLLM_PORT (8100)
 #          BENCH_ARGS          more bench args for both runs (as are the extra args on the command line)
@@ -14,7 +14,8 @@
 set -euo pipefail
 model=${1:?usage: bench/vs_vllm.sh MODEL_DIR [VLLM_VENV] [extra bench args]}
 shift
-venv=/work/vllm_venv
+source "$(dirname "$0")/peers/defaults.sh"  # PEERS, VLLM_VENV
+venv=$VLLM_VENV
 if [ $# -gt 0 ] && [[ $1 != -* ]]; then venv=$1; shift; fi
 root=$(cd "$(dirname "$0")/.." && pwd)
 py=${PYTHON:-python}

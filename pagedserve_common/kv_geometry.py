@@ -9,8 +9,8 @@ from pagedserve_common.defaults import DEFAULT_BLOCK_SIZE
 # The KV cache's element types (--kv-cache-dtype) and their bytes per element.
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "int8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 # The 8-bit caches store each (token, kv head) row of K and of V as codes plus ONE float32 scale: x = code x scale.
-# NOTE: why per token and kv head (not per tensor, not per channel) is measured in bench/kv_scales.py (docs/kv-cache.md,
-# "Quantised KV cache"): it is written with its token, so a block's bytes never change after they are written,
+# NOTE: why per token and kv head (not per tensor, not per channel): docs/performance.md, "What was tried" (the
+# 8-bit cache's scales). It is written with its token, so a block's bytes never change after they are written,
 # and a prefix hit, a copy-on-write copy or a swap moves a block's scales with it, exactly.
 QUANTIZED_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")
 SCALE_BYTES = 4  # one float32 per (token, kv head) of K and of V

@@ -235,5 +235,16 @@ def test_the_benchmarks_import_nothing_from_the_tests():
     assert offences == {}
 
 
+def test_the_benchmarks_name_no_path_outside_the_repository():
+    """A clone has bench/ and bench/peers (the peers' set-up, pinned), not the team's notes beside the repository
+    (../shared) or one machine's folders (/work): every benchmark runs from the project's own files."""
+    files = [p for p in sorted((ROOT / "bench").rglob("*"))
+             if p.is_file() and not {"out", "__pycache__"} & set(p.relative_to(ROOT).parts)]
+    offences = [f"{path.relative_to(ROOT)}:{n}: {line.strip()}" for path in files
+                for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+                if "shared/" in line or "/work/" in line]
+    assert offences == []
+
+
 def test_tests_sit_beside_what_they_test_not_at_the_root():
     assert {p.name for p in (ROOT / "tests").glob("test_*.py")} == ROOT_TESTS

@@ -11,7 +11,8 @@ from worker_svc import cpu_path
 CPUINFO = Path("/proc/cpuinfo")
 # NOTE: Linux's names for the x86 features under which a bfloat16 matmul runs in hardware (AVX512-BF16 dot
 # products, AMX tiles), best first. Without either, torch's bfloat16 GEMM widens to float32 and narrows back in
-# software: 0.14-0.29x float32's own speed (bench/dtype_gemm.py, this CPU capped to AVX-512 and to AVX2).
+# software: 0.14-0.29x float32's own speed (this CPU capped to AVX-512 and to AVX2; docs/performance.md, "What
+# was tried").
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16")
 
 

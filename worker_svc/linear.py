@@ -1,8 +1,8 @@
 """The lean forward's matmuls: each weight laid out once, at load, for the fastest CPU GEMM of its dtype.
 
-Measured on the default model's shapes (`python bench/gemm_layouts.py`, one thread, CPU time;
-docs/performance-history.md, "Serving speed"): F.linear hands MKL a transposed [out, in] weight that it repacks
-on every call, which costs most at the decode step's 16-64 rows. So on the CPU:
+Measured on the default model's shapes (one thread, CPU time; docs/performance.md, "What was tried": GEMM
+layouts): F.linear hands MKL a transposed [out, in] weight that it repacks on every call, which costs most at the
+decode step's 16-64 rows. So on the CPU:
 - float32 layer weights are stored transposed, [in, out] contiguous, and run as torch.mm / addmm (1.1-1.6x F.linear
   at 16-64 rows, even at 512); the transformers modules' weights become views of that storage (no second copy).
 - bfloat16 weights, and the float32 lm_head (K = hidden is short, N = vocab is long), go through oneDNN with the
@@ -16,7 +16,7 @@ read rate at a decode batch's 4-32 rows and overlap neither the read nor the ari
 fit (F32_COPY_SHARE of the memory available at load: a small model on a CPU box), float32 weights get a copy packed
 for our panel kernel (f32_gemm.cpp, AVX-512), which runs layer calls of up to F32_PANEL_ROWS rows and the lm_head's
 of up to F32_VOCAB_PANEL_ROWS (the default model's 120 layer matmuls, weights read from memory, 2 threads,
-`python bench/amx_chain.py --float32`: 1 / 16 / 64 / 256 rows 15.9 / 23.1 / 44.7 / 138.6 ms against the best of
+docs/performance.md's matmul chain study: 1 / 16 / 64 / 256 rows 15.9 / 23.1 / 44.7 / 138.6 ms against the best of
 torch.mm and oneDNN 14.6 / 28.0 / 52.6 / 149.2; at 512 all ~270, and in process a 512-token prefill step 2% slower:
 prefill steps keep MKL; the lm_head at 64 rows 9.8 against oneDNN's 12.3, at 256 47.6 against 43.7). On a CPU
 without AVX-512, layer weights get oneDNN's prepacked float32 copy instead, for calls of F32_ONEDNN_ROWS rows
@@ -49,7 +49,8 @@ PLAIN_MARGIN = 1.15  # F.linear must be this much faster at a row count (and eve
 # load (a 7B MLP's 512-row call is ~90 GFLOP), and the cliff was measured on small-N shapes only.
 PLAIN_MAX_FLOP = 4e9
 # Calls of at most this many rows take the AMX kernel (amx_gemm.cpp) where the CPU has AMX-BF16: the default model's
-# 121 decode matmuls back to back, weights read from memory (2 threads, best of 4: bench/amx_chain.py) took
+# 121 decode matmuls back to back, weights read from memory (2 threads, best of 4; docs/performance.md, "What was
+# tried": the matmul chain) took
 # 11.4 / 12.2 / 16.8 ms at 1 / 32 / 64 rows against oneDNN's 14.0 / 16.3 / 18.1, and 24.6 against 24.1 at 96 rows,
 # 42.7 against 34.6 at 256: a prefill chunk keeps oneDNN.
 AMX_MAX_ROWS = 64
@@ -169,8 +170,8 @@ def invariant_linear(weight: torch.Tensor, bias: torch.Tensor | None, f32_copy: 
     CPU has no such kernel for the weight.
 
     NOTE: the cost is the prefill's: oneDNN's and MKL's kernels are faster there at 256-512 rows (AMX 42.7 ms
-    against oneDNN's 34.6 for the default model's matmuls at 256 rows, bench/amx_chain.py), and which of their
-    kernels runs, so the order of each row's sums, depends on the row count."""
+    against oneDNN's 34.6 for the default model's matmuls at 256 rows; docs/performance.md, the matmul chain), and
+    which of their kernels runs, so the order of each row's sums, depends on the row count."""
     out = int(weight.shape[0])
     if weight.dtype == torch.bfloat16:
         ops = amx_ops(weight)
