@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -165,9 +166,16 @@ def test_the_nav_names_every_page_and_only_pages_that_exist():
     assert not left_out, f"docs/ pages mkdocs.yml's nav does not name: {left_out}"
 
 
+def test_the_dev_extra_installs_the_docs_extra():
+    """CI installs `.[dev]` (the README's install line): with the `docs` extra's pins in it, the strict build below
+    runs there instead of skipping."""
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert extras["docs"] and set(extras["docs"]) <= set(extras["dev"]), (extras["docs"], extras["dev"])
+
+
 def test_the_site_builds_strictly(tmp_path):
     if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None:
-        pytest.skip("mkdocs and mkdocs-material are not installed (pip install -e '.[docs]')")
+        pytest.skip("mkdocs and mkdocs-material are not installed (pip install -e '.[docs]' or '.[dev]')")
     out = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                          cwd=ROOT, capture_output=True, text=True, timeout=300,
                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})  # NOTE: Material's notice on stderr
