@@ -151,7 +151,11 @@ class ClientSide(asyncio.Protocol):
         if transport.is_closing():
             return
         if transport.can_write_eof():
-            transport.write_eof()
+            try:
+                transport.write_eof()
+            except OSError:  # NOTE: the client is gone already (both ends closed at once: ENOTCONN): just close
+                transport.close()
+                return
         self.linger_until = asyncio.get_running_loop().time() + LINGER_MAX
         self._arm(LINGER_IDLE)
 

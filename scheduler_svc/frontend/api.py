@@ -88,9 +88,6 @@ class FrontEnd:
         self.model_names = model_names or (engine.config.model_id,)
         self.sampling_defaults = sampling_defaults or SamplingParams()
         self.fill_context_cap = fill_context_cap
-        # NOTE: the engine's (--otlp-endpoint): a request's spans begin here and go on in its steps; None: no traces,
-        # and no work for them
-        self.tracing: Tracing | None = engine.tracing
         self.tokenizer = tokenizer
         self.limits = limits or Limits.for_model(engine.config.max_model_len)
         self.pool = pool or TokenizerPool(tokenizer)
@@ -108,6 +105,12 @@ class FrontEnd:
     def model_id(self) -> str:
         """The model's name in answers (the first of --served-model-name, else --model)."""
         return self.model_names[0]
+
+    @property
+    def tracing(self) -> Tracing | None:
+        """The engine's (--otlp-endpoint): a request's spans begin here and go on in its steps; None: no traces, and
+        no work for them."""
+        return self.engine.tracing
 
     @property
     def root_model_id(self) -> str:

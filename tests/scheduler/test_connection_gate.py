@@ -11,7 +11,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pagedserve_common.ports import free_port
-from scheduler_svc.connection_gate import INTERNAL_HOST, ConnectionGate
+from scheduler_svc.connection_gate import INTERNAL_HOST, ClientSide, ConnectionGate
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
 ECHO = "/test.Echo/Echo"
@@ -117,3 +117,33 @@ def test_relayed_bytes_arrive_whole_both_ways_and_the_servicer_sees_the_clients_
             assert g.peers_seen[1][1] == client  # one connection for both calls
 
     asyncio.run(main())
+
+
+class _GoneTransport:
+    """A client's transport whose peer has gone while grpc's side ended (shutdown(SHUT_WR) gets ENOTCONN)."""
+
+    def __init__(self) -> None:
+        self.closed = False
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def can_write_eof(self) -> bool:
+        return True
+
+    def write_eof(self) -> None:
+        raise OSError(107, "Transport endpoint is not connected")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_grpc_ending_a_connection_whose_client_is_gone_closes_it_without_an_error():
+    """Seen at shutdown: a worker and the scheduler end one connection at once; the FIN then finds no peer. That is
+    the end of the connection, not an exception in the event loop's callback (a traceback in the log)."""
+    async def scenario():
+        client = ClientSide(gate=None)
+        client.transport = _GoneTransport()
+        client.linger()
+        assert client.transport.closed and client.timer is None and client.linger_until is None
+    asyncio.run(scenario())
