@@ -22,7 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
                    help="the KV cache's element type (default auto: --dtype); int8 and fp8 add one float32 scale "
                         "per token and kv head")
-    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE, metavar="N",
+                   help="tokens per KV block (default: %(default)s)")
     p.add_argument("--memory", type=parse_bytes, help="KV memory budget: bytes, or e.g. 80GiB")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run)

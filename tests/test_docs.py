@@ -137,6 +137,92 @@ def test_each_flag_a_command_shows_exists(page, command, text):
     assert not missing, f"{page} shows `pagedserve {command} {text}`: `pagedserve {command}` has no {missing}"
 
 
+# -- routes and RPCs ----------------------------------------------------------------------------------------------
+ROUTE = re.compile(r"^((?:GET|POST|PUT|PATCH|DELETE)(?:\|(?:GET|POST|PUT|PATCH|DELETE))*) (/[^\s?#]*)$")
+URL = re.compile(r"https?://127\.0\.0\.1:8000(/[A-Za-z0-9_/{}.-]*)")  # the default HTTP address (`up`'s)
+RPC = re.compile(r"\b((?:pagedserve|grpc\.health)\.v1\.[A-Za-z]+)/([A-Za-z]+)\b")
+
+
+def served_routes() -> dict[str, set[str]]:
+    """The HTTP app's routes: {path with `{name}` parameters: methods}. NOTE: built over a mock front end: only the
+    route table is read, no request is made."""
+    from unittest.mock import MagicMock
+
+    from scheduler_svc.http.app import create_app
+
+    routes: dict[str, set[str]] = {}
+    for route in create_app(MagicMock()).routes:
+        routes.setdefault(re.sub(r"\{(\w+)(:\w+)?\}", "{}", route.path), set()).update(route.methods)
+    return routes
+
+
+def routes_shown() -> list[tuple[str, str, str]]:
+    """(page, method, path) of every `METHOD /path` code span and every URL on the default HTTP address the pages
+    show (a URL's method: GET, or POST where the snippet sends a body)."""
+    out = set()
+    for page in PAGES:
+        text = page.read_text()
+        for span in (m.group(1) for m in SPAN.finditer(prose(text))):
+            if m := ROUTE.match(span.strip()):
+                out |= {(rel(page), method, m.group(2)) for method in m.group(1).split("|")}
+        for snippet in code(text):
+            for m in URL.finditer(snippet):
+                if m.group(1).rstrip("/") == "/v1":  # a client's base URL, not a route
+                    continue
+                method = "POST" if re.search(r"\s(-d|--data\S*|--json)\s", snippet) else "GET"
+                out.add((rel(page), method, m.group(1)))
+    return sorted(out)
+
+
+def test_the_docs_show_routes():
+    shown = {path for _, _, path in routes_shown()}
+    assert {"/v1/chat/completions", "/v1/completions", "/health", "/v1/models"} <= shown, shown
+
+
+@pytest.mark.parametrize("page, method, path", routes_shown(), ids=[f"{p}:{m} {r}" for p, m, r in routes_shown()])
+def test_each_route_the_docs_show_is_served(page, method, path):
+    routes = served_routes()
+    key = re.sub(r"\{[^}]*\}", "{}", path)
+    assert method in routes.get(key, set()), f"{page} shows `{method} {path}`, which the HTTP API does not serve " \
+                                              f"(it serves {sorted(routes)})"
+
+
+def rpcs_shown() -> list[tuple[str, str, str]]:
+    return sorted({(rel(page), m.group(1), m.group(2)) for page in PAGES for m in RPC.finditer(page.read_text())})
+
+
+@pytest.mark.parametrize("page, service, method", rpcs_shown(), ids=[f"{p}:{s}/{m}" for p, s, m in rpcs_shown()])
+def test_each_rpc_the_docs_show_exists(page, service, method):
+    from grpc_health.v1 import health_pb2
+
+    from pagedserve.v1 import generate_pb2, worker_pb2
+
+    services = {s.full_name: s for module in (generate_pb2, worker_pb2, health_pb2)
+                for s in module.DESCRIPTOR.services_by_name.values()}
+    assert service in services, f"{page} shows {service}/{method}; there is no service {service}"
+    methods = services[service].methods_by_name
+    assert method in methods, f"{page} shows {service}/{method}; {service} has {sorted(methods)}"
+
+
+# -- generated pages ----------------------------------------------------------------------------------------------
+def test_the_generated_references_are_current():
+    """docs/cli-reference.md and docs/grpc-reference.md are what docs/generate.py makes of the parser and the protos
+    now: a flag, help text or proto comment changed without regenerating them fails here."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_")}
+    r = subprocess.run([sys.executable, str(DOCS / "generate.py"), "--check"], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+
+
+def test_the_cli_reference_has_every_command_and_flag():
+    text = (DOCS / "cli-reference.md").read_text()
+    for name, parser in subcommands().items():
+        assert f"## `pagedserve {name}`" in text, name
+        shown = [a for a in parser._actions if a.help != argparse.SUPPRESS]  # as --help: hidden flags stay hidden
+        for flag in {s for a in shown for s in a.option_strings if s.startswith("--") and s != "--help"}:
+            assert f"`{flag}" in text, (name, flag)
+
+
 # -- the site -----------------------------------------------------------------------------------------------------
 class _Loader(yaml.SafeLoader):
     """mkdocs.yml's `!!python/...` tags (the slugify function) read as None: only the nav matters here."""
