@@ -1,0 +1,436 @@
+// Weight-only quantised matmuls (worker_svc/quant/ops.py): out = x . W^T (+ bias) for x [M, K] float32 or
+// bfloat16 and W [N, K] kept in a GGML block format (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), dequantised in registers and
+// never stored as floats. Built into the CPU kernel library (cpu_build.py).
+//
+// Layout: at load the file's blocks are repacked (ps_q_pack) into panels of kCols = 48 output columns, each a run of
+// groups of G k-steps (G = 32; 16 for Q6_K, whose scales change every 16 weights): a group's header (the scales of
+// its 48 columns, as the file holds them: fp16 d and m, 6-bit sub-block scales) and then its quants, k-step by
+// k-step (4-bit formats: 24 bytes a step, byte j of each 8-byte run holding columns j and j + 8; 8-bit: 48 bytes).
+// Q6_K's 6-bit quants are widened to int8 (8 bits a weight instead of 6.56); the other formats keep their size.
+//
+// Arithmetic: a group is dequantised into 32 x 48 floats in L1, each weight the float32 value GGML's own
+// dequantisation gives, in its order of operations (so a weight's bits are the reference's, gguf-py's
+// `dequantize`, worker_svc/quant/formats.py):
+//   Q4_0  d * (q - 8)          Q4_1  d * q + m (one rounding: d * q is exact)      Q8_0  d * q
+//   Q4_K  (d * sc) * q - dmin * mn (the products exact; one rounding)              Q6_K  (d * sc) * q (one rounding)
+// then every row takes one FMA chain per output over k in order, as the float32 panel kernel does (f32_gemm.cpp):
+// an output's bits are those of f32_gemm's on the dequantised weight, whatever M, the row's place in the batch, the
+// thread count or the ISA (the AVX2 + FMA + F16C kernel computes the AVX-512 one's bits): batch invariant.
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include <omp.h>
+#if defined(__x86_64__)
+#include <cpuid.h>
+#include <immintrin.h>
+#endif
+
+extern "C" int ps_cpu_path_cap();  // cpu_path.cpp
+
+namespace {
+
+constexpr int64_t kCols = 48;  // output columns a panel
+constexpr int kRows = 8, kRows2 = 4;  // rows a register block: AVX-512 (8 x 3 accumulators), AVX2 (4 x 3)
+constexpr int kCap512 = 2, kCap256 = 1;  // cpu_path.cpp's levels
+constexpr int kMaxGroup = 32;
+
+using bf16 = uint16_t;
+
+enum Format : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };  // GGML's type ids
+
+struct Layout {
+  int block_k = 0, block_bytes = 0;  // the file's block: weights and bytes
+  int group = 0;                     // k-steps a packed group
+  int header = 0;                    // header bytes a packed group (48 columns)
+  bool nibbles = false;              // 4-bit quants (else int8)
+  int64_t group_bytes() const { return header + group * (nibbles ? kCols / 2 : kCols); }
+};
+
+Layout layout_of(int fmt) {
+  switch (fmt) {
+    case kQ4_0: return {32, 18, 32, 2 * kCols, true};
+    case kQ4_1: return {32, 20, 32, 4 * kCols, true};
+    case kQ8_0: return {32, 34, 32, 2 * kCols, false};
+    case kQ4_K: return {256, 144, 32, 6 * kCols, true};  // d, dmin (fp16), sc, mn (6-bit, a byte each)
+    case kQ6_K: return {256, 210, 16, 3 * kCols, false};  // d (fp16), sc (int8)
+    default: return {};
+  }
+}
+
+inline float widen(float x) { return x; }
+inline float widen(bf16 x) {
+  const uint32_t u = static_cast<uint32_t>(x) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+// float32 -> bfloat16, nearest even, NaN a quiet NaN: torch's conversion (f32_gemm.cpp's).
+inline bf16 narrow_bf16(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
+  return static_cast<bf16>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+inline void store(float* p, float v) { *p = v; }
+inline void store(bf16* p, float v) { *p = narrow_bf16(v); }
+
+// -- repacking the file's blocks ------------------------------------------------------------------------------------
+// One block of the file decoded: each weight's quant (4-bit formats: 0..15; Q8_0: int8; Q6_K: q - 32) and, per group
+// of the block, its header fields.
+struct Decoded {
+  int q[256];
+  uint16_t d[16], m[16];  // fp16 bits by group (m: Q4_1's min, Q4_K's dmin)
+  int sc[16], mn[16];     // Q4_K: 6-bit scale and min by group; Q6_K: int8 scale by group
+};
+
+void decode_block(int fmt, const uint8_t* b, Decoded& out) {
+  auto u16 = [](const uint8_t* p) { return static_cast<uint16_t>(p[0] | (p[1] << 8)); };
+  switch (fmt) {
+    case kQ4_0:
+    case kQ4_1: {
+      const int off = fmt == kQ4_0 ? 2 : 4;
+      out.d[0] = u16(b);
+      out.m[0] = fmt == kQ4_1 ? u16(b + 2) : 0;
+      for (int j = 0; j < 16; ++j) out.q[j] = b[off + j] & 0xF, out.q[j + 16] = b[off + j] >> 4;
+      return;
+    }
+    case kQ8_0:
+      out.d[0] = u16(b);
+      for (int j = 0; j < 32; ++j) out.q[j] = static_cast<int8_t>(b[2 + j]);
+      return;
+    case kQ4_K: {
+      const uint8_t* s = b + 4;
+      for (int j = 0; j < 8; ++j) {
+        out.d[j] = u16(b), out.m[j] = u16(b + 2);
+        if (j < 4) out.sc[j] = s[j] & 63, out.mn[j] = s[j + 4] & 63;
+        else out.sc[j] = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4), out.mn[j] = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+      }
+      const uint8_t* qs = b + 16;
+      for (int c = 0; c < 4; ++c)  // 64 weights a chunk: sub-block 2c in the low nibbles, 2c + 1 in the high ones
+        for (int l = 0; l < 32; ++l) out.q[64 * c + l] = qs[32 * c + l] & 0xF, out.q[64 * c + 32 + l] = qs[32 * c + l] >> 4;
+      return;
+    }
+    case kQ6_K: {
+      const uint8_t *ql = b, *qh = b + 128;
+      const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
+      const uint16_t d = u16(b + 208);
+      for (int h = 0; h < 2; ++h)  // two halves of 128 weights: ql 64 bytes, qh 32 bytes each
+        for (int l = 0; l < 32; ++l) {
+          const uint8_t *L = ql + 64 * h, *H = qh + 32 * h;
+          int* q = out.q + 128 * h;
+          q[l] = ((L[l] & 0xF) | (((H[l] >> 0) & 3) << 4)) - 32;
+          q[l + 32] = ((L[l + 32] & 0xF) | (((H[l] >> 2) & 3) << 4)) - 32;
+          q[l + 64] = ((L[l] >> 4) | (((H[l] >> 4) & 3) << 4)) - 32;
+          q[l + 96] = ((L[l + 32] >> 4) | (((H[l] >> 6) & 3) << 4)) - 32;
+        }
+      for (int g = 0; g < 16; ++g) out.d[g] = d, out.sc[g] = sc[g];
+      return;
+    }
+  }
+}
+
+// Writes column j's fields of group g (of its block `dec`) into the packed group at `dst`.
+void put_column(int fmt, const Layout& lay, const Decoded& dec, int g, int j, uint8_t* dst) {
+  auto put16 = [&](int slot, uint16_t v) { std::memcpy(dst + 2 * (slot * kCols + j), &v, 2); };
+  switch (fmt) {
+    case kQ4_0: case kQ8_0: put16(0, dec.d[g]); break;
+    case kQ4_1: put16(0, dec.d[g]), put16(1, dec.m[g]); break;
+    case kQ4_K:
+      put16(0, dec.d[g]), put16(1, dec.m[g]);
+      dst[4 * kCols + j] = static_cast<uint8_t>(dec.sc[g]), dst[5 * kCols + j] = static_cast<uint8_t>(dec.mn[g]);
+      break;
+    case kQ6_K: put16(0, dec.d[g]), dst[2 * kCols + j] = static_cast<uint8_t>(static_cast<int8_t>(dec.sc[g])); break;
+  }
+  uint8_t* q = dst + lay.header;
+  for (int kk = 0; kk < lay.group; ++kk) {
+    const int v = dec.q[g * lay.group + kk];
+    if (lay.nibbles) {  // step kk: 24 bytes; column j in run j / 16, byte j % 8, low nibble for j % 16 < 8
+      uint8_t& byte = q[kk * (kCols / 2) + (j / 16) * 8 + (j % 8)];
+      byte = (j % 16) < 8 ? static_cast<uint8_t>((byte & 0xF0) | v) : static_cast<uint8_t>((byte & 0x0F) | (v << 4));
+    } else {
+      q[kk * kCols + j] = static_cast<uint8_t>(static_cast<int8_t>(v));
+    }
+  }
+}
+
+int pack(int fmt, const uint8_t* blocks, int64_t n, int64_t k, uint8_t* packed) {
+  const Layout lay = layout_of(fmt);
+  if (!lay.group || n <= 0 || k <= 0 || k % lay.block_k) return 1;
+  const int64_t groups = k / lay.group, row_bytes = k / lay.block_k * lay.block_bytes;
+  const int64_t panels = (n + kCols - 1) / kCols, per_block = lay.block_k / lay.group;
+  std::memset(packed, 0, static_cast<size_t>(panels * groups * lay.group_bytes()));  // columns past n: zero
+#pragma omp parallel for schedule(static)
+  for (int64_t p = 0; p < panels; ++p) {
+    Decoded dec;
+    for (int64_t j = 0; j < kCols && p * kCols + j < n; ++j) {
+      const uint8_t* row = blocks + (p * kCols + j) * row_bytes;
+      for (int64_t blk = 0; blk < k / lay.block_k; ++blk) {
+        decode_block(fmt, row + blk * lay.block_bytes, dec);
+        for (int64_t g = 0; g < per_block; ++g)
+          put_column(fmt, lay, dec, static_cast<int>(g), static_cast<int>(j),
+                     packed + (p * groups + blk * per_block + g) * lay.group_bytes());
+      }
+    }
+  }
+  return 0;
+}
+
+#if defined(__x86_64__)
+#define PS_Q512 __attribute__((target("avx512f,avx512vl,avx512bw,fma,f16c")))
+#define PS_Q256 __attribute__((target("avx2,fma,f16c")))
+
+// -- dequantising a group ------------------------------------------------------------------------------------------
+// Columns [16c, 16c + 16) of k-step kk of a group whose quants start at q.
+PS_Q512 inline __m512 quants16(const uint8_t* q, bool nibbles, int kk, int c) {
+  if (nibbles) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * (kCols / 2) + 8 * c));
+    const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
+  }
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kk * kCols + 16 * c))));
+}
+PS_Q512 inline __m512 half16(const uint8_t* h, int slot, int c) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + 2 * (slot * kCols + 16 * c))));
+}
+PS_Q512 inline __m512 bytes16(const uint8_t* h, int offset, int c, bool is_signed) {
+  const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(h + offset + 16 * c));
+  return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
+}
+
+// w [G][48] = the group at `grp` dequantised (see the table at the top for each format's operations).
+PS_Q512 void dequant_group512(int fmt, const Layout& lay, const uint8_t* grp, float* w) {
+  const uint8_t* q = grp + lay.header;
+  for (int c = 0; c < 3; ++c) {
+    __m512 a = half16(grp, 0, c), b = _mm512_setzero_ps();
+    if (fmt == kQ4_1) b = half16(grp, 1, c);
+    if (fmt == kQ4_K) {
+      a = _mm512_mul_ps(a, bytes16(grp, 4 * kCols, c, false));
+      b = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(half16(grp, 1, c), bytes16(grp, 5 * kCols, c, false)));
+    }
+    if (fmt == kQ6_K) a = _mm512_mul_ps(a, bytes16(grp, 2 * kCols, c, true));
+    for (int kk = 0; kk < lay.group; ++kk) {
+      __m512 v = quants16(q, lay.nibbles, kk, c);
+      if (fmt == kQ4_0) v = _mm512_mul_ps(a, _mm512_sub_ps(v, _mm512_set1_ps(8.0f)));
+      else if (fmt == kQ4_1 || fmt == kQ4_K) v = _mm512_fmadd_ps(a, v, b);
+      else v = _mm512_mul_ps(a, v);
+      _mm512_store_ps(w + kk * kCols + 16 * c, v);
+    }
+  }
+}
+
+// The AVX2 copy: 8 columns at a time, the same operations on the same values (the same bits).
+PS_Q256 inline __m256 quants8(const uint8_t* q, bool nibbles, int kk, int h) {
+  const int c = h / 2, upper = h % 2;
+  if (nibbles) {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * (kCols / 2) + 8 * c));
+    const __m128i v = upper ? _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F)) : _mm_and_si128(b, _mm_set1_epi8(0x0F));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+  }
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * kCols + 8 * h))));
+}
+PS_Q256 inline __m256 half8(const uint8_t* g, int slot, int h) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(g + 2 * (slot * kCols + 8 * h))));
+}
+PS_Q256 inline __m256 bytes8(const uint8_t* g, int offset, int h, bool is_signed) {
+  const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(g + offset + 8 * h));
+  return _mm256_cvtepi32_ps(is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v));
+}
+PS_Q256 void dequant_group256(int fmt, const Layout& lay, const uint8_t* grp, float* w) {
+  const uint8_t* q = grp + lay.header;
+  for (int h = 0; h < 6; ++h) {
+    __m256 a = half8(grp, 0, h), b = _mm256_setzero_ps();
+    if (fmt == kQ4_1) b = half8(grp, 1, h);
+    if (fmt == kQ4_K) {
+      a = _mm256_mul_ps(a, bytes8(grp, 4 * kCols, h, false));
+      b = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(half8(grp, 1, h), bytes8(grp, 5 * kCols, h, false)));
+    }
+    if (fmt == kQ6_K) a = _mm256_mul_ps(a, bytes8(grp, 2 * kCols, h, true));
+    for (int kk = 0; kk < lay.group; ++kk) {
+      __m256 v = quants8(q, lay.nibbles, kk, h);
+      if (fmt == kQ4_0) v = _mm256_mul_ps(a, _mm256_sub_ps(v, _mm256_set1_ps(8.0f)));
+      else if (fmt == kQ4_1 || fmt == kQ4_K) v = _mm256_fmadd_ps(a, v, b);
+      else v = _mm256_mul_ps(a, v);
+      _mm256_store_ps(w + kk * kCols + 8 * h, v);
+    }
+  }
+}
+
+// -- the FMA chains -------------------------------------------------------------------------------------------------
+// acc rows [0, R) (48 floats each, rows 48 apart) += x rows [0, R) (lda apart) over k-steps [0, G) of w [G][48].
+template <int R, typename T>
+PS_Q512 void fma_block512(const T* x, int64_t lda, const float* w, int group, float* acc) {
+  __m512 s[R][3];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 3; ++c) s[r][c] = _mm512_load_ps(acc + r * kCols + 16 * c);
+  for (int kk = 0; kk < group; ++kk) {
+    const __m512 w0 = _mm512_load_ps(w + kk * kCols), w1 = _mm512_load_ps(w + kk * kCols + 16),
+                 w2 = _mm512_load_ps(w + kk * kCols + 32);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const __m512 xv = _mm512_set1_ps(widen(x[r * lda + kk]));
+      s[r][0] = _mm512_fmadd_ps(xv, w0, s[r][0]);
+      s[r][1] = _mm512_fmadd_ps(xv, w1, s[r][1]);
+      s[r][2] = _mm512_fmadd_ps(xv, w2, s[r][2]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 3; ++c) _mm512_store_ps(acc + r * kCols + 16 * c, s[r][c]);
+}
+
+template <int R, typename T>
+PS_Q256 void fma_block256(const T* x, int64_t lda, const float* w, int group, float* acc) {
+  for (int c0 = 0; c0 < kCols; c0 += 24) {  // 24 columns (3 vectors) at a time: 4 x 3 accumulators fit 16 registers
+    __m256 s[R][3];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 3; ++c) s[r][c] = _mm256_load_ps(acc + r * kCols + c0 + 8 * c);
+    for (int kk = 0; kk < group; ++kk) {
+      const float* wk = w + kk * kCols + c0;
+      const __m256 w0 = _mm256_load_ps(wk), w1 = _mm256_load_ps(wk + 8), w2 = _mm256_load_ps(wk + 16);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xv = _mm256_set1_ps(widen(x[r * lda + kk]));
+        s[r][0] = _mm256_fmadd_ps(xv, w0, s[r][0]);
+        s[r][1] = _mm256_fmadd_ps(xv, w1, s[r][1]);
+        s[r][2] = _mm256_fmadd_ps(xv, w2, s[r][2]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 3; ++c) _mm256_store_ps(acc + r * kCols + c0 + 8 * c, s[r][c]);
+  }
+}
+
+template <typename T>
+using FmaFn = void (*)(const T*, int64_t, const float*, int, float*);
+template <typename T>
+constexpr FmaFn<T> kFma512[kRows + 1] = {nullptr, fma_block512<1, T>, fma_block512<2, T>, fma_block512<3, T>,
+                                         fma_block512<4, T>, fma_block512<5, T>, fma_block512<6, T>,
+                                         fma_block512<7, T>, fma_block512<8, T>};
+template <typename T>
+constexpr FmaFn<T> kFma256[kRows2 + 1] = {nullptr, fma_block256<1, T>, fma_block256<2, T>, fma_block256<3, T>,
+                                          fma_block256<4, T>};
+
+bool cpu_has(int leaf7_ebx_bit, bool need_avx512_state) {
+  unsigned a, b, c, d;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(b & (1u << leaf7_ebx_bit))) return false;
+  // OSXSAVE, FMA, F16C
+  if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27)) || !(c & (1u << 12)) || !(c & (1u << 29))) return false;
+  unsigned lo, hi;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return need_avx512_state ? (lo & 0xe6u) == 0xe6u : (lo & 0x6u) == 0x6u;
+}
+
+bool cpu_has_avx512() {
+  unsigned a, b, c, d;
+  return cpu_has(16, true) && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b & (1u << 31)) && (b & (1u << 30));
+}
+#endif
+
+// The widest kernel this CPU runs within the process's CPU path: 512, 256 or 0.
+int q_width() {
+#if defined(__x86_64__)
+  static const int native = cpu_has_avx512() ? 512 : cpu_has(5, false) ? 256 : 0;
+  const int cap = ps_cpu_path_cap();
+  if (native == 512 && cap >= kCap512) return 512;
+  return native >= 256 && cap >= kCap256 ? 256 : 0;
+#else
+  return 0;
+#endif
+}
+
+#if defined(__x86_64__)
+// One panel: every row of x against its groups, then bias and the stores. acc: M x 48 floats (64-byte aligned).
+template <typename T>
+void panel(int width, int fmt, const Layout& lay, const T* x, int64_t m, int64_t k, const uint8_t* pan,
+           const T* bias, T* out, int64_t n, int64_t cols, float* acc, float* w) {
+  std::memset(acc, 0, sizeof(float) * static_cast<size_t>(m * kCols));
+  const int64_t groups = k / lay.group;
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* grp = pan + g * lay.group_bytes();
+    if (width == 512) dequant_group512(fmt, lay, grp, w);
+    else dequant_group256(fmt, lay, grp, w);
+    const T* xg = x + g * lay.group;
+    if (width == 512) {
+      for (int64_t r0 = 0; r0 < m; r0 += kRows) {
+        const int64_t rows = m - r0 < kRows ? m - r0 : kRows;
+        kFma512<T>[rows](xg + r0 * k, k, w, lay.group, acc + r0 * kCols);
+      }
+    } else {
+      for (int64_t r0 = 0; r0 < m; r0 += kRows2) {
+        const int64_t rows = m - r0 < kRows2 ? m - r0 : kRows2;
+        kFma256<T>[rows](xg + r0 * k, k, w, lay.group, acc + r0 * kCols);
+      }
+    }
+  }
+  for (int64_t r = 0; r < m; ++r)  // the epilogue f32_gemm.cpp's store_rows has: acc + bias (float32), stored as T
+    for (int64_t c = 0; c < cols; ++c) store(out + r * n + c, acc[r * kCols + c] + (bias ? widen(bias[c]) : 0.0f));
+}
+
+template <typename T>
+void linear(int width, int fmt, const T* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, const T* bias,
+            T* out) {
+  const Layout lay = layout_of(fmt);
+  const int64_t panels = (n + kCols - 1) / kCols, panel_bytes = k / lay.group * lay.group_bytes();
+#pragma omp parallel if (panels > 1)
+  {
+    const int64_t threads = omp_get_num_threads(), me = omp_get_thread_num();
+    const int64_t p0 = panels * me / threads, p1 = panels * (me + 1) / threads;
+    // NOTE: the accumulators of every row and one dequantised group, per thread (L2 and L1)
+    std::vector<float> scratch(static_cast<size_t>((m + kMaxGroup) * kCols + 16));
+    float* acc = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+    float* w = acc + m * kCols;
+    for (int64_t p = p0; p < p1; ++p) {
+      const int64_t cols = n - p * kCols < kCols ? n - p * kCols : kCols;
+      panel(width, fmt, lay, x, m, k, packed + p * panel_bytes, bias ? bias + p * kCols : nullptr, out + p * kCols, n,
+            cols, acc, w);
+    }
+  }
+}
+#endif
+
+template <typename T>
+int run_linear(int fmt, const T* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, const T* bias, T* out) {
+  const Layout lay = layout_of(fmt);
+  if (!lay.group || m < 0 || n <= 0 || k <= 0 || k % lay.block_k) return 1;
+  const int width = q_width();
+  if (width == 0) return 2;
+  if (m == 0) return 0;
+#if defined(__x86_64__)
+  linear(width, fmt, x, m, k, packed, n, bias, out);
+#endif
+  return 0;
+}
+
+}  // namespace
+
+extern "C" {
+
+// The kernel this CPU runs within the process's CPU path: 512 (AVX-512), 256 (AVX2 + FMA + F16C) or 0 (none).
+int ps_q_available() { return q_width(); }
+
+// Bytes ps_q_pack writes for W [n, k] in format `fmt` (a GGML type id); 0 for a format or shape it does not take.
+int64_t ps_q_packed_size(int fmt, int64_t n, int64_t k) {
+  const Layout lay = layout_of(fmt);
+  if (!lay.group || n <= 0 || k <= 0 || k % lay.block_k) return 0;
+  return (n + kCols - 1) / kCols * (k / lay.group) * lay.group_bytes();
+}
+
+// The file's blocks of W [n, k] (row j: k / block_k blocks, `blocks + j * row_bytes`) repacked into panels at
+// `packed` (ps_q_packed_size bytes). 1: an unknown format or a k that is not whole blocks.
+int ps_q_pack(int fmt, const uint8_t* blocks, int64_t n, int64_t k, uint8_t* packed) {
+  return pack(fmt, blocks, n, k, packed);
+}
+
+// out [m, n] = x [m, k] . W^T (+ bias [n]), x and out contiguous, W packed by ps_q_pack. 1: bad arguments; 2: no
+// kernel runs here (ps_q_available() == 0).
+int ps_q_linear_f32(int fmt, const float* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, const float* bias,
+                    float* out) {
+  return run_linear(fmt, x, m, k, packed, n, bias, out);
+}
+int ps_q_linear_bf16(int fmt, const bf16* x, int64_t m, int64_t k, const uint8_t* packed, int64_t n, const bf16* bias,
+                     bf16* out) {
+  return run_linear(fmt, x, m, k, packed, n, bias, out);
+}
+
+}  // extern "C"
