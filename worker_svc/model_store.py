@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
 
@@ -25,9 +26,16 @@ from pagedserve_common.defaults import DEFAULT_MODEL
 from pagedserve_common.model_spec import (DIR, GGUF, HUB, LOCAL_HINT, ModelFetchError, ModelSpecError,
                                           classify)
 
+if TYPE_CHECKING:
+    import torch
+
 log = structlog.get_logger("pagedserve.model")
 
 MARKER = ".pagedserve-complete"  # written last; a model dir without it is incomplete and gets redone
+# What a converted dir holds, MARKER's "format": 1 (no "format": by pagedserve before it): the float weights; 2: also
+# the GGUF's quantised weights (worker_svc.quant.store). A dir of an older format is redone at its next pull (kept as
+# it is where that fails: _build_once). NOTE: formats only add files, so a newer one is complete for this code.
+MODEL_DIR_FORMAT = 2
 MODEL_INPUT_NAMES = ["input_ids", "attention_mask"]
 
 
@@ -51,7 +59,23 @@ def cache_root() -> Path:
 
 
 def is_complete(model_dir: Path) -> bool:
-    return (model_dir / MARKER).is_file()
+    """Whether `model_dir` was built to the end, to MODEL_DIR_FORMAT or a newer one."""
+    info = _marker(model_dir)
+    return info is not None and isinstance(info.get("format"), int) and info["format"] >= MODEL_DIR_FORMAT
+
+
+def _marker(model_dir: Path) -> dict | None:
+    """MARKER's JSON, None where there is none (or not a JSON object: redone)."""
+    try:
+        info = json.loads((model_dir / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def write_marker(model_dir: Path, **info) -> None:
+    """MARKER, the last file of a built model dir: its format and `info`."""
+    (model_dir / MARKER).write_text(json.dumps({"format": MODEL_DIR_FORMAT, **info}))
 
 
 def resolve_model(spec: str, revision: str | None = None) -> Path:
@@ -94,7 +118,8 @@ def convert_gguf_file(gguf_path: Path, cache_dir: str | os.PathLike | None = Non
 def _build_once(target: Path, what: str, build: Callable[[Path, Path], None]) -> Path:
     """`target` if complete; else build(tmp, out) writes the model dir `out` inside a temp dir beside `target`,
     which is then moved into place. One process builds at a time (build_lock): the others wait, then find it
-    complete. A ModelFetchError of build() gets `--model WHAT: ` in front."""
+    complete. A ModelFetchError of build() gets `--model WHAT: ` in front; where `target` is complete to an older
+    format (MODEL_DIR_FORMAT), it is logged and `target` kept as it is (an offline machine serves as before)."""
     if is_complete(target):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -107,6 +132,10 @@ def _build_once(target: Path, what: str, build: Callable[[Path, Path], None]) ->
             try:
                 build(Path(tmp), out)
             except ModelFetchError as e:
+                if _marker(target) is not None:
+                    log.warning("cannot update the model to this pagedserve's format: kept as it is", model=what,
+                                path=str(target), error=str(e))
+                    return target
                 raise ModelFetchError(f"--model {what}: {e}") from None
             # safetensors writes 0600; the cache may be shared with a worker running as another user
             for f in out.iterdir():
@@ -288,8 +317,9 @@ def _tensors_counted(progress: TensorProgress) -> Iterator[None]:
 
 
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: TensorProgress | None = None) -> None:
-    """Dequantise a GGUF checkpoint into an HF model dir (safetensors), writing MARKER last; the tensors' progress
-    as `progress` shows it (a bar on a terminal, else log lines)."""
+    """Dequantise a GGUF checkpoint into an HF model dir (safetensors), its quantised weights also kept as they are
+    (_keep_quantized), writing MARKER last; the tensors' progress as `progress` shows it (a bar on a terminal, else
+    log lines)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -314,6 +344,7 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: TensorProgress | None
     model.tie_weights()
     dtype = _lossless_dtype(tensors)
     model.to(dtype).save_pretrained(out_dir)
+    _keep_quantized(gguf_path, model, parsed["config"], out_dir)
 
     # transformers 5 keeps rope theta only under rope_parameters; older readers look for rope_theta.
     theta = float(parsed["config"]["rope_theta"])
@@ -331,7 +362,19 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: TensorProgress | None
         drop=("is_local", "local_files_only"),
     )
     _verify(out_dir, theta)
-    (out_dir / MARKER).write_text(json.dumps({"source": gguf_path.name, "dtype": str(dtype).removeprefix("torch.")}))
+    write_marker(out_dir, source=gguf_path.name, dtype=str(dtype).removeprefix("torch."))
+
+
+def _keep_quantized(gguf_path: Path, model, gguf_config: dict, out_dir: Path) -> None:
+    """The GGUF's block-quantised weights, raw, beside the float ones (worker_svc.quant.store), each checked first
+    to dequantise bit for bit to the float weight `model` (as saved) has under its name: a RuntimeError names one
+    that does not."""
+    from worker_svc.quant.from_gguf import check_against_floats, quantized_weights
+    from worker_svc.quant.store import save_quantized
+
+    weights = quantized_weights(gguf_path, model, gguf_config)
+    check_against_floats(weights, model.state_dict())
+    save_quantized(out_dir, weights, source="gguf")
 
 
 def _lossless_dtype(tensors: dict) -> "torch.dtype":

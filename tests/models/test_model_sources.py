@@ -183,7 +183,7 @@ def test_a_gguf_file_converts_once_into_the_cache(tmp_path, monkeypatch, default
     def convert(gguf_path, out_dir):
         conversions.append(gguf_path)
         out_dir.mkdir()
-        (out_dir / MARKER).write_text("{}")
+        model_store.write_marker(out_dir)
 
     monkeypatch.setattr(model_store, "convert_gguf", convert)
     assert resolve_model(str(gguf)) == path and conversions == []  # the cache holds it

