@@ -18,6 +18,7 @@ TOOL_CALL_PARSERS = ("none", "hermes", "llama3_json")  # scheduler_svc.frontend.
 # min(prompt + max_tokens, max_model_len).
 KV_ALLOCATIONS = ("paged", "static-max-model-len", "static-request")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
+WEIGHT_DTYPES = ("auto", "as-stored", "bfloat16", "float32")  # --weight-dtype (worker_svc.weights)
 KV_CACHE_DTYPES = ("auto", *DTYPE_BYTES)  # --kv-cache-dtype: auto (the model's) or a cache element type
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "cupy")
 INT8_QK = ("auto", "on", "off")
@@ -286,6 +287,12 @@ class RunnerOptions:
                                 "(whatever the checkpoint's dtype), the checkpoint's dtype on a GPU; the worker's "
                                 "start-up line says which and why (dtype, dtype_reason); float32 is the exact path",
                         choices=DTYPES, up=ALWAYS)
+    weight_dtype: str = option("auto", "the weights a matmul reads: as-stored runs a quantised checkpoint's blocks "
+                                       "(GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) on the quantised CPU kernel, dequantised "
+                                       "in registers (refused where it cannot run); bfloat16 or float32 dequantise "
+                                       "them at load into that dtype (then also the compute dtype); auto: as-stored "
+                                       "where it runs, else dequantised to --dtype. The start-up line says which "
+                                       "and why (weights_reason)", choices=WEIGHT_DTYPES, up=GIVEN)
     kv_cache_dtype: str = option("auto", "the KV cache's element type, whatever --dtype is: auto (the model's "
                                          "dtype), a float type, or 8 bits with one float32 scale per token and kv "
                                          "head (int8, fp8_e4m3, fp8_e5m2: about 3.8x the tokens of a float32 "

@@ -151,6 +151,7 @@ def _log_ready(scheduler: str, runner, reg: WorkerRegistration, governor: Thread
                warm_up_steps: int, warm_up_s: float) -> None:
     log.info("worker ready", scheduler=scheduler, num_blocks=reg.num_blocks, block_size=reg.block_size,
              dtype=str(runner.loaded.dtype).removeprefix("torch."), dtype_reason=runner.loaded.dtype_reason,
+             weights_reason=runner.loaded.weights_reason,
              kv_cache_dtype=reg.dtype, device=reg.device,
              kv_bytes=runner.pool.nbytes, threads=torch.get_num_threads(),
              cores=available_cores(), adaptive_threads=bool(governor and governor.enabled),

@@ -18,7 +18,10 @@ import torch.nn.functional as F
 
 from worker_svc.cpu_ops import FUSED_DTYPES, shared_ops
 from worker_svc.linear import Linear, f32_copies_fit, make_linear, transposed
-from worker_svc.models import LoadedModel
+from worker_svc.models import LoadedModel, lean_unsupported
+from worker_svc.quant.kernel import shared_kernel
+from worker_svc.quant.linear import QuantEmbedding, QuantLinear, quant_linear
+from worker_svc.quant.weight import QuantWeight
 
 
 @dataclass(slots=True)
@@ -88,12 +91,19 @@ class LeanModel:
     SiLU and rotary are row by row already. `self.batch_invariant` says whether that held for every weight (the
     kernels exist on this CPU, the float32 copies fit)."""
 
-    def __init__(self, model: torch.nn.Module, batch_invariant: bool = False) -> None:
+    def __init__(self, model: torch.nn.Module, batch_invariant: bool = False,
+                 quantized: dict[str, QuantWeight] | None = None) -> None:
         cfg = model.config
         self.model = model
         inner = model.model
-        self.embed = inner.embed_tokens.weight
         self.final_norm = inner.norm.weight
+        self.dtype, device = self.final_norm.dtype, self.final_norm.device
+        # quantised weights (by parameter name; their modules hold meta tensors): the quantised kernel runs them
+        self._quant = quantized or {}
+        self._names = {id(m): name for name, m in model.named_modules()}
+        embed_name = self._names[id(inner.embed_tokens)] + ".weight"
+        self.embed = QuantEmbedding(self._quant[embed_name], self.dtype) if embed_name in self._quant else \
+            inner.embed_tokens.weight
         # float32 weights on the CPU: the panel kernel's copies (else oneDNN's for small calls) where they fit
         f32 = [m.weight for layer in inner.layers for m in layer.modules() if isinstance(m, torch.nn.Linear)
                and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu"]
@@ -102,7 +112,11 @@ class LeanModel:
         f32_copy = bool(f32 or head_f32) and f32_copies_fit(sum(w.numel() * 4 for w in f32) +
                                                              head_f32 * head.numel() * 4)
         inv = batch_invariant
-        self.lm_head = make_linear(head, None, vocab=True, f32_copy=f32_copy, invariant=inv)
+        head_name = self._names[id(model.lm_head)] + ".weight"
+        if head_name not in self._quant and getattr(cfg, "tie_word_embeddings", False) and embed_name in self._quant:
+            head_name = embed_name  # NOTE: tied: the lm_head multiplies by the embedding's blocks
+        self.lm_head = self._quant_linear([head_name], None) if head_name in self._quant else \
+            make_linear(head, None, vocab=True, f32_copy=f32_copy, invariant=inv)
         self.rotary = inner.rotary_emb
         self.eps = float(cfg.rms_norm_eps)
         first = inner.layers[0].self_attn
@@ -110,18 +124,18 @@ class LeanModel:
         self.num_heads = int(cfg.num_attention_heads)
         self.num_kv_heads = int(cfg.num_key_value_heads)
         self.scaling = float(first.scaling)
-        self.ops = shared_ops() if self.embed.dtype in FUSED_DTYPES and self.embed.device.type == "cpu" else None
-        if self.ops is not None and self.embed.dtype == torch.float32 and not self.ops.vector_f32():
+        self.ops = shared_ops() if self.dtype in FUSED_DTYPES and device.type == "cpu" else None
+        if self.ops is not None and self.dtype == torch.float32 and not self.ops.vector_f32():
             self.ops = None  # a build without AVX2: its scalar SiLU is slower than torch's
         self.layers: list[LeanLayer] = []
         for layer in inner.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            qkv_w, qkv_b = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-            gu_w, gu_b = _fuse([mlp.gate_proj, mlp.up_proj])
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
             self.layers.append(LeanLayer(
-                make_linear(qkv_w, qkv_b, f32_copy=f32_copy, invariant=inv), _own(attn.o_proj, f32_copy, inv),
-                make_linear(gu_w, gu_b, f32_copy=f32_copy, invariant=inv), _own(mlp.down_proj, f32_copy, inv),
+                self._linear([attn.q_proj, attn.k_proj, attn.v_proj], f32_copy, inv),
+                self._linear([attn.o_proj], f32_copy, inv),
+                self._linear([mlp.gate_proj, mlp.up_proj], f32_copy, inv),
+                self._linear([mlp.down_proj], f32_copy, inv),
                 layer.input_layernorm.weight.detach(),
                 layer.post_attention_layernorm.weight.detach(),
                 None if q_norm is None else q_norm.weight.detach(), None if k_norm is None else k_norm.weight.detach()))
@@ -129,11 +143,33 @@ class LeanModel:
                                                                               layer.down))]
         self.batch_invariant = batch_invariant and all(lin.invariant for lin in linears)
 
+    def _linear(self, modules: list[torch.nn.Linear], f32_copy: bool, invariant: bool) -> Linear | QuantLinear:
+        """One matmul for `modules` side by side (a fused QKV or gate/up): on the quantised kernel where their weights
+        are kept quantised, else over float weights laid out by linear.py (the modules keep views of them)."""
+        names = [self._names[id(m)] + ".weight" for m in modules]
+        kept = [name in self._quant for name in names]
+        if all(kept):
+            return self._quant_linear(names, _cat_bias(modules))
+        if any(kept):  # NOTE: a checkpoint that stores some of a fused matmul's weights as floats: all as floats
+            for m, name in zip(modules, names):
+                if name in self._quant:
+                    m.weight = torch.nn.Parameter(self._quant[name].dequantize().to(self.dtype), requires_grad=False)
+        if len(modules) == 1:
+            return _own(modules[0], f32_copy, invariant)
+        weight, bias = _fuse(modules)
+        return make_linear(weight, bias, f32_copy=f32_copy, invariant=invariant)
+
+    def _quant_linear(self, names: list[str], bias: torch.Tensor | None) -> QuantLinear:
+        kernel = shared_kernel()
+        if kernel is None:  # NOTE: models.load_model keeps weights quantised only where the kernel runs
+            raise RuntimeError("quantised weights, and no quantised kernel on this CPU")
+        return quant_linear([self._quant[name] for name in names], bias, kernel)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, step, keep: torch.Tensor) -> torch.Tensor:
         t = input_ids.shape[0]
         nh, nkv, hd, eps = self.num_heads, self.num_kv_heads, self.head_dim, self.eps
         nq, nk = nh * hd, nkv * hd
-        x = F.embedding(input_ids, self.embed)
+        x = self.embed(input_ids) if isinstance(self.embed, QuantEmbedding) else F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(x[None], positions[None])
         ops = self.ops if x.dtype in FUSED_DTYPES and x.device.type == "cpu" else None
         if ops is not None:  # the CPU path: fused norms, residual adds, SiLU product and rotary
@@ -179,18 +215,23 @@ def _bias(linear: torch.nn.Linear) -> torch.Tensor | None:
     return None if linear.bias is None else linear.bias.detach()
 
 
+def _cat_bias(modules: list[torch.nn.Linear]) -> torch.Tensor | None:
+    """The biases of `modules` side by side (None where none has one)."""
+    biases = [_bias(m) for m in modules]
+    if all(b is None for b in biases):
+        return None
+    if any(b is None for b in biases):
+        raise ValueError("mixed biases")
+    return torch.cat(biases)
+
+
 def build_lean(loaded: LoadedModel, batch_invariant: bool = False) -> tuple[LeanModel | None, str]:
     """A LeanModel for `loaded` (batch_invariant: see LeanModel), or None and the reason the transformers path must
     run it."""
-    cfg = loaded.model.config
-    if getattr(cfg, "hidden_act", None) != "silu":
-        return None, f"hidden_act {getattr(cfg, 'hidden_act', None)!r} (lean path: silu only)"
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) and \
-            any(t == "sliding_attention" for t in (getattr(cfg, "layer_types", None) or [])):
-        return None, "sliding-window layers"
+    unsupported = lean_unsupported(loaded.model.config)
+    if unsupported:
+        return None, unsupported
     inner = getattr(loaded.model, "model", None)
     if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(loaded.model, "lm_head"):
         return None, "not a Llama-family decoder layout"
-    if getattr(cfg, "pretraining_tp", 1) != 1:
-        return None, "pretraining_tp > 1"
-    return LeanModel(loaded.model, batch_invariant), ""
+    return LeanModel(loaded.model, batch_invariant, loaded.quantized), ""

@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import json
 from collections.abc import Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface, AutoModelForCausalLM
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 
 from pagedserve_common.kv_geometry import KVGeometry
 from worker_svc.cpu_features import NATIVE_BF16_FLAGS, cpu_flags, native_bf16_flags
 from worker_svc.kv_pool import DTYPES
+from worker_svc.quant.store import QUANTIZED_FILE, load_quantized
+from worker_svc.quant.weight import QuantWeight
+from worker_svc.weights import choose_weights
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTN_IMPLEMENTATION = "pagedserve"
@@ -51,6 +54,10 @@ class LoadedModel:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     dtype_reason: str = ""  # why `dtype` (DtypeChoice.reason): "--dtype float32", "auto: the CPU has amx_bf16", ...
+    # The weights kept quantised, by parameter name (their modules' parameters are on the meta device: only the lean
+    # forward runs such a model); {} where every weight is a float tensor of the model.
+    quantized: dict[str, QuantWeight] = field(default_factory=dict)
+    weights_reason: str = ""  # what runs and why (weights.WeightChoice.reason)
 
     def kv_geometry(self, block_size: int, kv_cache_dtype: str = "auto") -> KVGeometry:
         """The pool's shape; kv_cache_dtype "auto" is the model's dtype."""
@@ -105,18 +112,57 @@ def resolve_dtype(dtype: str, device: str, config: dict, flags: Collection[str] 
     return DtypeChoice(DTYPES[dtype], reason)
 
 
-def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
-               model_id: str | None = None) -> LoadedModel:
+def lean_unsupported(cfg) -> str:
+    """Why the lean forward (lean_model.py) cannot run a model of this transformers config ('' where it can)."""
+    if getattr(cfg, "hidden_act", None) != "silu":
+        return f"hidden_act {getattr(cfg, 'hidden_act', None)!r} (lean path: silu only)"
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) and \
+            any(t == "sliding_attention" for t in (getattr(cfg, "layer_types", None) or [])):
+        return "sliding-window layers"
+    if getattr(cfg, "pretraining_tp", 1) != 1:
+        return "pretraining_tp > 1"
+    return ""
+
+
+def _why_not_quantized(device: str, lean: bool, cfg) -> str:
+    """Why the quantised kernel cannot run this model's quantised weights here ('' where it can)."""
+    if device != "cpu":
+        return "the quantised kernels run on the CPU"
+    if not lean:
+        return "--transformers-forward runs the transformers modules, which take float weights"
+    unsupported = lean_unsupported(cfg)
+    if unsupported:
+        return f"the lean forward does not run this model ({unsupported})"
+    from worker_svc.quant.kernel import shared_kernel  # NOTE: here: it builds the CPU kernel library
+
+    if shared_kernel() is None:
+        return "this CPU (or --cpu-path) has no quantised kernel: it needs AVX2, FMA and F16C"
+    return ""
+
+
+def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", model_id: str | None = None,
+               weight_dtype: str = "auto", lean: bool = True) -> LoadedModel:
+    """The model of `model_dir` for `device`. lean: the lean forward will run it (else the transformers modules);
+    weight_dtype: --weight-dtype (worker_svc.weights)."""
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     model_type = config.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r} in {model_dir}/config.json; "
                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    choice = resolve_dtype(dtype, device, config)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=choice.dtype)
+    quantized = load_quantized(model_dir)
+    hf_config = AutoConfig.from_pretrained(model_dir)
+    weights = choose_weights(weight_dtype, dtype, quantized,
+                             _why_not_quantized(device, lean, hf_config) if quantized else "")
+    choice = resolve_dtype(weights.dtype, device, config)
+    if weights.keep_quantized:
+        model = _model_without(model_dir, hf_config, choice.dtype, set(quantized))
+    else:
+        quantized = {}
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=choice.dtype)
+        model.to(device)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    model.to(device).eval()
+    model.eval()
     cfg = model.config
     eos = cfg.eos_token_id if cfg.eos_token_id is not None else []
     gen_cfg = getattr(model, "generation_config", None)
@@ -125,4 +171,33 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu",
     eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
     return LoadedModel(model=model, model_id=model_id or str(model_dir), model_type=model_type,
                        dtype=choice.dtype, max_model_len=int(getattr(cfg, "max_position_embeddings", 2048)),
-                       vocab_size=int(cfg.vocab_size), eos_token_ids=eos_ids, dtype_reason=choice.reason)
+                       vocab_size=int(cfg.vocab_size), eos_token_ids=eos_ids, dtype_reason=choice.reason,
+                       quantized=quantized, weights_reason=weights.reason)
+
+
+def _model_without(model_dir: Path, config, dtype: torch.dtype, skip: set[str]) -> torch.nn.Module:
+    """The model with every float tensor of `model_dir` but those named in `skip` (the quantised weights, which stay
+    on the meta device: never allocated, never read). NOTE: built on the meta device, so non-persistent buffers (the
+    rotary embedding's inverse frequencies) are made again on the CPU; anything else left unloaded is an error."""
+    from safetensors import safe_open
+    from transformers import GenerationConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    state = {}
+    for path in sorted(model_dir.glob("*.safetensors")):
+        if path.name == QUANTIZED_FILE:
+            continue
+        with safe_open(str(path), "pt") as f:
+            state.update({name: f.get_tensor(name).to(dtype) for name in f.keys() if name not in skip})
+    model.load_state_dict(state, strict=False, assign=True)
+    inner = model.model
+    inner.rotary_emb = type(inner.rotary_emb)(config=model.config)  # NOTE: outside the meta device: on the CPU
+    left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and name not in skip]
+    if left:
+        raise ValueError(f"{model_dir}: no weights for {', '.join(left[:5])}{' ...' if len(left) > 5 else ''}")
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(model_dir)
+    except OSError:  # NOTE: no generation_config.json: the config's defaults, as from_pretrained keeps them
+        pass
+    return model

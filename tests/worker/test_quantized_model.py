@@ -1,0 +1,89 @@
+"""The default model served from its GGUF's Q4_1 / Q8_0 blocks (--weight-dtype auto): no float copy of a quantised
+weight is made, and in float32 its logits are, bit for bit, those of the model dequantised to float32 (the quantised
+kernel computes the float32 panel kernel's chain on GGML's float32 weights), so its greedy tokens are too; the
+flag's refusals name it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve_common.startup import USAGE, StartupError
+from pagedserve_cli.bench.local_driver import LocalDriver
+from worker_svc.attention import AttentionMetadata
+from worker_svc.kv_pool import KVPool
+from worker_svc.models import load_model
+from worker_svc.quant.kernel import shared_kernel
+from worker_svc.runner import ModelRunner, StepContext
+from worker_svc.worker import make_backend
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(shared_kernel() is None, reason="no quantised kernel on this CPU (AVX2+FMA+F16C)")]
+PROMPTS = [[504, 3575, 282, 4649, 314], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], list(range(1000, 1040))]
+
+
+def runner_for(model_dir: str, weight_dtype: str, dtype: str = "float32") -> ModelRunner:
+    loaded = load_model(model_dir, dtype=dtype, weight_dtype=weight_dtype)
+    pool = KVPool(loaded.kv_geometry(16), 64)
+    return ModelRunner(loaded, pool, make_backend("cpu", "cpu", pool.geometry), batch_invariant=True)
+
+
+def test_the_default_model_runs_from_its_blocks_by_default_with_no_float_copy(smollm2_dir):
+    loaded = load_model(smollm2_dir, dtype="float32")
+    formats = sorted({w.format.name for w in loaded.quantized.values()})
+    assert (len(loaded.quantized), formats) == (211, ["q4_1", "q8_0"])
+    assert loaded.weights_reason == "auto: as stored (210 q4_1, 1 q8_0)"
+    inner = loaded.model.model
+    # the quantised weights' parameters were never allocated; the norms were loaded
+    assert inner.embed_tokens.weight.is_meta and inner.layers[0].mlp.down_proj.weight.is_meta
+    assert not inner.layers[0].input_layernorm.weight.is_meta and not inner.norm.weight.is_meta
+    held = sum(w.blocks.numel() for w in loaded.quantized.values())
+    assert held < 0.2 * sum(w.shape[0] * w.shape[1] * 4 for w in loaded.quantized.values())  # ~5 bits, not 32
+
+
+def test_float32_logits_are_the_dequantised_models_bit_for_bit(smollm2_dir):
+    runners = {w: runner_for(smollm2_dir, w) for w in ("as-stored", "float32")}
+    assert runners["as-stored"].loaded.quantized and not runners["float32"].loaded.quantized
+    tokens, n = list(range(1000, 1060)), 40
+    logits = {}
+    with torch.inference_mode():
+        for name, runner in runners.items():
+            backend, table, out = runner.backend, list(range(4)), []
+            meta = AttentionMetadata.build([n], [n], [table], 16)
+            out.append(runner.lean.forward(torch.tensor(tokens[:n]), torch.arange(n),
+                                           StepContext(runner.pool.kv, meta, backend), torch.arange(n)))
+            for p in range(n, len(tokens)):
+                meta = AttentionMetadata.build([1], [p + 1], [table], 16)
+                out.append(runner.lean.forward(torch.tensor([tokens[p]]), torch.tensor([p]),
+                                               StepContext(runner.pool.kv, meta, backend), torch.tensor([0])))
+            logits[name] = torch.cat(out)
+    assert torch.equal(logits["as-stored"], logits["float32"])
+
+
+def test_greedy_tokens_are_the_dequantised_models_in_chunked_mixed_batches(smollm2_dir):
+    outs = {}
+    for weight_dtype in ("as-stored", "float32"):
+        driver = LocalDriver(runner_for(smollm2_dir, weight_dtype), max_num_batched_tokens=8)
+        ids = [driver.add(p, 16, arrival_step=2 * i) for i, p in enumerate(PROMPTS)]
+        out = driver.run()
+        outs[weight_dtype] = [out[i][0] for i in ids]
+    assert outs["as-stored"] == outs["float32"]
+
+
+def test_bfloat16_runs_from_the_blocks_too(smollm2_dir):
+    runner = runner_for(smollm2_dir, "auto", dtype="bfloat16")
+    assert runner.loaded.quantized and runner.batch_invariant, runner.batch_invariant_reason
+    driver = LocalDriver(runner, max_num_batched_tokens=64)
+    request = driver.add(PROMPTS[0], 8)
+    assert len(driver.run()[request][0]) == 8
+
+
+def test_the_flags_refusals_name_it(smollm2_dir):
+    with pytest.raises(StartupError, match="--weight-dtype float32 with --dtype bfloat16") as e:
+        load_model(smollm2_dir, dtype="bfloat16", weight_dtype="float32")
+    assert e.value.exit_code == USAGE
+    with pytest.raises(StartupError, match="--weight-dtype as-stored: .*--transformers-forward"):
+        load_model(smollm2_dir, dtype="float32", weight_dtype="as-stored", lean=False)
+    # auto dequantises where the kernel cannot run them, and says why
+    loaded = load_model(smollm2_dir, dtype="float32", lean=False)
+    assert not loaded.quantized and loaded.weights_reason.startswith("auto: 210 q4_1, 1 q8_0 dequantised (")
