@@ -40,8 +40,9 @@ VLLM_FLAGS = {
                                        "(--data-parallel-size N runs N workers)", accepted=("1",)),
     "--pipeline-parallel-size": VllmFlag("a model is not split across devices here: each worker holds it whole",
                                          accepted=("1",)),
-    "--quantization": VllmFlag("quantised weights are not implemented yet (GGUF checkpoints are dequantised at "
-                               "load)", accepted=_REFUSED),
+    "--quantization": VllmFlag("a GGUF checkpoint's blocks (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) run as stored by default "
+                               "(--weight-dtype auto); other quantisation methods are not implemented yet",
+                               accepted=("gguf",)),
     "--gpu-memory-utilization": VllmFlag("the KV pool is sized in bytes: --kv-memory BYTES", accepted=_REFUSED),
     "--tokenizer": VllmFlag("the model's own tokenizer is used", accepted=_REFUSED),
     "--load-format": VllmFlag("checkpoints load as their files say", accepted=("auto",)),

@@ -234,4 +234,11 @@ def build_lean(loaded: LoadedModel, batch_invariant: bool = False) -> tuple[Lean
     inner = getattr(loaded.model, "model", None)
     if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(loaded.model, "lm_head"):
         return None, "not a Llama-family decoder layout"
-    return LeanModel(loaded.model, batch_invariant, loaded.quantized), ""
+    lean = LeanModel(loaded.model, batch_invariant, loaded.quantized)
+    # NOTE: the blocks packed into the kernel's panels are released (the panels replace them); an embedding kept
+    # quantised still reads its rows from them
+    if isinstance(lean.embed, QuantEmbedding):
+        loaded.quantized = {name: w for name, w in loaded.quantized.items() if w is lean.embed.weight}
+    else:
+        loaded.quantized = {}
+    return lean, ""

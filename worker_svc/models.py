@@ -55,9 +55,11 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     dtype_reason: str = ""  # why `dtype` (DtypeChoice.reason): "--dtype float32", "auto: the CPU has amx_bf16", ...
     # The weights kept quantised, by parameter name (their modules' parameters are on the meta device: only the lean
-    # forward runs such a model); {} where every weight is a float tensor of the model.
+    # forward runs such a model); {} where every weight is a float tensor of the model. NOTE: build_lean releases the
+    # ones it packs for the kernel (weights_reason keeps their count).
     quantized: dict[str, QuantWeight] = field(default_factory=dict)
     weights_reason: str = ""  # what runs and why (weights.WeightChoice.reason)
+    runs_quantized: bool = False  # weights kept quantised at load: only the lean forward runs this model
 
     def kv_geometry(self, block_size: int, kv_cache_dtype: str = "auto") -> KVGeometry:
         """The pool's shape; kv_cache_dtype "auto" is the model's dtype."""
@@ -172,7 +174,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", 
     return LoadedModel(model=model, model_id=model_id or str(model_dir), model_type=model_type,
                        dtype=choice.dtype, max_model_len=int(getattr(cfg, "max_position_embeddings", 2048)),
                        vocab_size=int(cfg.vocab_size), eos_token_ids=eos_ids, dtype_reason=choice.reason,
-                       quantized=quantized, weights_reason=weights.reason)
+                       quantized=quantized, weights_reason=weights.reason, runs_quantized=bool(quantized))
 
 
 def _model_without(model_dir: Path, config, dtype: torch.dtype, skip: set[str]) -> torch.nn.Module:

@@ -75,6 +75,9 @@ class ModelRunner:
         """[len(keep), vocab] logits of the rows `keep` of the packed forward."""
         if self.lean is not None:
             return self.lean.forward(input_ids, positions, step, keep)
+        if self.loaded.runs_quantized:  # NOTE: its modules hold no weights (models.load_model)
+            raise RuntimeError("this model's weights were kept quantised, which only the lean forward runs "
+                               "(load_model(..., lean=False) dequantises them for the transformers forward)")
         out = self.loaded.model(input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0),
                                 paged_step=step, logits_to_keep=keep, use_cache=False)
         return out.logits[0]

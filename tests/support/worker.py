@@ -26,7 +26,7 @@ PATHS = {"lean+cpu": (True, "cpu"), "transformers+torch": (False, "torch")}
 
 def make_runner(model_dir: str, num_blocks: int = 64, block_size: int = 16, path: str = "lean+cpu") -> ModelRunner:
     lean, backend = PATHS[path]
-    loaded = load_model(model_dir, dtype="float32")
+    loaded = load_model(model_dir, dtype="float32", lean=lean)
     pool = KVPool(loaded.kv_geometry(block_size), num_blocks)
     runner = ModelRunner(loaded, pool, make_backend(backend, "cpu", pool.geometry), lean=lean)
     assert runner.forward_path == ("lean" if lean else "transformers"), runner.lean_skip_reason

@@ -29,8 +29,8 @@ def test_smollm2_greedy_matches_transformers_in_mixed_chunked_batches(smollm2_di
     prompts = [tok(t)["input_ids"] for t in TEXTS]
     ref_model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32, attn_implementation="sdpa")
     refs = [reference_greedy(ref_model.eval(), p, NEW) for p in prompts]
-    loaded = load_model(smollm2_dir, dtype="float32")
     lean, backend = PATHS[path]
+    loaded = load_model(smollm2_dir, dtype="float32", lean=lean)
     pool = KVPool(loaded.kv_geometry(16), 64)
     runner = ModelRunner(loaded, pool, make_backend(backend, "cpu", pool.geometry), lean=lean)
     assert runner.forward_path == ("lean" if lean else "transformers")
