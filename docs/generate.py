@@ -119,6 +119,7 @@ def comments(file) -> dict[tuple[int, ...], str]:
 
 # FileDescriptorProto / DescriptorProto / ServiceDescriptorProto / EnumDescriptorProto field numbers (source paths)
 FILE_MESSAGE, FILE_ENUM, FILE_SERVICE = 4, 5, 6
+FILE_SYNTAX = 12  # a file's opening comment is protoc's leading comment of its `syntax` line
 MESSAGE_FIELD, MESSAGE_NESTED, MESSAGE_ENUM = 2, 3, 4
 SERVICE_METHOD, ENUM_VALUE = 2, 2
 
@@ -129,7 +130,7 @@ def grpc_reference() -> str:
            "(ranges, defaults, the status a bad value gets). The [gRPC API](grpc.md) page says how to call them.\n"]
     for file in proto_files():
         notes = comments(file)
-        out.append(f"\n## `{file.name}`\n\n{cell(notes.get((12,), '') or first_comment(file))}\n")
+        out.append(f"\n## `{file.name}`\n\n{cell(notes.get((FILE_SYNTAX,), ''))}\n")
         for i, service in enumerate(file.service):
             out.append(service_section(file.package, service, (FILE_SERVICE, i), notes))
         for i, message in enumerate(file.message_type):
@@ -137,12 +138,6 @@ def grpc_reference() -> str:
         for i, enum in enumerate(file.enum_type):
             out.append(enum_section(file.package, enum, (FILE_ENUM, i), notes))
     return "".join(out)
-
-
-def first_comment(file) -> str:
-    """The file's opening comment (the one above `syntax`)."""
-    return next((" ".join(line.strip() for line in loc.leading_detached_comments[0].strip().splitlines())
-                 for loc in file.source_code_info.location if loc.leading_detached_comments), "")
 
 
 def service_section(package: str, service, path: tuple[int, ...], notes: dict) -> str:

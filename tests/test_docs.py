@@ -5,6 +5,7 @@ page is in it), and the site builds with `mkdocs build --strict` (where mkdocs i
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import os
 import re
@@ -143,6 +144,7 @@ URL = re.compile(r"https?://127\.0\.0\.1:8000(/[A-Za-z0-9_/{}.-]*)")  # the defa
 RPC = re.compile(r"\b((?:pagedserve|grpc\.health)\.v1\.[A-Za-z]+)/([A-Za-z]+)\b")
 
 
+@functools.cache
 def served_routes() -> dict[str, set[str]]:
     """The HTTP app's routes: {path with `{name}` parameters: methods}. NOTE: built over a mock front end: only the
     route table is read, no request is made."""

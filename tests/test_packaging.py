@@ -170,9 +170,10 @@ def _imported_modules(package: str) -> dict[str, set[str]]:
 
 
 # NOTE: the repository-wide checks stay at tests/: this file (every package, the layering, the tests' own layout),
-# test_protos.py (protos/ against its generated stubs) and test_docs.py (README.md, docs/ and mkdocs.yml against the
-# repository and the CLI). Every other test sits in the folder of what it tests.
-ROOT_TESTS = {"test_packaging.py", "test_protos.py", "test_docs.py"}
+# test_protos.py (protos/ against its generated stubs), test_docs.py (README.md, docs/ and mkdocs.yml against the
+# repository and the CLI) and test_docs_runnable.py (their runnable blocks against a real server). Every other test
+# sits in the folder of what it tests.
+ROOT_TESTS = {"test_packaging.py", "test_protos.py", "test_docs.py", "test_docs_runnable.py"}
 
 
 def _names_imported(source: str, module: str) -> set[str]:
