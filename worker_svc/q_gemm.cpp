@@ -200,24 +200,31 @@ PS_Q512 inline __m512 bytes16(const uint8_t* h, int offset, int c, bool is_signe
   return _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v));
 }
 
-// w [G][48] = the group at `grp` dequantised (see the table at the top for each format's operations).
+// Columns [16c, 16c + 16) of a group: w = a * q + b (Q4_1, Q4_K), a * (q - 8) (Q4_0), a * q (Q8_0, Q6_K); see the
+// table at the top. One function for both the dequantise-into-L1 and the direct paths: the same bits.
+PS_Q512 inline void scales16(int fmt, const uint8_t* grp, int c, __m512& a, __m512& b) {
+  a = half16(grp, 0, c), b = _mm512_setzero_ps();
+  if (fmt == kQ4_1) b = half16(grp, 1, c);
+  if (fmt == kQ4_K) {
+    a = _mm512_mul_ps(a, bytes16(grp, 4 * kCols, c, false));
+    b = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(half16(grp, 1, c), bytes16(grp, 5 * kCols, c, false)));
+  }
+  if (fmt == kQ6_K) a = _mm512_mul_ps(a, bytes16(grp, 2 * kCols, c, true));
+}
+PS_Q512 inline __m512 weight16(int fmt, const uint8_t* q, bool nibbles, int kk, int c, __m512 a, __m512 b) {
+  const __m512 v = quants16(q, nibbles, kk, c);
+  if (fmt == kQ4_0) return _mm512_mul_ps(a, _mm512_sub_ps(v, _mm512_set1_ps(8.0f)));
+  if (fmt == kQ4_1 || fmt == kQ4_K) return _mm512_fmadd_ps(a, v, b);
+  return _mm512_mul_ps(a, v);
+}
+
+// w [G][48] = the group at `grp` dequantised.
 PS_Q512 void dequant_group512(int fmt, const Layout& lay, const uint8_t* grp, float* w) {
   const uint8_t* q = grp + lay.header;
   for (int c = 0; c < 3; ++c) {
-    __m512 a = half16(grp, 0, c), b = _mm512_setzero_ps();
-    if (fmt == kQ4_1) b = half16(grp, 1, c);
-    if (fmt == kQ4_K) {
-      a = _mm512_mul_ps(a, bytes16(grp, 4 * kCols, c, false));
-      b = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(half16(grp, 1, c), bytes16(grp, 5 * kCols, c, false)));
-    }
-    if (fmt == kQ6_K) a = _mm512_mul_ps(a, bytes16(grp, 2 * kCols, c, true));
-    for (int kk = 0; kk < lay.group; ++kk) {
-      __m512 v = quants16(q, lay.nibbles, kk, c);
-      if (fmt == kQ4_0) v = _mm512_mul_ps(a, _mm512_sub_ps(v, _mm512_set1_ps(8.0f)));
-      else if (fmt == kQ4_1 || fmt == kQ4_K) v = _mm512_fmadd_ps(a, v, b);
-      else v = _mm512_mul_ps(a, v);
-      _mm512_store_ps(w + kk * kCols + 16 * c, v);
-    }
+    __m512 a, b;
+    scales16(fmt, grp, c, a, b);
+    for (int kk = 0; kk < lay.group; ++kk) _mm512_store_ps(w + kk * kCols + 16 * c, weight16(fmt, q, lay.nibbles, kk, c, a, b));
   }
 }
 
@@ -311,6 +318,62 @@ template <typename T>
 constexpr FmaFn<T> kFma256[kRows2 + 1] = {nullptr, fma_block256<1, T>, fma_block256<2, T>, fma_block256<3, T>,
                                           fma_block256<4, T>};
 
+// A few rows (decode): each k-step's weights dequantised into registers and used at once, the accumulators kept in
+// registers over the whole panel (no group in L1, no stores between groups). Every output is the same FMA chain
+// over k from 0.0f on the same weight values as fma_block512's: the same bits, so a row's result does not depend
+// on which path its batch's size picks.
+constexpr int kDirectRows = 4;
+template <int FMT, int R, typename T>
+PS_Q512 void direct512(const Layout& lay, const T* x, int64_t lda, const uint8_t* pan, int64_t groups, float* acc) {
+  constexpr int kGroup = FMT == kQ6_K ? 16 : 32;
+  constexpr bool kNibbles = FMT != kQ8_0 && FMT != kQ6_K;
+  __m512 s[R][3];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 3; ++c) s[r][c] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < groups; ++g) {
+    const uint8_t* grp = pan + g * lay.group_bytes();
+    const uint8_t* q = grp + lay.header;
+    __m512 a[3], b[3];
+    for (int c = 0; c < 3; ++c) scales16(FMT, grp, c, a[c], b[c]);
+    const T* xg = x + g * kGroup;
+#pragma GCC unroll 4
+    for (int kk = 0; kk < kGroup; ++kk) {
+      const __m512 w0 = weight16(FMT, q, kNibbles, kk, 0, a[0], b[0]), w1 = weight16(FMT, q, kNibbles, kk, 1, a[1], b[1]),
+                   w2 = weight16(FMT, q, kNibbles, kk, 2, a[2], b[2]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 xv = _mm512_set1_ps(widen(xg[r * lda + kk]));
+        s[r][0] = _mm512_fmadd_ps(xv, w0, s[r][0]);
+        s[r][1] = _mm512_fmadd_ps(xv, w1, s[r][1]);
+        s[r][2] = _mm512_fmadd_ps(xv, w2, s[r][2]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 3; ++c) _mm512_store_ps(acc + r * kCols + 16 * c, s[r][c]);
+}
+
+template <int FMT, typename T>
+PS_Q512 void direct512_rows(const Layout& lay, const T* x, int64_t m, int64_t k, const uint8_t* pan, float* acc) {
+  const int64_t groups = k / lay.group;
+  switch (m) {
+    case 1: direct512<FMT, 1>(lay, x, k, pan, groups, acc); break;
+    case 2: direct512<FMT, 2>(lay, x, k, pan, groups, acc); break;
+    case 3: direct512<FMT, 3>(lay, x, k, pan, groups, acc); break;
+    default: direct512<FMT, 4>(lay, x, k, pan, groups, acc); break;
+  }
+}
+
+template <typename T>
+PS_Q512 void direct512_any(int fmt, const Layout& lay, const T* x, int64_t m, int64_t k, const uint8_t* pan, float* acc) {
+  switch (fmt) {
+    case kQ4_0: direct512_rows<kQ4_0>(lay, x, m, k, pan, acc); break;
+    case kQ4_1: direct512_rows<kQ4_1>(lay, x, m, k, pan, acc); break;
+    case kQ8_0: direct512_rows<kQ8_0>(lay, x, m, k, pan, acc); break;
+    case kQ4_K: direct512_rows<kQ4_K>(lay, x, m, k, pan, acc); break;
+    default: direct512_rows<kQ6_K>(lay, x, m, k, pan, acc); break;
+  }
+}
+
 bool cpu_has(int leaf7_ebx_bit, bool need_avx512_state) {
   unsigned a, b, c, d;
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(b & (1u << leaf7_ebx_bit))) return false;
@@ -340,13 +403,12 @@ int q_width() {
 }
 
 #if defined(__x86_64__)
-// One panel: every row of x against its groups, then bias and the stores. acc: M x 48 floats (64-byte aligned).
+// One panel's rows through the group-in-L1 path: each group dequantised once into w, then every row's FMA chains.
 template <typename T>
-void panel(int width, int fmt, const Layout& lay, const T* x, int64_t m, int64_t k, const uint8_t* pan,
-           const T* bias, T* out, int64_t n, int64_t cols, float* acc, float* w) {
+void grouped(int width, int fmt, const Layout& lay, const T* x, int64_t m, int64_t k, const uint8_t* pan, float* acc,
+             float* w) {
   std::memset(acc, 0, sizeof(float) * static_cast<size_t>(m * kCols));
-  const int64_t groups = k / lay.group;
-  for (int64_t g = 0; g < groups; ++g) {
+  for (int64_t g = 0; g < k / lay.group; ++g) {
     const uint8_t* grp = pan + g * lay.group_bytes();
     if (width == 512) dequant_group512(fmt, lay, grp, w);
     else dequant_group256(fmt, lay, grp, w);
@@ -363,6 +425,15 @@ void panel(int width, int fmt, const Layout& lay, const T* x, int64_t m, int64_t
       }
     }
   }
+}
+
+// One panel: every row of x against its groups (a few rows: the direct path; the same bits), then bias and the
+// stores. acc: M x 48 floats (64-byte aligned).
+template <typename T>
+void panel(int width, int fmt, const Layout& lay, const T* x, int64_t m, int64_t k, const uint8_t* pan,
+           const T* bias, T* out, int64_t n, int64_t cols, float* acc, float* w) {
+  if (width == 512 && m <= kDirectRows) direct512_any(fmt, lay, x, m, k, pan, acc);
+  else grouped(width, fmt, lay, x, m, k, pan, acc, w);
   for (int64_t r = 0; r < m; ++r)  // the epilogue f32_gemm.cpp's store_rows has: acc + bias (float32), stored as T
     for (int64_t c = 0; c < cols; ++c) store(out + r * n + c, acc[r * kCols + c] + (bias ? widen(bias[c]) : 0.0f));
 }
