@@ -1,17 +1,19 @@
 // Weight-only quantised matmuls (worker_svc/quant/ops.py): out = x . W^T (+ bias) for x [M, K] float32 or
-// bfloat16 and W [N, K] kept in a GGML block format (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K), dequantised in registers and
+// bfloat16 and W [N, K] kept in a GGML block format (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K), dequantised in registers and
 // never stored as floats. Built into the CPU kernel library (cpu_build.py).
 //
 // Layout: at load the file's blocks are repacked (ps_q_pack) into panels of kCols = 48 output columns, each a run of
 // groups of G k-steps (G = 32; 16 for Q6_K, whose scales change every 16 weights): a group's header (the scales of
 // its 48 columns, as the file holds them: fp16 d and m, 6-bit sub-block scales) and then its quants, k-step by
 // k-step (4-bit formats: 24 bytes a step, byte j of each 8-byte run holding columns j and j + 8; 8-bit: 48 bytes).
-// Q6_K's 6-bit quants are widened to int8 (8 bits a weight instead of 6.56); the other formats keep their size.
+// Q6_K's 6-bit quants and Q5_0's 5-bit ones are widened to int8 (8 bits a weight instead of 6.56 and 5.5): a Q5_0
+// weight is then packed as a Q8_0 one (q - 16, its scale d), whose arithmetic it shares. The other formats keep
+// their size.
 //
 // Arithmetic: a group is dequantised into 32 x 48 floats in L1, each weight the float32 value GGML's own
 // dequantisation gives, in its order of operations (so a weight's bits are the reference's, gguf-py's
 // `dequantize`, worker_svc/quant/formats.py):
-//   Q4_0  d * (q - 8)          Q4_1  d * q + m (one rounding: d * q is exact)      Q8_0  d * q
+//   Q4_0  d * (q - 8)          Q4_1  d * q + m (one rounding: d * q is exact)      Q8_0  d * q   Q5_0  d * (q - 16)
 //   Q4_K  (d * sc) * q - dmin * mn (the products exact; one rounding)              Q6_K  (d * sc) * q (one rounding)
 // then every row takes one FMA chain per output over k in order, as the float32 panel kernel does (f32_gemm.cpp):
 // an output's bits are those of f32_gemm's on the dequantised weight, whatever M, the row's place in the batch, the
@@ -38,7 +40,7 @@ constexpr int kMaxGroup = 32;
 
 using bf16 = uint16_t;
 
-enum Format : int { kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };  // GGML's type ids
+enum Format : int { kQ4_0 = 2, kQ4_1 = 3, kQ5_0 = 6, kQ8_0 = 8, kQ4_K = 12, kQ6_K = 14 };  // GGML's type ids
 
 struct Layout {
   int block_k = 0, block_bytes = 0;  // the file's block: weights and bytes
@@ -53,11 +55,15 @@ Layout layout_of(int fmt) {
     case kQ4_0: return {32, 18, 32, 2 * kCols, true};
     case kQ4_1: return {32, 20, 32, 4 * kCols, true};
     case kQ8_0: return {32, 34, 32, 2 * kCols, false};
+    case kQ5_0: return {32, 22, 32, 2 * kCols, false};  // packed as Q8_0 (packed_format)
     case kQ4_K: return {256, 144, 32, 6 * kCols, true};  // d, dmin (fp16), sc, mn (6-bit, a byte each)
     case kQ6_K: return {256, 210, 16, 3 * kCols, false};  // d (fp16), sc (int8)
     default: return {};
   }
 }
+
+// The format a packed weight is multiplied as: Q5_0's quants, widened to int8 at packing, are Q8_0's.
+int packed_format(int fmt) { return fmt == kQ5_0 ? kQ8_0 : fmt; }
 
 inline float widen(float x) { return x; }
 inline float widen(bf16 x) {
@@ -100,6 +106,15 @@ void decode_block(int fmt, const uint8_t* b, Decoded& out) {
       out.d[0] = u16(b);
       for (int j = 0; j < 32; ++j) out.q[j] = static_cast<int8_t>(b[2 + j]);
       return;
+    case kQ5_0: {  // weight i's fifth bit: bit i of qh (little-endian); nibbles as Q4_0's
+      out.d[0] = u16(b);
+      const uint32_t qh = b[2] | (b[3] << 8) | (b[4] << 16) | (static_cast<uint32_t>(b[5]) << 24);
+      for (int j = 0; j < 16; ++j) {
+        out.q[j] = ((b[6 + j] & 0xF) | (((qh >> j) & 1) << 4)) - 16;
+        out.q[j + 16] = ((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16;
+      }
+      return;
+    }
     case kQ4_K: {
       const uint8_t* s = b + 4;
       for (int j = 0; j < 8; ++j) {
@@ -135,7 +150,7 @@ void decode_block(int fmt, const uint8_t* b, Decoded& out) {
 void put_column(int fmt, const Layout& lay, const Decoded& dec, int g, int j, uint8_t* dst) {
   auto put16 = [&](int slot, uint16_t v) { std::memcpy(dst + 2 * (slot * kCols + j), &v, 2); };
   switch (fmt) {
-    case kQ4_0: case kQ8_0: put16(0, dec.d[g]); break;
+    case kQ4_0: case kQ5_0: case kQ8_0: put16(0, dec.d[g]); break;
     case kQ4_1: put16(0, dec.d[g]), put16(1, dec.m[g]); break;
     case kQ4_K:
       put16(0, dec.d[g]), put16(1, dec.m[g]);
@@ -468,7 +483,7 @@ int run_linear(int fmt, const T* x, int64_t m, int64_t k, const uint8_t* packed,
   if (width == 0) return 2;
   if (m == 0) return 0;
 #if defined(__x86_64__)
-  linear(width, fmt, x, m, k, packed, n, bias, out);
+  linear(width, packed_format(fmt), x, m, k, packed, n, bias, out);
 #endif
   return 0;
 }

@@ -8,7 +8,7 @@ import numpy as np
 from worker_svc.quant.formats import QuantFormat
 
 # byte offsets of each format's fp16 fields in a block (GGML's block structs)
-FP16_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q8_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}
+FP16_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q5_0": (0,), "q8_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}
 FP16_EXPONENT = 0x7C00  # all ones: inf or NaN
 
 

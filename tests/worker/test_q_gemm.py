@@ -13,6 +13,7 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
+from tests.support.quant_blocks import FP16_FIELDS
 from worker_svc import cpu_path
 from worker_svc.cpu_build import load_library
 from worker_svc.cpu_features import cpu_flags
@@ -22,10 +23,8 @@ from worker_svc.quant.kernel import QuantKernel
 PATHS = [p for p in ("avx512", "avx2") if p in cpu_path.supported(cpu_flags())]
 pytestmark = pytest.mark.skipif(not PATHS, reason="no AVX2 + FMA + F16C on this CPU: no quantised kernel runs here")
 FORMATS = {t.name.lower(): t for t in (GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1,
-                                       GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q4_K,
-                                       GGMLQuantizationType.Q6_K)}
-# Where each format's fp16 fields sit in its block (byte offsets): set to finite values in the random blocks.
-HALF_FIELDS = {"q4_0": (0,), "q4_1": (0, 2), "q8_0": (0,), "q4_k": (0, 2), "q6_k": (208,)}
+                                       GGMLQuantizationType.Q5_0, GGMLQuantizationType.Q8_0,
+                                       GGMLQuantizationType.Q4_K, GGMLQuantizationType.Q6_K)}
 U32 = 2.0 ** -24  # float32's unit roundoff
 
 
@@ -46,7 +45,7 @@ def random_blocks(fmt: str, rows: int, cols: int, seed: int) -> np.ndarray:
     block_k, block_bytes = GGML_QUANT_SIZES[FORMATS[fmt]]
     rng = np.random.default_rng(seed)
     blocks = rng.integers(0, 256, size=(rows, cols // block_k, block_bytes), dtype=np.uint8)
-    for offset in HALF_FIELDS[fmt]:
+    for offset in FP16_FIELDS[fmt]:  # set to finite values of a real checkpoint's size
         scales = (rng.uniform(1e-3, 1e-1, size=blocks.shape[:2]) * rng.choice([-1, 1], size=blocks.shape[:2]))
         blocks[:, :, offset:offset + 2] = scales.astype(np.float16)[..., None].view(np.uint8)
     return blocks.reshape(rows, -1)

@@ -22,7 +22,7 @@ def bits(a: np.ndarray) -> np.ndarray:
 
 def test_the_formats_are_ggmls():
     assert {name: (f.ggml_type, f.block_size, f.block_bytes) for name, f in FORMATS.items()} == {
-        "q4_0": (2, 32, 18), "q4_1": (3, 32, 20), "q8_0": (8, 32, 34), "q4_k": (12, 256, 144),
+        "q4_0": (2, 32, 18), "q4_1": (3, 32, 20), "q5_0": (6, 32, 22), "q8_0": (8, 32, 34), "q4_k": (12, 256, 144),
         "q6_k": (14, 256, 210)}
     for f in FORMATS.values():
         assert FORMATS_BY_GGML_TYPE[f.ggml_type] is f
@@ -114,3 +114,13 @@ def test_a_quant_weight_checks_its_fields(shape, blocks, message):
     else:
         with pytest.raises(ValueError, match=message):
             QuantWeight(FORMATS["q4_0"], shape, blocks)
+
+
+def test_q5_0_fifth_bits_are_qh_bit_by_weight():
+    block = np.zeros((1, 22), np.uint8)
+    block[0, 0:2] = np.array([0.5], "<f2").view(np.uint8)
+    block[0, 2:6] = np.array([(1 << 0) | (1 << 17)], "<u4").view(np.uint8)  # weights 0 and 17: fifth bit set
+    block[0, 6] = 0x3A  # weight 0: low nibble 0xA, weight 16: high nibble 0x3
+    w = dequantize(block, FORMATS["q5_0"])[0]
+    assert (w[0], w[16], w[17]) == ((0x1A - 16) * 0.5, (0x3 - 16) * 0.5, (0x10 - 16) * 0.5)
+    assert set(w[[*range(1, 16), *range(18, 32)]]) == {-8.0}  # (0 - 16) * 0.5

@@ -22,7 +22,7 @@ from worker_svc.quant.store import QUANTIZATION_JSON, QUANTIZED_FILE, load_quant
 
 HIDDEN, HEADS, KV_HEADS, INTER = 32, 2, 1, 256
 # every block format in the tiny file: the layers' projections (ffn_down's rows, INTER long, fit a K-quant's 256)
-TINY_FORMATS = {"token_embd": "q8_0", "attn_q": "q4_0", "attn_k": "q4_1", "attn_v": "q8_0", "attn_output": "q4_1",
+TINY_FORMATS = {"token_embd": "q8_0", "attn_q": "q4_0", "attn_k": "q4_1", "attn_v": "q5_0", "attn_output": "q4_1",
                 "ffn_gate": "q4_0", "ffn_up": "q8_0", "blk.0.ffn_down": "q4_k", "blk.1.ffn_down": "q6_k"}
 HF_PROJECTIONS = {"attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
                   "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
@@ -184,7 +184,7 @@ def test_a_dir_without_quantized_weights_has_none(tmp_path):
 
 
 @pytest.mark.parametrize("edit, message", [
-    (dict(format="q5_0"), r"tensor 'a.weight': format 'q5_0' is not one of q4_0, q4_1, q8_0, q4_k, q6_k"),
+    (dict(format="q5_1"), r"tensor 'a.weight': format 'q5_1' is not one of q4_0, q4_1, q5_0, q8_0, q4_k, q6_k"),
     (dict(format=None), r"tensor 'a.weight': format None is not one of"),
     (dict(format=["q4_0"]), r"tensor 'a.weight': format \['q4_0'\] is not one of"),
     (dict(shape=[3]), r"tensor 'a.weight': shape \[3\] is not two positive sizes \[out, in\]"),

@@ -43,11 +43,12 @@ class QuantFormat:
 
 Q4_0 = QuantFormat("q4_0", 2, 32, 18)  # d: fp16; qs: 16 bytes of 4-bit quants
 Q4_1 = QuantFormat("q4_1", 3, 32, 20)  # d, m: fp16; qs: 16 bytes of 4-bit quants
+Q5_0 = QuantFormat("q5_0", 6, 32, 22)  # d: fp16; qh: 4 bytes (each weight's fifth bit); qs: 16 bytes of 4-bit quants
 Q8_0 = QuantFormat("q8_0", 8, 32, 34)  # d: fp16; qs: 32 int8
 Q4_K = QuantFormat("q4_k", 12, QK_K, 144)  # d, dmin: fp16; scales: 12 bytes (8 x 6-bit scale, min); qs: 128 bytes
 Q6_K = QuantFormat("q6_k", 14, QK_K, 210)  # ql: 128 bytes; qh: 64 bytes; scales: 16 int8; d: fp16
 
-FORMATS: dict[str, QuantFormat] = {f.name: f for f in (Q4_0, Q4_1, Q8_0, Q4_K, Q6_K)}
+FORMATS: dict[str, QuantFormat] = {f.name: f for f in (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K)}
 FORMATS_BY_GGML_TYPE: dict[int, QuantFormat] = {f.ggml_type: f for f in FORMATS.values()}
 
 
@@ -86,6 +87,15 @@ def _q4_1(b: np.ndarray) -> np.ndarray:
     d, m = _fp16(b[:, 0:2]), _fp16(b[:, 2:4])
     q = _nibbles(b[:, 4:20]).reshape(-1, 32).astype(np.float32)
     return d * q + m
+
+
+def _q5_0(b: np.ndarray) -> np.ndarray:
+    # nibbles as in Q4_0; weight i's fifth bit is bit i of qh (a little-endian uint32); w = (q - 16) * d, exact
+    d = _fp16(b[:, 0:2])
+    qh = np.ascontiguousarray(b[:, 2:6]).view("<u4")
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+    q = (_nibbles(b[:, 6:22]).reshape(-1, 32) | (high << 4)).astype(np.float32) - 16.0
+    return q * d
 
 
 def _q8_0(b: np.ndarray) -> np.ndarray:
@@ -133,5 +143,5 @@ def _q6_k(b: np.ndarray) -> np.ndarray:
 
 
 _DEQUANTIZERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "q4_0": _q4_0, "q4_1": _q4_1, "q8_0": _q8_0, "q4_k": _q4_k, "q6_k": _q6_k,
+    "q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q8_0": _q8_0, "q4_k": _q4_k, "q6_k": _q6_k,
 }
