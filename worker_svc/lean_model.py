@@ -234,7 +234,13 @@ def build_lean(loaded: LoadedModel, batch_invariant: bool = False) -> tuple[Lean
     inner = getattr(loaded.model, "model", None)
     if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(loaded.model, "lm_head"):
         return None, "not a Llama-family decoder layout"
+    if batch_invariant in loaded.lean_models:
+        return loaded.lean_models[batch_invariant], ""
+    if loaded.runs_quantized and loaded.lean_models:
+        raise ValueError("this model's quantised weights were packed for a lean forward with the other batch_invariant "
+                         "setting, and their blocks released: load the model again for this one")
     lean = LeanModel(loaded.model, batch_invariant, loaded.quantized)
+    loaded.lean_models[batch_invariant] = lean
     # NOTE: the blocks packed into the kernel's panels are released (the panels replace them); an embedding kept
     # quantised still reads its rows from them
     if isinstance(lean.embed, QuantEmbedding):

@@ -60,6 +60,9 @@ class LoadedModel:
     quantized: dict[str, QuantWeight] = field(default_factory=dict)
     weights_reason: str = ""  # what runs and why (weights.WeightChoice.reason)
     runs_quantized: bool = False  # weights kept quantised at load: only the lean forward runs this model
+    # The lean forwards built over this model, by batch_invariant (lean_model.build_lean): runners over one model share
+    # them. NOTE: for a model kept quantised this is not only a saving: building one releases the blocks it packs.
+    lean_models: dict = field(default_factory=dict)
 
     def kv_geometry(self, block_size: int, kv_cache_dtype: str = "auto") -> KVGeometry:
         """The pool's shape; kv_cache_dtype "auto" is the model's dtype."""

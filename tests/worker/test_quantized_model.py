@@ -72,6 +72,24 @@ def test_greedy_tokens_are_the_dequantised_models_in_chunked_mixed_batches(smoll
     assert outs["as-stored"] == outs["float32"]
 
 
+def test_runners_over_one_model_kept_quantised_share_its_lean_forward(smollm2_dir):
+    # building a lean forward releases the blocks it packs, so a second runner over the same model (workers in one
+    # process, tests) takes the first one's: the same tokens, not a forward over released weights
+    loaded = load_model(smollm2_dir, dtype="float32")
+    runners = [ModelRunner(loaded, KVPool(loaded.kv_geometry(16), n), make_backend("cpu", "cpu", loaded.kv_geometry(16)))
+               for n in (64, 32)]
+    assert runners[0].lean is runners[1].lean and runners[1].batch_invariant
+    outs = []
+    for runner in runners:
+        driver = LocalDriver(runner, max_num_batched_tokens=8)
+        ids = [driver.add(p, 8) for p in PROMPTS]
+        out = driver.run()
+        outs.append([out[i][0] for i in ids])
+    assert outs[0] == outs[1]
+    with pytest.raises(ValueError, match="packed for a lean forward with the other batch_invariant setting"):
+        ModelRunner(loaded, runners[0].pool, runners[0].backend, batch_invariant=False)
+
+
 def test_bfloat16_runs_from_the_blocks_too(smollm2_dir):
     runner = runner_for(smollm2_dir, "auto", dtype="bfloat16")
     assert runner.loaded.weights_reason == "auto: as stored (210 q4_1, 1 q8_0)"
