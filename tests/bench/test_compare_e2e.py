@@ -107,8 +107,10 @@ KV_INT8_LAST = re.compile(r"^blocks_ratio=(\d+\.\d{4}) concurrency_ratio=(\d+\.\
 def test_kv_int8_registers_the_pool_bytes_blocks_of_each_cache_and_scores_both(tiny_served_model, tmp_path):
     # The tiny model's float32 cache takes 512 bytes a token (8 KiB a block: 80 blocks); int8 2 x 2 x 2 x (16 + 4)
     # = 160 (2,560 bytes a block: 256 blocks in the same bytes).
+    # NOTE: outputs long enough that each side runs for many KV samples: a run of 0.1 s (8:16 tokens) could end
+    # between two samples on a busy machine, leaving its concurrency unmeasured (nan)
     out = compare(tiny_served_model, tmp_path, "--compare", "kv-int8", "--num-requests", "8", "--prompt-len",
-                  "16:32", "--output-len", "8:16", "--max-num-seqs", "8", "--ppl-tokens", "200")
+                  "16:32", "--output-len", "64:80", "--max-num-seqs", "8", "--ppl-tokens", "200")
     assert out.returncode == 0, out.stderr[-4000:]
     print(out.stdout)
     m = KV_INT8_LAST.match(out.stdout.splitlines()[-1])
