@@ -50,7 +50,7 @@ struct Layout {
   int64_t group_bytes() const { return header + group * (nibbles ? kCols / 2 : kCols); }
 };
 
-Layout layout_of(int fmt) {
+constexpr Layout layout_of(int fmt) {
   switch (fmt) {
     case kQ4_0: return {32, 18, 32, 2 * kCols, true};
     case kQ4_1: return {32, 20, 32, 4 * kCols, true};
@@ -340,8 +340,8 @@ constexpr FmaFn<T> kFma256[kRows2 + 1] = {nullptr, fma_block256<1, T>, fma_block
 constexpr int kDirectRows = 4;
 template <int FMT, int R, typename T>
 PS_Q512 void direct512(const Layout& lay, const T* x, int64_t lda, const uint8_t* pan, int64_t groups, float* acc) {
-  constexpr int kGroup = FMT == kQ6_K ? 16 : 32;
-  constexpr bool kNibbles = FMT != kQ8_0 && FMT != kQ6_K;
+  constexpr int kGroup = layout_of(FMT).group;  // the layout's, as constants: the k-loop unrolled, no branches
+  constexpr bool kNibbles = layout_of(FMT).nibbles;
   __m512 s[R][3];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 3; ++c) s[r][c] = _mm512_setzero_ps();
