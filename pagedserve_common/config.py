@@ -19,6 +19,7 @@ TOOL_CALL_PARSERS = ("none", "hermes", "llama3_json")  # scheduler_svc.frontend.
 KV_ALLOCATIONS = ("paged", "static-max-model-len", "static-request")
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 WEIGHT_DTYPES = ("auto", "as-stored", "bfloat16", "float32")  # --weight-dtype (worker_svc.weights)
+ACTIVATION_DTYPES = ("auto", "int8")  # --activation-dtype (worker_svc.weights.choose_activations)
 KV_CACHE_DTYPES = ("auto", *DTYPE_BYTES)  # --kv-cache-dtype: auto (the model's) or a cache element type
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "cupy")
 INT8_QK = ("auto", "on", "off")
@@ -288,11 +289,18 @@ class RunnerOptions:
                                 "start-up line says which and why (dtype, dtype_reason); float32 is the exact path",
                         choices=DTYPES, up=ALWAYS)
     weight_dtype: str = option("auto", "the weights a matmul reads: as-stored runs a quantised checkpoint's blocks "
-                                       "(GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q6_K) on the quantised CPU kernel, dequantised "
+                                       "(GGUF Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) on the quantised CPU kernel, dequantised "
                                        "in registers (refused where it cannot run); bfloat16 or float32 dequantise "
                                        "them at load into that dtype (then also the compute dtype); auto: as-stored "
                                        "where it runs, else dequantised to --dtype. The start-up line says which "
                                        "and why (weights_reason)", choices=WEIGHT_DTYPES, up=GIVEN)
+    activation_dtype: str = option("auto", "what a matmul over weights kept quantised multiplies them with: auto, "
+                                           "the float activations (the exact path: a float32 model's logits are the "
+                                           "dequantised model's bit for bit); int8: each row quantised to int8 per "
+                                           "32 inputs and multiplied in integers (AVX-512 VNNI or AVX2), as "
+                                           "llama.cpp's CPU kernels do: several times faster matmuls, logits within "
+                                           "about 1-2% (docs/models.md); refused where no weight is kept quantised",
+                                   choices=ACTIVATION_DTYPES, up=GIVEN)
     kv_cache_dtype: str = option("auto", "the KV cache's element type, whatever --dtype is: auto (the model's "
                                          "dtype), a float type, or 8 bits with one float32 scale per token and kv "
                                          "head (int8, fp8_e4m3, fp8_e5m2: about 3.8x the tokens of a float32 "

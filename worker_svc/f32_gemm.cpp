@@ -32,6 +32,8 @@
 #include <immintrin.h>
 #endif
 
+#include "kernels/bf16.h"
+
 extern "C" int ps_cpu_path_cap();  // cpu_path.cpp
 
 namespace {
@@ -40,23 +42,6 @@ constexpr int64_t kCols = 48;  // output columns a panel (3 vectors of 16)
 constexpr int kRows = 8;       // rows a register block (AVX-512)
 constexpr int kRows2 = 4;      // rows a register block (AVX2: 4 x 3 accumulators, 3 weights, 1 broadcast)
 constexpr int kCap512 = 2, kCap256 = 1;  // cpu_path.cpp's levels
-
-using bf16 = uint16_t;
-
-inline float widen(float x) { return x; }
-inline float widen(bf16 x) {
-  const uint32_t u = static_cast<uint32_t>(x) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-// float32 -> bfloat16, nearest even, NaN a quiet NaN, denormals kept: torch's conversion, in every build.
-inline bf16 narrow_bf16(float x) {
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  if ((u & 0x7FFFFFFFu) > 0x7F800000u) return 0x7FC0u;
-  return static_cast<bf16>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 
 // The epilogue every build shares: out[r][c] = acc[r][c] + bias[c] (float32), stored as T. `acc` rows 48 apart.
 template <typename T>

@@ -92,7 +92,7 @@ class LeanModel:
     kernels exist on this CPU, the float32 copies fit)."""
 
     def __init__(self, model: torch.nn.Module, batch_invariant: bool = False,
-                 quantized: dict[str, QuantWeight] | None = None) -> None:
+                 quantized: dict[str, QuantWeight] | None = None, int8_activations: bool = False) -> None:
         cfg = model.config
         self.model = model
         inner = model.model
@@ -100,6 +100,7 @@ class LeanModel:
         self.dtype, device = self.final_norm.dtype, self.final_norm.device
         # quantised weights (by parameter name; their modules hold meta tensors): the quantised kernel runs them
         self._quant = quantized or {}
+        self._int8_activations = int8_activations  # their matmuls' kernel (quant/kernel.py)
         self._names = {id(m): name for name, m in model.named_modules()}
         embed_name = self._names[id(inner.embed_tokens)] + ".weight"
         self.embed = QuantEmbedding(self._quant[embed_name], self.dtype) if embed_name in self._quant else \
@@ -160,7 +161,7 @@ class LeanModel:
         return make_linear(weight, bias, f32_copy=f32_copy, invariant=invariant)
 
     def _quant_linear(self, names: list[str], bias: torch.Tensor | None) -> QuantLinear:
-        kernel = shared_kernel()
+        kernel = shared_kernel(self._int8_activations)
         if kernel is None:  # NOTE: models.load_model keeps weights quantised only where the kernel runs
             raise RuntimeError("quantised weights, and no quantised kernel on this CPU")
         return quant_linear([self._quant[name] for name in names], bias, kernel)
@@ -239,7 +240,7 @@ def build_lean(loaded: LoadedModel, batch_invariant: bool = False) -> tuple[Lean
     if loaded.runs_quantized and loaded.lean_models:
         raise ValueError("this model's quantised weights were packed for a lean forward with the other batch_invariant "
                          "setting, and their blocks released: load the model again for this one")
-    lean = LeanModel(loaded.model, batch_invariant, loaded.quantized)
+    lean = LeanModel(loaded.model, batch_invariant, loaded.quantized, loaded.int8_activations)
     loaded.lean_models[batch_invariant] = lean
     # NOTE: the blocks packed into the kernel's panels are released (the panels replace them); an embedding kept
     # quantised still reads its rows from them

@@ -15,7 +15,7 @@ from worker_svc.cpu_features import NATIVE_BF16_FLAGS, cpu_flags, native_bf16_fl
 from worker_svc.kv_pool import DTYPES
 from worker_svc.quant.store import QUANTIZED_FILE, load_quantized
 from worker_svc.quant.weight import QuantWeight
-from worker_svc.weights import choose_weights
+from worker_svc.weights import choose_activations, choose_weights
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 ATTN_IMPLEMENTATION = "pagedserve"
@@ -60,6 +60,7 @@ class LoadedModel:
     quantized: dict[str, QuantWeight] = field(default_factory=dict)
     weights_reason: str = ""  # what runs and why (weights.WeightChoice.reason)
     runs_quantized: bool = False  # weights kept quantised at load: only the lean forward runs this model
+    int8_activations: bool = False  # --activation-dtype int8: the quantised matmuls quantise their activations
     # The lean forwards built over this model, by batch_invariant (lean_model.build_lean): runners over one model share
     # them. NOTE: for a model kept quantised this is not only a saving: building one releases the blocks it packs.
     lean_models: dict = field(default_factory=dict)
@@ -145,10 +146,19 @@ def _why_not_quantized(device: str, lean: bool, cfg) -> str:
     return ""
 
 
+def _why_not_int8() -> str:
+    """Why the int8-activation kernel cannot run here ('' where it can)."""
+    from worker_svc.quant.kernel import shared_kernel
+
+    if shared_kernel(int8_activations=True) is None:
+        return "this CPU (or --cpu-path) has no int8-activation kernel: it needs AVX2"
+    return ""
+
+
 def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", model_id: str | None = None,
-               weight_dtype: str = "auto", lean: bool = True) -> LoadedModel:
+               weight_dtype: str = "auto", lean: bool = True, activation_dtype: str = "auto") -> LoadedModel:
     """The model of `model_dir` for `device`. lean: the lean forward will run it (else the transformers modules);
-    weight_dtype: --weight-dtype (worker_svc.weights)."""
+    weight_dtype, activation_dtype: --weight-dtype, --activation-dtype (worker_svc.weights)."""
     model_dir = Path(model_dir)
     config = json.loads((model_dir / "config.json").read_text())
     model_type = config.get("model_type")
@@ -159,6 +169,8 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", 
     hf_config = AutoConfig.from_pretrained(model_dir)
     weights = choose_weights(weight_dtype, dtype, quantized,
                              _why_not_quantized(device, lean, hf_config) if quantized else "")
+    int8_activations, activations_reason = choose_activations(activation_dtype, weights.keep_quantized,
+                                                              _why_not_int8() if weights.keep_quantized else "")
     choice = resolve_dtype(weights.dtype, device, config)
     if weights.keep_quantized:
         model = _model_without(model_dir, hf_config, choice.dtype, set(quantized))
@@ -177,7 +189,8 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", 
     return LoadedModel(model=model, model_id=model_id or str(model_dir), model_type=model_type,
                        dtype=choice.dtype, max_model_len=int(getattr(cfg, "max_position_embeddings", 2048)),
                        vocab_size=int(cfg.vocab_size), eos_token_ids=eos_ids, dtype_reason=choice.reason,
-                       quantized=quantized, weights_reason=weights.reason, runs_quantized=bool(quantized))
+                       quantized=quantized, weights_reason=weights.reason + activations_reason,
+                       runs_quantized=bool(quantized), int8_activations=int8_activations)
 
 
 def _model_without(model_dir: Path, config, dtype: torch.dtype, skip: set[str]) -> torch.nn.Module:

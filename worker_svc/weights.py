@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from pagedserve_common.config import WEIGHT_DTYPES
+from pagedserve_common.config import ACTIVATION_DTYPES, WEIGHT_DTYPES
 from pagedserve_common.startup import USAGE, StartupError
 from worker_svc.quant.weight import QuantWeight
 
@@ -51,3 +51,20 @@ def choose_weights(weight_dtype: str, dtype: str, quantized: dict[str, QuantWeig
         raise StartupError(f"--weight-dtype as-stored: the quantised weights ({describe(quantized)}) cannot run here: "
                            f"{why_not} (pass --weight-dtype auto, bfloat16 or float32 to dequantise them)")
     return WeightChoice(False, dtype, f"auto: {describe(quantized)} dequantised ({why_not})")
+
+
+def choose_activations(activation_dtype: str, keep_quantized: bool, why_not: str) -> tuple[bool, str]:
+    """--activation-dtype against the weights chosen: (int8 activations, what the start-up line adds). `why_not`: why
+    the int8-activation kernel cannot run here ('' where it can). int8 is refused by name where no weight is kept
+    quantised (the float matmuls take float activations) or the kernel does not run; auto keeps float activations."""
+    if activation_dtype not in ACTIVATION_DTYPES:
+        raise ValueError(f"--activation-dtype must be one of {', '.join(ACTIVATION_DTYPES)}, got {activation_dtype!r}")
+    if activation_dtype == "auto":
+        return False, ""
+    if not keep_quantized:
+        raise StartupError("--activation-dtype int8: no weight is kept quantised here, and the float matmuls take "
+                           "float activations (pass --weight-dtype auto or as-stored with a quantised checkpoint)",
+                           USAGE)
+    if why_not:
+        raise StartupError(f"--activation-dtype int8: {why_not} (pass --activation-dtype auto)")
+    return True, "; activations int8 (--activation-dtype int8)"

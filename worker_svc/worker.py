@@ -135,7 +135,7 @@ def create_runner(cfg: WorkerConfig, backend: AttentionBackend | None = None) ->
     model_dir = resolve_model(cfg.model, cfg.revision)
     try:
         loaded = load_model(model_dir, cfg.dtype, cfg.device, model_id=cfg.model, weight_dtype=cfg.weight_dtype,
-                            lean=not cfg.transformers_forward)
+                            lean=not cfg.transformers_forward, activation_dtype=cfg.activation_dtype)
     except (OSError, ValueError) as e:  # NOTE: a missing or broken weights file, an unsupported architecture
         raise StartupError(f"--model {cfg.model}: cannot load it from {model_dir}: {one_line(e)}") from None
     geometry = loaded.kv_geometry(cfg.block_size, cfg.kv_cache_dtype)

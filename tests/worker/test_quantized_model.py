@@ -22,10 +22,24 @@ pytestmark = [pytest.mark.slow,
 PROMPTS = [[504, 3575, 282, 4649, 314], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], list(range(1000, 1040))]
 
 
-def runner_for(model_dir: str, weight_dtype: str, dtype: str = "float32") -> ModelRunner:
-    loaded = load_model(model_dir, dtype=dtype, weight_dtype=weight_dtype)
+def runner_for(model_dir: str, weight_dtype: str, dtype: str = "float32", activation_dtype: str = "auto") -> ModelRunner:
+    loaded = load_model(model_dir, dtype=dtype, weight_dtype=weight_dtype, activation_dtype=activation_dtype)
     pool = KVPool(loaded.kv_geometry(16), 64)
     return ModelRunner(loaded, pool, make_backend("cpu", "cpu", pool.geometry), batch_invariant=True)
+
+
+def prefill_then_decode_logits(runner: ModelRunner, n: int = 40, total: int = 60) -> torch.Tensor:
+    """The logits of a prompt of n tokens (one prefill) and of each of the next total - n tokens (one decode each)."""
+    tokens, backend, table, out = list(range(1000, 1000 + total)), runner.backend, list(range(4)), []
+    with torch.inference_mode():
+        meta = AttentionMetadata.build([n], [n], [table], 16)
+        out.append(runner.lean.forward(torch.tensor(tokens[:n]), torch.arange(n),
+                                       StepContext(runner.pool.kv, meta, backend), torch.arange(n)))
+        for p in range(n, total):
+            meta = AttentionMetadata.build([1], [p + 1], [table], 16)
+            out.append(runner.lean.forward(torch.tensor([tokens[p]]), torch.tensor([p]),
+                                           StepContext(runner.pool.kv, meta, backend), torch.tensor([0])))
+    return torch.cat(out)
 
 
 def test_the_default_model_runs_from_its_blocks_by_default_with_no_float_copy(smollm2_dir):
@@ -46,19 +60,7 @@ def test_float32_logits_are_the_dequantised_models_bit_for_bit(smollm2_dir):
     # the blocks packed for the kernel were released; the embedding's stay (its rows are read from them)
     assert list(runners["as-stored"].loaded.quantized) == ["model.embed_tokens.weight"]
     assert not runners["float32"].loaded.quantized
-    tokens, n = list(range(1000, 1060)), 40
-    logits = {}
-    with torch.inference_mode():
-        for name, runner in runners.items():
-            backend, table, out = runner.backend, list(range(4)), []
-            meta = AttentionMetadata.build([n], [n], [table], 16)
-            out.append(runner.lean.forward(torch.tensor(tokens[:n]), torch.arange(n),
-                                           StepContext(runner.pool.kv, meta, backend), torch.arange(n)))
-            for p in range(n, len(tokens)):
-                meta = AttentionMetadata.build([1], [p + 1], [table], 16)
-                out.append(runner.lean.forward(torch.tensor([tokens[p]]), torch.tensor([p]),
-                                               StepContext(runner.pool.kv, meta, backend), torch.tensor([0])))
-            logits[name] = torch.cat(out)
+    logits = {name: prefill_then_decode_logits(runner) for name, runner in runners.items()}
     assert torch.equal(logits["as-stored"], logits["float32"])
 
 
@@ -108,3 +110,32 @@ def test_the_flags_refusals_name_it(smollm2_dir):
     # auto dequantises where the kernel cannot run them, and says why
     loaded = load_model(smollm2_dir, dtype="float32", lean=False)
     assert not loaded.quantized and loaded.weights_reason.startswith("auto: 210 q4_1, 1 q8_0 dequantised (")
+
+
+@pytest.mark.skipif(shared_kernel(int8_activations=True) is None, reason="no int8-activation kernel (AVX2) here")
+def test_int8_activations_run_their_kernel_within_about_one_percent_and_batch_invariant(smollm2_dir):
+    runner = runner_for(smollm2_dir, "auto", activation_dtype="int8")
+    assert runner.loaded.weights_reason == "auto: as stored (210 q4_1, 1 q8_0); activations int8 (--activation-dtype int8)"
+    lean = runner.lean
+    assert all(lin.kernel.int8_activations for lin in [lean.lm_head, lean.layers[0].qkv, lean.layers[-1].down])
+    # the logits move by activation rounding only (measured: about 1.4% relative L2 on average, 8% at worst)
+    got, exact = prefill_then_decode_logits(runner), prefill_then_decode_logits(runner_for(smollm2_dir, "float32"))
+    rel = (got - exact).norm(dim=1) / exact.norm(dim=1)
+    assert rel.mean() < 0.045 and rel.max() < 0.25, rel
+    # each sequence's tokens are those it gets alone, in chunked mixed batches
+    driver = LocalDriver(runner, max_num_batched_tokens=8)
+    ids = [driver.add(p, 12, arrival_step=i) for i, p in enumerate(PROMPTS)]
+    together = driver.run()
+    for i, p in zip(ids, PROMPTS):
+        runner.reset()
+        alone = LocalDriver(runner, max_num_batched_tokens=64)
+        request = alone.add(p, 12)
+        assert alone.run()[request][0] == together[i][0]
+
+
+def test_int8_activations_are_refused_by_name_where_no_weight_is_kept_quantised(smollm2_dir):
+    with pytest.raises(StartupError, match="--activation-dtype int8: no weight is kept quantised") as e:
+        load_model(smollm2_dir, dtype="float32", weight_dtype="float32", activation_dtype="int8")
+    assert e.value.exit_code == USAGE
+    with pytest.raises(ValueError, match="--activation-dtype must be one of auto, int8"):
+        load_model(smollm2_dir, dtype="float32", activation_dtype="int4")

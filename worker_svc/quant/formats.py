@@ -52,9 +52,33 @@ FORMATS: dict[str, QuantFormat] = {f.name: f for f in (Q4_0, Q4_1, Q5_0, Q8_0, Q
 FORMATS_BY_GGML_TYPE: dict[int, QuantFormat] = {f.ggml_type: f for f in FORMATS.values()}
 
 
-def dequantize(blocks: np.ndarray, fmt: QuantFormat) -> np.ndarray:
-    """The float32 weight [rows, cols] of `blocks`, uint8 [rows, row_bytes] in `fmt`. ValueError for anything else
-    (another dtype or rank, a row that is not whole blocks)."""
+@dataclass(slots=True)
+class QuantGroups:
+    """A quantised weight decoded into GGML's terms: each group of `group` consecutive weights of a row shares a scale
+    (and a min): w = scale * q + add (Q4_1), scale * q - sub (Q4_K), else scale * q, in float32, one rounding at most.
+    q: int32 [rows, cols] (signed: Q4_0's q - 8, Q5_0's q - 16, Q6_K's q - 32); scale, add, sub: float32
+    [rows, cols // group]. What the int8-activation kernel's contract is written in (q8a_gemm.cpp)."""
+
+    group: int
+    q: np.ndarray
+    scale: np.ndarray
+    add: np.ndarray | None = None
+    sub: np.ndarray | None = None
+
+    def dequantize(self) -> np.ndarray:
+        rows, cols = self.q.shape
+        q = self.q.reshape(rows, -1, self.group).astype(np.float32)
+        w = self.scale[:, :, None] * q
+        if self.add is not None:
+            w = w + self.add[:, :, None]
+        if self.sub is not None:
+            w = w - self.sub[:, :, None]
+        return w.reshape(rows, cols)
+
+
+def decode(blocks: np.ndarray, fmt: QuantFormat) -> QuantGroups:
+    """`blocks` (uint8 [rows, row_bytes] in `fmt`) as quants and scales. ValueError for anything else (another dtype or
+    rank, a row that is not whole blocks)."""
     blocks = np.asarray(blocks)
     if blocks.dtype != np.uint8 or blocks.ndim != 2:
         raise ValueError(f"{fmt.name} blocks must be uint8 [rows, row_bytes], not {blocks.dtype} of shape "
@@ -62,7 +86,16 @@ def dequantize(blocks: np.ndarray, fmt: QuantFormat) -> np.ndarray:
     num_rows, row_bytes = blocks.shape
     num_cols = fmt.num_cols(row_bytes)
     flat = np.ascontiguousarray(blocks).reshape(-1, fmt.block_bytes)  # one block a row
-    return _DEQUANTIZERS[fmt.name](flat).reshape(num_rows, num_cols)
+    group, q, scale, add, sub = _DECODERS[fmt.name](flat)
+    per_row = num_cols // group
+    shaped = lambda a: None if a is None else np.ascontiguousarray(a, np.float32).reshape(num_rows, per_row)  # noqa: E731
+    return QuantGroups(group, q.astype(np.int32).reshape(num_rows, num_cols), shaped(scale), shaped(add), shaped(sub))
+
+
+def dequantize(blocks: np.ndarray, fmt: QuantFormat) -> np.ndarray:
+    """The float32 weight [rows, cols] of `blocks`, uint8 [rows, row_bytes] in `fmt` (as GGML dequantises it). ValueError
+    for anything else (another dtype or rank, a row that is not whole blocks)."""
+    return decode(blocks, fmt).dequantize()
 
 
 def _fp16(fields: np.ndarray) -> np.ndarray:
@@ -75,37 +108,31 @@ def _nibbles(qs: np.ndarray) -> np.ndarray:
     return np.stack([qs & 0x0F, qs >> 4], axis=-2)
 
 
-def _q4_0(b: np.ndarray) -> np.ndarray:
+# Each decoder: one block a row -> (group, q [blocks, block_size], scale, add, sub [blocks, groups a block]).
+def _q4_0(b: np.ndarray):
     # weight j (0..15) is the low nibble of qs[j], weight 16 + j its high nibble; w = (q - 8) * d, exact
-    d = _fp16(b[:, 0:2])
-    q = _nibbles(b[:, 2:18]).reshape(-1, 32).astype(np.float32) - 8.0
-    return q * d
+    return 32, _nibbles(b[:, 2:18]).reshape(-1, 32).astype(np.int32) - 8, _fp16(b[:, 0:2]), None, None
 
 
-def _q4_1(b: np.ndarray) -> np.ndarray:
+def _q4_1(b: np.ndarray):
     # nibbles as in Q4_0, unsigned; w = d * q + m: d * q exact, one rounding at the add
-    d, m = _fp16(b[:, 0:2]), _fp16(b[:, 2:4])
-    q = _nibbles(b[:, 4:20]).reshape(-1, 32).astype(np.float32)
-    return d * q + m
+    return 32, _nibbles(b[:, 4:20]).reshape(-1, 32), _fp16(b[:, 0:2]), _fp16(b[:, 2:4]), None
 
 
-def _q5_0(b: np.ndarray) -> np.ndarray:
+def _q5_0(b: np.ndarray):
     # nibbles as in Q4_0; weight i's fifth bit is bit i of qh (a little-endian uint32); w = (q - 16) * d, exact
-    d = _fp16(b[:, 0:2])
     qh = np.ascontiguousarray(b[:, 2:6]).view("<u4")
     high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
-    q = (_nibbles(b[:, 6:22]).reshape(-1, 32) | (high << 4)).astype(np.float32) - 16.0
-    return q * d
+    q = (_nibbles(b[:, 6:22]).reshape(-1, 32) | (high << 4)).astype(np.int32) - 16
+    return 32, q, _fp16(b[:, 0:2]), None, None
 
 
-def _q8_0(b: np.ndarray) -> np.ndarray:
+def _q8_0(b: np.ndarray):
     # w = q * d, q int8, exact
-    d = _fp16(b[:, 0:2])
-    q = b[:, 2:34].view(np.int8).astype(np.float32)
-    return q * d
+    return 32, b[:, 2:34].view(np.int8), _fp16(b[:, 0:2]), None, None
 
 
-def _q4_k(b: np.ndarray) -> np.ndarray:
+def _q4_k(b: np.ndarray):
     # 8 sub-blocks of 32 weights, each with a 6-bit scale sc and min mn packed into 12 bytes s[0..11]:
     #   j < 4:  sc = s[j] & 63,                          mn = s[j + 4] & 63
     #   j >= 4: sc = (s[j + 4] & 15) | (s[j - 4] >> 6) << 4, mn = (s[j + 4] >> 4) | (s[j] >> 6) << 4
@@ -117,13 +144,11 @@ def _q4_k(b: np.ndarray) -> np.ndarray:
     low, mid, high = s[:, 0:4], s[:, 4:8], s[:, 8:12]
     sc = np.concatenate([low & 63, (high & 0x0F) | ((low >> 6) << 4)], axis=1).astype(np.float32)
     mn = np.concatenate([mid & 63, (high >> 4) | ((mid >> 6) << 4)], axis=1).astype(np.float32)
-    q = _nibbles(b[:, 16:144].reshape(-1, 4, 32)).reshape(-1, 8, 32).astype(np.float32)
-    d1 = (d * sc)[:, :, None]
-    m1 = (dmin * mn)[:, :, None]
-    return (d1 * q - m1).reshape(-1, QK_K)
+    q = _nibbles(b[:, 16:144].reshape(-1, 4, 32)).reshape(-1, QK_K)
+    return 32, q, d * sc, None, dmin * mn
 
 
-def _q6_k(b: np.ndarray) -> np.ndarray:
+def _q6_k(b: np.ndarray):
     # Two halves of 128 weights; half h uses ql[64h..64h+63], qh[32h..32h+31]. Within a half, weight
     #   l      = ql[l] & 15      | (qh[l] >> 0 & 3) << 4        (l in 0..31)
     #   32 + l = ql[32 + l] & 15 | (qh[l] >> 2 & 3) << 4
@@ -137,11 +162,10 @@ def _q6_k(b: np.ndarray) -> np.ndarray:
     d = _fp16(b[:, 208:210])
     low = _nibbles(ql).reshape(-1, 2, 128)  # position nibble * 64 + byte
     high = ((qh >> np.array([0, 2, 4, 6], np.uint8)[:, None]) & 3).reshape(-1, 2, 128)  # position k * 32 + l
-    q = (low | (high << 4)).astype(np.float32) - 32.0
-    ds = (d * sc)[:, :, None]
-    return (ds * q.reshape(-1, 16, 16)).reshape(-1, QK_K)
+    q = (low | (high << 4)).astype(np.int32).reshape(-1, QK_K) - 32
+    return 16, q, d * sc, None, None
 
 
-_DEQUANTIZERS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+_DECODERS: dict[str, Callable[[np.ndarray], tuple]] = {
     "q4_0": _q4_0, "q4_1": _q4_1, "q5_0": _q5_0, "q8_0": _q8_0, "q4_k": _q4_k, "q6_k": _q6_k,
 }

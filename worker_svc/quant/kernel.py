@@ -1,6 +1,9 @@
-"""The quantised-weight matmul of the CPU kernel library (worker_svc/q_gemm.cpp): a GGML-format weight repacked once
-into 48-column panels, then out = x @ W.T (+ bias) with the weights dequantised in registers, one float32 FMA chain
-per output (the bits of the float32 panel kernel on the dequantised weight, at any row count: batch invariant)."""
+"""The quantised-weight matmuls of the CPU kernel library: a GGML-format weight repacked once into 48-column panels,
+then out = x @ W.T (+ bias), batch invariant (a row's result depends on that row alone), by one of two kernels:
+- float activations (worker_svc/q_gemm.cpp): the weights dequantised in registers, one float32 FMA chain per output:
+  the bits of the float32 panel kernel on the dequantised weight;
+- int8 activations (worker_svc/q8a_gemm.cpp, --activation-dtype int8): each row quantised to int8 per 32 inputs,
+  integer dot products per weight group (VNNI or AVX2), scaled in float32, as llama.cpp's CPU kernels compute."""
 
 from __future__ import annotations
 
@@ -14,20 +17,25 @@ _i64, _ptr, _int = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
 
 
 class QuantKernel:
-    """The library's ps_q_* functions. A weight is named by its GGML type id (worker_svc/quant/formats.py)."""
+    """The library's ps_q_* functions (int8_activations: its ps_q8a_* ones). A weight is named by its GGML type id
+    (worker_svc/quant/formats.py); a weight packed by one kernel is multiplied by that kernel only."""
 
-    def __init__(self, lib: ctypes.CDLL | None = None) -> None:
+    def __init__(self, lib: ctypes.CDLL | None = None, int8_activations: bool = False) -> None:
         lib = lib or load_library()
-        self._available, self._size, self._pack = lib.ps_q_available, lib.ps_q_packed_size, lib.ps_q_pack
+        self.int8_activations = int8_activations
+        prefix = "ps_q8a" if int8_activations else "ps_q"
+        fn = lambda name: getattr(lib, f"{prefix}_{name}")  # noqa: E731
+        self._available, self._size, self._pack = fn("available"), lib.ps_q_packed_size, fn("pack")
         self._available.argtypes, self._available.restype = [], _int
         self._size.argtypes, self._size.restype = [_int, _i64, _i64], _i64
         self._pack.argtypes, self._pack.restype = [_int, _ptr, _i64, _i64, _ptr], _int
-        self._linear = {torch.float32: lib.ps_q_linear_f32, torch.bfloat16: lib.ps_q_linear_bf16}
+        self._linear = {torch.float32: fn("linear_f32"), torch.bfloat16: fn("linear_bf16")}
         for fn in self._linear.values():
             fn.argtypes, fn.restype = [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr], _int
 
     def width(self) -> int:
-        """512 (AVX-512), 256 (AVX2 + FMA + F16C) or 0: no kernel runs here (within the process's CPU path)."""
+        """512 (float activations: AVX-512; int8: AVX-512 VNNI), 256 (AVX2 + FMA + F16C) or 0: no kernel runs here
+        (within the process's CPU path)."""
         return int(self._available())
 
     def packed_size(self, ggml_type: int, out_features: int, in_features: int) -> int:
@@ -61,19 +69,21 @@ class QuantKernel:
         rc = fn(ggml_type, x.data_ptr(), m, k, packed.data_ptr(), out_features,
                 None if bias is None else bias.data_ptr(), out.data_ptr())
         if rc != 0:
-            raise ValueError(f"the quantised matmul refused the call (code {rc})")
+            raise ValueError(f"the quantised matmul refused the call (code {rc}; int8_activations="
+                             f"{self.int8_activations})")
         return out
 
 
-_SHARED: list = []
+_SHARED: dict[bool, QuantKernel | None] = {}
 
 
-def shared_kernel() -> QuantKernel | None:
-    """One QuantKernel for the process where the library loads and a kernel runs on this CPU, else None."""
-    if not _SHARED:
+def shared_kernel(int8_activations: bool = False) -> QuantKernel | None:
+    """One QuantKernel (of each kind) for the process where the library loads and that kernel runs on this CPU, else
+    None."""
+    if int8_activations not in _SHARED:
         try:
-            kernel = QuantKernel()
-            _SHARED.append(kernel if kernel.width() else None)
+            kernel = QuantKernel(int8_activations=int8_activations)
+            _SHARED[int8_activations] = kernel if kernel.width() else None
         except (RuntimeError, OSError, AttributeError):
-            _SHARED.append(None)
-    return _SHARED[0]
+            _SHARED[int8_activations] = None
+    return _SHARED[int8_activations]
