@@ -16,10 +16,12 @@ server runs alone, one after the other (llama.cpp first), on the same threads (-
   prompt cache, which copies finished slots' KV out of the pool (up to 8 GiB by default): the distinct prompts here
   never hit it, and it would count their KV twice in its resident memory (our prefix cache lives in the KV pool);
 - pagedserve up --model GGUF --threads T --max-num-seqs 64 --kv-memory (KV tokens in its own cache dtype)
-  [--dtype D]: the GGUF dequantised at load (today; the KV cache follows the weights' dtype).
+  --activation-dtype A [--dtype D]: the GGUF's quantised weights run as stored; A int8 (the default here) multiplies
+  them as llama.cpp's CPU kernels do, with activations quantised to 8 bits per 32 inputs; auto is our exact path
+  (float activations: the dequantised model's bits).
 
 The peer is built without AMX (see setup_llamacpp.sh: this tree's AMX matmul dies with SIGILL), so on a CPU with
-AMX its quantised matmuls take the AVX512-VNNI dot products while ours, in bfloat16, use AMX.
+AMX its quantised matmuls take the AVX512-VNNI dot products, as ours do with --activation-dtype int8.
 
 Every load goes through ONE client for both, `pagedserve bench --openai-url` (POST /v1/completions, streamed,
 token-id prompts of --prompt-len tokens cut from the same text, --output-len greedy tokens with `ignore_eos`, each
@@ -323,7 +325,8 @@ def run_ours(args: argparse.Namespace, out: Path, tokens: list[int], bos: int | 
            "--listen", f"{HOST}:{free_port()}", "--worker-listen", f"{HOST}:{free_port()}", "--metrics", "",
            "--served-model-name", args.model_name, "--threads", str(args.threads), "--max-num-seqs", str(SLOTS),
            "--kv-memory", str(args.kv_tokens * bpt), "--max-model-len", str(max(args.slot_ctx, args.ppl_ctx + 1)),
-           *(["--dtype", args.dtype] if args.dtype != "auto" else []), *args.up_arg]
+           "--activation-dtype", args.activation_dtype, *(["--dtype", args.dtype] if args.dtype != "auto" else []),
+           *args.up_arg]
     ready = lambda: log.is_file() and "pagedserve is up" in log.read_text(errors="replace")  # noqa: E731
     with Server("pagedserve up", cmd, log, ready) as server:
         ready_line = next((json.loads(line) for line in log.read_text(errors="replace").splitlines()
@@ -350,6 +353,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="compute threads of each server (default: all cores, %(default)s)")
     ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
                     help="our --dtype (default auto)")
+    ap.add_argument("--activation-dtype", default="int8", choices=("auto", "int8"),
+                    help="our --activation-dtype (default int8: the peer's arithmetic; auto: our exact float path)")
     ap.add_argument("--prompt-len", type=int, default=96, help="prompt tokens of every request (default 96)")
     ap.add_argument("--output-len", type=int, default=128, help="greedy output tokens, EOS ignored (default 128)")
     ap.add_argument("--single-requests", type=int, default=3, help="single-stream requests (default 3)")
@@ -379,7 +384,7 @@ def main(argv: list[str] | None = None) -> int:
     args.model_dir = convert_gguf_file(args.gguf)  # our tokenizer (the bench's prompts) and config; `up` reuses it
     text_file = out / "corpus.txt"
     text_file.write_text(corpus.body(corpus.opticks_text()), encoding="utf-8")
-    print(f"gguf={args.gguf} threads={args.threads} prompt_len={args.prompt_len} output_len={args.output_len} "
+    print(f"gguf={args.gguf} threads={args.threads} activation_dtype={args.activation_dtype} prompt_len={args.prompt_len} output_len={args.output_len} "
           f"slot_ctx={args.slot_ctx} kv_tokens={args.kv_tokens} out={out}", flush=True)
 
     theirs, tokens, bos = run_llamacpp(args, out, text_file)
