@@ -1,7 +1,7 @@
 """pagedserve against llama.cpp's own llama-server on the same GGUF file: one stream, 8 and 64 concurrent, resident
 memory and perplexity on the packaged text (issue 53).
 
-    python bench/vs_llamacpp.py                     # the default model's GGUF (SmolLM2-135M-Instruct Q4_1), ~10 min
+    python bench/vs_llamacpp.py                     # the default model's GGUF (SmolLM2-135M-Instruct Q4_1), ~2 min
     python bench/vs_llamacpp.py --gguf FILE.gguf --threads 2 --ppl-chunks 16
 
 The peer is llama.cpp's C++ server (continuous batching over --parallel 64 slots), built from the llama.cpp tree
