@@ -2,12 +2,13 @@
 
 Each case builds real plans over the real ModelRunner (model loading and the KV fill are never timed), times
 `--steps` steps without the profiler (wall ms/step), then profiles the same steps with torch.profiler and splits
-the time into: matmuls (aten::linear or mm/addmm/oneDNN linear/the AMX and float32 panel kernels: QKV/O/MLP/lm_head), attention (the backend's forward), KV writes,
+the time into: matmuls (aten::linear or mm/addmm/oneDNN linear/the AMX, float32 panel and quantised kernels:
+QKV/O/MLP/lm_head), attention (the backend's forward), KV writes,
 sampling, plan (persistent batch), and the rest: other torch ops (norms, rotary, activations, embedding) plus
 Python and dispatcher time between ops.
 
 usage: python bench/profile_step.py [--model smollm2-135m-instruct] [--dtype float32] [--threads N] [--ctx 256] [--steps 5]
-       [--batches 1,16,64] [--prefill 2048] [--top N]
+       [--batches 1,16,64] [--prefill 2048] [--top N] [--weight-dtype auto] [--activation-dtype auto]
        [--backend auto|cpu|torch] [--transformers]      (the last two: the path before the lean forward)
 """
 
@@ -31,6 +32,7 @@ from worker_svc.heap import keep_heap_mapped  # noqa: E402
 from worker_svc.kv_pool import KVPool  # noqa: E402
 from worker_svc.model_store import DEFAULT_MODEL, resolve_model  # noqa: E402
 from worker_svc.models import load_model  # noqa: E402
+from worker_svc.quant.kernel import QuantKernel  # noqa: E402
 from pagedserve_common.step import NewSequence, SequenceDelta, StepPlan  # noqa: E402
 from worker_svc.runner import ModelRunner  # noqa: E402
 from worker_svc.worker import make_backend  # noqa: E402
@@ -38,7 +40,7 @@ from worker_svc.worker import make_backend  # noqa: E402
 ARGS: argparse.Namespace
 
 REGIONS = ("ps.attention", "ps.write_kv", "ps.sample", "ps.plan")
-AMX_LINEAR, F32_LINEAR = CpuOps.amx_linear, CpuOps.f32_linear
+AMX_LINEAR, F32_LINEAR, Q_LINEAR = CpuOps.amx_linear, CpuOps.f32_linear, QuantKernel.linear
 
 
 def traced(fn, label):
@@ -91,6 +93,7 @@ def run_case(loaded, name: str, plans_fn, steps: int) -> dict:
         if prof:
             CpuOps.amx_linear = traced(AMX_LINEAR, "ps.amx_linear")  # our kernels are no torch ops: name them
             CpuOps.f32_linear = traced(F32_LINEAR, "ps.f32_linear")
+            QuantKernel.linear = traced(Q_LINEAR, "ps.q_linear")
             prof.__enter__()
         for i, plan in enumerate(plans):
             t0 = time.perf_counter()
@@ -99,7 +102,7 @@ def run_case(loaded, name: str, plans_fn, steps: int) -> dict:
                 times.append(time.perf_counter() - t0)
         if prof:
             prof.__exit__(None, None, None)
-            CpuOps.amx_linear, CpuOps.f32_linear = AMX_LINEAR, F32_LINEAR
+            CpuOps.amx_linear, CpuOps.f32_linear, QuantKernel.linear = AMX_LINEAR, F32_LINEAR, Q_LINEAR
         times.sort()
         if not profiled:
             res["wall_ms"] = times[len(times) // 2] * 1e3
@@ -114,7 +117,7 @@ def run_case(loaded, name: str, plans_fn, steps: int) -> dict:
         # (worker_svc/linear.py). NOTE: attention calls no mm on the cpu backend's paths up to 512-token chunks.
         tops = ("aten::linear", "mkldnn::_linear_pointwise") if "aten::linear" in by else \
             ("aten::mm", "aten::addmm", "mkldnn::_linear_pointwise")
-        linear = sum(by[k].cpu_time_total for k in (*tops, "ps.amx_linear", "ps.f32_linear") if k in by) / 1e3 / n
+        linear = sum(by[k].cpu_time_total for k in (*tops, "ps.amx_linear", "ps.f32_linear", "ps.q_linear") if k in by) / 1e3 / n
         # NOTE: the regions' times are inclusive (the C++ kernel is no torch op, so only its region sees it);
         # the rest is every other op (norms, rotary, activations, embedding, residual adds) plus the Python and
         # dispatcher time between ops.
@@ -142,13 +145,17 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=0, help="also list the N ops of most self time per step")
     ap.add_argument("--backend", default="auto", help="attention backend: auto (the worker's default), cpu, torch")
     ap.add_argument("--transformers", action="store_true", help="the transformers modules, not the lean forward")
+    ap.add_argument("--weight-dtype", default="auto", help="the worker's --weight-dtype (auto: a GGUF's blocks as stored)")
+    ap.add_argument("--activation-dtype", default="auto", help="the worker's --activation-dtype (auto or int8)")
     global ARGS
     args = ARGS = ap.parse_args()
     keep_heap_mapped()  # as the worker does at start
     if args.threads:
         torch.set_num_threads(args.threads)
-    loaded = load_model(resolve_model(args.model), args.dtype, "cpu")
-    print(f"torch threads {torch.get_num_threads()}, model {args.model}, {args.dtype}, attention {args.backend}, "
+    loaded = load_model(resolve_model(args.model), args.dtype, "cpu", weight_dtype=args.weight_dtype,
+                        lean=not args.transformers, activation_dtype=args.activation_dtype)
+    print(f"torch threads {torch.get_num_threads()}, model {args.model}, {args.dtype}, {loaded.weights_reason}, "
+          f"attention {args.backend}, "
           f"{'transformers' if args.transformers else 'lean'} forward; ms per step", flush=True)
     tpl = prefill_template(loaded, args.ctx, seed=args.ctx)
     for batch in map(int, args.batches.split(",")):
