@@ -96,7 +96,7 @@ def test_long_chunks_go_to_sdpa_and_short_ones_to_the_kernel(monkeypatch, invari
     meta = AttentionMetadata.build(q_lens, lens, tables, 16)
     query = torch.randn(sum(q_lens), 6, 64)
     check(backend, query, pool, meta, torch.float32)
-    def poison(q, kv, m, scale, out, min_q_len, kv_scales=None):  # stands in for the SDPA path: marks the rows it was given
+    def poison(q, kv, m, scale, out, min_q_len, kv_scales=None, window=0):  # stands in for the SDPA path: marks the rows it was given
         qsl = m.query_start_loc_host
         for i in range(m.num_seqs):
             if qsl[i + 1] - qsl[i] >= min_q_len:
