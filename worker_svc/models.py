@@ -17,17 +17,21 @@ from worker_svc.quant.store import QUANTIZED_FILE, load_quantized
 from worker_svc.quant.weight import QuantWeight
 from worker_svc.weights import choose_activations, choose_weights
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 ATTN_IMPLEMENTATION = "pagedserve"
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
-                            paged_step=None, **kwargs):
+                            paged_step=None, sliding_window=None, **kwargs):
     """transformers' attention hook: write this layer's new K/V into the pool, attend through block tables.
 
     query is [1, heads, T, head_dim] over ALL sequences of the step packed together; key/value are
     [1, kv_heads, T, head_dim]. NOTE: transformers does not know the tokens belong to different sequences:
-    the sequence boundaries come only from paged_step.meta (query_start_loc, seq_lens, block_tables).
+    the sequence boundaries come only from paged_step.meta (query_start_loc, seq_lens, block_tables), and its
+    attention_mask (over the packed tokens as if one sequence) is ignored.
+    sliding_window: what the layer passes its attention function (Gemma 3's sliding layers: config.sliding_window,
+    its full ones and models without a window: None), the backend's window with transformers' meaning (the query
+    at p sees keys p - window < q <= p).
     """
     if paged_step is None:
         raise RuntimeError("the pagedserve attention needs paged_step=StepContext(...) in the forward call")
@@ -37,7 +41,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     paged_step.backend.write_kv(kv_layer, k, v, paged_step.meta.slot_mapping, kv_scales)
-    out = paged_step.backend.forward(q, kv_layer, paged_step.meta, scaling, kv_scales)
+    out = paged_step.backend.forward(q, kv_layer, paged_step.meta, scaling, kv_scales,
+                                     window=int(sliding_window or 0))
     return out.unsqueeze(0), None
 
 
