@@ -125,6 +125,10 @@ def resolve_dtype(dtype: str, device: str, config: dict, flags: Collection[str] 
 
 def lean_unsupported(cfg) -> str:
     """Why the lean forward (lean_model.py) cannot run a model of this transformers config ('' where it can)."""
+    if getattr(cfg, "model_type", None) == "gemma3_text":  # its own lean forward, sliding layers included
+        from worker_svc.lean_gemma3 import gemma3_unsupported
+
+        return gemma3_unsupported(cfg)
     if getattr(cfg, "hidden_act", None) != "silu":
         return f"hidden_act {getattr(cfg, 'hidden_act', None)!r} (lean path: silu only)"
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) and \
@@ -216,6 +220,9 @@ def _model_without(model_dir: Path, config, dtype: torch.dtype, skip: set[str]) 
     model.load_state_dict(state, strict=False, assign=True)
     inner = model.model
     inner.rotary_emb = type(inner.rotary_emb)(config=model.config)  # NOTE: outside the meta device: on the CPU
+    embed = inner.embed_tokens
+    if hasattr(embed, "scalar_embed_scale"):  # Gemma's scaled embedding: its scale is a non-persistent buffer too
+        embed.embed_scale = torch.tensor(embed.scalar_embed_scale)
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and name not in skip]
     if left:
         raise ValueError(f"{model_dir}: no weights for {', '.join(left[:5])}{' ...' if len(left) > 5 else ''}")

@@ -1,7 +1,8 @@
 """Gemma 3 270M, converted from its GGUF, on the paged worker: greedy tokens identical to transformers' generate (eager
-attention, float32, the same dequantised weights), on a short prompt and on a prompt longer than its 512-token sliding
-window, through the transformers modules with pagedserve's attention hook (the C++ CPU kernel and the torch backend),
-prompts split into chunks and batched with decodes."""
+attention, float32, the same dequantised weights), on short prompts and on a prompt longer than its 512-token sliding
+window, prompts split into chunks and batched with decodes, on every path: the lean forward over the GGUF's quantised
+blocks as stored (the default) or over float32 weights, and the transformers modules with pagedserve's attention hook
+(the C++ CPU kernel and the torch backend)."""
 
 from __future__ import annotations
 
@@ -38,24 +39,31 @@ def reference(gemma3_dir):
     return reference_model(gemma3_dir)
 
 
-def paged_runner(model_dir: str, backend: str) -> ModelRunner:
-    loaded = load_model(model_dir, dtype="float32")
-    # NOTE: the lean forward refuses Gemma 3 (sliding layers, GELU): its weights come dequantised, as the reference's
-    assert not loaded.runs_quantized and loaded.model_type == "gemma3_text"
+# path: (lean, --weight-dtype, attention backend)
+PATHS = {"lean as stored": (True, "auto", "cpu"), "lean float32": (True, "float32", "cpu"),
+         "transformers+cpu": (False, "auto", "cpu"), "transformers+torch": (False, "auto", "torch")}
+
+
+def paged_runner(model_dir: str, path: str) -> ModelRunner:
+    lean, weight_dtype, backend = PATHS[path]
+    loaded = load_model(model_dir, dtype="float32", weight_dtype=weight_dtype, lean=lean)
+    assert loaded.model_type == "gemma3_text"
+    # the GGUF's blocks run as stored only on the lean forward (the quantised kernel; a CPU with AVX2, FMA, F16C)
+    assert loaded.runs_quantized == (lean and weight_dtype == "auto"), loaded.weights_reason
     pool = KVPool(loaded.kv_geometry(16), 96)
-    runner = ModelRunner(loaded, pool, make_backend(backend, "cpu", pool.geometry))
-    assert runner.forward_path == "transformers", runner.lean_skip_reason
+    runner = ModelRunner(loaded, pool, make_backend(backend, "cpu", pool.geometry), lean=lean)
+    assert runner.forward_path == ("lean" if lean else "transformers"), runner.lean_skip_reason
     return runner
 
 
-@pytest.mark.parametrize("backend", ["cpu", "torch"])
-def test_gemma3_greedy_matches_transformers_across_the_sliding_window(gemma3_dir, reference, backend):
+@pytest.mark.parametrize("path", list(PATHS))
+def test_gemma3_greedy_matches_transformers_across_the_sliding_window(gemma3_dir, reference, path):
     tok = AutoTokenizer.from_pretrained(gemma3_dir)
     prompts = [tok(t)["input_ids"] for t in SHORT] + [long_prompt(tok)]
     new = [24, 24, LONG_NEW]
     assert all(p[0] == tok.bos_token_id for p in prompts)
     refs = [reference_greedy(reference, p, n) for p, n in zip(prompts, new)]
-    runner = paged_runner(gemma3_dir, backend)
+    runner = paged_runner(gemma3_dir, path)
     # 200 tokens a step: the long prompt prefills in 3 chunks (the third past the window), beside the others' decodes
     driver = LocalDriver(runner, max_num_batched_tokens=200)
     ids = [driver.add(p, n, arrival_step=2 * i) for i, (p, n) in enumerate(zip(prompts, new))]
@@ -84,3 +92,16 @@ def test_the_long_prompt_needs_the_window(gemma3_dir, reference):
                 if layer.self_attn.sliding_window is not None:
                     layer.self_attn.sliding_window = 512
     assert float((sliding - full).abs().max()) > 1e-2
+
+
+def test_the_lean_forward_names_what_of_a_gemma3_config_it_cannot_run():
+    from transformers import Gemma3TextConfig
+
+    from worker_svc.models import lean_unsupported
+
+    assert lean_unsupported(Gemma3TextConfig()) == ""
+    assert "hidden_activation 'gelu'" in lean_unsupported(Gemma3TextConfig(hidden_activation="gelu"))
+    assert lean_unsupported(Gemma3TextConfig(attn_logit_softcapping=50.0)) == "attention logit softcapping"
+    linear = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    assert "rope scaling" in lean_unsupported(Gemma3TextConfig(
+        rope_parameters={"full_attention": linear, "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}))
