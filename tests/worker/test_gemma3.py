@@ -105,3 +105,35 @@ def test_the_lean_forward_names_what_of_a_gemma3_config_it_cannot_run():
     linear = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
     assert "rope scaling" in lean_unsupported(Gemma3TextConfig(
         rope_parameters={"full_attention": linear, "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}))
+
+
+def test_the_lean_forward_is_batch_invariant_across_the_window(gemma3_dir):
+    """The production path's logits of a long prompt's last position are the same bits whether it is prefilled alone
+    in one chunk, or in two chunks (the second past the window) packed beside another sequence's prefill and decode."""
+    from worker_svc.attention import AttentionMetadata
+    from worker_svc.runner import StepContext
+
+    tok = AutoTokenizer.from_pretrained(gemma3_dir)
+    tokens = torch.tensor(long_prompt(tok))
+    other = torch.tensor(tok(SHORT[1])["input_ids"])
+    runner = paged_runner(gemma3_dir, "lean as stored")
+    assert runner.batch_invariant, runner.batch_invariant_reason
+    n, m, bs = len(tokens), len(other), 16
+    table, table2 = list(range(36)), list(range(40, 44))
+
+    def run(chunks):  # [(ids, positions, query_lens, seq_lens, tables, keep)] -> the last chunk's logits
+        for ids, pos, q_lens, s_lens, tables, keep in chunks:
+            meta = AttentionMetadata.build(q_lens, s_lens, tables, bs)
+            out = runner.lean.forward(ids, pos, StepContext(runner.pool.kv, meta, runner.backend), torch.tensor(keep))
+        return out
+
+    with torch.inference_mode():
+        alone = run([(tokens, torch.arange(n), [n], [n], [table], [n - 1])])[0]
+        cut = 300
+        packed = run([
+            (torch.cat([tokens[:cut], other[:-1]]), torch.cat([torch.arange(cut), torch.arange(m - 1)]),
+             [cut, m - 1], [cut, m - 1], [table, table2], [cut - 1]),
+            (torch.cat([other[-1:], tokens[cut:]]), torch.cat([torch.tensor([m - 1]), torch.arange(cut, n)]),
+             [1, n - cut], [m, n], [table2, table], [0, n - cut]),
+        ])[1]
+    assert torch.equal(alone, packed)
