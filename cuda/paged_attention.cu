@@ -21,7 +21,8 @@
 // Attention design (one device function, attend_rows, shared by decode and prefill):
 //   A CTA owns R "rows" = (query token, query head) pairs that all read the SAME kv head: for decode one token x
 //   heads_per_cta heads of a GQA group (so each K/V block is read once for the whole group), for prefill
-//   q_tile tokens x heads_per_cta heads. Row r may see keys [0, lim[r]) (causal limit); the CTA walks its key
+//   q_tile tokens x heads_per_cta heads. Row r may see keys [lo[r], lim[r]) (causal limit; lo[r] > 0 only in a
+//   sliding-window layer, window > 0: the row at position p sees p - window < key <= p); the CTA walks its key
 //   range [k_begin, k_end) in tiles of TILE keys, flash-decoding style:
 //     0. token offsets of the tile through the block table -> shared (one lookup per key, reused for K and V);
 //     1. scores: LPT lanes per key, each lane a 16-byte vector of the key row, dot with every row's query
@@ -31,7 +32,8 @@
 //        rows in registers (acc *= alpha first), one V load serving every row;
 //   then the parts are summed in shared. Decode splits the context over gridDim.z CTAs (partition_size keys
 //   each) and writes per-split (m, l, normalized out) to a float workspace; paged_decode_reduce merges them.
-//   Slots past seq_len (NaN garbage allowed) are never read: keys are only loaded for positions < k_end.
+//   Slots past seq_len (NaN garbage allowed) are never read: keys are only loaded for positions < k_end; with a
+//   window, k_begin is the CTA's first visible key, so keys (and blocks) wholly before the window are never read.
 #include "common.cuh"
 
 namespace paged {
@@ -62,7 +64,8 @@ struct AttnSmem : TileScales<QUANT> {
     float m[MAXR];         // running max (log2 domain)
     float l[MAXR];         // running sum
     float alpha[MAXR];     // this tile's rescale factor
-    int lim[MAXR];         // row r sees keys [0, lim[r])
+    int lim[MAXR];         // row r sees keys [lo[r], lim[r])
+    int lo[MAXR];
     i64 off[TILE];         // element offset of each key row of the tile (within the kv head)
 };
 
@@ -132,7 +135,9 @@ __device__ __forceinline__ void attend_rows(AttnSmem<HD, MAXR, Quant<T>::ENABLED
 #pragma unroll
                 for (int e = 0; e < EPL; ++e) dot += kf[e] * qr[e];
                 dot = group_sum<LPT>(dot);
-                if (valid && sub == 0) sm.s[r][t] = (k0 + t < sm.lim[r]) ? dot : PAGED_NEG_INF;
+                // lo[r] <= key < lim[r], as one unsigned compare (a key before lo wraps to a huge offset)
+                if (valid && sub == 0)
+                    sm.s[r][t] = (unsigned)(k0 + t - sm.lo[r]) < (unsigned)(sm.lim[r] - sm.lo[r]) ? dot : PAGED_NEG_INF;
             }
         }
         __syncthreads();
@@ -206,12 +211,15 @@ __device__ __forceinline__ void attend_rows(AttnSmem<HD, MAXR, Quant<T>::ENABLED
 }
 
 template <int MAXR>
-__device__ __forceinline__ void init_rows(float* m, float* l, int* lim, int R, int row_lim_base, int heads_per_row) {
-    // decode/prefill helper: row r = (token r / heads_per_row, head r % heads_per_row); token j sees lim base + j.
+__device__ __forceinline__ void init_rows(float* m, float* l, int* lim, int* lo, int R, int row_lim_base,
+                                          int heads_per_row, int window) {
+    // decode/prefill helper: row r = (token r / heads_per_row, head r % heads_per_row); token j sees keys up to lim
+    // base + j (exclusive), and with a window only the last `window` of them.
     for (int r = threadIdx.x; r < MAXR; r += blockDim.x) {
         m[r] = PAGED_NEG_INF;
         l[r] = 0.f;
         lim[r] = r < R ? row_lim_base + r / heads_per_row : 0;
+        lo[r] = window > 0 ? max(0, lim[r] - window) : 0;
     }
 }
 
@@ -247,6 +255,7 @@ struct PagedArgs {
     const int* __restrict__ query_start_loc;
     int num_heads, num_kv_heads, heads_per_cta, block_size;
     float scale;
+    int window;  // > 0: a sliding-window layer's; 0: none
 
     __device__ __forceinline__ ScaleView scale_view(const int kvh) const {
         if constexpr (Quant<C>::ENABLED)
@@ -272,7 +281,10 @@ __device__ __forceinline__ void paged_decode_impl(const PagedArgs<T, C>& a, cons
     const int seq = seq_index ? (int)seq_index[row] : row;
     const int split = blockIdx.z, num_splits = gridDim.z;
     const int ctx = seq_lens[seq];
-    const int k_begin = split * partition_size;
+    // The splits cover the visible keys [first visible, ctx): with a window, the last `window` positions.
+    // NOTE: written as a conditional add: the select form costs paged_decode_f32_d256 a 4-byte spill on sm_90.
+    int k_begin = split * partition_size;
+    if (a.window > 0 && ctx > a.window) k_begin += ctx - a.window;
     if (k_begin >= ctx) return;  // empty split: the reduce pass ignores it (uniform over the CTA)
     const int k_end = min(ctx, k_begin + partition_size);
     const int group = num_heads / num_kv_heads;
@@ -280,7 +292,8 @@ __device__ __forceinline__ void paged_decode_impl(const PagedArgs<T, C>& a, cons
     const int R = heads_per_cta;
     const int tok = query_start_loc[seq];
 
-    init_rows<MAXR>(sm.m, sm.l, sm.lim, R, ctx, 1 << 30);
+    // NOTE: rows' lo stays 0: the splits start at the first visible key already (one token: one window)
+    init_rows<MAXR>(sm.m, sm.l, sm.lim, sm.lo, R, ctx, 1 << 30, 0);
     load_queries<T, HD, MAXR>(sm, a.q, a.q_stride_t, a.q_stride_h, tok, h0, R, R, a.scale);
     __syncthreads();
     attend_rows<C, HD, MAXR>(sm, R, a.kv + (i64)kvh * a.stride_head, a.stride_kv, a.stride_block, a.stride_slot,
@@ -307,11 +320,13 @@ template <class T, int HD>
 __device__ __forceinline__ void paged_decode_reduce_impl(
     T* __restrict__ out, const i64 out_stride_t, const i64 out_stride_h, const float* __restrict__ part_out,
     const float* __restrict__ part_ml, const int* __restrict__ seq_lens, const int* __restrict__ query_start_loc,
-    const i64* __restrict__ seq_index, const int num_heads, const int num_splits, const int partition_size) {
+    const i64* __restrict__ seq_index, const int num_heads, const int num_splits, const int partition_size,
+    const int window) {
     const int h = blockIdx.x, row = blockIdx.y;
     const int seq = seq_index ? (int)seq_index[row] : row;
     const int ctx = seq_lens[seq];
-    const int used = min(num_splits, (ctx + partition_size - 1) / partition_size);
+    const int visible = window > 0 ? min(ctx, window) : ctx;  // the keys the decode's splits cover
+    const int used = min(num_splits, (visible + partition_size - 1) / partition_size);
     const i64 first = ((i64)row * num_heads + h) * num_splits;
     float mx = PAGED_NEG_INF;
     for (int s = 0; s < used; ++s) mx = fmaxf(mx, part_ml[(first + s) * 2]);
@@ -346,11 +361,13 @@ __device__ __forceinline__ void paged_prefill_impl(const PagedArgs<T, C>& a, con
     const int first_pos = ctx - q_len + j0;  // position of this tile's first query token
     const int kvh = h0 / (a.num_heads / a.num_kv_heads);
 
-    init_rows<MAXR>(sm.m, sm.l, sm.lim, R, first_pos + 1, heads_per_cta);
+    init_rows<MAXR>(sm.m, sm.l, sm.lim, sm.lo, R, first_pos + 1, heads_per_cta, a.window);
     load_queries<T, HD, MAXR>(sm, a.q, a.q_stride_t, a.q_stride_h, start + j0, h0, heads_per_cta, R, a.scale);
     __syncthreads();
+    // The walk starts at the tile's first row's first visible key (rows go by position).
+    const int k_begin = a.window > 0 ? max(0, first_pos + 1 - a.window) : 0;
     attend_rows<C, HD, MAXR>(sm, R, a.kv + (i64)kvh * a.stride_head, a.stride_kv, a.stride_block, a.stride_slot,
-                             a.block_tables + (i64)seq * a.bt_stride, a.block_size, 0, first_pos + nq,
+                             a.block_tables + (i64)seq * a.bt_stride, a.block_size, k_begin, first_pos + nq,
                              a.scale_view(kvh));
     for (int i = threadIdx.x; i < R * HD; i += blockDim.x) {
         const int r = i / HD, d = i % HD;
@@ -439,21 +456,21 @@ __device__ __forceinline__ void copy_blocks_impl(W* __restrict__ pool, const i64
 #define PAGED_ARGS(...)                                                                                            \
     {out, out_stride_t, out_stride_h, q, q_stride_t, q_stride_h, kv, stride_kv, stride_block, stride_slot,          \
      stride_head, __VA_ARGS__, block_tables, bt_stride, seq_lens, query_start_loc, num_heads, num_kv_heads,        \
-     heads_per_cta, block_size, scale}
+     heads_per_cta, block_size, scale, window}
 
 // paged_decode_<TAG>_d<HD> and paged_prefill_<TAG>_d<HD> (TAG: the query type, then the cache type if 8-bit).
 #define PAGED_ATTN_KERNELS(TAG, T, C, SCALE_PARAMS, SCALES, HD)                                                    \
     extern "C" __global__ void __launch_bounds__(256) paged_decode_##TAG##_d##HD(                                  \
         PAGED_HEAD_PARAMS(T, C) SCALE_PARAMS const int* block_tables, long long bt_stride, const int* seq_lens,    \
         const int* query_start_loc, const long long* seq_index, float* part_out, float* part_ml, int num_heads,    \
-        int num_kv_heads, int heads_per_cta, int block_size, int partition_size, float scale) {                   \
+        int num_kv_heads, int heads_per_cta, int block_size, int partition_size, float scale, int window) {       \
         const paged::PagedArgs<T, C> a PAGED_ARGS(SCALES);                                                         \
         paged::paged_decode_impl<T, C, HD>(a, seq_index, part_out, part_ml, partition_size);                       \
     }                                                                                                              \
     extern "C" __global__ void __launch_bounds__(256) paged_prefill_##TAG##_d##HD(                                 \
         PAGED_HEAD_PARAMS(T, C) SCALE_PARAMS const int* block_tables, long long bt_stride, const int* seq_lens,    \
         const int* query_start_loc, int num_heads, int num_kv_heads, int heads_per_cta, int q_tile,                \
-        int block_size, int min_q_len, float scale) {                                                              \
+        int block_size, int min_q_len, float scale, int window) {                                                  \
         const paged::PagedArgs<T, C> a PAGED_ARGS(SCALES);                                                         \
         paged::paged_prefill_impl<T, C, HD>(a, q_tile, min_q_len);                                                 \
     }
@@ -465,9 +482,10 @@ __device__ __forceinline__ void copy_blocks_impl(W* __restrict__ pool, const i64
     extern "C" __global__ void paged_decode_reduce_##TN##_d##HD(                                                   \
         T* out, long long out_stride_t, long long out_stride_h, const float* part_out, const float* part_ml,       \
         const int* seq_lens, const int* query_start_loc, const long long* seq_index, int num_heads,                \
-        int num_splits, int partition_size) {                                                                      \
+        int num_splits, int partition_size, int window) {                                                          \
         paged::paged_decode_reduce_impl<T, HD>(out, out_stride_t, out_stride_h, part_out, part_ml, seq_lens,       \
-                                               query_start_loc, seq_index, num_heads, num_splits, partition_size); \
+                                               query_start_loc, seq_index, num_heads, num_splits, partition_size,  \
+                                               window);                                                            \
     }
 
 // 8-bit caches: paged_decode_<TN>_<CN>_d<HD>, paged_prefill_<TN>_<CN>_d<HD> for head dims 64/128/256, and the

@@ -240,7 +240,12 @@ def build_lean(loaded: LoadedModel, batch_invariant: bool = False) -> tuple[Lean
     if loaded.runs_quantized and loaded.lean_models:
         raise ValueError("this model's quantised weights were packed for a lean forward with the other batch_invariant "
                          "setting, and their blocks released: load the model again for this one")
-    lean = LeanModel(loaded.model, batch_invariant, loaded.quantized, loaded.int8_activations)
+    if loaded.model_type == "gemma3_text":
+        from worker_svc.lean_gemma3 import LeanGemma3  # NOTE: here: it imports this module
+
+        lean = LeanGemma3(loaded.model, batch_invariant, loaded.quantized, loaded.int8_activations)
+    else:
+        lean = LeanModel(loaded.model, batch_invariant, loaded.quantized, loaded.int8_activations)
     loaded.lean_models[batch_invariant] = lean
     # NOTE: the blocks packed into the kernel's panels are released (the panels replace them); an embedding kept
     # quantised still reads its rows from them

@@ -14,20 +14,17 @@ import sys
 import tempfile
 import time
 import zipfile
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
-
 import structlog
 
 from pagedserve_common.defaults import DEFAULT_MODEL
 from pagedserve_common.model_spec import (DIR, GGUF, HUB, LOCAL_HINT, ModelFetchError, ModelSpecError,
                                           classify)
-
-if TYPE_CHECKING:
-    import torch
+from worker_svc import gguf_convert
+from worker_svc.gguf_convert import TensorProgress
 
 log = structlog.get_logger("pagedserve.model")
 
@@ -36,7 +33,6 @@ MARKER = ".pagedserve-complete"  # written last; a model dir without it is incom
 # the GGUF's quantised weights (worker_svc.quant.store). A dir of an older format is redone at its next pull (kept as
 # it is where that fails: _build_once). NOTE: formats only add files, so a newer one is complete for this code.
 MODEL_DIR_FORMAT = 2
-MODEL_INPUT_NAMES = ["input_ids", "attention_mask"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,169 +235,7 @@ def _first_line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), "")
 
 
-TENSOR_LOG_PARTS = 4  # without a terminal, `converting tensors` is logged at 0, 25, 50, 75 and 100% of them
-
-
-class TensorProgress:
-    """The tensors of a GGUF file dequantised so far: on a terminal (stderr, with progress bars on) a tqdm bar;
-    otherwise a `converting tensors` log line (converted, total) at the start, at each quarter and at the end."""
-
-    def __init__(self, bar: bool | None = None) -> None:
-        self.bar = _bars_wanted() if bar is None else bar
-        self.total = self.converted = 0
-        self.logged = -1  # the last part logged (0..TENSOR_LOG_PARTS)
-        self._tqdm = None
-
-    def track(self, tensors: Iterable) -> Iterator:
-        """`tensors`, counted as the caller goes through them."""
-        tensors = list(tensors)
-        self.start(len(tensors))
-        for tensor in tensors:
-            yield tensor
-            self.advance()
-
-    def start(self, total: int) -> None:
-        self.total, self.converted, self.logged = total, 0, -1
-        if self.bar:
-            from tqdm import tqdm
-
-            self.close()
-            self._tqdm = tqdm(total=total, desc="converting tensors", unit="tensor", leave=False,
-                              file=sys.stderr)
-        else:
-            self._log()
-
-    def advance(self, n: int = 1) -> None:
-        self.converted += n
-        if self._tqdm is not None:
-            self._tqdm.update(n)
-        elif not self.bar:
-            self._log()
-
-    def close(self) -> None:
-        if self._tqdm is not None:
-            self._tqdm.close()
-            self._tqdm = None
-
-    def _log(self) -> None:
-        part = self.converted * TENSOR_LOG_PARTS // self.total if self.total else TENSOR_LOG_PARTS
-        if part > self.logged:
-            self.logged = part
-            log.info("converting tensors", converted=self.converted, total=self.total)
-
-
-def _bars_wanted() -> bool:
-    """A bar where stderr is a terminal, unless bars are off (TQDM_DISABLE: pagedserve_cli.logs sets it for JSON
-    logs)."""
-    off = os.environ.get("TQDM_DISABLE", "").strip().lower() in ("1", "true", "yes")
-    return not off and sys.stderr.isatty()
-
-
-@contextmanager
-def _tensors_counted(progress: TensorProgress) -> Iterator[None]:
-    """transformers' GGUF loader counting its tensors into `progress`. NOTE: load_gguf_checkpoint goes through the
-    tensors in `for tensor in tqdm(reader.tensors, ...)`, its module's tqdm, with no callback of its own: that name
-    is swapped for progress.track while the loader runs (so not thread-safe: one conversion at a time a process)."""
-    import transformers.modeling_gguf_pytorch_utils as loader
-
-    original = getattr(loader, "tqdm", None)
-    loader.tqdm = lambda iterable, *args, **kwargs: progress.track(iterable)
-    try:
-        yield
-    finally:
-        if original is None:
-            del loader.tqdm
-        else:
-            loader.tqdm = original
-        progress.close()
-
-
 def convert_gguf(gguf_path: Path, out_dir: Path, progress: TensorProgress | None = None) -> None:
-    """Dequantise a GGUF checkpoint into an HF model dir (safetensors), its quantised weights also kept as they are
-    (_keep_quantized), writing MARKER last; the tensors' progress as `progress` shows it (a bar on a terminal, else
-    log lines)."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
-
-    src, fname = str(gguf_path.parent), gguf_path.name
-    config = AutoConfig.from_pretrained(src, gguf_file=fname)
-    # A model loaded with from_pretrained(gguf_file=...) needs accelerate and refuses save_pretrained,
-    # so build the class from its config and load the dequantised tensors ourselves.
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    progress = TensorProgress() if progress is None else progress
-    with _tensors_counted(progress):
-        parsed = load_gguf_checkpoint(str(gguf_path), return_tensors=True, model_to_load=model)
-    tensors = parsed["tensors"]
-    if not progress.total:  # a transformers that no longer counts through its tqdm: the count at least, once done
-        progress.start(len(tensors))
-        progress.advance(len(tensors))
-        progress.close()
-    missing, unexpected = model.load_state_dict(tensors, strict=False)
-    tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
-    if set(missing) - tied or unexpected:
-        raise RuntimeError(f"GGUF tensors do not match the model: missing={missing} unexpected={unexpected}")
-    model.tie_weights()
-    dtype = _lossless_dtype(tensors)
-    model.to(dtype).save_pretrained(out_dir)
-    _keep_quantized(gguf_path, model, parsed["config"], out_dir)
-
-    # transformers 5 keeps rope theta only under rope_parameters; older readers look for rope_theta.
-    theta = float(parsed["config"]["rope_theta"])
-    _patch_json(out_dir / "config.json", rope_theta=theta)
-
-    log.info("converting tokenizer", gguf=fname)  # NOTE: seconds for a real vocabulary, with no bar of its own
-    tokenizer = AutoTokenizer.from_pretrained(src, gguf_file=fname)
-    tokenizer.save_pretrained(out_dir)
-    _patch_json(
-        out_dir / "tokenizer_config.json",
-        tokenizer_class="GPT2Tokenizer",  # byte-level BPE; loads the same tokenizer.json in transformers 4 and 5
-        model_input_names=MODEL_INPUT_NAMES,
-        add_bos_token=False,
-        model_max_length=config.max_position_embeddings,
-        drop=("is_local", "local_files_only"),
-    )
-    _verify(out_dir, theta)
+    """gguf_convert.convert_gguf into `out_dir`, then MARKER, written last."""
+    dtype = gguf_convert.convert_gguf(gguf_path, out_dir, progress)
     write_marker(out_dir, source=gguf_path.name, dtype=str(dtype).removeprefix("torch."))
-
-
-def _keep_quantized(gguf_path: Path, model, gguf_config: dict, out_dir: Path) -> None:
-    """The GGUF's block-quantised weights, raw, beside the float ones (worker_svc.quant.store), each checked first
-    to dequantise bit for bit to the float weight `model` (as saved) has under its name: a RuntimeError names one
-    that does not."""
-    from worker_svc.quant.from_gguf import check_against_floats, quantized_weights
-    from worker_svc.quant.store import save_quantized
-
-    weights = quantized_weights(gguf_path, model, gguf_config)
-    check_against_floats(weights, model.state_dict())
-    save_quantized(out_dir, weights, source="gguf")
-
-
-def _lossless_dtype(tensors: dict) -> "torch.dtype":
-    """The smallest of bf16/f16 that holds every dequantised value exactly, else float32."""
-    import torch
-
-    for dtype in (torch.bfloat16, torch.float16):
-        if all(torch.equal(t.to(dtype).to(t.dtype), t) for t in tensors.values()):
-            return dtype
-    return torch.float32
-
-
-def _patch_json(path: Path, drop: tuple[str, ...] = (), **updates) -> None:
-    data = json.loads(path.read_text())
-    for key in drop:
-        data.pop(key, None)
-    data.update(updates)
-    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
-
-
-def _verify(out_dir: Path, theta: float) -> None:
-    """Cheap round-trip checks of what we wrote (config and tokenizer, not the weights)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    config = AutoConfig.from_pretrained(out_dir)
-    if config.rope_parameters["rope_theta"] != theta:
-        raise RuntimeError(f"rope theta did not round-trip: {config.rope_parameters} != {theta}")
-    tokenizer = AutoTokenizer.from_pretrained(out_dir)
-    if tokenizer("hello")["input_ids"][0] == tokenizer.bos_token_id:
-        raise RuntimeError("converted tokenizer adds a BOS token")

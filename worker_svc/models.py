@@ -17,17 +17,21 @@ from worker_svc.quant.store import QUANTIZED_FILE, load_quantized
 from worker_svc.quant.weight import QuantWeight
 from worker_svc.weights import choose_activations, choose_weights
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 ATTN_IMPLEMENTATION = "pagedserve"
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
-                            paged_step=None, **kwargs):
+                            paged_step=None, sliding_window=None, **kwargs):
     """transformers' attention hook: write this layer's new K/V into the pool, attend through block tables.
 
     query is [1, heads, T, head_dim] over ALL sequences of the step packed together; key/value are
     [1, kv_heads, T, head_dim]. NOTE: transformers does not know the tokens belong to different sequences:
-    the sequence boundaries come only from paged_step.meta (query_start_loc, seq_lens, block_tables).
+    the sequence boundaries come only from paged_step.meta (query_start_loc, seq_lens, block_tables), and its
+    attention_mask (over the packed tokens as if one sequence) is ignored.
+    sliding_window: what the layer passes its attention function (Gemma 3's sliding layers: config.sliding_window,
+    its full ones and models without a window: None), the backend's window with transformers' meaning (the query
+    at p sees keys p - window < q <= p).
     """
     if paged_step is None:
         raise RuntimeError("the pagedserve attention needs paged_step=StepContext(...) in the forward call")
@@ -37,7 +41,8 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     paged_step.backend.write_kv(kv_layer, k, v, paged_step.meta.slot_mapping, kv_scales)
-    out = paged_step.backend.forward(q, kv_layer, paged_step.meta, scaling, kv_scales)
+    out = paged_step.backend.forward(q, kv_layer, paged_step.meta, scaling, kv_scales,
+                                     window=int(sliding_window or 0))
     return out.unsqueeze(0), None
 
 
@@ -120,6 +125,10 @@ def resolve_dtype(dtype: str, device: str, config: dict, flags: Collection[str] 
 
 def lean_unsupported(cfg) -> str:
     """Why the lean forward (lean_model.py) cannot run a model of this transformers config ('' where it can)."""
+    if getattr(cfg, "model_type", None) == "gemma3_text":  # its own lean forward, sliding layers included
+        from worker_svc.lean_gemma3 import gemma3_unsupported
+
+        return gemma3_unsupported(cfg)
     if getattr(cfg, "hidden_act", None) != "silu":
         return f"hidden_act {getattr(cfg, 'hidden_act', None)!r} (lean path: silu only)"
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True) and \
@@ -211,6 +220,9 @@ def _model_without(model_dir: Path, config, dtype: torch.dtype, skip: set[str]) 
     model.load_state_dict(state, strict=False, assign=True)
     inner = model.model
     inner.rotary_emb = type(inner.rotary_emb)(config=model.config)  # NOTE: outside the meta device: on the CPU
+    embed = inner.embed_tokens
+    if hasattr(embed, "scalar_embed_scale"):  # Gemma's scaled embedding: its scale is a non-persistent buffer too
+        embed.embed_scale = torch.tensor(embed.scalar_embed_scale)
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and name not in skip]
     if left:
         raise ValueError(f"{model_dir}: no weights for {', '.join(left[:5])}{' ...' if len(left) > 5 else ''}")

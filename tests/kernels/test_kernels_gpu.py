@@ -125,3 +125,26 @@ def test_kernel_gpu_quant_copy_blocks_of_scales(gpu_backend_cls):
         be.copy_blocks(t, copies)
         torch.cuda.synchronize()
         assert torch.equal(t, expected)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("head_dim", [64, 256])
+@pytest.mark.parametrize("partition", [None, 16])
+def test_kernel_gpu_sliding_window(gpu_backend_cls, dtype, head_dim, partition):
+    """A sliding window on the device (test_kernels_host_window.py on the host): blocks before it NaN."""
+    from tests.support.attention import TOL, windowed_batch
+    from worker_svc.attention import AttentionMetadata, reference_attention
+
+    rng, seed = fresh_rng()
+    be = gpu_backend_cls(partition_size=partition)
+    query, pool, meta, poisoned = windowed_batch(rng, ["decode", "chunk", "prefill", "decode"], 16, 4, 1, head_dim,
+                                                 dtype, 37)
+    assert poisoned > 0
+    scale = head_dim ** -0.5
+    tables = [t[:int(n)] for t, n in zip(meta.block_tables.tolist(), -(-meta.seq_lens_host // 16))]
+    on_device = AttentionMetadata.build(np.diff(meta.query_start_loc_host), meta.seq_lens_host, tables, 16,
+                                        device="cuda")
+    out = be.forward(query.cuda(), pool.cuda(), on_device, scale, window=37).cpu()
+    ref = reference_attention(query, pool, meta, scale, window=37)
+    assert torch.isfinite(out).all(), f"seed {seed}"
+    assert (torch.linalg.norm(out.double() - ref) / torch.linalg.norm(ref)).item() < TOL[dtype], f"seed {seed}"

@@ -53,14 +53,46 @@ def make_batch(rng, kinds, block_size, num_heads, num_kv_heads, head_dim, dtype,
     return query, pool, meta
 
 
-def check(query, pool, meta, dtype, backend=BACKEND):
+def check(query, pool, meta, dtype, backend=BACKEND, window=0):
     scale = 1.0 / math.sqrt(query.shape[-1])
-    out = backend.forward(query, pool, meta, scale)
-    ref = reference_attention(query, pool, meta, scale)
+    out = backend.forward(query, pool, meta, scale) if window == 0 else \
+        backend.forward(query, pool, meta, scale, window=window)
+    ref = reference_attention(query, pool, meta, scale, window=window)
     assert out.shape == query.shape and out.dtype == query.dtype
     assert torch.isfinite(out).all(), "garbage past seq_len leaked into the output"
     rel = (torch.linalg.norm(out.double() - ref) / torch.linalg.norm(ref)).item()
     assert rel < TOL[dtype], rel
+
+
+def windowed_batch(rng, kinds, block_size, num_heads, num_kv_heads, head_dim, dtype, window):
+    """make_batch with contexts several windows long, and every block that lies wholly before the first key the
+    sequence's queries may see (position seq_len - q_len - window + 1) set to NaN: a backend that reads one leaks
+    NaN into its output. Returns (query, pool, meta, poisoned block count)."""
+    q_lens, s_lens = [], []
+    for kind in kinds:
+        s = int(rng.integers(window + 2 * block_size, 4 * window + 4 * block_size))
+        # a chunk starts at least a block past the window's length, so its first blocks are unseen too
+        q_lens.append({"decode": 1, "chunk": int(rng.integers(2, s - window - block_size)), "prefill": s}[kind])
+        s_lens.append(s)
+    needed = [-(-s // block_size) for s in s_lens]
+    ids = rng.permutation(np.arange(1, sum(needed) + 1)).tolist()
+    tables, at = [], 0
+    for n in needed:
+        tables.append(ids[at: at + n])
+        at += n
+    pool = torch.full((2, sum(needed) + 1, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    full = AttentionMetadata.build(s_lens, s_lens, tables, block_size)
+    k = torch.from_numpy(rng.standard_normal((sum(s_lens), num_kv_heads, head_dim))).to(dtype)
+    v = torch.from_numpy(rng.standard_normal((sum(s_lens), num_kv_heads, head_dim))).to(dtype)
+    BACKEND.write_kv(pool, k, v, full.slot_mapping)
+    poisoned = 0
+    for q, s, table in zip(q_lens, s_lens, tables):
+        first_block = max(0, s - q - window + 1) // block_size
+        pool[:, table[:first_block]] = float("nan")
+        poisoned += first_block
+    meta = AttentionMetadata.build(q_lens, s_lens, tables, block_size)
+    query = torch.from_numpy(rng.standard_normal((sum(q_lens), num_heads, head_dim))).to(dtype)
+    return query, pool, meta, poisoned
 
 
 def random_batches(heads, dtypes):

@@ -44,3 +44,11 @@ def tiny_mistral_dir(tmp_path_factory) -> str:
 def smollm2_dir() -> str:
     """SmolLM2-135M-Instruct's directory, by name (the tests that use it are about that model, whatever the default)."""
     return str(resolve_model("smollm2-135m-instruct"))
+
+
+@pytest.fixture(scope="session")
+def gemma3_dir() -> str:
+    """Gemma 3 270M converted from its GGUF (tests.support.gemma3; skipped without the dev extra's package)."""
+    from tests.support.gemma3 import gemma3_dir as converted
+
+    return str(converted())

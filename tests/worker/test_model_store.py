@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from worker_svc import model_store
+from worker_svc import gguf_convert, model_store
 from tests.support.service import wait_until
 from tests.support.tiny_gguf import NUM_TENSORS, write_tiny_gguf
 from worker_svc.model_store import DEFAULT_MODEL, MARKER, pull, resolve_model
@@ -192,7 +192,7 @@ def test_concurrent_pulls_into_one_cache_build_once(tmp_path):
 
 
 def test_lossless_dtype_picks_smallest_exact_type():
-    pick = model_store._lossless_dtype
+    pick = gguf_convert._lossless_dtype
     assert pick({"a": torch.tensor([1.0, -0.5, 3.0])}) == torch.bfloat16
     assert pick({"a": torch.tensor([1.0 + 2**-10])}) == torch.float16
     assert pick({"a": torch.tensor([1.0]), "b": torch.tensor([1.0 + 2**-20])}) == torch.float32

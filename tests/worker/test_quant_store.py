@@ -230,3 +230,18 @@ def test_an_index_that_is_not_an_index_is_a_value_error(stored, text, message):
     (stored / QUANTIZATION_JSON).write_text(text)
     with pytest.raises(ValueError, match=message):
         load_quantized(stored)
+
+
+@pytest.mark.parametrize("arch", sorted(from_gguf.AS_STORED_ARCHS))
+def test_an_as_stored_architectures_processor_leaves_every_2d_weight_as_the_file_stores_it(arch):
+    """Why gemma3's blocks are kept without any reordering: transformers' processor for it changes only the 1-D norm
+    weights (GGUF stores Gemma's as 1 + w), never a matrix (a transformers that did would fail this first)."""
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS
+
+    processor = TENSOR_PROCESSORS[arch]()
+    matrix = np.arange(12, dtype=np.float32).reshape(3, 4)
+    for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.ffn_down.weight", "token_embd.weight"):
+        out = processor.process(matrix.copy(), name)
+        assert np.array_equal(out.weights, matrix) and out.name == name, name
+    norm = processor.process(np.ones(4, dtype=np.float32), "blk.0.attn_q_norm.weight")
+    assert np.array_equal(norm.weights, np.zeros(4, dtype=np.float32))

@@ -42,9 +42,12 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(
         self, query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
-        kv_scales: torch.Tensor | None = None,
+        kv_scales: torch.Tensor | None = None, window: int = 0,
     ) -> torch.Tensor:
         """Attend query [T, num_heads, head_dim] over the pool (already holding this step's K/V).
+
+        window > 0 (a sliding-window layer): the query at position p sees only keys at p - window < q <= p, as
+        transformers' sliding mask has it; blocks wholly before that are never read. 0: keys 0..p.
 
         Returns [T, num_heads, head_dim] in query's dtype.
         """

@@ -42,7 +42,7 @@ def load_library(path: Path | None = None, cpu: cpu_path.CpuPath | None = None) 
     fn = lib.ps_paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int, _ptr, ctypes.c_int, _ptr, _ptr, _ptr, _ptr, _i64, _i64,
-                   _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64, _i64, ctypes.c_int, ctypes.c_int]
+                   _i64, _i64, _i64, _i64, _i64, ctypes.c_float, _i64, _i64, ctypes.c_int, ctypes.c_int, _i64]
     lib.ps_write_kv.restype = ctypes.c_int
     lib.ps_write_kv.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64]
     lib.ps_dequantize.restype = ctypes.c_int
@@ -125,9 +125,11 @@ class CpuAttentionBackend(TorchAttentionBackend):
 
     def forward(
         self, query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
-        kv_scales: torch.Tensor | None = None,
+        kv_scales: torch.Tensor | None = None, window: int = 0,
     ) -> torch.Tensor:
         num_heads, num_kv_heads, head_dim = check_shapes(query, kv_layer, kv_scales)
+        if window < 0:
+            raise ValueError(f"window must be 0 (none) or positive, got {window}")
         if query.shape[0] != meta.num_tokens:
             raise ValueError(f"query has {query.shape[0]} tokens, metadata {meta.num_tokens}")
         if not kv_layer.is_contiguous() or kv_layer.dtype not in POOL_DTYPES:
@@ -148,11 +150,12 @@ class CpuAttentionBackend(TorchAttentionBackend):
                       out.data_ptr(), qsl.ctypes.data, lens.ctypes.data,
                       bt.data_ptr(), bt.stride(0) if bt.dim() == 2 else 0, meta.num_seqs, num_heads,
                       num_kv_heads, head_dim, kv_layer.shape[1], kv_layer.shape[2], float(scale), Q_TILE,
-                      max_q_len, int(io_bf16), int(self.batch_invariant))
+                      max_q_len, int(io_bf16), int(self.batch_invariant), int(window))
         if rc != 0:
             raise ValueError(f"paged_attention_cpu rejected the shapes (code {rc})")
         if meta.max_query_len > max_q_len:
-            self._prefills(q, kv_layer, meta, scale, out, min_q_len=MAX_KERNEL_Q_LEN + 1, kv_scales=kv_scales)
+            self._prefills(q, kv_layer, meta, scale, out, min_q_len=MAX_KERNEL_Q_LEN + 1, kv_scales=kv_scales,
+                           window=window)
         return out if out.dtype == query.dtype else out.to(query.dtype)
 
 

@@ -233,15 +233,18 @@ class CupyAttentionBackend(AttentionBackend):
         scale: float,
         kv_scales: torch.Tensor | None = None,
         out: torch.Tensor | None = None,
+        window: int = 0,
     ) -> torch.Tensor:
         """As AttentionBackend.forward; `out` (optional, [T, H, hd] in the compute dtype: the pool's for a float
         cache, the query's (float32 unless float16/bfloat16) for an 8-bit one) receives the result."""
         num_heads, num_kv_heads, hd = check_shapes(query, kv_layer, kv_scales)
         if query.shape[0] != meta.num_tokens:
             raise ValueError(f"query has {query.shape[0]} tokens, metadata {meta.num_tokens}")
+        if not 0 <= window < 2**31:
+            raise ValueError(f"window must be 0 (none) or positive (an int32), got {window}")
         quantized = kv_scales is not None
         if hd not in HEAD_DIMS or not (quantized or kv_layer.dtype in DTYPE_TAGS):
-            result = self._torch_fallback().forward(query, kv_layer, meta, scale, kv_scales=kv_scales)
+            result = self._torch_fallback().forward(query, kv_layer, meta, scale, kv_scales=kv_scales, window=window)
             return result if out is None else out.copy_(result)
         if kv_layer.stride(-1) != 1:
             raise ValueError("kv_layer's head_dim must be contiguous")
@@ -278,7 +281,9 @@ class CupyAttentionBackend(AttentionBackend):
             seq_index = None if meta.is_all_decode else meta.decode_seqs.to(torch.int64).contiguous()
             hpc = largest_divisor_at_most(group, DECODE_MAX_ROWS)
             n_dec = meta.num_decodes
-            partition, splits = self._decode_partition(meta.max_decode_seq_len, n_dec * (num_heads // hpc))
+            # a sliding-window layer's decode splits cover only its window's keys
+            visible = min(meta.max_decode_seq_len, window) if window > 0 else meta.max_decode_seq_len
+            partition, splits = self._decode_partition(visible, n_dec * (num_heads // hpc))
             if splits > 1:
                 part_out = torch.empty((n_dec, num_heads, splits, hd), dtype=torch.float32, device=query.device)
                 part_ml = torch.empty((n_dec, num_heads, splits, 2), dtype=torch.float32, device=query.device)
@@ -294,7 +299,7 @@ class CupyAttentionBackend(AttentionBackend):
                 [
                     *common, ptr(seq_index), ptr(part_out), ptr(part_ml),
                     i32(num_heads), i32(num_kv_heads), i32(hpc), i32(block_size), i32(partition),
-                    np.float32(scale),
+                    np.float32(scale), i32(window),
                 ],
             )  # fmt: skip
             if splits > 1:
@@ -305,6 +310,7 @@ class CupyAttentionBackend(AttentionBackend):
                     [
                         ptr(out), i64(out.stride(0)), i64(out.stride(1)), ptr(part_out), ptr(part_ml),
                         ptr(seq_lens), ptr(qsl), ptr(seq_index), i32(num_heads), i32(splits), i32(partition),
+                        i32(window),
                     ],
                 )  # fmt: skip
 
@@ -317,7 +323,7 @@ class CupyAttentionBackend(AttentionBackend):
                 self.num_threads,
                 [
                     *common, i32(num_heads), i32(num_kv_heads), i32(hpc), i32(q_tile), i32(block_size),
-                    i32(2 if meta.num_decodes else 1), np.float32(scale),
+                    i32(2 if meta.num_decodes else 1), np.float32(scale), i32(window),
                 ],
             )  # fmt: skip
         return out

@@ -7,7 +7,8 @@
 //
 // Layout (see worker_svc/attention/backend.py): kv_layer is [2, num_blocks, block_size, kv_heads, head_dim];
 // query/out rows are the step's packed new tokens, [T, heads, head_dim]; sequence b owns rows
-// qsl[b]..qsl[b+1]-1, which sit at positions seq_len - q_len .. seq_len - 1; row at position p sees keys 0..p.
+// qsl[b]..qsl[b+1]-1, which sit at positions seq_len - q_len .. seq_len - 1; row at position p sees keys 0..p
+// (with a sliding window, p - window + 1..p).
 //
 // 8-bit caches (int8, fp8 e4m3 / e5m2): kv holds codes and `scales` the layer's float32 [2, num_blocks,
 // block_size, kv_heads], one per (token, kv head) row of K and of V: value = code * scale. Each block's valid rows
@@ -131,23 +132,26 @@ int ps_dequantize(const void* codes, int dtype, const float* scales, int64_t n, 
 // for float pools. batch_invariant: every query row takes the same arithmetic whatever its item's row count (a
 // decode's row and the same row in a prefill tile: the same bits). int8_qk: Q.K in int8 (an int8 cache, a build with ps_int8_qk_width() > 0). Sequences whose
 // q_len exceeds max_q_len are skipped (their rows of `out` are left as they are): long prefill chunks are
-// GEMM-shaped work that the caller hands to a matmul-based attention instead.
+// GEMM-shaped work that the caller hands to a matmul-based attention instead. window > 0: a sliding-window layer's,
+// the row at position p sees keys p - window < q <= p (each item's walk starts at the block holding its first
+// visible key); 0: keys 0..p.
 // Returns 0, or 1 (shapes the kernel has no instance for), 2 (unknown dtype), 3 (scales missing or given to a
-// float pool), 4 (int8_qk for another dtype or in a build without it).
+// float pool), 4 (int8_qk for another dtype or in a build without it), 5 (a negative window).
 int ps_paged_attention(const void* q, int64_t q_stride_t, int64_t q_stride_h, const void* kv, int dtype,
                        const float* scales, int int8_qk, void* out, const int64_t* qsl, const int64_t* seq_lens,
                        const int32_t* block_tables, int64_t bt_stride, int64_t num_seqs, int64_t num_heads,
                        int64_t num_kv_heads, int64_t head_dim, int64_t num_blocks, int64_t block_size, float scale,
-                       int64_t q_tile, int64_t max_q_len, int io_bf16, int batch_invariant) {
+                       int64_t q_tile, int64_t max_q_len, int io_bf16, int batch_invariant, int64_t window) {
   if (head_dim > kMaxHeadDim || block_size > kMaxBlock || num_heads % num_kv_heads ||
       num_heads / num_kv_heads > kMaxRows)
     return 1;
   if (dtype < kFloat32 || dtype > kE5M2) return 2;
   if ((dtype >= kInt8) != (scales != nullptr)) return 3;
   if (int8_qk && (dtype != kInt8 || PS_INT8_QK == 0)) return 4;
+  if (window < 0) return 5;
   Args a{q, q_stride_t, q_stride_h, kv, scales, out, io_bf16 != 0, qsl, seq_lens, block_tables, bt_stride, num_heads,
          num_kv_heads, head_dim, num_blocks, block_size, q_tile, max_q_len, scale, int8_qk != 0,
-         batch_invariant != 0};
+         batch_invariant != 0, window};
   switch (dtype) {
     case kFloat32: run<float>(a, num_seqs); break;
     case kBFloat16: run<uint16_t>(a, num_seqs); break;

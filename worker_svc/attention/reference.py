@@ -10,9 +10,12 @@ from worker_svc.attention.metadata import AttentionMetadata
 
 def reference_attention(
     query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
-    kv_scales: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None, window: int = 0,
 ) -> torch.Tensor:
     """query [T, H, hd], kv_layer [2, num_blocks, block_size, kvh, hd] -> float64 [T, H, hd] on the CPU.
+
+    window > 0: sliding-window attention, a query at position p sees the keys at positions p - window < q <= p (the
+    last `window` positions, its own included: transformers' sliding_window_overlay); 0: all of 0..p.
 
     An 8-bit pool (kv_scales [2, num_blocks, block_size, kvh]) is read as codes x scales, in float64.
     NOTE: deliberately shares no code with any backend: plain numpy, token by token through the block tables.
@@ -33,18 +36,20 @@ def reference_attention(
     for i in range(len(seq_lens)):
         start, end, s = qsl[i], qsl[i + 1], seq_lens[i]
         q_len = end - start
-        keys = np.empty((s, num_kv_heads, pool.shape[4]))
-        values = np.empty_like(keys)
-        for p in range(s):
+        keys = np.full((s, num_kv_heads, pool.shape[4]), np.nan)  # NaN: a position read outside its window shows
+        values = np.full_like(keys, np.nan)
+        first = max(0, s - q_len - window + 1) if window > 0 else 0  # the first key any of the chunk's queries sees
+        for p in range(first, s):
             block, offset = tables[i, p // block_size], p % block_size
             keys[p] = pool[0, block, offset]
             values[p] = pool[1, block, offset]
         for j in range(q_len):
-            pos = s - q_len + j  # this query token's position; it sees keys 0..pos
+            pos = s - q_len + j  # this query token's position; it sees keys lo..pos
+            lo = max(0, pos - window + 1) if window > 0 else 0
             for h in range(num_heads):
                 kvh = h // group
-                scores = keys[: pos + 1, kvh] @ q_all[start + j, h] * scale
+                scores = keys[lo: pos + 1, kvh] @ q_all[start + j, h] * scale
                 weights = np.exp(scores - scores.max())
                 weights /= weights.sum()
-                out[start + j, h] = weights @ values[: pos + 1, kvh]
+                out[start + j, h] = weights @ values[lo: pos + 1, kvh]
     return torch.from_numpy(out)

@@ -69,16 +69,18 @@ class TorchAttentionBackend(AttentionBackend):
 
     def forward(
         self, query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float,
-        kv_scales: torch.Tensor | None = None,
+        kv_scales: torch.Tensor | None = None, window: int = 0,
     ) -> torch.Tensor:
         check_shapes(query, kv_layer, kv_scales)
         if query.shape[0] != meta.num_tokens:
             raise ValueError(f"query has {query.shape[0]} tokens, metadata {meta.num_tokens}")
+        if window < 0:
+            raise ValueError(f"window must be 0 (none) or positive, got {window}")
         if meta.is_all_decode:
             # Decode row i is sequence i: no query gather, no output scatter.
             return self._decode(
                 query, kv_layer, meta.block_tables, meta.seq_lens, meta.seq_lens_host, meta.max_decode_seq_len, scale,
-                kv_scales,
+                kv_scales, window,
             )
         out = torch.empty_like(query)
         if meta.num_decodes:
@@ -94,8 +96,9 @@ class TorchAttentionBackend(AttentionBackend):
                 meta.max_decode_seq_len,
                 scale,
                 kv_scales,
+                window,
             )
-        self._prefills(query, kv_layer, meta, scale, out, kv_scales=kv_scales)
+        self._prefills(query, kv_layer, meta, scale, out, kv_scales=kv_scales, window=window)
         return out
 
     def _decode(
@@ -107,25 +110,43 @@ class TorchAttentionBackend(AttentionBackend):
         seq_lens_host: np.ndarray,
         max_seq_len: int,
         scale: float,
-        kv_scales: torch.Tensor | None = None,
+        kv_scales: torch.Tensor | None = None, window: int = 0,
     ) -> torch.Tensor:
-        """One query token per sequence: query [B, H, hd] -> [B, H, hd]."""
+        """One query token per sequence: query [B, H, hd] -> [B, H, hd]. window > 0: each sequence's gather starts
+        at the block holding its first visible key (seq_len - window), so blocks wholly before it are not read."""
         _, _, block_size, kvh, hd = kv_layer.shape
         b, h, _ = query.shape
         group = h // kvh
-        nb = -(-max_seq_len // block_size)
+        if window > 0:
+            first = np.maximum(seq_lens_host - window, 0) // block_size  # each sequence's first block read
+            nb = int((-(-seq_lens_host // block_size) - first).max())
+            cols = torch.from_numpy(first).to(block_tables.device)[:, None] + torch.arange(nb, device=block_tables.device)
+            # NOTE: a column past a short sequence's table reads its last entry again: positions there are masked
+            table = block_tables.gather(1, cols.clamp(max=block_tables.shape[1] - 1))
+            base = torch.from_numpy(first * block_size).to(seq_lens.device)  # position of each gather's first row
+        else:
+            first, nb, table, base = None, -(-max_seq_len // block_size), block_tables, None
         length = nb * block_size
         # One gather for all sequences: [2, B*nb, bs, kvh, hd] -> [2, B, L, kvh, hd] (a fresh copy).
-        ids = block_tables[:, :nb].reshape(-1).long()
+        ids = table[:, :nb].reshape(-1).long()
         kv = self._gather_values(kv_layer, ids, kv_scales).view(2, b, length, kvh, hd)
         if kv.dtype in _UPCAST:
             kv = kv.float()
-        # NOTE: zero V past seq_len: there 0 * NaN would still poison the output even with probability 0.
-        # K needs no cleaning: its scores are overwritten with -inf below.
-        valid = torch.arange(length, device=kv.device)[None, :] < seq_lens[:, None].long()  # [B, L]
+        # NOTE: zero V past seq_len (and before the window): there 0 * NaN would still poison the output even with
+        # probability 0. K needs no cleaning: its scores are overwritten with -inf below.
+        end = seq_lens.long() if base is None else seq_lens.long() - base  # per row: visible rows are [start, end)
+        rows = torch.arange(length, device=kv.device)[None, :]
+        valid = rows < end[:, None]  # [B, L]
+        if base is not None:
+            start = (seq_lens.long() - window).clamp(min=0) - base
+            valid &= rows >= start[:, None]
         if kv.device.type == "cpu":
-            # Touch only the invalid tails (cheap slices) rather than rewriting all of V through a mask.
-            for i, n in enumerate(seq_lens_host.tolist()):
+            # Touch only the invalid heads and tails (cheap slices) rather than rewriting all of V through a mask.
+            lens = seq_lens_host if first is None else seq_lens_host - first * block_size
+            starts = [0] * b if first is None else (np.maximum(seq_lens_host - window, 0) - first * block_size).tolist()
+            for i, (lo, n) in enumerate(zip(starts, lens.tolist())):
+                if lo > 0:
+                    kv[1, i, :lo].zero_()
                 if n < length:
                     kv[1, i, n:].zero_()
         else:
@@ -142,9 +163,10 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _prefills(
         self, query: torch.Tensor, kv_layer: torch.Tensor, meta: AttentionMetadata, scale: float, out: torch.Tensor,
-        min_q_len: int = 2, kv_scales: torch.Tensor | None = None,
+        min_q_len: int = 2, kv_scales: torch.Tensor | None = None, window: int = 0,
     ) -> None:
-        """Sequences with q_len >= min_q_len, one SDPA call each; writes their rows of `out`."""
+        """Sequences with q_len >= min_q_len, one SDPA call each; writes their rows of `out`. window > 0: from the
+        block holding the chunk's first visible key on, each query masked to its window."""
         _, _, block_size, kvh, hd = kv_layer.shape
         qsl, lens = meta.query_start_loc_host, meta.seq_lens_host
         for i in range(meta.num_seqs):
@@ -153,21 +175,27 @@ class TorchAttentionBackend(AttentionBackend):
             if q_len < min_q_len:
                 continue
             nb = -(-s // block_size)
-            ids = meta.block_tables[i, :nb].long()
+            first = max(0, s - q_len - window + 1) // block_size if window > 0 else 0  # blocks before: unseen
+            base = first * block_size  # the position of the gather's first row
+            ids = meta.block_tables[i, first:nb].long()
             # Slicing to :s drops the garbage past seq_len, so nothing needs masking for NaN here.
-            kv = self._gather_values(kv_layer, ids, kv_scales).view(2, nb * block_size, kvh, hd)[:, :s]
+            kv = self._gather_values(kv_layer, ids, kv_scales).view(2, (nb - first) * block_size, kvh, hd)[:, :s - base]
             q = query[start:end]
             if q.dtype in _UPCAST or kv.dtype != q.dtype:  # NOTE: the CPU backend passes a float32 query
                 q, kv = q.float(), kv.float()
             k = kv[0].transpose(0, 1).unsqueeze(0)  # [1, kvh, s, hd]
             v = kv[1].transpose(0, 1).unsqueeze(0)
             q = q.transpose(0, 1).unsqueeze(0)  # [1, H, q_len, hd]
-            if s == q_len:
-                # Whole context is new: SDPA's top-left causal mask is exactly right.
+            if s == q_len and (window <= 0 or s <= window):
+                # Whole context is new (and inside any window): SDPA's top-left causal mask is exactly right.
                 o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
             else:
-                # Query j sits at position s - q_len + j and sees keys 0..that position (bottom-right causal).
-                qpos = torch.arange(s - q_len, s, device=q.device)
-                mask = torch.arange(s, device=q.device)[None, :] <= qpos[:, None]
+                # Query j sits at position s - q_len + j and sees keys 0..that position (bottom-right causal), or
+                # with a window only the last `window` of them.
+                qpos = torch.arange(s - q_len, s, device=q.device)[:, None]
+                kpos = torch.arange(base, s, device=q.device)[None, :]
+                mask = kpos <= qpos
+                if window > 0:
+                    mask &= kpos > qpos - window
                 o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
             out[start:end] = o[0].transpose(0, 1).to(out.dtype)

@@ -17,6 +17,10 @@ from worker_svc.quant.weight import QuantWeight
 # or with their rows reordered, the one change that blocks follow exactly (rows are independent). Any other
 # architecture keeps no quantised weights.
 ROW_ORDER_ARCHS = {"llama"}  # attn_q, attn_k: rope's row permutation undone (rope_heads, reverse_rope_rows)
+# Architectures whose processor changes only 1-D tensors, so every 2-D weight is read as stored: gemma3's
+# (Gemma2TensorProcessor) subtracts 1 from the norm weights, which are float32 vectors, never blocks. NOTE: llama.cpp
+# stores Gemma's q/k unpermuted (its rope is the neox, half-split, one, as transformers').
+AS_STORED_ARCHS = {"gemma3"}
 
 
 def quantized_weights(gguf_path: Path, model: torch.nn.Module, gguf_config: dict) -> dict[str, QuantWeight]:
@@ -29,7 +33,7 @@ def quantized_weights(gguf_path: Path, model: torch.nn.Module, gguf_config: dict
 
     reader = gguf.GGUFReader(str(gguf_path))
     arch = reader.fields["general.architecture"].contents()
-    if arch in TENSOR_PROCESSORS and arch not in ROW_ORDER_ARCHS:
+    if arch in TENSOR_PROCESSORS and arch not in ROW_ORDER_ARCHS | AS_STORED_ARCHS:
         return {}
     names = hf_names(arch, model)
     weights = {}

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.support.attention import GQA, MIXED, make_batch, random_batches
+from tests.support.attention import GQA, MIXED, make_batch, random_batches, windowed_batch
 from tests.support.attention import check as shared_check
 from worker_svc.attention import AttentionMetadata
 from worker_svc import cpu_build
@@ -96,7 +96,7 @@ def test_long_chunks_go_to_sdpa_and_short_ones_to_the_kernel(monkeypatch, invari
     meta = AttentionMetadata.build(q_lens, lens, tables, 16)
     query = torch.randn(sum(q_lens), 6, 64)
     check(backend, query, pool, meta, torch.float32)
-    def poison(q, kv, m, scale, out, min_q_len, kv_scales=None):  # stands in for the SDPA path: marks the rows it was given
+    def poison(q, kv, m, scale, out, min_q_len, kv_scales=None, window=0):  # stands in for the SDPA path: marks the rows it was given
         qsl = m.query_start_loc_host
         for i in range(m.num_seqs):
             if qsl[i + 1] - qsl[i] >= min_q_len:
@@ -191,6 +191,9 @@ def test_prebuilt_libraries_match_the_float64_reference(tmp_path, target):
     rng = np.random.default_rng(7)
     for dtype in (torch.float32, torch.bfloat16):
         check(backend, *make_batch(rng, list(MIXED), 16, 9, 3, 64, dtype), dtype)
+        for head_dim in (64, 256):  # a sliding window, NaN before it (Gemma 3's head_dim too)
+            query, pool, meta, _ = windowed_batch(rng, list(MIXED), 16, 4, 1, head_dim, dtype, 37)
+            shared_check(query, pool, meta, dtype, backend, window=37)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

