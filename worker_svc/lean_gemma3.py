@@ -14,21 +14,6 @@ from worker_svc.lean_model import LeanModel, _rotate
 from worker_svc.quant.linear import QuantEmbedding
 
 
-def gemma3_unsupported(cfg) -> str:
-    """Why LeanGemma3 cannot run a gemma3_text config ('' where it can)."""
-    if getattr(cfg, "hidden_activation", None) != "gelu_pytorch_tanh":
-        return f"hidden_activation {getattr(cfg, 'hidden_activation', None)!r} (lean Gemma 3: gelu_pytorch_tanh only)"
-    if getattr(cfg, "attn_logit_softcapping", None) is not None:
-        return "attention logit softcapping"
-    if getattr(cfg, "use_bidirectional_attention", False):
-        return "bidirectional attention"
-    if any(t not in ("sliding_attention", "full_attention") for t in cfg.layer_types):
-        return f"layer types {sorted(set(cfg.layer_types))}"
-    if any((cfg.rope_parameters.get(t) or {}).get("rope_type", "default") != "default" for t in set(cfg.layer_types)):
-        return "a rope scaling (lean Gemma 3: default rope only)"
-    return ""
-
-
 def _norm(x: torch.Tensor, weight1: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' Gemma3RMSNorm, op for op, with weight1 = 1 + weight (float32) computed once."""
     xf = x.float()

@@ -6,7 +6,7 @@ adds, SiLU product and rotary run as fused kernels (cpu_ops.py: torch's rounding
 of its own, so an ulp away at most there), and the matmuls as linear.py lays them out. What changes is the plumbing:
 one QKV matmul and one gate/up matmul per layer over fused weights, no per-layer module calls, kwargs or
 reshapes/transposes, and the packed [T, ...] layout end to end. A config outside what it knows (another
-activation, sliding windows, ...) returns None from `build_lean`, and the runner keeps the transformers path.
+activation, sliding windows, ...) returns None from `lean_build.build_lean`, and the runner keeps the transformers path.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import torch.nn.functional as F
 
 from worker_svc.cpu_ops import FUSED_DTYPES, shared_ops
 from worker_svc.linear import Linear, f32_copies_fit, make_linear, transposed
-from worker_svc.models import LoadedModel, lean_unsupported
 from worker_svc.quant.kernel import shared_kernel
 from worker_svc.quant.linear import QuantEmbedding, QuantLinear, quant_linear
 from worker_svc.quant.weight import QuantWeight
@@ -224,33 +223,3 @@ def _cat_bias(modules: list[torch.nn.Linear]) -> torch.Tensor | None:
     if any(b is None for b in biases):
         raise ValueError("mixed biases")
     return torch.cat(biases)
-
-
-def build_lean(loaded: LoadedModel, batch_invariant: bool = False) -> tuple[LeanModel | None, str]:
-    """A LeanModel for `loaded` (batch_invariant: see LeanModel), or None and the reason the transformers path must
-    run it."""
-    unsupported = lean_unsupported(loaded.model.config)
-    if unsupported:
-        return None, unsupported
-    inner = getattr(loaded.model, "model", None)
-    if inner is None or not hasattr(inner, "rotary_emb") or not hasattr(loaded.model, "lm_head"):
-        return None, "not a Llama-family decoder layout"
-    if batch_invariant in loaded.lean_models:
-        return loaded.lean_models[batch_invariant], ""
-    if loaded.runs_quantized and loaded.lean_models:
-        raise ValueError("this model's quantised weights were packed for a lean forward with the other batch_invariant "
-                         "setting, and their blocks released: load the model again for this one")
-    if loaded.model_type == "gemma3_text":
-        from worker_svc.lean_gemma3 import LeanGemma3  # NOTE: here: it imports this module
-
-        lean = LeanGemma3(loaded.model, batch_invariant, loaded.quantized, loaded.int8_activations)
-    else:
-        lean = LeanModel(loaded.model, batch_invariant, loaded.quantized, loaded.int8_activations)
-    loaded.lean_models[batch_invariant] = lean
-    # NOTE: the blocks packed into the kernel's panels are released (the panels replace them); an embedding kept
-    # quantised still reads its rows from them
-    if isinstance(lean.embed, QuantEmbedding):
-        loaded.quantized = {name: w for name, w in loaded.quantized.items() if w is lean.embed.weight}
-    else:
-        loaded.quantized = {}
-    return lean, ""

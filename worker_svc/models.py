@@ -66,7 +66,7 @@ class LoadedModel:
     weights_reason: str = ""  # what runs and why (weights.WeightChoice.reason)
     runs_quantized: bool = False  # weights kept quantised at load: only the lean forward runs this model
     int8_activations: bool = False  # --activation-dtype int8: the quantised matmuls quantise their activations
-    # The lean forwards built over this model, by batch_invariant (lean_model.build_lean): runners over one model share
+    # The lean forwards built over this model, by batch_invariant (lean_build.build_lean): runners over one model share
     # them. NOTE: for a model kept quantised this is not only a saving: building one releases the blocks it packs.
     lean_models: dict = field(default_factory=dict)
 
@@ -123,11 +123,24 @@ def resolve_dtype(dtype: str, device: str, config: dict, flags: Collection[str] 
     return DtypeChoice(DTYPES[dtype], reason)
 
 
+def gemma3_unsupported(cfg) -> str:
+    """Why LeanGemma3 (lean_gemma3.py) cannot run a gemma3_text config ('' where it can)."""
+    if getattr(cfg, "hidden_activation", None) != "gelu_pytorch_tanh":
+        return f"hidden_activation {getattr(cfg, 'hidden_activation', None)!r} (lean Gemma 3: gelu_pytorch_tanh only)"
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        return "attention logit softcapping"
+    if getattr(cfg, "use_bidirectional_attention", False):
+        return "bidirectional attention"
+    if any(t not in ("sliding_attention", "full_attention") for t in cfg.layer_types):
+        return f"layer types {sorted(set(cfg.layer_types))}"
+    if any((cfg.rope_parameters.get(t) or {}).get("rope_type", "default") != "default" for t in set(cfg.layer_types)):
+        return "a rope scaling (lean Gemma 3: default rope only)"
+    return ""
+
+
 def lean_unsupported(cfg) -> str:
     """Why the lean forward (lean_model.py) cannot run a model of this transformers config ('' where it can)."""
     if getattr(cfg, "model_type", None) == "gemma3_text":  # its own lean forward, sliding layers included
-        from worker_svc.lean_gemma3 import gemma3_unsupported
-
         return gemma3_unsupported(cfg)
     if getattr(cfg, "hidden_act", None) != "silu":
         return f"hidden_act {getattr(cfg, 'hidden_act', None)!r} (lean path: silu only)"

@@ -13,7 +13,7 @@ from pagedserve_common.step import StepPlan, StepResult
 from worker_svc.attention import AttentionBackend, AttentionMetadata
 from worker_svc.batch import BadPlan, PersistentBatch, check_plan
 from worker_svc.kv_pool import KVPool
-from worker_svc.lean_model import build_lean
+from worker_svc.lean_build import build_lean
 from worker_svc.logits import LogitsProcessor
 from worker_svc.models import LoadedModel
 from worker_svc.prompt_logprobs import PromptRows
