@@ -39,12 +39,32 @@ def keep_heap_mapped(environ: dict[str, str] | None = None) -> HeapSetting:
         return HeapSetting(False, f"the user's malloc settings stand ({', '.join(user)})")
     if not sys.platform.startswith("linux"):
         return HeapSetting(False, "not Linux")
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.gnu_get_libc_version  # NOTE: glibc only: musl's mallopt is a stub that does nothing
-    except (OSError, AttributeError):
+    libc = _glibc()
+    if libc is None:
         return HeapSetting(False, "not glibc")
     libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     if not (libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)):
         return HeapSetting(False, "mallopt refused the thresholds")
     return HeapSetting(True, f"trim threshold {TRIM_THRESHOLD >> 20} MiB, mmap threshold {MMAP_THRESHOLD >> 20} MiB")
+
+
+def release_free_heap() -> bool:
+    """Hand the heap's free pages back to the kernel, once (glibc's malloc_trim(0); False where there is none).
+
+    Why: with the thresholds above, what loading freed stays resident for the process's life: the checkpoint's
+    quantised blocks once packed into the kernels' panels (91 MB of the default model's), the float copies a fused
+    matmul replaced. Called after the model is built and before the warm-up, so the steps' own memory is kept."""
+    libc = _glibc()
+    if libc is None or not sys.platform.startswith("linux"):
+        return False
+    libc.malloc_trim.argtypes, libc.malloc_trim.restype = (ctypes.c_size_t,), ctypes.c_int
+    return bool(libc.malloc_trim(0))
+
+
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version  # NOTE: glibc only: musl's mallopt is a stub that does nothing
+    except (OSError, AttributeError):
+        return None
+    return libc

@@ -7,6 +7,7 @@ from worker_svc.lean_gemma3 import LeanGemma3
 from worker_svc.lean_model import LeanModel
 from worker_svc.models import LoadedModel, lean_unsupported
 from worker_svc.quant.linear import QuantEmbedding
+from worker_svc.quant.store import remapped
 
 
 def build_lean(loaded: LoadedModel, batch_invariant: bool = False) -> tuple[LeanModel | None, str]:
@@ -31,7 +32,9 @@ def build_lean(loaded: LoadedModel, batch_invariant: bool = False) -> tuple[Lean
     # NOTE: the blocks packed into the kernel's panels are released (the panels replace them); an embedding kept
     # quantised still reads its rows from them
     if isinstance(lean.embed, QuantEmbedding):
-        loaded.quantized = {name: w for name, w in loaded.quantized.items() if w is lean.embed.weight}
+        embedding = lean.embed.weight
+        lean.embed.weight = remapped(embedding)  # NOTE: its rows' pages only, not the whole file's
+        loaded.quantized = {name: lean.embed.weight for name, w in loaded.quantized.items() if w is embedding}
     else:
         loaded.quantized = {}
     return lean, ""

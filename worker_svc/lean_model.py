@@ -142,6 +142,7 @@ class LeanModel:
         linears = [self.lm_head, *(lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up,
                                                                               layer.down))]
         self.batch_invariant = batch_invariant and all(lin.invariant for lin in linears)
+        self._quant = {}  # NOTE: packed into the kernels' panels: the blocks go (lean_build releases its own refs)
 
     def _linear(self, modules: list[torch.nn.Linear], f32_copy: bool, invariant: bool) -> Linear | QuantLinear:
         """One matmul for `modules` side by side (a fused QKV or gate/up): on the quantised kernel where their weights

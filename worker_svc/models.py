@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM  # NOTE: lazy names: no modeling code until used
 
 from pagedserve_common.kv_geometry import KVGeometry
+from worker_svc.checkpoint_tree import checkpoint_tree, static_rope
 from worker_svc.cpu_features import NATIVE_BF16_FLAGS, cpu_flags, native_bf16_flags
 from worker_svc.kv_pool import DTYPES
 from worker_svc.quant.store import QUANTIZED_FILE, load_quantized
@@ -46,7 +47,15 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     return out.unsqueeze(0), None
 
 
-AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+def use_paged_attention(model: torch.nn.Module) -> None:
+    """Route a transformers model's attention to the paged KV pool (paged_attention_forward).
+
+    NOTE: registered here, at the first transformers model, not at import: AttentionInterface is in transformers'
+    modeling code, which a model kept quantised never loads (checkpoint_tree.py says what that saves)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
 
 
 @dataclass(slots=True)
@@ -194,13 +203,17 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", 
     int8_activations, activations_reason = choose_activations(activation_dtype, weights.keep_quantized,
                                                               _why_not_int8() if weights.keep_quantized else "")
     choice = resolve_dtype(weights.dtype, device, config)
-    if weights.keep_quantized:
+    if weights.keep_quantized and static_rope(hf_config):
+        model = checkpoint_tree(model_dir, hf_config, choice.dtype, quantized, _float_files(model_dir))
+        model.generation_config = _generation_config(model_dir)
+    elif weights.keep_quantized:
         model = _model_without(model_dir, hf_config, choice.dtype, set(quantized))
+        use_paged_attention(model)
     else:
         quantized = {}
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=choice.dtype)
         model.to(device)
-    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        use_paged_attention(model)
     model.eval()
     cfg = model.config
     eos = cfg.eos_token_id if cfg.eos_token_id is not None else []
@@ -220,14 +233,11 @@ def _model_without(model_dir: Path, config, dtype: torch.dtype, skip: set[str]) 
     on the meta device: never allocated, never read). NOTE: built on the meta device, so non-persistent buffers (the
     rotary embedding's inverse frequencies) are made again on the CPU; anything else left unloaded is an error."""
     from safetensors import safe_open
-    from transformers import GenerationConfig
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     state = {}
-    for path in sorted(model_dir.glob("*.safetensors")):
-        if path.name == QUANTIZED_FILE:
-            continue
+    for path in _float_files(model_dir):
         with safe_open(str(path), "pt") as f:
             state.update({name: f.get_tensor(name).to(dtype) for name in f.keys() if name not in skip})
     model.load_state_dict(state, strict=False, assign=True)
@@ -239,8 +249,20 @@ def _model_without(model_dir: Path, config, dtype: torch.dtype, skip: set[str]) 
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and name not in skip]
     if left:
         raise ValueError(f"{model_dir}: no weights for {', '.join(left[:5])}{' ...' if len(left) > 5 else ''}")
-    try:
-        model.generation_config = GenerationConfig.from_pretrained(model_dir)
-    except OSError:  # NOTE: no generation_config.json: the config's defaults, as from_pretrained keeps them
-        pass
+    model.generation_config = _generation_config(model_dir) or model.generation_config
     return model
+
+
+def _float_files(model_dir: Path) -> list[Path]:
+    return [path for path in sorted(model_dir.glob("*.safetensors")) if path.name != QUANTIZED_FILE]
+
+
+def _generation_config(model_dir: Path):
+    """generation_config.json's GenerationConfig, None where the dir has none (the config's defaults stand, as
+    from_pretrained keeps them)."""
+    from transformers import GenerationConfig
+
+    try:
+        return GenerationConfig.from_pretrained(model_dir)
+    except OSError:
+        return None

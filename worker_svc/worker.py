@@ -14,7 +14,7 @@ from pagedserve_common.kv_geometry import KVGeometry
 from pagedserve_common.registration import WorkerRegistration
 from pagedserve_common.startup import USAGE, StartupError, one_line
 from worker_svc.attention.quant import STORAGE
-from worker_svc.heap import keep_heap_mapped
+from worker_svc.heap import keep_heap_mapped, release_free_heap
 from worker_svc.kv_pool import KVPool
 from worker_svc.model_store import resolve_model
 from worker_svc.models import ATTN_IMPLEMENTATION, load_model
@@ -152,6 +152,7 @@ def create_runner(cfg: WorkerConfig, backend: AttentionBackend | None = None) ->
     invariant = cfg.batch_invariant == "on"
     backend = backend or make_backend(cfg.attention_backend, cfg.device, geometry, cfg.int8_qk, invariant)
     runner = ModelRunner(loaded, pool, backend, lean=not cfg.transformers_forward, batch_invariant=invariant)
+    release_free_heap()  # NOTE: what loading freed (heap.py); before the warm-up, whose memory the steps reuse
     if invariant and not runner.batch_invariant:
         log.warning("batch invariance is off: a sequence's tokens may depend on the sequences beside it",
                     reason=runner.batch_invariant_reason)

@@ -76,3 +76,31 @@ def test_a_warm_prefill_step_faults_in_no_pages_where_glibc_defaults_refault_tho
     assert sorted(default["faults"])[1] > 500, default
     kept_median, default_median = statistics.median(kept["faults"]), statistics.median(default["faults"])
     assert kept_median < 2000 and kept_median * 20 < default_median, (kept, default)
+
+
+# Under the kept-heap thresholds, 160 MB freed in 16 MB chunks (heap chunks: below the mmap threshold) stays resident
+# until release_free_heap; prints the anonymous resident MB before the frees, after them and after the release.
+RELEASE = textwrap.dedent("""
+    import json, re
+    from worker_svc.heap import keep_heap_mapped, release_free_heap
+    def anon_mb():
+        return int(re.search(r"RssAnon:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) // 1024
+    assert keep_heap_mapped().applied
+    chunks = [bytearray(16 << 20) for _ in range(10)]  # NOTE: bytearray zero-fills: every page touched
+    keep = bytearray(1 << 20)  # allocated last: the freed chunks sit below it, not at the heap's top
+    held = anon_mb()
+    del chunks
+    freed = anon_mb()
+    released = release_free_heap()
+    print(json.dumps({"held": held, "freed": freed, "released": released, "after": anon_mb()}))
+""")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim: Linux only")
+def test_what_loading_freed_goes_back_to_the_kernel_once_released():
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "GLIBC_TUNABLES"}
+    out = subprocess.run([sys.executable, "-c", RELEASE], cwd=ROOT, env=clean, capture_output=True, text=True,
+                         timeout=120, check=True)
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["held"] - got["freed"] < 16, got  # the thresholds keep it mapped ...
+    assert got["released"] and got["freed"] - got["after"] > 140, got  # ... until the release

@@ -18,6 +18,7 @@ class QuantWeight:
     format: QuantFormat
     shape: tuple[int, int]  # (out, in): the float weight's shape
     blocks: torch.Tensor
+    source: tuple[str, str] | None = None  # (file, tensor name) where `blocks` view a mapping of it, else None
 
     def __post_init__(self) -> None:
         if len(self.shape) != 2 or not all(isinstance(n, int) and n > 0 for n in self.shape):
