@@ -25,15 +25,20 @@ VECTOR_BYTES = 16  # the device's x loads: every row 16-byte aligned
 class CupyQuantKernel:
     """quant_gemm.cu's kernels, by GGML type id (worker_svc/quant/formats.py). warps: output columns a CTA (1..8)."""
 
-    def __init__(self, launcher: Launcher | None = None, warps: int = 4) -> None:
+    def __init__(self, launcher: Launcher | None = None, warps: int = 4, device: torch.device | str | None = None
+                 ) -> None:
+        """device: where pack puts the weights (default: the GPU the default launcher compiles for, else where the
+        blocks are)."""
         if not 1 <= warps <= 8:
             raise ValueError(f"quant gemm: warps {warps} is not in 1..8 (the kernel's launch bounds: 256 threads)")
         if launcher is None:
             from worker_svc.attention.cupy_backend import CupyLauncher
 
-            launcher = CupyLauncher(source=QUANT_GEMM_SOURCE)
+            device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+            launcher = CupyLauncher(device, source=QUANT_GEMM_SOURCE)
         self.launcher = launcher
         self.warps = warps
+        self.device = None if device is None else torch.device(device)
 
     def packed_size(self, ggml_type: int, out_features: int, in_features: int) -> int:
         """Bytes of the weight on the device: the file's blocks as they are; 0 for an unknown type or a row that is
@@ -43,16 +48,15 @@ class CupyQuantKernel:
             return 0
         return out_features * fmt.row_bytes(in_features)
 
-    def pack(self, ggml_type: int, blocks: torch.Tensor, in_features: int, device: torch.device | str | None = None
-             ) -> torch.Tensor:
-        """blocks: the file's rows of W [N, in_features] (uint8 [N, row bytes], contiguous) -> the same bytes on
-        `device` (default: where they are), contiguous."""
+    def pack(self, ggml_type: int, blocks: torch.Tensor, in_features: int) -> torch.Tensor:
+        """blocks: the file's rows of W [N, in_features] (uint8 [N, row bytes], contiguous) -> the same bytes on the
+        kernel's device (where they are if it has none), contiguous."""
         if blocks.dtype != torch.uint8 or blocks.dim() != 2 or not blocks.is_contiguous():
             raise ValueError("quant gemm: the blocks are a contiguous uint8 [out_features, row bytes] tensor")
         if self.packed_size(ggml_type, blocks.shape[0], in_features) != blocks.numel():
             raise ValueError(f"quant gemm: GGML type {ggml_type} with {in_features} input features does not make "
                              f"{blocks.shape[1]} bytes a row (an unknown type, or not whole blocks)")
-        return blocks.to(device if device is not None else blocks.device).contiguous()
+        return blocks.to(self.device if self.device is not None else blocks.device).contiguous()
 
     def linear(self, ggml_type: int, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,6 +87,17 @@ class CupyQuantKernel:
                 i32(out_features), i32(k)]
         self.launcher.launch(f"quant_gemm_{fmt.name}_{tag}", grid, 32 * self.warps, args)
         return out
+
+
+_SHARED: dict[int, CupyQuantKernel] = {}
+
+
+def shared_gpu_kernel(device: torch.device) -> CupyQuantKernel:
+    """One CupyQuantKernel a GPU for the process (quant_gemm.cu compiled once); needs cupy."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SHARED:
+        _SHARED[index] = CupyQuantKernel(device=torch.device("cuda", index))
+    return _SHARED[index]
 
 
 def _aligned_rows(x: torch.Tensor) -> torch.Tensor:
