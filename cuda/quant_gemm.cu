@@ -116,8 +116,8 @@ __device__ __forceinline__ void dequant_group(const unsigned char* __restrict__ 
 #pragma unroll
         for (int l = 0; l < 32; ++l) w[l] = d1 * (float)((__ldg(qs + l) >> shift) & 0xFu) - m1;
     } else {  // QG_Q6_K
-        // sub-block j = quarter c of half h; weight l: ql[64h + 32(c & 1) + l] nibble c >> 1, qh[32h + l] bits 2c..2c+1,
-        // less 32; scale sc[2j + l / 16]; w = (d * sc) * q, one rounding at the multiply by q.
+        // sub-block j = quarter c of half h; weight l: ql[64h + 32(c & 1) + l] nibble c >> 1, qh[32h + l] bits
+        // 2c..2c+1, less 32; scale sc[2j + l / 16]; w = (d * sc) * q, one rounding at the multiply by q.
         const unsigned char* b = row + (i64)(g >> 3) * QFormat<F>::BYTES;
         const int j = g & 7, h = j >> 2, c = j & 3;
         const unsigned char* ql = b + 64 * h + 32 * (c & 1);
