@@ -5,13 +5,17 @@ GPU worker runs (test_kernels_gpu_quant_gemm.py runs it on a device).
 1. Its logits are the float32 model's (the same blocks dequantised at load) within float32 summation noise: every
    quantised matmul, the tied Q8_0 head included, ran on the kernel (the launches name each format).
 2. The model's blocks were never turned into float weights: QuantLinear parts hold the file's bytes as they are.
+3. On a GPU, what its kernel cannot run is refused by flag (int8 activations; the blocks as stored without CuPy).
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import pytest
 import torch
 
+from pagedserve_common.startup import StartupError
 from tests.support.quant_model import FORMATS, prefill_then_decode_logits, tiny_quantized_model
 from worker_svc.lean_model import LeanModel
 from worker_svc.models import load_model
@@ -49,3 +53,17 @@ def test_lean_forward_on_the_gpu_kernel_is_the_dequantised_model_within_float32_
     assert torch.allclose(got, want, rtol=1e-4, atol=1e-5 * want.abs().max().item()), (got - want).abs().max()
     ran = {name.split("_")[2] + "_" + name.split("_")[3] for name, _, _ in launcher.launches}
     assert ran == set(FORMATS.values())
+
+
+def test_a_gpu_worker_refuses_what_its_quantised_kernel_cannot_run_by_flag(model_dir):
+    """Refused before any weight is loaded (so without a GPU): int8 activations (the GPU kernel takes floats), or,
+    without CuPy, the blocks as stored."""
+    with pytest.raises(StartupError) as refused:
+        load_model(model_dir, dtype="float32", device="cuda", weight_dtype="as-stored", activation_dtype="int8")
+    has_cupy = importlib.util.find_spec("cupy") is not None
+    want = "--activation-dtype int8: the int8-activation kernel runs on the CPU" if has_cupy else \
+        "--weight-dtype as-stored: "
+    assert str(refused.value).startswith(want)
+    assert has_cupy or "CuPy: not installed" in str(refused.value)
+    with pytest.raises(StartupError, match="--weight-dtype as-stored: .* not mps"):
+        load_model(model_dir, dtype="float32", device="mps", weight_dtype="as-stored")
