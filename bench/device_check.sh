@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# The one prepared run for a lent GPU (about 6 minutes): GPU kernel and token tests (float and 8-bit caches), then
-# bench/gpu_kernels.py (float16/bfloat16 decode and prefill vs SDPA, then the 8-bit caches' quantising write, decode at
-# 4k/32k contexts and prefill, each with its achieved bandwidth in bytes of codes + scales per second).
+# The one prepared run for a lent GPU (about 7 minutes): GPU kernel and token tests (float and 8-bit caches, quantised
+# weights), then bench/gpu_kernels.py (float16/bfloat16 decode and prefill vs SDPA, then the 8-bit caches' quantising write, decode at
+# 4k/32k contexts and prefill, each with its achieved bandwidth in bytes of codes + scales per second), then
+# bench/gpu_quant_gemm.py (the quantised-weight matmul against a bfloat16 matmul of the dequantised weight).
 # Run on the device machine from the repo root: `bash bench/device_check.sh` (its output lands in $OUT).
 # That machine has python3 with torch, cupy, transformers and pytest but no registry: carry anything missing
 # as wheels in .whl/ (protobuf >= 7.35 for pagedserve.v1 when its own is older); they are installed first.
@@ -21,3 +22,4 @@ export PYTHONPATH="${site:+$site:}$PWD${PYTHONPATH:+:$PYTHONPATH}"
 } 2>&1 | tee "$OUT/env.txt"
 timeout 220 python3 -m pytest -q -m gpu tests/kernels -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt"
 timeout 240 python3 bench/gpu_kernels.py 2>&1 | tee "$OUT/kernels.txt"
+timeout 120 python3 bench/gpu_quant_gemm.py 2>&1 | tee "$OUT/quant_gemm.txt"

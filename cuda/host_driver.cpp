@@ -1,4 +1,4 @@
-// C ABI over the host-shim build of paged_attention.cu, for the CPU tests (loaded with ctypes).
+// C ABI over the host-shim build of paged_attention.cu and quant_gemm.cu, for the CPU tests (loaded with ctypes).
 //
 //   int host_<kernel>(const unsigned cfg[4], void** args)
 // cfg = (grid.x, grid.y, grid.z, block.x); args[i] points at the i-th kernel argument, exactly like
@@ -9,6 +9,7 @@
 //        -o libpaged_host.so   (-U_FORTIFY_SOURCE: the shim _longjmp()s between fiber stacks)
 #include "host_shim.h"
 #include "paged_attention.cu"
+#include "quant_gemm.cu"
 
 #include <type_traits>
 #include <utility>
@@ -62,6 +63,13 @@ EXPORT(copy_blocks_u8)
 EXPORT(copy_blocks_u16)
 EXPORT(copy_blocks_u32)
 EXPORT(copy_blocks_u128)
+#define EXPORT_QUANT_GEMM(FN) EXPORT(quant_gemm_##FN##_f32) EXPORT(quant_gemm_##FN##_f16) EXPORT(quant_gemm_##FN##_bf16)
+EXPORT_QUANT_GEMM(q4_0)
+EXPORT_QUANT_GEMM(q4_1)
+EXPORT_QUANT_GEMM(q5_0)
+EXPORT_QUANT_GEMM(q8_0)
+EXPORT_QUANT_GEMM(q4_k)
+EXPORT_QUANT_GEMM(q6_k)
 
 // The fp8 conversions of common.cuh, element-wise over arrays, for the tests' comparison with torch.
 // fmt: 0 = e4m3, 1 = e5m2.

@@ -289,17 +289,20 @@ class RunnerOptions:
                                 "start-up line says which and why (dtype, dtype_reason); float32 is the exact path",
                         choices=DTYPES, up=ALWAYS)
     weight_dtype: str = option("auto", "the weights a matmul reads: as-stored runs a quantised checkpoint's blocks "
-                                       "(GGUF Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) on the quantised CPU kernel, dequantised "
-                                       "in registers (refused where it cannot run); bfloat16 or float32 dequantise "
+                                       "(GGUF Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K) on the quantised kernel (CPU: C++; GPU: "
+                                       "cuda/quant_gemm.cu through CuPy), dequantised in registers (refused where it "
+                                       "cannot run); bfloat16 or float32 dequantise "
                                        "them at load into that dtype (then also the compute dtype); auto: as-stored "
-                                       "where it runs, else dequantised to --dtype. The start-up line says which "
+                                       "where it runs on a CPU, else (and on a GPU, until the CUDA kernel is "
+                                       "measured) dequantised to --dtype. The start-up line says which "
                                        "and why (weights_reason)", choices=WEIGHT_DTYPES, up=GIVEN)
     activation_dtype: str = option("auto", "what a matmul over weights kept quantised multiplies them with: auto, "
                                            "the float activations (the exact path: a float32 model's logits are the "
                                            "dequantised model's bit for bit); int8: each row quantised to int8 per "
                                            "32 inputs and multiplied in integers (AVX-512 VNNI or AVX2), as "
                                            "llama.cpp's CPU kernels do: several times faster matmuls, logits within "
-                                           "about 1-2% (docs/models.md); refused where no weight is kept quantised",
+                                           "about 1-2% (docs/models.md); CPU only; refused where no weight is kept "
+                                           "quantised",
                                    choices=ACTIVATION_DTYPES, up=GIVEN)
     kv_cache_dtype: str = option("auto", "the KV cache's element type, whatever --dtype is: auto (the model's "
                                          "dtype), a float type, or 8 bits with one float32 scale per token and kv "

@@ -63,17 +63,19 @@ class RotaryEmbedding(nn.Module):
 
 
 def checkpoint_tree(model_dir: Path, config, dtype: torch.dtype, quantized: dict[str, QuantWeight],
-                    float_files: list[Path]) -> nn.Module:
+                    float_files: list[Path], device: str = "cpu") -> nn.Module:
     """The model as the lean forward reads it: `root.model.layers[i].self_attn.q_proj.weight`, ... by the checkpoint's
-    names, float tensors from `float_files` (as `dtype`) and, for the names in `quantized`, Linear weights on the meta
-    device (never allocated: the quantised kernel runs them). A tied lm_head shares the embedding's weight."""
+    names, float tensors from `float_files` (as `dtype`, on `device`) and, for the names in `quantized`, Linear
+    weights on the meta device (never allocated: the quantised kernel runs them). A tied lm_head shares the
+    embedding's weight."""
     from safetensors import safe_open
 
     root = nn.Module()
     tensors: dict[str, torch.Tensor] = {}
     for path in float_files:
         with safe_open(str(path), "pt") as f:
-            tensors.update({name: f.get_tensor(name).to(dtype) for name in f.keys() if name not in quantized})
+            tensors.update({name: f.get_tensor(name).to(device=device, dtype=dtype) for name in f.keys()
+                            if name not in quantized})
     tensors.update({name: torch.empty(w.shape, dtype=dtype, device="meta") for name, w in quantized.items()})
     if getattr(config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)
@@ -96,7 +98,7 @@ def checkpoint_tree(model_dir: Path, config, dtype: torch.dtype, quantized: dict
         layer.self_attn.head_dim = head_dim
         layer.self_attn.scaling = (scalar or head_dim) ** -0.5
     if config.model_type == "gemma3_text":  # its embedding is scaled by sqrt(hidden_size), as transformers' buffer
-        inner.embed_tokens.embed_scale = torch.tensor(config.hidden_size ** 0.5)
+        inner.embed_tokens.embed_scale = torch.tensor(config.hidden_size ** 0.5, device=device)
     root.config = config
     return root
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from worker_svc.cpu_ops import FUSED_DTYPES, shared_ops
 from worker_svc.linear import Linear, f32_copies_fit, make_linear, transposed
+from worker_svc.quant.cupy_kernel import shared_gpu_kernel
 from worker_svc.quant.kernel import shared_kernel
 from worker_svc.quant.linear import QuantEmbedding, QuantLinear, quant_linear
 from worker_svc.quant.weight import QuantWeight
@@ -91,7 +92,8 @@ class LeanModel:
     kernels exist on this CPU, the float32 copies fit)."""
 
     def __init__(self, model: torch.nn.Module, batch_invariant: bool = False,
-                 quantized: dict[str, QuantWeight] | None = None, int8_activations: bool = False) -> None:
+                 quantized: dict[str, QuantWeight] | None = None, int8_activations: bool = False,
+                 quant_kernel=None) -> None:
         cfg = model.config
         self.model = model
         inner = model.model
@@ -100,6 +102,10 @@ class LeanModel:
         # quantised weights (by parameter name; their modules hold meta tensors): the quantised kernel runs them
         self._quant = quantized or {}
         self._int8_activations = int8_activations  # their matmuls' kernel (quant/kernel.py)
+        # NOTE: quant_kernel (tests: the GPU kernel on the host shim) else by device: cuda/quant_gemm.cu on a GPU
+        self._quant_kernel = quant_kernel
+        if quant_kernel is None and self._quant and device.type == "cuda":
+            self._quant_kernel = shared_gpu_kernel(device)
         self._names = {id(m): name for name, m in model.named_modules()}
         embed_name = self._names[id(inner.embed_tokens)] + ".weight"
         self.embed = QuantEmbedding(self._quant[embed_name], self.dtype) if embed_name in self._quant else \
@@ -161,7 +167,7 @@ class LeanModel:
         return make_linear(weight, bias, f32_copy=f32_copy, invariant=invariant)
 
     def _quant_linear(self, names: list[str], bias: torch.Tensor | None) -> QuantLinear:
-        kernel = shared_kernel(self._int8_activations)
+        kernel = self._quant_kernel or shared_kernel(self._int8_activations)
         if kernel is None:  # NOTE: models.load_model keeps weights quantised only where the kernel runs
             raise RuntimeError("quantised weights, and no quantised kernel on this CPU")
         return quant_linear([self._quant[name] for name in names], bias, kernel)

@@ -20,6 +20,9 @@ from worker_svc.weights import choose_activations, choose_weights
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 ATTN_IMPLEMENTATION = "pagedserve"
+# NOTE: auto keeps blocks as stored on the CPU only, until cuda/quant_gemm.cu is measured on a GPU against the float
+# matmuls it would replace (bench/gpu_quant_gemm.py); as-stored runs it there
+GPU_AUTO_DEQUANTISES = "on a GPU auto dequantises: --weight-dtype as-stored runs the CUDA quantised kernel"
 
 
 def paged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, *,
@@ -163,13 +166,17 @@ def lean_unsupported(cfg) -> str:
 
 def _why_not_quantized(device: str, lean: bool, cfg) -> str:
     """Why the quantised kernel cannot run this model's quantised weights here ('' where it can)."""
-    if device != "cpu":
-        return "the quantised kernels run on the CPU"
+    if device != "cpu" and not device.startswith("cuda"):
+        return f"the quantised kernels run on the CPU or a CUDA GPU, not {device}"
     if not lean:
         return "--transformers-forward runs the transformers modules, which take float weights"
     unsupported = lean_unsupported(cfg)
     if unsupported:
         return f"the lean forward does not run this model ({unsupported})"
+    if device.startswith("cuda"):  # cuda/quant_gemm.cu through CuPy (worker_svc/quant/cupy_kernel.py)
+        import importlib.util
+
+        return "" if importlib.util.find_spec("cupy") else "the GPU's quantised kernel runs through CuPy: not installed"
     from worker_svc.quant.kernel import shared_kernel  # NOTE: here: it builds the CPU kernel library
 
     if shared_kernel() is None:
@@ -177,8 +184,10 @@ def _why_not_quantized(device: str, lean: bool, cfg) -> str:
     return ""
 
 
-def _why_not_int8() -> str:
+def _why_not_int8(device: str) -> str:
     """Why the int8-activation kernel cannot run here ('' where it can)."""
+    if device != "cpu":
+        return "the int8-activation kernel runs on the CPU (the GPU's quantised kernel takes float activations)"
     from worker_svc.quant.kernel import shared_kernel
 
     if shared_kernel(int8_activations=True) is None:
@@ -198,16 +207,18 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", 
                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     quantized = load_quantized(model_dir)
     hf_config = AutoConfig.from_pretrained(model_dir)
-    weights = choose_weights(weight_dtype, dtype, quantized,
-                             _why_not_quantized(device, lean, hf_config) if quantized else "")
+    why_not = _why_not_quantized(device, lean, hf_config) if quantized else ""
+    if quantized and not why_not and device.startswith("cuda") and weight_dtype == "auto":
+        why_not = GPU_AUTO_DEQUANTISES
+    weights = choose_weights(weight_dtype, dtype, quantized, why_not)
     int8_activations, activations_reason = choose_activations(activation_dtype, weights.keep_quantized,
-                                                              _why_not_int8() if weights.keep_quantized else "")
+                                                              _why_not_int8(device) if weights.keep_quantized else "")
     choice = resolve_dtype(weights.dtype, device, config)
     if weights.keep_quantized and static_rope(hf_config):
-        model = checkpoint_tree(model_dir, hf_config, choice.dtype, quantized, _float_files(model_dir))
+        model = checkpoint_tree(model_dir, hf_config, choice.dtype, quantized, _float_files(model_dir), device)
         model.generation_config = _generation_config(model_dir)
     elif weights.keep_quantized:
-        model = _model_without(model_dir, hf_config, choice.dtype, set(quantized))
+        model = _model_without(model_dir, hf_config, choice.dtype, set(quantized), device)
         use_paged_attention(model)
     else:
         quantized = {}
@@ -228,10 +239,12 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", 
                        runs_quantized=bool(quantized), int8_activations=int8_activations)
 
 
-def _model_without(model_dir: Path, config, dtype: torch.dtype, skip: set[str]) -> torch.nn.Module:
+def _model_without(model_dir: Path, config, dtype: torch.dtype, skip: set[str], device: str = "cpu"
+                   ) -> torch.nn.Module:
     """The model with every float tensor of `model_dir` but those named in `skip` (the quantised weights, which stay
-    on the meta device: never allocated, never read). NOTE: built on the meta device, so non-persistent buffers (the
-    rotary embedding's inverse frequencies) are made again on the CPU; anything else left unloaded is an error."""
+    on the meta device: never allocated, never read) on `device`. NOTE: built on the meta device, so non-persistent
+    buffers (the rotary embedding's inverse frequencies) are made again on `device`; anything else left unloaded is an
+    error. (model.to(device) cannot run: a meta tensor has no data to copy.)"""
     from safetensors import safe_open
 
     with torch.device("meta"):
@@ -239,13 +252,14 @@ def _model_without(model_dir: Path, config, dtype: torch.dtype, skip: set[str]) 
     state = {}
     for path in _float_files(model_dir):
         with safe_open(str(path), "pt") as f:
-            state.update({name: f.get_tensor(name).to(dtype) for name in f.keys() if name not in skip})
+            state.update({name: f.get_tensor(name).to(device=device, dtype=dtype) for name in f.keys()
+                          if name not in skip})
     model.load_state_dict(state, strict=False, assign=True)
     inner = model.model
-    inner.rotary_emb = type(inner.rotary_emb)(config=model.config)  # NOTE: outside the meta device: on the CPU
+    inner.rotary_emb = type(inner.rotary_emb)(config=model.config).to(device)  # NOTE: made outside the meta device
     embed = inner.embed_tokens
     if hasattr(embed, "scalar_embed_scale"):  # Gemma's scaled embedding: its scale is a non-persistent buffer too
-        embed.embed_scale = torch.tensor(embed.scalar_embed_scale)
+        embed.embed_scale = torch.tensor(embed.scalar_embed_scale, device=device)
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and name not in skip]
     if left:
         raise ValueError(f"{model_dir}: no weights for {', '.join(left[:5])}{' ...' if len(left) > 5 else ''}")

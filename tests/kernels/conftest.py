@@ -1,4 +1,5 @@
-"""Builds cuda/paged_attention.cu for the host (cuda/host_shim.h) once per session; nvcc device builds too.
+"""Builds cuda/paged_attention.cu and cuda/quant_gemm.cu for the host (cuda/host_shim.h) once per session; nvcc
+device builds of each too.
 
 HostLauncher runs the kernels by name with the argument list CupyAttentionBackend builds for CuPy, so the CPU
 tests exercise the backend's planning code as well as the kernel logic.
@@ -16,9 +17,10 @@ import numpy as np
 import pytest
 
 from tests.support.cuda import cuda_home
-from worker_svc.attention.cupy_backend import CUDA_DIR, KERNEL_SOURCE
+from worker_svc.attention.cupy_backend import CUDA_DIR, KERNEL_SOURCE, QUANT_GEMM_SOURCE
 
 ARCHS = ("sm_80", "sm_90")
+QUANT_PREFIX = "quant_"  # build keys of quant_gemm.cu's cubins: quant_sm_80, quant_sm_90
 
 
 def nvcc_path() -> str | None:
@@ -28,9 +30,9 @@ def nvcc_path() -> str | None:
     return shutil.which("nvcc")
 
 
-def nvcc_command(arch: str, out: Path) -> list[str]:
+def nvcc_command(arch: str, out: Path, source: Path = KERNEL_SOURCE) -> list[str]:
     return [nvcc_path() or "nvcc", "-std=c++17", f"-arch={arch}", "-cubin", "-Xptxas", "-v", f"-I{CUDA_DIR}",
-            str(KERNEL_SOURCE), "-o", str(out)]  # fmt: skip
+            str(source), "-o", str(out)]  # fmt: skip
 
 
 class Builds:
@@ -51,10 +53,11 @@ class Builds:
         )  # fmt: skip
         if nvcc_path():
             for arch in ARCHS:
-                self.procs[arch] = subprocess.Popen(
-                    nvcc_command(arch, self.dir / f"paged_{arch}.cubin"),
-                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                )  # fmt: skip
+                for key, source in ((arch, KERNEL_SOURCE), (QUANT_PREFIX + arch, QUANT_GEMM_SOURCE)):
+                    self.procs[key] = subprocess.Popen(
+                        nvcc_command(arch, self.dir / f"{key}.cubin", source),
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                    )  # fmt: skip
 
     def result(self, key: str) -> tuple[int, str]:
         if key not in self.results:

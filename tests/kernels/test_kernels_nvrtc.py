@@ -1,4 +1,5 @@
-"""NVRTC (what CuPy's RawModule uses on the GPU machines) compiles cuda/paged_attention.cu without a device.
+"""NVRTC (what CuPy's RawModule uses on the GPU machines) compiles cuda/paged_attention.cu and cuda/quant_gemm.cu
+without a device.
 
 Uses libnvrtc through ctypes, found in an nvidia-cuda-nvrtc wheel (site-packages/nvidia/*/lib), the CUDA
 toolkit's lib64, or $PAGED_NVRTC_LIB; skipped when none is installed (nvcc's check in test_kernels_host.py
@@ -15,7 +16,7 @@ import site
 import pytest
 
 from tests.support.cuda import cuda_home
-from worker_svc.attention.cupy_backend import CUDA_DIR, KERNEL_SOURCE, _cuda_include_options
+from worker_svc.attention.cupy_backend import CUDA_DIR, KERNEL_SOURCE, QUANT_GEMM_SOURCE, _cuda_include_options
 
 
 def find_nvrtc() -> str | None:
@@ -40,11 +41,12 @@ def nvrtc():
     return ctypes.CDLL(path)
 
 
+@pytest.mark.parametrize("source", [KERNEL_SOURCE, QUANT_GEMM_SOURCE], ids=lambda p: p.name)
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_kernel_nvrtc_compiles(nvrtc, arch):
+def test_kernel_nvrtc_compiles(nvrtc, arch, source):
     prog = ctypes.c_void_p()
-    src = KERNEL_SOURCE.read_bytes()
-    assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src, b"paged_attention.cu", 0, None, None) == 0
+    src = source.read_bytes()
+    assert nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src, source.name.encode(), 0, None, None) == 0
     opts = [f"--gpu-architecture={arch}", "--std=c++17", f"-I{CUDA_DIR}", *_cuda_include_options()]
     argv = (ctypes.c_char_p * len(opts))(*[o.encode() for o in opts])
     rc = nvrtc.nvrtcCompileProgram(prog, len(opts), argv)

@@ -30,6 +30,7 @@ from worker_svc.attention.metadata import AttentionMetadata
 # it put them with PAGEDSERVE_CUDA_DIR.
 CUDA_DIR = Path(os.environ.get("PAGEDSERVE_CUDA_DIR") or Path(__file__).resolve().parents[2] / "cuda")
 KERNEL_SOURCE = CUDA_DIR / "paged_attention.cu"
+QUANT_GEMM_SOURCE = CUDA_DIR / "quant_gemm.cu"  # the quantised-weight matmuls (worker_svc/quant/cupy_kernel.py)
 
 DTYPE_TAGS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 # 8-bit caches: kernel names are <kind>_<query tag>_<cache tag>_d<HD> and write_kv_<query tag>_<cache tag>.
@@ -65,9 +66,11 @@ def largest_divisor_at_most(n: int, cap: int) -> int:
 
 
 class CupyLauncher:
-    """Compiles cuda/paged_attention.cu once with cupy.RawModule and launches on torch's current stream."""
+    """Compiles one kernel file (default cuda/paged_attention.cu) once with cupy.RawModule and launches on torch's
+    current stream."""
 
-    def __init__(self, device: torch.device | int | None = None, extra_options: Sequence[str] = ()) -> None:
+    def __init__(self, device: torch.device | int | None = None, extra_options: Sequence[str] = (),
+                 source: Path = KERNEL_SOURCE) -> None:
         import cupy  # lazy: cupy is only on GPU machines
 
         self._cupy = cupy
@@ -81,7 +84,7 @@ class CupyLauncher:
         self._device_index = int(index)
         options = ["--std=c++17", f"-I{CUDA_DIR}", *_cuda_include_options(), *extra_options]
         with cupy.cuda.Device(self._device_index):
-            self.module = cupy.RawModule(code=KERNEL_SOURCE.read_text(), options=tuple(options))
+            self.module = cupy.RawModule(code=Path(source).read_text(), options=tuple(options))
             self.num_sms = int(cupy.cuda.Device(self._device_index).attributes["MultiProcessorCount"])
         self._functions: dict[str, Any] = {}
         self._streams: dict[int, Any] = {}

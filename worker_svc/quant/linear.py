@@ -1,4 +1,5 @@
-"""The lean forward's layers over weights kept quantised: a matmul on the quantised kernel (q_gemm.cpp) and an
+"""The lean forward's layers over weights kept quantised: a matmul on the quantised kernel (q_gemm.cpp on the CPU,
+cuda/quant_gemm.cu on a GPU: any object with QuantKernel's pack and linear) and an
 embedding whose rows are dequantised when looked up. Neither ever holds the float weight."""
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class QuantLinear:
 
     parts: list[QuantPart]
     bias: torch.Tensor | None
-    kernel: QuantKernel
+    kernel: QuantKernel  # or quant.cupy_kernel.CupyQuantKernel (the same pack / linear)
     invariant: bool = True  # linear.Linear's field: every call runs the one M-invariant kernel
 
     @property
@@ -77,6 +78,8 @@ class QuantEmbedding:
     dtype: torch.dtype
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
+        # NOTE: the blocks stay on the CPU (dequantize is numpy's); on a GPU the ids come over, the rows go back
+        index = ids.reshape(-1).to(self.weight.blocks.device)
         rows = QuantWeight(self.weight.format, (int(ids.numel()), self.weight.shape[1]),
-                           self.weight.blocks.index_select(0, ids.reshape(-1)).contiguous())
-        return rows.dequantize().to(self.dtype).reshape(*ids.shape, self.weight.shape[1])
+                           self.weight.blocks.index_select(0, index).contiguous())
+        return rows.dequantize().to(device=ids.device, dtype=self.dtype).reshape(*ids.shape, self.weight.shape[1])
