@@ -13,6 +13,7 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from pagedserve_common.kv_geometry import KVGeometry
 from worker_svc.cpu_features import NATIVE_BF16_FLAGS, cpu_flags, native_bf16_flags
 from worker_svc.kv_pool import DTYPES
+from worker_svc.quant.from_hf import load_hf_quantized
 from worker_svc.quant.store import QUANTIZED_FILE, load_quantized
 from worker_svc.quant.weight import QuantWeight
 from worker_svc.weights import choose_activations, choose_weights
@@ -187,15 +188,25 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", 
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r} in {model_dir}/config.json; "
                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    quantized = load_quantized(model_dir)
+    hf_quantized = load_hf_quantized(model_dir, config)  # GPTQ / AWQ tensors, read into GGML blocks
+    quantized = hf_quantized.weights or load_quantized(model_dir)
     hf_config = AutoConfig.from_pretrained(model_dir)
     weights = choose_weights(weight_dtype, dtype, quantized,
-                             _why_not_quantized(device, lean, hf_config) if quantized else "")
+                             _why_not_quantized(device, lean, hf_config) if quantized else "", hf_quantized.origin)
     int8_activations, activations_reason = choose_activations(activation_dtype, weights.keep_quantized,
                                                               _why_not_int8() if weights.keep_quantized else "")
     choice = resolve_dtype(weights.dtype, device, config)
+    skip = set(quantized) | hf_quantized.tensor_names
     if weights.keep_quantized:
-        model = _model_without(model_dir, hf_config, choice.dtype, set(quantized))
+        model = _model_without(model_dir, hf_config, choice.dtype, skip, quantized)
+    elif hf_quantized.weights:  # NOTE: transformers would need GPTQ/AWQ kernels: dequantised here (exactly, float32)
+        model = _model_without(model_dir, hf_config, choice.dtype, skip, quantized)
+        for name, w in quantized.items():
+            module_name, _, param = name.rpartition(".")
+            setattr(model.get_submodule(module_name), param,
+                    torch.nn.Parameter(w.dequantize().to(choice.dtype), requires_grad=False))
+        quantized = {}
+        model.to(device)
     else:
         quantized = {}
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=choice.dtype)
@@ -215,10 +226,13 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", 
                        runs_quantized=bool(quantized), int8_activations=int8_activations)
 
 
-def _model_without(model_dir: Path, config, dtype: torch.dtype, skip: set[str]) -> torch.nn.Module:
+def _model_without(model_dir: Path, config, dtype: torch.dtype, skip: set[str],
+                   quantized: dict[str, QuantWeight]) -> torch.nn.Module:
     """The model with every float tensor of `model_dir` but those named in `skip` (the quantised weights, which stay
-    on the meta device: never allocated, never read). NOTE: built on the meta device, so non-persistent buffers (the
-    rotary embedding's inverse frequencies) are made again on the CPU; anything else left unloaded is an error."""
+    on the meta device: never allocated, never read, and the checkpoint's packed tensors they were read from); each
+    of `quantized` must be a parameter of the model's shape (ValueError naming it). NOTE: built on the meta device,
+    so non-persistent buffers (the rotary embedding's inverse frequencies) are made again on the CPU; anything else
+    left unloaded is an error."""
     from safetensors import safe_open
     from transformers import GenerationConfig
 
@@ -231,11 +245,18 @@ def _model_without(model_dir: Path, config, dtype: torch.dtype, skip: set[str]) 
         with safe_open(str(path), "pt") as f:
             state.update({name: f.get_tensor(name).to(dtype) for name in f.keys() if name not in skip})
     model.load_state_dict(state, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):  # NOTE: assign=True replaced the embedding lm_head shares
+        model.tie_weights()
     inner = model.model
     inner.rotary_emb = type(inner.rotary_emb)(config=model.config)  # NOTE: outside the meta device: on the CPU
     embed = inner.embed_tokens
     if hasattr(embed, "scalar_embed_scale"):  # Gemma's scaled embedding: its scale is a non-persistent buffer too
         embed.embed_scale = torch.tensor(embed.scalar_embed_scale)
+    params = dict(model.named_parameters())
+    for name, w in quantized.items():
+        if name not in params or tuple(params[name].shape) != w.shape:
+            raise ValueError(f"{model_dir}: quantised weight {name} {list(w.shape)} is no parameter of that shape "
+                             "of the model config.json describes")
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and name not in skip]
     if left:
         raise ValueError(f"{model_dir}: no weights for {', '.join(left[:5])}{' ...' if len(left) > 5 else ''}")
