@@ -57,8 +57,10 @@ def pack(fields: np.ndarray, bits: int, axis: int, order: tuple[int, ...] | None
 
 
 def write_checkpoint(float_dir: str | Path, out_dir: Path, method: str, bits: int, group: int, sym: bool,
-                     v2: bool = False) -> Path:
-    """out_dir/quantised (the checkpoint) and out_dir/float (its dequantised reference); returns out_dir."""
+                     v2: bool = False, activations: bool = False) -> Path:
+    """out_dir/quantised (the checkpoint) and out_dir/float (its dequantised reference); returns out_dir. group -1:
+    one group a row (compressed-tensors: per channel); v2: GPTQ's gptq_v2 zeros; activations: compressed-tensors'
+    W8A8 (dynamic per-token int8 activations) scheme."""
     from safetensors.torch import load_file, save_file
 
     float_dir = Path(float_dir)
@@ -70,22 +72,14 @@ def write_checkpoint(float_dir: str | Path, out_dir: Path, method: str, bits: in
         if not (name.endswith(".weight") and prefix.rpartition(".")[2] in LINEARS):
             quantised[name] = reference[name] = t
             continue
-        q, scale, zero = rtn(t.float().numpy(), bits, group, sym)
-        expand = lambda a: np.repeat(a, group, axis=1)[:, :q.shape[1]]  # noqa: E731
-        reference[name] = torch.from_numpy((expand(scale).astype(np.float64) *
+        size = t.shape[1] if group == -1 else group
+        q, scale, zero = rtn(t.float().numpy(), bits, size, sym)
+        tensors, used_scale = PACKERS[method](q, scale, zero, bits, size, v2)
+        quantised.update({f"{prefix}.{suffix}": v for suffix, v in tensors.items()})
+        expand = lambda a: np.repeat(a, size, axis=1)[:, :q.shape[1]]  # noqa: E731
+        reference[name] = torch.from_numpy((expand(used_scale).astype(np.float64) *
                                             (q.astype(np.int64) - expand(zero))).astype(np.float32))
-        if method == "gptq":
-            stored_zero = (zero - (0 if v2 else 1)) & (2 ** bits - 1)  # v1 stores z - 1
-            quantised[f"{prefix}.qweight"] = torch.from_numpy(pack(q.T, bits, axis=0))
-            quantised[f"{prefix}.qzeros"] = torch.from_numpy(pack(stored_zero.T, bits, axis=1))
-            quantised[f"{prefix}.g_idx"] = torch.arange(q.shape[1], dtype=torch.int32) // group
-        else:
-            quantised[f"{prefix}.qweight"] = torch.from_numpy(pack(q.T, 4, axis=1, order=AWQ_ORDER))
-            quantised[f"{prefix}.qzeros"] = torch.from_numpy(pack(zero.T, 4, axis=1, order=AWQ_ORDER))
-        quantised[f"{prefix}.scales"] = torch.from_numpy(np.ascontiguousarray(scale.T))
-    qc = {"quant_method": method, "bits": bits, "group_size": group}
-    qc.update({"sym": sym, "desc_act": False, "checkpoint_format": "gptq_v2" if v2 else "gptq"} if method == "gptq"
-              else {"zero_point": True, "version": "gemm"})
+    qc = quantization_config(method, bits, group, sym, v2, activations)
     for sub, tensors, extra in (("quantised", quantised, {"quantization_config": qc}), ("float", reference, {})):
         target = out_dir / sub
         target.mkdir(parents=True, exist_ok=True)
@@ -95,3 +89,54 @@ def write_checkpoint(float_dir: str | Path, out_dir: Path, method: str, bits: in
             if (float_dir / copied).is_file():
                 shutil.copy(float_dir / copied, target / copied)
     return out_dir
+
+
+def quantization_config(method: str, bits: int, group: int, sym: bool, v2: bool, activations: bool) -> dict:
+    if method == "gptq":
+        return {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym, "desc_act": False,
+                "checkpoint_format": "gptq_v2" if v2 else "gptq"}
+    if method == "awq":
+        return {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm"}
+    weights = {"num_bits": bits, "type": "int", "symmetric": sym, "strategy": "channel" if group == -1 else "group",
+               "group_size": None if group == -1 else group, "dynamic": False, "actorder": None}
+    acts = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token", "dynamic": True}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized" if bits == 4 else "int-quantized",
+            "quantization_status": "compressed", "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                          "input_activations": acts if activations else None}}}
+
+
+def pack_gptq(q, scale, zero, bits, group, v2):
+    stored_zero = (zero - (0 if v2 else 1)) & (2 ** bits - 1)  # v1 stores z - 1
+    return {"qweight": torch.from_numpy(pack(q.T, bits, axis=0)),
+            "qzeros": torch.from_numpy(pack(stored_zero.T, bits, axis=1)),
+            "g_idx": torch.arange(q.shape[1], dtype=torch.int32) // group,
+            "scales": torch.from_numpy(np.ascontiguousarray(scale.T))}, scale
+
+
+def pack_awq(q, scale, zero, bits, group, v2):
+    return {"qweight": torch.from_numpy(pack(q.T, 4, axis=1, order=AWQ_ORDER)),
+            "qzeros": torch.from_numpy(pack(zero.T, 4, axis=1, order=AWQ_ORDER)),
+            "scales": torch.from_numpy(np.ascontiguousarray(scale.T))}, scale
+
+
+def pack_compressed(q, scale, zero, bits, group, v2):
+    """compressed-tensors' own packing (pack_to_int32) of signed quants and zero points; bfloat16 scales (the RTN
+    scale rounded to bfloat16: an fp16 value too)."""
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    offset = 1 << (bits - 1)
+    signed = torch.from_numpy(q.astype(np.int16) - offset).to(torch.int8)
+    bf16 = torch.from_numpy(scale.astype(np.float32)).to(torch.bfloat16)
+    out = {"weight_scale": bf16}
+    if bits == 4:
+        out.update(weight_packed=pack_to_int32(signed, 4), weight_shape=torch.tensor(list(q.shape)))
+    else:
+        out["weight"] = signed
+    if not (zero == offset).all():
+        zp = torch.from_numpy(zero.astype(np.int16) - offset).to(torch.int8)
+        out["weight_zero_point"] = pack_to_int32(zp, bits, packed_dim=0) if bits == 4 else zp
+    return out, bf16.float().numpy()
+
+
+PACKERS = {"gptq": pack_gptq, "awq": pack_awq, "compressed-tensors": pack_compressed}

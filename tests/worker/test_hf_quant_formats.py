@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from safetensors.torch import save_file
 
-from tests.support.hf_quant import pack, rtn
+from tests.support.hf_quant import pack, pack_compressed, quantization_config, rtn
 from worker_svc import cpu_path
 from worker_svc.cpu_build import load_library
 from worker_svc.cpu_features import cpu_flags
@@ -143,3 +143,49 @@ def test_awq_fields_that_are_not_read_are_refused_by_name(tmp_path, qc, message)
     base = {"quant_method": "awq", "bits": 4, "group_size": 32}
     with pytest.raises(ValueError, match=message):
         load_hf_quantized(*write_dir(tmp_path, {}, {**base, **qc}))
+
+
+@pytest.mark.parametrize("bits,group,sym", [(4, 64, False), (4, 32, True), (8, -1, True)])
+def test_compressed_tensors_blocks_are_its_own_dequantisation(tmp_path, bits, group, sym):
+    # written by compressed-tensors' own packing; its own unpacking and dequantisation (in float32, where the bf16
+    # scale times an integer is exact) is the reference
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    rng = np.random.default_rng(bits + group)
+    size = 256 if group == -1 else group
+    q, scale, zero = rtn(rng.standard_normal((48, 256)).astype(np.float32) * 0.05, bits, size, sym)
+    tensors, _ = pack_compressed(q, scale, zero, bits, size, False)
+    qc = quantization_config("compressed-tensors", bits, group, sym, False, activations=bits == 8)
+    read = load_hf_quantized(*write_dir(tmp_path, {f"m.{k}": v for k, v in tensors.items()}, qc))
+    args = QuantizationArgs(**qc["config_groups"]["group_0"]["weights"])
+    if bits == 4:
+        x_q = unpack_from_int32(tensors["weight_packed"], 4, torch.Size(q.shape))
+        zp = tensors.get("weight_zero_point")
+        zp = None if zp is None else unpack_from_int32(zp, 4, torch.Size(scale.shape), packed_dim=0)
+    else:
+        x_q, zp = tensors["weight"], None
+    want = dequantize(x_q, tensors["weight_scale"].float(), zp, args=args, dtype=torch.float32)
+    w = read.weights["m.weight"]
+    assert w.format.name == ("q4_0" if sym and bits == 4 else "q8_0")
+    assert torch.equal(w.dequantize(), want)
+    scheme = "W8A8 (activations float) sym, per channel" if bits == 8 else \
+        f"W4A16 {'sym' if sym else 'asym'}, group {group}"
+    assert read.origin == f"compressed-tensors {scheme}"
+
+
+@pytest.mark.parametrize("change,message", [
+    ({"format": "float-quantized"}, "format 'float-quantized'"),
+    ({"quantization_status": "frozen"}, "quantization_status 'frozen'"),
+    ({"weights": {"strategy": "tensor"}}, "strategy 'tensor'"),
+    ({"weights": {"actorder": "group"}}, "actorder"),
+    ({"weights": {"type": "float"}}, "weights type 'float'"),
+])
+def test_compressed_tensors_fields_that_are_not_read_are_refused_by_name(tmp_path, change, message):
+    qc = quantization_config("compressed-tensors", 4, 32, True, False, activations=False)
+    weights = qc["config_groups"]["group_0"]["weights"]
+    weights.update(change.pop("weights", {}))
+    qc.update(change)
+    with pytest.raises(ValueError, match=message):
+        load_hf_quantized(*write_dir(tmp_path, {}, qc))

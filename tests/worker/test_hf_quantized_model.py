@@ -1,4 +1,4 @@
-"""SmolLM2-135M served from Hugging Face GPTQ and AWQ checkpoints of itself (tests.support.hf_quant: RTN quants in
+"""SmolLM2-135M served from Hugging Face GPTQ, AWQ and compressed-tensors checkpoints of itself (tests.support.hf_quant: RTN quants in
 the formats' documented packing) without dequantising: every quantised Linear is held as GGML blocks, and in float32
 the logits are, bit for bit, those of the float model holding the checkpoint's own weights s * (q - z) (every
 mapping is exact: worker_svc/quant/int_groups.py), so its greedy tokens are transformers' generate's on that model."""
@@ -18,12 +18,16 @@ from worker_svc.quant.kernel import shared_kernel
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shared_kernel() is None, reason="no quantised kernel on this CPU (AVX2+FMA+F16C)")]
-# name: (method, bits, group, sym, gptq_v2), the formats the weights are held in, the worker's weights_reason
+# name: (method, bits, group, sym, gptq_v2, activations), the worker's weights_reason (its last word: the blocks)
 CHECKPOINTS = {
-    "gptq-sym": (("gptq", 4, 128, True, False), "auto: as stored (GPTQ 4-bit sym, group 128 as 210 q4_0)"),
-    "gptq-asym-v2": (("gptq", 4, 32, False, True), "auto: as stored (GPTQ 4-bit asym, group 32 as 210 q8_0)"),
-    "gptq-8bit": (("gptq", 8, 64, True, False), "auto: as stored (GPTQ 8-bit sym, group 64 as 210 q8_0)"),
-    "awq": (("awq", 4, 128, False, False), "auto: as stored (AWQ 4-bit asym, group 128 as 210 q8_0)"),
+    "gptq-sym": (("gptq", 4, 128, True, False, False), "auto: as stored (GPTQ 4-bit sym, group 128 as 210 q4_0)"),
+    "gptq-asym-v2": (("gptq", 4, 32, False, True, False), "auto: as stored (GPTQ 4-bit asym, group 32 as 210 q8_0)"),
+    "gptq-8bit": (("gptq", 8, 64, True, False, False), "auto: as stored (GPTQ 8-bit sym, group 64 as 210 q8_0)"),
+    "awq": (("awq", 4, 128, False, False, False), "auto: as stored (AWQ 4-bit asym, group 128 as 210 q8_0)"),
+    "ct-w4a16": (("compressed-tensors", 4, 64, False, False, False),
+                 "auto: as stored (compressed-tensors W4A16 asym, group 64 as 210 q8_0)"),
+    "ct-w8a8": (("compressed-tensors", 8, -1, True, False, True),
+                "auto: as stored (compressed-tensors W8A8 (activations float) sym, per channel as 210 q8_0)"),
 }
 
 
@@ -34,8 +38,7 @@ def checkpoints(smollm2_dir, tmp_path_factory):
 
     def get(name: str):
         if name not in made:
-            method, bits, group, sym, v2 = CHECKPOINTS[name][0]
-            made[name] = write_checkpoint(smollm2_dir, tmp_path_factory.mktemp(name), method, bits, group, sym, v2)
+            made[name] = write_checkpoint(smollm2_dir, tmp_path_factory.mktemp(name), *CHECKPOINTS[name][0])
         return made[name]
     return get
 
@@ -65,7 +68,8 @@ def test_weights_stay_quantised_in_their_blocks(checkpoints, name):
     assert held == 30 * layer_weights // 32 * {"q4_0": 18, "q8_0": 34}[fmt]  # a block's bytes per 32 weights
 
 
-@pytest.mark.parametrize("name", ["gptq-sym", "gptq-asym-v2", "awq"])
+# AWQ: its weights are the reference model's exactly (test_a_float_weight_dtype_...); the blocks run as any other's
+@pytest.mark.parametrize("name", ["gptq-sym", "gptq-asym-v2", "ct-w4a16"])
 def test_float32_logits_are_the_dequantised_models_bit_for_bit(checkpoints, runners, name):
     reference = runner_for(str(checkpoints(name) / "float"), "auto")
     assert not reference.loaded.quantized

@@ -1,6 +1,7 @@
 """Hugging Face quantised checkpoints read without dequantising: a model dir whose config.json has a
 `quantization_config` of quant_method "gptq" or "awq" stores each quantised Linear as int32-packed int4/int8 tensors
 beside the float ones; each is read into the GGML blocks the quantised kernels run (int_groups: exactly, no rounding).
+quant_method "compressed-tensors": from_compressed.
 
 - GPTQ (AutoGPTQ / GPTQModel / optimum): `P.qweight` int32 [in * bits / 32, out] (each word 32 / bits inputs, lowest
   bits first), `P.qzeros` int32 [groups, out * bits / 32] (outputs, lowest first), `P.scales` fp16 [groups, out],
@@ -20,10 +21,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from worker_svc.quant.from_compressed import (compressed_spec, origin, read_compressed_tensors,
+                                              unpack_compressed)
 from worker_svc.quant.int_groups import IntGroups, fp16_scales, to_blocks, unpack_awq, unpack_words
 from worker_svc.quant.weight import QuantWeight
 
-HF_METHODS = ("gptq", "awq")
+HF_METHODS = ("gptq", "awq", "compressed-tensors")
 
 
 @dataclass(slots=True)
@@ -52,6 +55,8 @@ def load_hf_quantized(model_dir: str | Path, config: dict) -> HfQuantized:
         raise ValueError(f"{model_dir}/config.json: quantization_config.quant_method {method!r} is not read here "
                          f"(one of {', '.join(HF_METHODS)}; other quantised checkpoints: a GGUF file)")
     qc = config["quantization_config"]
+    if method == "compressed-tensors":
+        return _load_compressed(Path(model_dir), qc)
     spec = _gptq_spec(qc) if method == "gptq" else _awq_spec(qc)
     tensors = _read_tensors(Path(model_dir))
     prefixes = sorted(name.removesuffix(".qweight") for name in tensors if name.endswith(".qweight"))
@@ -66,6 +71,23 @@ def load_hf_quantized(model_dir: str | Path, config: dict) -> HfQuantized:
         groups = spec.unpack(prefix, parts)
         result.weights[f"{prefix}.weight"] = to_blocks(groups, f"{prefix}.qweight")
         result.tensor_names |= {f"{prefix}.{s}" for s, t in parts.items() if t is not None}
+    return result
+
+
+def _load_compressed(model_dir: Path, qc: dict) -> HfQuantized:
+    if qc.get("quantization_status", "compressed") != "compressed" or qc.get("sparsity_config"):
+        raise ValueError(f"{model_dir}/config.json: quantization_config.quantization_status "
+                         f"{qc.get('quantization_status')!r} / sparsity_config: a compressed, dense checkpoint is read")
+    fmt, w, quantized_activations = compressed_spec(qc)
+    tensors = read_compressed_tensors(model_dir)
+    prefixes = sorted(name.removesuffix(".weight_scale") for name in tensors if name.endswith(".weight_scale"))
+    if not prefixes:
+        raise ValueError(f"{model_dir}: quantization_config says compressed-tensors, but no tensor is *.weight_scale")
+    result = HfQuantized({}, origin=origin(fmt, w, quantized_activations))
+    for prefix in prefixes:
+        groups = unpack_compressed(prefix, tensors, fmt, w)
+        result.weights[f"{prefix}.weight"] = to_blocks(groups, f"{prefix}.weight_scale")
+        result.tensor_names |= {name for name in tensors if name.startswith(f"{prefix}.weight")}
     return result
 
 
