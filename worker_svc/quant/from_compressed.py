@@ -41,9 +41,9 @@ def compressed_spec(qc: dict) -> tuple[str, dict, bool]:
         raise ValueError("quantization_config.config_groups.*.format: one format for every group is read here")
     w = schemes[0]
     bits, strategy = w.get("num_bits"), w.get("strategy")
-    if w.get("type", "int") != "int" or bits not in ((4, 8) if fmt == "pack-quantized" else (8,)):
+    if w.get("type", "int") != "int" or bits != (4 if fmt == "pack-quantized" else 8):
         raise ValueError(f"quantization_config weights type {w.get('type')!r} num_bits {bits!r}: {fmt} is read as "
-                         f"int {'4 or 8' if fmt == 'pack-quantized' else '8'}")
+                         f"int{4 if fmt == 'pack-quantized' else 8}")
     if strategy not in ("channel", "group"):
         raise ValueError(f"quantization_config weights strategy {strategy!r}: channel or group is read here")
     if w.get("dynamic") or w.get("actorder") not in (None, False):

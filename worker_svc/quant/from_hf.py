@@ -6,8 +6,8 @@ quant_method "compressed-tensors": from_compressed.
 - GPTQ (AutoGPTQ / GPTQModel / optimum): `P.qweight` int32 [in * bits / 32, out] (each word 32 / bits inputs, lowest
   bits first), `P.qzeros` int32 [groups, out * bits / 32] (outputs, lowest first), `P.scales` fp16 [groups, out],
   `P.g_idx` int32 [in]; w = scales[g] * (q - z). checkpoint_format "gptq" (v1, the default) stores z - 1, "gptq_v2"
-  z. bits 4 or 8; group_size -1 is one group over all inputs; g_idx must be i // group_size (desc_act's
-  permuted groups are refused).
+  z (NOTE: v1 is read as the field + 1, unmasked: a stored 15 is 16; v1 cannot hold a zero of 0). bits 4 or 8;
+  group_size -1 is one group over all inputs; g_idx must be i // group_size (desc_act's permuted groups are refused).
 - AWQ (AutoAWQ, version "gemm"): `P.qweight` int32 [in, out / 8] and `P.qzeros` int32 [groups, out / 8], 8 outputs a
   word in the order int_groups.AWQ_ORDER, `P.scales` fp16 [groups, out]; w = scales[g] * (q - z), 4 bits.
 
