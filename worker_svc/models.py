@@ -188,7 +188,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", 
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r} in {model_dir}/config.json; "
                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    hf_quantized = load_hf_quantized(model_dir, config)  # GPTQ / AWQ tensors, read into GGML blocks
+    hf_quantized = load_hf_quantized(model_dir, config)  # GPTQ / AWQ / compressed-tensors, read into GGML blocks
     quantized = hf_quantized.weights or load_quantized(model_dir)
     hf_config = AutoConfig.from_pretrained(model_dir)
     weights = choose_weights(weight_dtype, dtype, quantized,
@@ -196,21 +196,8 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", 
     int8_activations, activations_reason = choose_activations(activation_dtype, weights.keep_quantized,
                                                               _why_not_int8() if weights.keep_quantized else "")
     choice = resolve_dtype(weights.dtype, device, config)
-    skip = set(quantized) | hf_quantized.tensor_names
-    if weights.keep_quantized:
-        model = _model_without(model_dir, hf_config, choice.dtype, skip, quantized)
-    elif hf_quantized.weights:  # NOTE: transformers would need GPTQ/AWQ kernels: dequantised here (exactly, float32)
-        model = _model_without(model_dir, hf_config, choice.dtype, skip, quantized)
-        for name, w in quantized.items():
-            module_name, _, param = name.rpartition(".")
-            setattr(model.get_submodule(module_name), param,
-                    torch.nn.Parameter(w.dequantize().to(choice.dtype), requires_grad=False))
-        quantized = {}
-        model.to(device)
-    else:
-        quantized = {}
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=choice.dtype)
-        model.to(device)
+    model, quantized = _build_model(model_dir, hf_config, choice.dtype, device, weights.keep_quantized, quantized,
+                                    hf_quantized.tensor_names)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     model.eval()
     cfg = model.config
@@ -224,6 +211,25 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", 
                        vocab_size=int(cfg.vocab_size), eos_token_ids=eos_ids, dtype_reason=choice.reason,
                        quantized=quantized, weights_reason=weights.reason + activations_reason,
                        runs_quantized=bool(quantized), int8_activations=int8_activations)
+
+
+def _build_model(model_dir: Path, hf_config, dtype: torch.dtype, device: str, keep_quantized: bool,
+                 quantized: dict[str, QuantWeight], packed_names: set[str]) -> tuple[torch.nn.Module, dict]:
+    """(the model, the weights it keeps quantised). packed_names: a Hugging Face quantised checkpoint's tensors its
+    quantised weights were read from (from_hf), never loaded as floats; where those are not kept, transformers
+    would need the formats' own kernels, so they are dequantised here (exactly: QuantWeight.dequantize)."""
+    skip = set(quantized) | packed_names
+    if keep_quantized:
+        return _model_without(model_dir, hf_config, dtype, skip, quantized), quantized
+    if packed_names:
+        model = _model_without(model_dir, hf_config, dtype, skip, quantized)
+        for name, w in quantized.items():
+            module_name, _, param = name.rpartition(".")
+            setattr(model.get_submodule(module_name), param,
+                    torch.nn.Parameter(w.dequantize().to(dtype), requires_grad=False))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.to(device), {}
 
 
 def _model_without(model_dir: Path, config, dtype: torch.dtype, skip: set[str],

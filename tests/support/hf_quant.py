@@ -1,8 +1,8 @@
-"""Hugging Face GPTQ / AWQ checkpoints of a float model, written for the loader's tests: each Linear of the layers
-quantised by round-to-nearest (RTN: GPTQ's and AWQ's own searches only choose other quants and scales; the
-checkpoint's layout and arithmetic, what the loader reads, are the same) and packed as the formats document it
-(worker_svc/quant/from_hf.py), beside a float checkpoint of the same weights dequantised (float64 s * (q - z), exact
-in float32): the reference model."""
+"""Hugging Face GPTQ / AWQ / compressed-tensors checkpoints of a float model, written for the loader's tests: each
+Linear of the layers quantised by round-to-nearest (RTN: GPTQ's and AWQ's own searches only choose other quants and
+scales; the checkpoint's layout and arithmetic, what the loader reads, are the same) and packed as the formats
+document it (worker_svc/quant/from_hf.py, from_compressed.py), beside a float checkpoint of the same weights
+dequantised (float64 s * (q - z), exact in float32): the reference model."""
 
 from __future__ import annotations
 
@@ -121,21 +121,19 @@ def pack_awq(q, scale, zero, bits, group, v2):
 
 
 def pack_compressed(q, scale, zero, bits, group, v2):
-    """compressed-tensors' own packing (pack_to_int32) of signed quants and zero points; bfloat16 scales (the RTN
-    scale rounded to bfloat16: an fp16 value too)."""
-    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
-
+    """compressed-tensors' layout (its pack_to_int32 writes the same words: tests/worker/test_hf_quant_formats.py):
+    4-bit quants q + 8 packed densely along each row, zero points along the outputs; 8-bit: int8 q and zero points;
+    bfloat16 scales (the RTN scale rounded to bfloat16: an fp16 value too)."""
     offset = 1 << (bits - 1)
-    signed = torch.from_numpy(q.astype(np.int16) - offset).to(torch.int8)
     bf16 = torch.from_numpy(scale.astype(np.float32)).to(torch.bfloat16)
     out = {"weight_scale": bf16}
-    if bits == 4:
-        out.update(weight_packed=pack_to_int32(signed, 4), weight_shape=torch.tensor(list(q.shape)))
+    if bits == 4:  # q is unsigned already: the signed quant plus the offset pack_to_int32 adds
+        out.update(weight_packed=torch.from_numpy(pack(q, 4, axis=1)), weight_shape=torch.tensor(list(q.shape)))
     else:
-        out["weight"] = signed
+        out["weight"] = torch.from_numpy((q.astype(np.int16) - offset).astype(np.int8))
     if not (zero == offset).all():
-        zp = torch.from_numpy(zero.astype(np.int16) - offset).to(torch.int8)
-        out["weight_zero_point"] = pack_to_int32(zp, bits, packed_dim=0) if bits == 4 else zp
+        out["weight_zero_point"] = torch.from_numpy(pack(zero, 4, axis=0)) if bits == 4 else \
+            torch.from_numpy((zero - offset).astype(np.int8))
     return out, bf16.float().numpy()
 
 

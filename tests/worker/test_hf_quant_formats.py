@@ -145,10 +145,21 @@ def test_awq_fields_that_are_not_read_are_refused_by_name(tmp_path, qc, message)
         load_hf_quantized(*write_dir(tmp_path, {}, {**base, **qc}))
 
 
+def test_the_compressed_tensors_layout_is_its_own_packing():
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    rng = np.random.default_rng(5)
+    q, scale, zero = rtn(rng.standard_normal((48, 256)).astype(np.float32), 4, 64, False)
+    tensors, _ = pack_compressed(q, scale, zero, 4, 64, False)
+    signed = lambda a: torch.from_numpy(a.astype(np.int16) - 8).to(torch.int8)  # noqa: E731
+    assert torch.equal(tensors["weight_packed"], pack_to_int32(signed(q), 4))
+    assert torch.equal(tensors["weight_zero_point"], pack_to_int32(signed(zero), 4, packed_dim=0))
+
+
 @pytest.mark.parametrize("bits,group,sym", [(4, 64, False), (4, 32, True), (8, -1, True)])
 def test_compressed_tensors_blocks_are_its_own_dequantisation(tmp_path, bits, group, sym):
-    # written by compressed-tensors' own packing; its own unpacking and dequantisation (in float32, where the bf16
-    # scale times an integer is exact) is the reference
+    # compressed-tensors' own unpacking and dequantisation (in float32, where the bf16 scale times an integer is
+    # exact) is the reference
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from compressed_tensors.quantization import QuantizationArgs
     from compressed_tensors.quantization.lifecycle.forward import dequantize

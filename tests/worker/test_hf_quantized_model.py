@@ -1,12 +1,14 @@
-"""SmolLM2-135M served from Hugging Face GPTQ, AWQ and compressed-tensors checkpoints of itself (tests.support.hf_quant: RTN quants in
-the formats' documented packing) without dequantising: every quantised Linear is held as GGML blocks, and in float32
-the logits are, bit for bit, those of the float model holding the checkpoint's own weights s * (q - z) (every
-mapping is exact: worker_svc/quant/int_groups.py), so its greedy tokens are transformers' generate's on that model."""
+"""SmolLM2-135M served from Hugging Face GPTQ, AWQ and compressed-tensors checkpoints of itself
+(tests.support.hf_quant: RTN quants in the formats' documented packing) without dequantising: every quantised
+Linear is held as GGML blocks, each weight exactly the checkpoint's s * (q - z), so in float32 the logits are, bit
+for bit, those of the float model holding those weights (worker_svc/quant/int_groups.py), and its greedy tokens are
+transformers' generate's on that model."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from pagedserve_cli.bench.local_driver import LocalDriver
 from pagedserve_common.startup import StartupError
@@ -66,10 +68,15 @@ def test_weights_stay_quantised_in_their_blocks(checkpoints, name):
     layer_weights = 576 * (576 + 192 + 192 + 576) + 3 * 576 * 1536  # q, k, v, o; gate, up, down
     held = sum(w.blocks.numel() for w in loaded.quantized.values())
     assert held == 30 * layer_weights // 32 * {"q4_0": 18, "q8_0": 34}[fmt]  # a block's bytes per 32 weights
+    # each is the checkpoint's weight s * (q - z), exactly
+    reference = load_file(str(root / "float" / "model.safetensors"))
+    for param, w in loaded.quantized.items():
+        assert torch.equal(w.dequantize(), reference[param]), param
 
 
-# AWQ: its weights are the reference model's exactly (test_a_float_weight_dtype_...); the blocks run as any other's
-@pytest.mark.parametrize("name", ["gptq-sym", "gptq-asym-v2", "ct-w4a16"])
+# One checkpoint a block format (every checkpoint's weights are its reference's exactly, above): the kernel over
+# them computes the float model's bits
+@pytest.mark.parametrize("name", ["gptq-sym", "ct-w4a16"])
 def test_float32_logits_are_the_dequantised_models_bit_for_bit(checkpoints, runners, name):
     reference = runner_for(str(checkpoints(name) / "float"), "auto")
     assert not reference.loaded.quantized
@@ -94,8 +101,8 @@ def test_a_float_weight_dtype_dequantises_to_the_checkpoints_weights(checkpoints
     assert not loaded.quantized
     assert loaded.weights_reason == \
         "--weight-dtype float32: AWQ 4-bit asym, group 128 as 210 q8_0 dequantised to float32"
-    reference = load_model(root / "float", dtype="float32")
-    for name, want in reference.model.state_dict().items():
-        assert torch.equal(loaded.model.state_dict()[name], want), name
+    state = loaded.model.state_dict()
+    for name, want in load_file(str(root / "float" / "model.safetensors")).items():
+        assert torch.equal(state[name], want), name
     with pytest.raises(StartupError, match=r"--weight-dtype as-stored: the quantised weights \(AWQ 4-bit asym"):
         load_model(root / "quantised", dtype="float32", weight_dtype="as-stored", lean=False)
