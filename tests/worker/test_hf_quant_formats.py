@@ -181,7 +181,7 @@ def test_compressed_tensors_blocks_are_its_own_dequantisation(tmp_path, bits, gr
     w = read.weights["m.weight"]
     assert w.format.name == ("q4_0" if sym and bits == 4 else "q8_0")
     assert torch.equal(w.dequantize(), want)
-    scheme = "W8A8 (activations float) sym, per channel" if bits == 8 else \
+    scheme = "W8A8 (its per-token int8 activations not applied) sym, per channel" if bits == 8 else \
         f"W4A16 {'sym' if sym else 'asym'}, group {group}"
     assert read.origin == f"compressed-tensors {scheme}"
 

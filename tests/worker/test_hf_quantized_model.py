@@ -29,7 +29,8 @@ CHECKPOINTS = {
     "ct-w4a16": (("compressed-tensors", 4, 64, False, False, False),
                  "auto: as stored (compressed-tensors W4A16 asym, group 64 as 210 q8_0)"),
     "ct-w8a8": (("compressed-tensors", 8, -1, True, False, True),
-                "auto: as stored (compressed-tensors W8A8 (activations float) sym, per channel as 210 q8_0)"),
+                "auto: as stored (compressed-tensors W8A8 (its per-token int8 activations not applied) sym, per "
+                "channel as 210 q8_0)"),
 }
 
 

@@ -10,7 +10,8 @@ zero point) per output channel or per group of inputs, w = s * (q - z), written 
 NOTE: compressed-tensors' own decompression computes s * (q - z) in the scale's dtype (bf16: one more rounding); the
 blocks hold the exact value (the scale must be an fp16 value: int_groups.fp16_scales). W8A8's dynamic per-token int8
 activations are not applied: the activations stay float (--activation-dtype int8 quantises per 32 inputs instead),
-which the origin ('... W8A8 (activations float)') says in the worker's start-up line."""
+which the origin ('... W8A8 (its per-token int8 activations not applied)') says in the worker's start-up
+line."""
 
 from __future__ import annotations
 
@@ -55,7 +56,7 @@ def compressed_spec(qc: dict) -> tuple[str, dict, bool]:
 def origin(fmt: str, w: dict, quantized_activations: bool) -> str:
     group = f"group {w.get('group_size')}" if w.get("strategy") == "group" else "per channel"
     scheme = f"W{w['num_bits']}A{8 if quantized_activations else 16}"
-    note = " (activations float)" if quantized_activations else ""
+    note = " (its per-token int8 activations not applied)" if quantized_activations else ""
     return f"compressed-tensors {scheme}{note} {'sym' if w.get('symmetric', True) else 'asym'}, {group}"
 
 
