@@ -125,7 +125,8 @@ def test_the_packing_round_trips_through_the_reader(tmp_path):
     ({"bits": 3}, {}, "quantization_config.bits 3: GPTQ is read with 4 or 8 bits"),
     ({"checkpoint_format": "marlin"}, {}, "checkpoint_format 'marlin'"),
     ({"group_size": 0}, {}, "quantization_config.group_size 0"),
-    ({}, {"m.g_idx": torch.arange(32, dtype=torch.int32) % 2}, "m.g_idx: groups out of input order (desc_act"),
+    ({"desc_act": True}, {"m.g_idx": torch.arange(32, dtype=torch.int32) % 2},
+     "m.g_idx: groups out of input order (desc_act"),
     ({}, {"m.scales": torch.full((1, 8), 0.1, dtype=torch.float32)}, "m.scales: a torch.float32 scale that is not "
                                                                       "an fp16 value"),
     ({"group_size": 16}, {"m.scales": torch.ones(2, 8, dtype=torch.float16),
@@ -135,6 +136,16 @@ def test_the_packing_round_trips_through_the_reader(tmp_path):
 def test_fields_that_are_not_read_are_refused_by_name(tmp_path, qc, tensors, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         hand_gptq(tmp_path, 0x77777777, qc, **tensors)
+
+
+def test_act_order_is_read_where_its_groups_are_in_input_order_and_needs_a_g_idx(tmp_path):
+    read = hand_gptq(tmp_path / "a", 0x77777777, {"desc_act": True})  # g_idx: every input in group 0
+    assert read.weights["m.weight"].format.name == "q4_0"
+    with pytest.raises(ValueError, match="desc_act true, and no m.g_idx"):
+        load_hf_quantized(*write_dir(tmp_path / "b", {"m.qweight": torch.zeros(4, 8, dtype=torch.int32),
+                                                      "m.qzeros": torch.zeros(1, 1, dtype=torch.int32),
+                                                      "m.scales": torch.ones(1, 8, dtype=torch.float16)},
+                                     {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True}))
 
 
 @pytest.mark.parametrize("qc,message", [({"version": "gemv"}, "version 'gemv'"), ({"zero_point": False},

@@ -98,6 +98,7 @@ class _Spec:
     group_size: int  # -1: one group over all inputs
     sym: bool
     zero_offset: int  # added to a stored zero (GPTQ v1 stores z - 1)
+    desc_act: bool = False  # GPTQ's act-order: each Linear must have a g_idx (read only where it is in input order)
 
     @property
     def origin(self) -> str:
@@ -120,6 +121,8 @@ class _Spec:
                              f"{num_groups} groups of {group} inputs over {num_out} outputs (qweight "
                              f"{list(qweight.shape)})")
         g_idx = parts["g_idx"]
+        if g_idx is None and self.desc_act:
+            raise ValueError(f"{prefix}: quantization_config.desc_act true, and no {prefix}.g_idx says its groups")
         if g_idx is not None and not torch.equal(g_idx.to(torch.int64), torch.arange(num_in) // group):
             raise ValueError(f"{prefix}.g_idx: groups out of input order (desc_act / act-order) are not read here")
         return IntGroups(group, np.ascontiguousarray(q),
@@ -142,7 +145,8 @@ def _gptq_spec(qc: dict) -> _Spec:
     if qc.get("pack_dtype", "int32") not in ("int32", "torch.int32"):
         raise ValueError(f"quantization_config.pack_dtype {qc.get('pack_dtype')!r}: GPTQ is read packed in int32")
     _check_group(group_size)
-    return _Spec("gptq", bits, group_size, bool(qc.get("sym", True)), 1 if fmt == "gptq" else 0)
+    return _Spec("gptq", bits, group_size, bool(qc.get("sym", True)), 1 if fmt == "gptq" else 0,
+                 bool(qc.get("desc_act", False)))
 
 
 def _awq_spec(qc: dict) -> _Spec:
