@@ -63,11 +63,12 @@ class RotaryEmbedding(nn.Module):
 
 
 def checkpoint_tree(model_dir: Path, config, dtype: torch.dtype, quantized: dict[str, QuantWeight],
-                    float_files: list[Path], device: str = "cpu") -> nn.Module:
+                    float_files: list[Path], device: str = "cpu", skip: set[str] = frozenset()) -> nn.Module:
     """The model as the lean forward reads it: `root.model.layers[i].self_attn.q_proj.weight`, ... by the checkpoint's
     names, float tensors from `float_files` (as `dtype`, on `device`) and, for the names in `quantized`, Linear
     weights on the meta device (never allocated: the quantised kernel runs them). A tied lm_head shares the
-    embedding's weight."""
+    embedding's weight. `skip`: tensors of the float files not to load (a GPTQ checkpoint's packed ones, which
+    `quantized` was read from). Every weight must have the shape the config gives it (else a ValueError naming it)."""
     from safetensors import safe_open
 
     root = nn.Module()
@@ -75,7 +76,7 @@ def checkpoint_tree(model_dir: Path, config, dtype: torch.dtype, quantized: dict
     for path in float_files:
         with safe_open(str(path), "pt") as f:
             tensors.update({name: f.get_tensor(name).to(device=device, dtype=dtype) for name in f.keys()
-                            if name not in quantized})
+                            if name not in quantized and name not in skip})
     tensors.update({name: torch.empty(w.shape, dtype=dtype, device="meta") for name, w in quantized.items()})
     if getattr(config, "tie_word_embeddings", False):
         tensors.pop("lm_head.weight", None)
@@ -90,7 +91,7 @@ def checkpoint_tree(model_dir: Path, config, dtype: torch.dtype, quantized: dict
     if getattr(config, "tie_word_embeddings", False):
         root.lm_head = nn.Linear(1, 1, bias=False, device="meta")
         root.lm_head.weight = inner.embed_tokens.weight
-    _check(model_dir, root)
+    _check(model_dir, root, config)
     inner.rotary_emb = RotaryEmbedding(config)
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     scalar = getattr(config, "query_pre_attn_scalar", None) if config.model_type == "gemma3_text" else None
@@ -126,14 +127,24 @@ def _module(root: nn.Module, path: str, weight: torch.Tensor | None) -> nn.Modul
     return module
 
 
-def _check(model_dir: Path, root: nn.Module) -> None:
-    """Every projection of every layer, the norms and the embedding are there (else a ValueError naming one)."""
-    want = ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+def _check(model_dir: Path, root: nn.Module, config) -> None:
+    """Every projection of every layer, the norms and the embedding are there, each of the shape the config gives
+    it (else a ValueError naming one). NOTE: the dir may be the user's; a weight of another shape would otherwise
+    surface as a kernel's error mid-step, or not at all."""
+    hidden, inter = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q, kv = config.num_attention_heads * head_dim, (config.num_key_value_heads or config.num_attention_heads) * head_dim
+    want = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.norm.weight": (hidden,),
+            "lm_head.weight": (config.vocab_size, hidden)}
     for i in range(len(root.model.layers)):
-        want += [f"model.layers.{i}.{part}.weight" for part in (
-            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-            "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm")]
-    have = {name for name, _ in root.named_parameters(remove_duplicate=False)}
+        shapes = {"self_attn.q_proj": (q, hidden), "self_attn.k_proj": (kv, hidden), "self_attn.v_proj": (kv, hidden),
+                  "self_attn.o_proj": (hidden, q), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+                  "mlp.down_proj": (hidden, inter), "input_layernorm": (hidden,), "post_attention_layernorm": (hidden,)}
+        want.update({f"model.layers.{i}.{part}.weight": shape for part, shape in shapes.items()})
+    have = dict(root.named_parameters(remove_duplicate=False))
     missing = [name for name in want if name not in have]
     if missing:
         raise ValueError(f"{model_dir}: no weights for {', '.join(missing[:5])}{' ...' if len(missing) > 5 else ''}")
+    for name, shape in want.items():
+        if tuple(have[name].shape) != shape:
+            raise ValueError(f"{model_dir}: {name} is {list(have[name].shape)}; config.json makes it {list(shape)}")

@@ -14,6 +14,7 @@ from pagedserve_common.kv_geometry import KVGeometry
 from worker_svc.checkpoint_tree import checkpoint_tree, static_rope
 from worker_svc.cpu_features import NATIVE_BF16_FLAGS, cpu_flags, native_bf16_flags
 from worker_svc.kv_pool import DTYPES
+from worker_svc.quant.from_hf import load_hf_quantized
 from worker_svc.quant.store import QUANTIZED_FILE, load_quantized
 from worker_svc.quant.weight import QuantWeight
 from worker_svc.weights import choose_activations, choose_weights
@@ -205,26 +206,18 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", 
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ValueError(f"unsupported model_type {model_type!r} in {model_dir}/config.json; "
                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    quantized = load_quantized(model_dir)
+    hf_quantized = load_hf_quantized(model_dir, config)  # GPTQ / AWQ / compressed-tensors, read into GGML blocks
+    quantized = hf_quantized.weights or load_quantized(model_dir)
     hf_config = AutoConfig.from_pretrained(model_dir)
     why_not = _why_not_quantized(device, lean, hf_config) if quantized else ""
     if quantized and not why_not and device.startswith("cuda") and weight_dtype == "auto":
         why_not = GPU_AUTO_DEQUANTISES
-    weights = choose_weights(weight_dtype, dtype, quantized, why_not)
+    weights = choose_weights(weight_dtype, dtype, quantized, why_not, hf_quantized.origin)
     int8_activations, activations_reason = choose_activations(activation_dtype, weights.keep_quantized,
                                                               _why_not_int8(device) if weights.keep_quantized else "")
     choice = resolve_dtype(weights.dtype, device, config)
-    if weights.keep_quantized and static_rope(hf_config):
-        model = checkpoint_tree(model_dir, hf_config, choice.dtype, quantized, _float_files(model_dir), device)
-        model.generation_config = _generation_config(model_dir)
-    elif weights.keep_quantized:
-        model = _model_without(model_dir, hf_config, choice.dtype, set(quantized), device)
-        use_paged_attention(model)
-    else:
-        quantized = {}
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=choice.dtype)
-        model.to(device)
-        use_paged_attention(model)
+    model, quantized = _build_model(model_dir, hf_config, choice.dtype, device, weights.keep_quantized, quantized,
+                                    hf_quantized.tensor_names)
     model.eval()
     cfg = model.config
     eos = cfg.eos_token_id if cfg.eos_token_id is not None else []
@@ -239,12 +232,38 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", 
                        runs_quantized=bool(quantized), int8_activations=int8_activations)
 
 
-def _model_without(model_dir: Path, config, dtype: torch.dtype, skip: set[str], device: str = "cpu"
-                   ) -> torch.nn.Module:
+def _build_model(model_dir: Path, hf_config, dtype: torch.dtype, device: str, keep_quantized: bool,
+                 quantized: dict[str, QuantWeight], packed_names: set[str]) -> tuple[torch.nn.Module, dict]:
+    """(the model, the weights it keeps quantised). packed_names: a Hugging Face quantised checkpoint's tensors its
+    quantised weights were read from (from_hf), never loaded as floats; where those are not kept, transformers
+    would need the formats' own kernels, so they are dequantised here (exactly: QuantWeight.dequantize). A model kept
+    quantised is the checkpoint's own module tree (checkpoint_tree.py) where its rope allows, else transformers'."""
+    skip = set(quantized) | packed_names
+    if keep_quantized and static_rope(hf_config):
+        model = checkpoint_tree(model_dir, hf_config, dtype, quantized, _float_files(model_dir), device, packed_names)
+        model.generation_config = _generation_config(model_dir)
+        return model, quantized
+    if keep_quantized:
+        model = _model_without(model_dir, hf_config, dtype, skip, quantized, device)
+    elif packed_names:
+        model = _model_without(model_dir, hf_config, dtype, skip, quantized, device)
+        for name, w in quantized.items():
+            module_name, _, param = name.rpartition(".")
+            setattr(model.get_submodule(module_name), param,
+                    torch.nn.Parameter(w.dequantize().to(device=device, dtype=dtype), requires_grad=False))
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
+    use_paged_attention(model)
+    return model, quantized if keep_quantized else {}
+
+
+def _model_without(model_dir: Path, config, dtype: torch.dtype, skip: set[str],
+                   quantized: dict[str, QuantWeight], device: str = "cpu") -> torch.nn.Module:
     """The model with every float tensor of `model_dir` but those named in `skip` (the quantised weights, which stay
-    on the meta device: never allocated, never read) on `device`. NOTE: built on the meta device, so non-persistent
-    buffers (the rotary embedding's inverse frequencies) are made again on `device`; anything else left unloaded is an
-    error. (model.to(device) cannot run: a meta tensor has no data to copy.)"""
+    on the meta device: never allocated, never read, and the checkpoint's packed tensors they were read from) on
+    `device`; each of `quantized` must be a parameter of the model's shape (ValueError naming it). NOTE: built on the
+    meta device, so non-persistent buffers (the rotary embedding's inverse frequencies) are made again on `device`;
+    anything else left unloaded is an error. (model.to(device) cannot run: a meta tensor has no data to copy.)"""
     from safetensors import safe_open
 
     with torch.device("meta"):
@@ -255,11 +274,18 @@ def _model_without(model_dir: Path, config, dtype: torch.dtype, skip: set[str], 
             state.update({name: f.get_tensor(name).to(device=device, dtype=dtype) for name in f.keys()
                           if name not in skip})
     model.load_state_dict(state, strict=False, assign=True)
+    if getattr(config, "tie_word_embeddings", False):  # NOTE: assign=True replaced the embedding lm_head shares
+        model.tie_weights()
     inner = model.model
     inner.rotary_emb = type(inner.rotary_emb)(config=model.config).to(device)  # NOTE: made outside the meta device
     embed = inner.embed_tokens
     if hasattr(embed, "scalar_embed_scale"):  # Gemma's scaled embedding: its scale is a non-persistent buffer too
         embed.embed_scale = torch.tensor(embed.scalar_embed_scale, device=device)
+    params = dict(model.named_parameters())
+    for name, w in quantized.items():
+        if name not in params or tuple(params[name].shape) != w.shape:
+            raise ValueError(f"{model_dir}: quantised weight {name} {list(w.shape)} is no parameter of that shape "
+                             "of the model config.json describes")
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and name not in skip]
     if left:
         raise ValueError(f"{model_dir}: no weights for {', '.join(left[:5])}{' ...' if len(left) > 5 else ''}")

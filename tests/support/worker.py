@@ -11,7 +11,8 @@ from transformers import AutoModelForCausalLM
 from pagedserve_common.sampling import SamplingParams
 from worker_svc.kv_pool import KVPool
 from worker_svc.models import load_model
-from worker_svc.runner import ModelRunner
+from worker_svc.attention import AttentionMetadata
+from worker_svc.runner import ModelRunner, StepContext
 from worker_svc.worker import make_backend
 
 
@@ -31,6 +32,27 @@ def make_runner(model_dir: str, num_blocks: int = 64, block_size: int = 16, path
     runner = ModelRunner(loaded, pool, make_backend(backend, "cpu", pool.geometry), lean=lean)
     assert runner.forward_path == ("lean" if lean else "transformers"), runner.lean_skip_reason
     return runner
+
+
+def runner_for(model_dir: str, weight_dtype: str, dtype: str = "float32", activation_dtype: str = "auto") -> ModelRunner:
+    """The lean forward over the CPU attention, batch invariant, with the flags given: 64 blocks of 16 tokens."""
+    loaded = load_model(model_dir, dtype=dtype, weight_dtype=weight_dtype, activation_dtype=activation_dtype)
+    pool = KVPool(loaded.kv_geometry(16), 64)
+    return ModelRunner(loaded, pool, make_backend("cpu", "cpu", pool.geometry), batch_invariant=True)
+
+
+def prefill_then_decode_logits(runner: ModelRunner, n: int = 40, total: int = 60) -> torch.Tensor:
+    """The logits of a prompt of n tokens (one prefill) and of each of the next total - n tokens (one decode each)."""
+    tokens, backend, table, out = list(range(1000, 1000 + total)), runner.backend, list(range(4)), []
+    with torch.inference_mode():
+        meta = AttentionMetadata.build([n], [n], [table], 16)
+        out.append(runner.lean.forward(torch.tensor(tokens[:n]), torch.arange(n),
+                                       StepContext(runner.pool.kv, meta, backend), torch.arange(n)))
+        for p in range(n, total):
+            meta = AttentionMetadata.build([1], [p + 1], [table], 16)
+            out.append(runner.lean.forward(torch.tensor([tokens[p]]), torch.tensor([p]),
+                                           StepContext(runner.pool.kv, meta, backend), torch.tensor([0])))
+    return torch.cat(out)
 
 
 def swap_runner(model_dir: str) -> ModelRunner:

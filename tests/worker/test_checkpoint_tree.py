@@ -58,10 +58,8 @@ def test_a_rope_whose_frequencies_move_with_the_sequence_has_no_tree():
     assert not static_rope(llama_config(rope_type="dynamic", rope_theta=1e4, factor=2.0))
 
 
-def test_a_checkpoint_missing_a_projection_is_refused_naming_it(tmp_path):
-    from safetensors.torch import save_file
-
-    config = llama_config(rope_type="default", rope_theta=1e4)
+def tiny_llama_tensors() -> dict[str, torch.Tensor]:
+    """Every weight of llama_config's 2-layer model, by its checkpoint name."""
     tensors = {"model.embed_tokens.weight": torch.zeros(128, 256), "model.norm.weight": torch.ones(256),
                "lm_head.weight": torch.zeros(128, 256)}
     for i in range(2):
@@ -71,6 +69,14 @@ def test_a_checkpoint_missing_a_projection_is_refused_naming_it(tmp_path):
                             ("mlp.down_proj", (256, 512)), ("input_layernorm", (256,)),
                             ("post_attention_layernorm", (256,))]:
             tensors[f"model.layers.{i}.{name}.weight"] = torch.zeros(shape)
+    return tensors
+
+
+def test_a_checkpoint_missing_a_projection_is_refused_naming_it(tmp_path):
+    from safetensors.torch import save_file
+
+    config = llama_config(rope_type="default", rope_theta=1e4)
+    tensors = tiny_llama_tensors()
     save_file(tensors, str(tmp_path / "model.safetensors"))
     tree = checkpoint_tree(tmp_path, config, torch.float32, {}, [tmp_path / "model.safetensors"])
     assert tree.model.layers[1].self_attn.k_proj.weight.shape == (128, 256)
@@ -110,3 +116,15 @@ def test_only_a_model_of_float_weights_imports_transformers_modeling_code(weight
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got.pop("file_kb") < 4096, got  # packed, the file's blocks went; the embedding's rows looked up only
     assert got == {"quantized": weight_dtype == "auto", "modeling": weight_dtype == "float32"}
+
+
+def test_a_weight_of_another_shape_than_the_configs_is_refused_naming_it(tmp_path):
+    from safetensors.torch import save_file
+
+    config = llama_config(rope_type="default", rope_theta=1e4)
+    tensors = tiny_llama_tensors()
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(256, 256)  # 4 kv heads' rows: config says 2
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight is \[256, 256\]; config\.json "
+                                         r"makes it \[128, 256\]"):
+        checkpoint_tree(tmp_path, config, torch.float32, {}, [tmp_path / "model.safetensors"])

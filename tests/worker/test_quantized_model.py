@@ -10,36 +10,16 @@ import torch
 
 from pagedserve_common.startup import USAGE, StartupError
 from pagedserve_cli.bench.local_driver import LocalDriver
-from worker_svc.attention import AttentionMetadata
+from tests.support.worker import prefill_then_decode_logits, runner_for
 from worker_svc.kv_pool import KVPool
 from worker_svc.models import load_model
 from worker_svc.quant.kernel import shared_kernel
-from worker_svc.runner import ModelRunner, StepContext
+from worker_svc.runner import ModelRunner
 from worker_svc.worker import make_backend
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shared_kernel() is None, reason="no quantised kernel on this CPU (AVX2+FMA+F16C)")]
 PROMPTS = [[504, 3575, 282, 4649, 314], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], list(range(1000, 1040))]
-
-
-def runner_for(model_dir: str, weight_dtype: str, dtype: str = "float32", activation_dtype: str = "auto") -> ModelRunner:
-    loaded = load_model(model_dir, dtype=dtype, weight_dtype=weight_dtype, activation_dtype=activation_dtype)
-    pool = KVPool(loaded.kv_geometry(16), 64)
-    return ModelRunner(loaded, pool, make_backend("cpu", "cpu", pool.geometry), batch_invariant=True)
-
-
-def prefill_then_decode_logits(runner: ModelRunner, n: int = 40, total: int = 60) -> torch.Tensor:
-    """The logits of a prompt of n tokens (one prefill) and of each of the next total - n tokens (one decode each)."""
-    tokens, backend, table, out = list(range(1000, 1000 + total)), runner.backend, list(range(4)), []
-    with torch.inference_mode():
-        meta = AttentionMetadata.build([n], [n], [table], 16)
-        out.append(runner.lean.forward(torch.tensor(tokens[:n]), torch.arange(n),
-                                       StepContext(runner.pool.kv, meta, backend), torch.arange(n)))
-        for p in range(n, total):
-            meta = AttentionMetadata.build([1], [p + 1], [table], 16)
-            out.append(runner.lean.forward(torch.tensor([tokens[p]]), torch.tensor([p]),
-                                           StepContext(runner.pool.kv, meta, backend), torch.tensor([0])))
-    return torch.cat(out)
 
 
 def test_the_default_model_runs_from_its_blocks_by_default_with_no_float_copy(smollm2_dir):
