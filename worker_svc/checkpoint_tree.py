@@ -17,23 +17,15 @@ import torch
 from torch import nn
 
 from worker_svc.quant.weight import QuantWeight
+from worker_svc.resolved_config import rope_parameters
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 STATIC_ROPES = ("default", "linear", "llama3", "yarn")  # inverse frequencies fixed at init
 
 
-def _rope_parameters(config) -> dict:
-    """{layer type or "": rope parameters}: Gemma 3 keys them by layer type, the Llama family has one set."""
-    params = config.rope_parameters
-    types = set(getattr(config, "layer_types", None) or ())
-    if types and types <= set(params):
-        return {t: params[t] for t in sorted(types)}
-    return {"": params}
-
-
 def static_rope(config) -> bool:
     """Whether every rope of `config` has fixed frequencies (RotaryEmbedding computes only those)."""
-    return all((p or {}).get("rope_type", "default") in STATIC_ROPES for p in _rope_parameters(config).values())
+    return all((p or {}).get("rope_type", "default") in STATIC_ROPES for p in rope_parameters(config).values())
 
 
 class RotaryEmbedding(nn.Module):
@@ -41,16 +33,16 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, config) -> None:
         super().__init__()
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # NOTE: light: no modeling code
-
         dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.tables: dict[str, tuple[torch.Tensor, float]] = {}
-        for layer_type, params in _rope_parameters(config).items():
+        for layer_type, params in rope_parameters(config).items():
             rope_type = params.get("rope_type", "default")
             if rope_type == "default":  # transformers' compute_default_rope_parameters
                 inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
                 scaling = 1.0
             else:
+                from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # NOTE: no modeling code
+
                 kwargs = {"layer_type": layer_type} if layer_type else {}
                 inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, **kwargs)
             self.tables[layer_type] = (inv_freq, float(scaling))

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 
 import structlog
 
+from worker_svc.resolved_config import write_resolved_config
+
 if TYPE_CHECKING:
     import torch
 
@@ -145,7 +147,8 @@ def convert_gguf(gguf_path: Path, out_dir: Path, progress: TensorProgress | None
     _patch_json(out_dir / "tokenizer_config.json", model_input_names=MODEL_INPUT_NAMES, add_bos_token=bos,
                 model_max_length=config.max_position_embeddings, drop=("is_local", "local_files_only"),
                 **_tokenizer_updates(fields))
-    _verify(out_dir, thetas, bos)
+    # NOTE: the config as transformers resolves it, for a worker that reads it without transformers' config classes
+    write_resolved_config(out_dir, _verify(out_dir, thetas, bos))
     return dtype
 
 
@@ -220,9 +223,9 @@ def _patch_json(path: Path, drop: tuple[str, ...] = (), **updates) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
-def _verify(out_dir: Path, thetas: dict[str, float], bos: bool) -> None:
+def _verify(out_dir: Path, thetas: dict[str, float], bos: bool):
     """Cheap round-trip checks of what we wrote (config and tokenizer, not the weights): each layer type's rope
-    base, and BOS in front of an encoded text exactly where `bos`."""
+    base, and BOS in front of an encoded text exactly where `bos`. Returns the config transformers reads."""
     from transformers import AutoConfig, AutoTokenizer
 
     config = AutoConfig.from_pretrained(out_dir)
@@ -234,3 +237,4 @@ def _verify(out_dir: Path, thetas: dict[str, float], bos: bool) -> None:
     tokenizer = AutoTokenizer.from_pretrained(out_dir)
     if (tokenizer("hello")["input_ids"][0] == tokenizer.bos_token_id) != bos:
         raise RuntimeError(f"converted tokenizer {'does not add' if bos else 'adds'} a BOS token")
+    return config

@@ -30,9 +30,10 @@ log = structlog.get_logger("pagedserve.model")
 
 MARKER = ".pagedserve-complete"  # written last; a model dir without it is incomplete and gets redone
 # What a converted dir holds, MARKER's "format": 1 (no "format": by pagedserve before it): the float weights; 2: also
-# the GGUF's quantised weights (worker_svc.quant.store). A dir of an older format is redone at its next pull (kept as
-# it is where that fails: _build_once). NOTE: formats only add files, so a newer one is complete for this code.
-MODEL_DIR_FORMAT = 2
+# the GGUF's quantised weights (worker_svc.quant.store); 3: also the config as transformers resolved it
+# (worker_svc.resolved_config). A dir of an older format is redone at its next pull (kept as it is where that fails:
+# _build_once). NOTE: formats only add files, so a newer one is complete for this code.
+MODEL_DIR_FORMAT = 3
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,6 +17,7 @@ from worker_svc.kv_pool import DTYPES
 from worker_svc.quant.from_hf import load_hf_quantized
 from worker_svc.quant.store import QUANTIZED_FILE, load_quantized
 from worker_svc.quant.weight import QuantWeight
+from worker_svc.resolved_config import ResolvedConfig, resolved_config
 from worker_svc.weights import choose_activations, choose_weights
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
@@ -208,7 +209,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", 
                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     hf_quantized = load_hf_quantized(model_dir, config)  # GPTQ / AWQ / compressed-tensors, read into GGML blocks
     quantized = hf_quantized.weights or load_quantized(model_dir)
-    hf_config = AutoConfig.from_pretrained(model_dir)
+    hf_config = resolved_config(model_dir) or AutoConfig.from_pretrained(model_dir)
     why_not = _why_not_quantized(device, lean, hf_config) if quantized else ""
     if quantized and not why_not and device.startswith("cuda") and weight_dtype == "auto":
         why_not = GPU_AUTO_DEQUANTISES
@@ -243,6 +244,8 @@ def _build_model(model_dir: Path, hf_config, dtype: torch.dtype, device: str, ke
         model = checkpoint_tree(model_dir, hf_config, dtype, quantized, _float_files(model_dir), device, packed_names)
         model.generation_config = _generation_config(model_dir)
         return model, quantized
+    if isinstance(hf_config, ResolvedConfig):  # NOTE: transformers' modules take its own config class
+        hf_config = AutoConfig.from_pretrained(model_dir)
     if keep_quantized:
         model = _model_without(model_dir, hf_config, dtype, skip, quantized, device)
     elif packed_names:

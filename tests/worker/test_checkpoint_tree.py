@@ -15,6 +15,7 @@ import torch
 from transformers import AutoConfig, LlamaConfig
 
 from worker_svc.checkpoint_tree import RotaryEmbedding, checkpoint_tree, static_rope
+from worker_svc.resolved_config import resolved_config
 
 ROOT = Path(__file__).resolve().parents[2]
 POSITIONS = torch.tensor([[0, 1, 7, 511, 4095, 30000]])
@@ -105,17 +106,19 @@ RUNNER = textwrap.dedent("""
         elif mapping and line.startswith("Rss:"):
             resident += int(line.split()[1])
     print(json.dumps({"quantized": runner.loaded.runs_quantized, "file_kb": resident,
-                      "modeling": "transformers.modeling_utils" in sys.modules}))
+                      "modeling": "transformers.modeling_utils" in sys.modules,
+                      "config classes": "transformers.activations" in sys.modules}))
 """)
 
 
 @pytest.mark.parametrize("weight_dtype", ["auto", "float32"])
-def test_only_a_model_of_float_weights_imports_transformers_modeling_code(weight_dtype):
+def test_only_a_model_of_float_weights_imports_transformers_modeling_code_and_config_classes(weight_dtype):
     out = subprocess.run([sys.executable, "-c", RUNNER, weight_dtype], cwd=ROOT, capture_output=True, text=True,
                          timeout=600, check=True)
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got.pop("file_kb") < 4096, got  # packed, the file's blocks went; the embedding's rows looked up only
-    assert got == {"quantized": weight_dtype == "auto", "modeling": weight_dtype == "float32"}
+    float32 = weight_dtype == "float32"  # transformers' modules, and its config classes (resolved_config.py)
+    assert got == {"quantized": not float32, "modeling": float32, "config classes": float32}
 
 
 def test_a_weight_of_another_shape_than_the_configs_is_refused_naming_it(tmp_path):
@@ -128,3 +131,14 @@ def test_a_weight_of_another_shape_than_the_configs_is_refused_naming_it(tmp_pat
     with pytest.raises(ValueError, match=r"model\.layers\.0\.self_attn\.k_proj\.weight is \[256, 256\]; config\.json "
                                          r"makes it \[128, 256\]"):
         checkpoint_tree(tmp_path, config, torch.float32, {}, [tmp_path / "model.safetensors"])
+
+
+def test_the_resolved_config_holds_what_transformers_reads_from_the_converted_dir(smollm2_dir, gemma3_dir):
+    for model_dir in (smollm2_dir, gemma3_dir):
+        resolved = resolved_config(Path(model_dir))
+        want = AutoConfig.from_pretrained(model_dir)
+        values = {k: v for k, v in want.to_dict().items() if k != "_name_or_path"}
+        assert resolved is not None and resolved.to_dict() == json.loads(json.dumps(values))
+        for name in ("num_hidden_layers", "rms_norm_eps", "rope_parameters", "tie_word_embeddings", "model_type"):
+            assert getattr(resolved, name) == getattr(want, name), name
+        assert getattr(resolved, "no_such_field", 7) == 7
