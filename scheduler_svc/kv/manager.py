@@ -77,6 +77,10 @@ class BlockTables:
     def block_table(self, request_id: Hashable) -> list[int]:
         return list(self._seqs[request_id].block_ids)
 
+    def held_block_ids(self, request_id: Hashable) -> list[int]:
+        """The blocks the request holds a reference on, in table order (here: its whole table)."""
+        return list(self._seqs[request_id].block_ids)
+
     def num_tokens(self, request_id: Hashable) -> int:
         return self._seqs[request_id].num_tokens
 
