@@ -150,3 +150,15 @@ def test_a_4096_token_gemma3_sequence_holds_416_blocks_not_1536():
         assert per_sliding <= 33
     mgr.free("a")
     assert mgr.pool.num_used_blocks == 0
+
+
+def test_kv_plan_counts_416_blocks_for_a_4096_token_gemma3_sequence():
+    from scheduler_svc.kv.capacity import plan
+
+    kv = plan(GEMMA3_270M, 4096, memory=GEMMA3_270M.bytes_per_block * 4160)
+    # decoding at 4096 tokens each sliding group holds at most ceil(512 / 16) + 1 = 33 blocks (the manager test
+    # above finds 32 at that very step): 256 + 5 x 33
+    assert kv.blocks_per_sequence == 256 + 5 * 33
+    assert kv.bytes_per_block == 2 * 3 * 1 * 256 * 2 * 16  # K and V, 3 layers, 1 kv head, 256 dims, bfloat16, 16
+    assert (kv.num_blocks, kv.num_sequences) == (4160, 4160 // 421)
+    assert kv.num_tokens == 4160 // 6 * 16  # token slots of all 18 layers
