@@ -112,3 +112,10 @@ class KVGroups:
     @property
     def num_groups(self) -> int:
         return len(self.windows)
+
+    def table(self, logical_block_ids) -> list[int]:
+        """The block table of logical blocks `logical_block_ids` where logical block l's group-g block is physical
+        block l * num_groups + g (one group: the ids themselves): the layout of plans built outside the scheduler
+        (the worker's warm-up, offline tools)."""
+        ng = self.num_groups
+        return [b * ng + g for b in logical_block_ids for g in range(ng)]
