@@ -231,7 +231,7 @@ class KVCacheManager(BlockTables):
         """
         pool = self.pool
         seq = self._seqs.get(request_id)
-        if seq is not None:
+        if seq is not None and self.window:  # NOTE: one test on the hot path of a model without windows
             self._drop(seq, num_computed)
         ng = self.num_groups
         if seq is not None and not seq.cow_pending and num_tokens <= len(seq.block_ids) // ng * self.block_size:

@@ -80,11 +80,12 @@ def test_sliding_blocks_out_of_the_window_are_freed_and_reused_with_the_same_tok
     """The long sequence (560 + 40 tokens: 38 blocks of 16 in each of the 6 KV groups, 228 blocks) through the
     scheduler and the worker in a pool of only 216 blocks: it fits because the scheduler frees the 5 sliding groups'
     blocks that no query can see any more, and the worker reuses them (the prompt's blocks were cached: reusing them
-    evicts them); its greedy tokens are still transformers'."""
+    evicts them); its greedy tokens are still transformers'. Chunks of 32 tokens: the admission check's bound, a
+    sliding group holds at most ceil((511 + 32) / 16) + 1 = 35 blocks, so 38 + 5 x 35 = 213 fit."""
     tok = AutoTokenizer.from_pretrained(gemma3_dir)
     prompt = long_prompt(tok)
     ref = reference_greedy(reference, prompt, LONG_NEW)
-    driver = LocalDriver(paged_runner(gemma3_dir, "lean as stored", num_blocks=216), max_num_batched_tokens=200)
+    driver = LocalDriver(paged_runner(gemma3_dir, "lean as stored", num_blocks=216), max_num_batched_tokens=32)
     request_id = driver.add(prompt, LONG_NEW)
     kv, held = driver.scheduler.kv, []
     while driver.pending or driver.scheduler.has_unfinished_requests():
@@ -94,8 +95,10 @@ def test_sliding_blocks_out_of_the_window_are_freed_and_reused_with_the_same_tok
             held.append((kv.num_tokens(seq_id), len(kv.held_block_ids(seq_id)), len(kv.block_table(seq_id))))
     assert_same_greedy(driver.outputs[request_id][0], *ref)
     assert len(driver.outputs[request_id][0]) == LONG_NEW
-    # the prompt, prefilled in chunks of 200, 200 and 160: no query is past the window yet, every group's block held
-    assert held[:3] == [(200, 13 * 6, 13 * 6), (400, 25 * 6, 25 * 6), (560, 35 * 6, 35 * 6)]
+    # the prompt's chunks from 480 and from 512 (whose first query still sees position 1: nothing freed yet) hold
+    # every group's 32, then 34 blocks: the most it ever holds; from the next step on, sliding blocks are freed
+    assert held[15:17] == [(512, 32 * 6, 32 * 6), (544, 34 * 6, 34 * 6)]
+    assert max(n for _, n, _ in held) == 34 * 6
     # the last step seen holding it (the one after frees it) computes position 597: its window starts at 86, in
     # block 5, so each sliding group holds blocks 5..37 (33) beside the full group's 38; the table lists all 38 x 6
     assert held[-1] == (598, 38 + 5 * 33, 38 * 6)
