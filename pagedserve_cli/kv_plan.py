@@ -40,8 +40,8 @@ def _model_dir(spec: str) -> str:
 def run(args: argparse.Namespace) -> int:
     config = read_config(_model_dir(args.model))
     cache_dtype = None if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
-    kv = plan(KVGeometry.from_config(config, cache_dtype or args.dtype, args.block_size), args.seq_len, args.memory,
-              max_model_len_of(config))
+    geometry = KVGeometry.from_config(config, cache_dtype or args.dtype, args.block_size)
+    kv = plan(geometry, args.seq_len, args.memory, max_model_len_of(config))
     if args.json:
         print(json.dumps(kv.to_dict()))
         return 0
@@ -50,7 +50,10 @@ def run(args: argparse.Namespace) -> int:
         else ""
     print(f"KV bytes per token:    {kv.bytes_per_token:,}  (2 x {kv.num_layers} x {kv.num_kv_heads} x "
           f"{kv.head_dim} x {DTYPE_BYTES[kv.dtype]}{scales})")
-    print(f"bytes per block:       {kv.bytes_per_block:,}  ({kv.block_size} tokens)")
+    groups = geometry.groups
+    of_layers = f" of {groups.layers_per_group} layers: one of {groups.num_groups} KV groups, windows " \
+        f"{', '.join(str(w) if w else 'full' for w in groups.windows)}" if groups.num_groups > 1 else ""
+    print(f"bytes per block:       {kv.bytes_per_block:,}  ({kv.block_size} tokens{of_layers})")
     print(f"bytes per sequence:    {kv.bytes_per_sequence:,}  ({kv.blocks_per_sequence} blocks for "
           f"S={kv.seq_len})")
     if kv.memory is not None:

@@ -60,6 +60,7 @@ class KVSnapshot:
     waiting_for_blocks: bool = False  # the last step left the queue head waiting for free blocks
     kv_cache_dtype: str = ""  # the worker's cache element type ('' from a server that does not say)
     bytes_per_token: int = 0  # KV bytes per token, an 8-bit cache's scales included (0: not said)
+    num_kv_groups: int = 1  # blocks per logical block (KV groups); sequences then list the blocks they hold
 
     @classmethod
     def build(cls, worker_id: str, block_size: int, ref_counts: list[int], cached: list[int],
@@ -74,12 +75,16 @@ class KVSnapshot:
         filled = [0] * n
         request_ids: list[str] = []
         index: dict[str, int] = {}
+        num_groups = max(1, counters.get("num_kv_groups", 1))
         for seq in sequences:
             i = index.get(seq.request_id)
             if i is None:
                 i = index[seq.request_id] = len(request_ids)
                 request_ids.append(seq.request_id)
-            for logical, b in enumerate(seq.block_ids):
+            num_logical, num_held = -(-seq.num_tokens // block_size), len(seq.block_ids)
+            for k, b in enumerate(seq.block_ids):
+                # KV groups: the last num_groups blocks are the last logical block's; the others are full
+                logical = k if num_groups == 1 else num_logical - 1 - (num_held - 1 - k) // num_groups
                 if not 0 <= b < n:
                     raise ValueError(f"sequence {seq.seq_id}: block {b} outside the pool of {n}")
                 if owner[b] == UNLISTED:  # NOTE: the first holder in admission order owns a shared block
@@ -106,7 +111,8 @@ class KVSnapshot:
                          prefix_hit_tokens=pb.prefix_hit_tokens, num_evictions=pb.num_evictions,
                          num_preemptions=pb.num_preemptions, num_prefill_tokens=pb.num_prefill_tokens,
                          time=pb.time, waiting_for_blocks=pb.waiting_for_blocks,
-                         kv_cache_dtype=pb.kv_cache_dtype, bytes_per_token=pb.bytes_per_token)
+                         kv_cache_dtype=pb.kv_cache_dtype, bytes_per_token=pb.bytes_per_token,
+                         num_kv_groups=pb.num_kv_groups or 1)
 
 
 def largest_free_run(ref_counts: list[int]) -> int:

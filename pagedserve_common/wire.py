@@ -230,7 +230,7 @@ def registration_to_pb(reg: WorkerRegistration) -> worker_pb2.WorkerRegistration
     return worker_pb2.WorkerRegistration(
         model_id=reg.model_id, max_model_len=reg.max_model_len, device=reg.device,
         kv_geometry=worker_pb2.KVGeometry(num_layers=g.num_layers, num_kv_heads=g.num_kv_heads, head_dim=g.head_dim,
-                                          dtype=g.dtype, block_size=g.block_size),
+                                          dtype=g.dtype, block_size=g.block_size, layer_windows=g.layer_windows),
         num_blocks=reg.num_blocks, num_cpu_blocks=reg.num_cpu_blocks, name=reg.name)
 
 
@@ -242,7 +242,11 @@ def registration_from_pb(pb: worker_pb2.WorkerRegistration) -> WorkerRegistratio
         raise ValueError("kv_geometry: num_layers, num_kv_heads, head_dim and block_size must be >= 1")
     if g.dtype not in DTYPE_BYTES:  # NOTE: what a peer sent: quoted short, whatever its length
         raise ValueError(f"kv_geometry.dtype must be one of {', '.join(DTYPE_BYTES)}, got {g.dtype[:40]!r}")
+    if g.layer_windows and len(g.layer_windows) != g.num_layers:
+        raise ValueError(f"kv_geometry.layer_windows must have one window per layer ({g.num_layers}), got "
+                         f"{len(g.layer_windows)}")
     return WorkerRegistration(
         model_id=pb.model_id, max_model_len=pb.max_model_len, device=pb.device,
-        kv_geometry=KVGeometry(g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, g.block_size),
+        kv_geometry=KVGeometry(g.num_layers, g.num_kv_heads, g.head_dim, g.dtype, g.block_size,
+                               tuple(g.layer_windows)),
         num_blocks=pb.num_blocks, num_cpu_blocks=pb.num_cpu_blocks, name=pb.name)

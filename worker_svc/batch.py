@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from pagedserve_common.kv_geometry import KVGroups
 from pagedserve_common.step import StepPlan
 from pagedserve_common.sampling import SamplingParams
 from worker_svc.logits import TokenCounts, allows_any, bitmask_num_bytes, needs_processing
@@ -65,13 +66,16 @@ def _in_range(ids: Iterable[int], limit: int, what: str) -> None:
 
 
 def check_plan(plan: StepPlan, seqs: Mapping[int, SeqState], num_blocks: int, num_cpu_blocks: int,
-               block_size: int, vocab_size: int | None = None) -> None:
+               block_size: int, vocab_size: int | None = None, groups: KVGroups | None = None) -> None:
     """Raises BadPlan naming the first thing wrong: an unknown or duplicate sequence id, a block id outside
     the pool (or the swap space), a block twice in one sequence's table, a block table too short for the tokens
     scheduled, more tokens scheduled than the sequence has, a token id outside the vocabulary (an embedding
     lookup out of range fails the step on a CPU and may kill the context on a GPU), a token bitmask of the wrong
     length, for a sequence that does not sample this step, or that allows no token. NOTE: it reads `seqs` only, so
-    a refused plan leaves the batch as it was."""
+    a refused plan leaves the batch as it was. `groups`: the pool's KV groups (None: one group of full attention);
+    a table's entries i * num_groups + g are group g's, and those of sliding groups' blocks out of every query's
+    window are stale (live_entries): their blocks may be anyone's now, this sequence's new ones included."""
+    ng = 1 if groups is None else groups.num_groups
     dropped = set(plan.finished_seq_ids) | set(plan.preempted_seq_ids)
     if len(dropped) != len(plan.finished_seq_ids) + len(plan.preempted_seq_ids):
         raise BadPlan("a finished/preempted seq is dropped twice")
@@ -84,12 +88,12 @@ def check_plan(plan: StepPlan, seqs: Mapping[int, SeqState], num_blocks: int, nu
             raise BadPlan(f"new seq {new.seq_id} is already on this worker")
         seen.add(new.seq_id)
         _in_range(new.block_ids, num_blocks, f"seq {new.seq_id}: block")
-        _no_repeats(new.seq_id, (), new.block_ids)
+        _no_repeats(new.seq_id, (), live_entries(new.block_ids, new.num_computed_tokens, groups, block_size))
         ids = new.token_ids
         if vocab_size is not None and ids and not (0 <= min(ids) and max(ids) < vocab_size):
             raise BadPlan(f"seq {new.seq_id}: a token id is outside the vocabulary (0..{vocab_size - 1})")
         _check_tokens(new.seq_id, new.num_computed_tokens, new.num_scheduled_tokens, len(new.token_ids),
-                      len(new.block_ids), block_size)
+                      len(new.block_ids) // ng, block_size)
     for delta in plan.running:
         s = seqs.get(delta.seq_id)
         if s is None or delta.seq_id in dropped or delta.seq_id in seen:
@@ -97,12 +101,13 @@ def check_plan(plan: StepPlan, seqs: Mapping[int, SeqState], num_blocks: int, nu
         seen.add(delta.seq_id)
         _in_range(delta.new_block_ids, num_blocks, f"seq {delta.seq_id}: block")
         if delta.new_block_ids:  # NOTE: only then: the table is walked about once a block's worth of tokens
-            _no_repeats(delta.seq_id, s.block_ids, delta.new_block_ids)
+            _no_repeats(delta.seq_id, live_entries(s.block_ids, s.num_computed_tokens, groups, block_size),
+                        delta.new_block_ids)
         drafts = delta.draft_token_ids
         if drafts:
             _check_drafts(s, delta.num_scheduled_tokens, drafts, vocab_size, plan.token_bitmasks)
         _check_tokens(delta.seq_id, s.num_computed_tokens, delta.num_scheduled_tokens, len(s.token_ids) + len(drafts),
-                      len(s.block_ids) + len(delta.new_block_ids), block_size)
+                      (len(s.block_ids) + len(delta.new_block_ids)) // ng, block_size)
     for src, dst in plan.copies:
         _in_range((src, dst), num_blocks, "copy: block")
     for src, dst in plan.swap_out:
@@ -149,6 +154,16 @@ def _check_drafts(s: SeqState, num_scheduled: int, drafts: list[int], vocab_size
         raise BadPlan(f"seq {s.seq_id}: a draft token id is outside the vocabulary (0..{vocab_size - 1})")
     if s.processed or s.sampling.logprobs is not None or s.seq_id in bitmasks:
         raise BadPlan(f"seq {s.seq_id}: drafts for a sequence with logprobs, a logits rule or a token bitmask")
+
+
+def live_entries(block_ids: list[int], num_computed: int, groups: KVGroups | None, block_size: int) -> list[int]:
+    """The entries of a table a query from position num_computed on may read: all but those of a sliding group's
+    blocks wholly before that query's window (the scheduler may have freed them: scheduler_svc.kv.manager)."""
+    if groups is None or not any(groups.windows):
+        return block_ids
+    ng, windows = groups.num_groups, groups.windows
+    return [b for k, b in enumerate(block_ids)
+            if not windows[k % ng] or (k // ng + 1) * block_size > num_computed - windows[k % ng] + 1]
 
 
 def _no_repeats(seq_id: int, table: Iterable[int], new: Iterable[int]) -> None:

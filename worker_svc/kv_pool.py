@@ -16,11 +16,14 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 class KVPool:
-    """kv[layer] is one layer's [2, num_blocks, block_size, num_kv_heads, head_dim] view (0 = K, 1 = V).
+    """kv[slot] is one layer's [2, num_blocks, block_size, num_kv_heads, head_dim] view (0 = K, 1 = V).
 
-    NOTE: the whole pool is ONE tensor of shape [layers, 2, num_blocks, block_size, kv_heads, head_dim]: a
+    NOTE: the whole pool is ONE tensor of shape [layers_per_group, 2, num_blocks, block_size, kv_heads, head_dim]: a
     block's slots are contiguous per layer, so writing a token is one row and copying a block is one slice.
     Slot s of the pool is token s % block_size of block s // block_size.
+    KV groups (geometry.groups): a block holds the layers of ONE group, whichever its table says; layer l lives in
+    slot geometry.groups.layer_slots[l][1] of its group's blocks. One group (every model with one kind of layer):
+    layers_per_group = num_layers and slot = layer. Copies and swaps move whole blocks, so they need no grouping.
 
     An 8-bit cache (int8, fp8) also has `scales`, [layers, 2, num_blocks, block_size, kv_heads] float32: row
     (token, kv head) of K or V holds codes x scale. INVARIANT: a block's scales move with its codes in every block
@@ -32,8 +35,9 @@ class KVPool:
         if num_blocks < 1:
             raise ValueError(f"the KV budget holds no block: {geometry.bytes_per_block} bytes needed per block")
         self.geometry = geometry
+        self.groups = geometry.groups
         self.num_blocks = num_blocks
-        shape = (geometry.num_layers, 2, num_blocks, geometry.block_size, geometry.num_kv_heads, geometry.head_dim)
+        shape = (geometry.groups.layers_per_group, 2, num_blocks, geometry.block_size, geometry.num_kv_heads, geometry.head_dim)
         dtype = STORAGE[geometry.dtype]
         self.kv = torch.zeros(shape, dtype=dtype, device=device)
         self.scales = torch.zeros(shape[:-1], dtype=SCALE_DTYPE, device=device) if geometry.quantized else None
@@ -52,8 +56,10 @@ class KVPool:
         return self.kv.numel() * self.kv.element_size() + scales
 
     def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Layer i's (codes or values [2, nb, bs, kvh, hd], scales [2, nb, bs, kvh] or None)."""
-        return self.kv[i], None if self.scales is None else self.scales[i]
+        """Layer i's (codes or values [2, nb, bs, kvh, hd], scales [2, nb, bs, kvh] or None) in every block of its
+        group."""
+        slot = self.groups.layer_slots[i][1]
+        return self.kv[slot], None if self.scales is None else self.scales[slot]
 
     def copy_blocks(self, copies: Sequence[tuple[int, int]], backend: AttentionBackend) -> None:
         """Copy-on-write: whole blocks src -> dst in every layer, K and V, and their scales."""

@@ -54,7 +54,7 @@ class LeanGemma3(LeanModel):
         for layer_type in set(self.layer_types):  # [T, 1, hd]: broadcast over heads
             cos, sin = self.rotary(x[None], positions[None], layer_type)
             rope[layer_type] = cos[0][:, None, :], sin[0][:, None, :]
-        kv, scales, meta, backend = step.kv, step.kv_scales, step.meta, step.backend
+        backend = step.backend
         for i, layer in enumerate(self.layers):
             input_norm, post_attn, pre_ff, post_ff, q_norm, k_norm = self.norms[i]
             qkv = layer.qkv(_norm(x, input_norm, eps))
@@ -63,9 +63,9 @@ class LeanGemma3(LeanModel):
             cos, sin = rope[self.layer_types[i]]
             q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             v = qkv[:, nq + nk:].view(t, nkv, hd)
-            layer_scales = None if scales is None else scales[i]
-            backend.write_kv(kv[i], k, v, meta.slot_mapping, layer_scales)
-            attn = backend.forward(q, kv[i], meta, self.scaling, layer_scales, window=self.windows[i])
+            kv_layer, layer_scales, meta = step.layer(i)
+            backend.write_kv(kv_layer, k, v, meta.slot_mapping, layer_scales)
+            attn = backend.forward(q, kv_layer, meta, self.scaling, layer_scales, window=self.windows[i])
             x = x + _norm(layer.o(attn.reshape(t, nq)), post_attn, eps)
             gu = layer.gate_up(_norm(x, pre_ff, eps))
             inter = gu.shape[1] // 2

@@ -41,13 +41,12 @@ def paged_attention_forward(module, query, key, value, attention_mask, scaling=N
     """
     if paged_step is None:
         raise RuntimeError("the pagedserve attention needs paged_step=StepContext(...) in the forward call")
-    kv_layer = paged_step.kv[module.layer_idx]
-    kv_scales = None if paged_step.kv_scales is None else paged_step.kv_scales[module.layer_idx]
+    kv_layer, kv_scales, meta = paged_step.layer(module.layer_idx)
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    paged_step.backend.write_kv(kv_layer, k, v, paged_step.meta.slot_mapping, kv_scales)
-    out = paged_step.backend.forward(q, kv_layer, paged_step.meta, scaling, kv_scales,
+    paged_step.backend.write_kv(kv_layer, k, v, meta.slot_mapping, kv_scales)
+    out = paged_step.backend.forward(q, kv_layer, meta, scaling, kv_scales,
                                      window=int(sliding_window or 0))
     return out.unsqueeze(0), None
 

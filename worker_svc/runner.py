@@ -25,10 +25,36 @@ from worker_svc.speculative import Verification
 class StepContext:
     """What the attention hook needs, passed through the model's forward kwargs."""
 
-    kv: torch.Tensor  # the whole pool: [layers, 2, num_blocks, block_size, kv_heads, head_dim]
-    meta: AttentionMetadata
+    kv: torch.Tensor  # the whole pool: [layers_per_group, 2, num_blocks, block_size, kv_heads, head_dim]
+    meta: AttentionMetadata  # group 0's (the only one of a model with one KV group)
     backend: AttentionBackend
-    kv_scales: torch.Tensor | None = None  # an 8-bit cache's [layers, 2, num_blocks, block_size, kv_heads]
+    kv_scales: torch.Tensor | None = None  # an 8-bit cache's [layers_per_group, 2, num_blocks, block_size, kv_heads]
+    # KV groups (KVPool): each group's metadata (its column of the block tables) and each layer's (group, slot);
+    # () for one group, where layer i is slot i and every layer reads `meta`.
+    group_metas: tuple[AttentionMetadata, ...] = ()
+    layer_slots: tuple[tuple[int, int], ...] = ()
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor | None, AttentionMetadata]:
+        """Layer i's pool view [2, nb, bs, kvh, hd], its scales (None for a float cache) and its group's metadata."""
+        meta = self.meta
+        if self.layer_slots:
+            group, i = self.layer_slots[i]
+            meta = self.group_metas[group]
+        return self.kv[i], None if self.kv_scales is None else self.kv_scales[i], meta
+
+    @classmethod
+    def build(cls, pool: KVPool, backend: AttentionBackend, query_lens: np.ndarray, seq_lens: np.ndarray,
+              block_tables: list[list[int]]) -> StepContext:
+        """The step's context over `pool`: one AttentionMetadata per KV group, from its column of each table
+        (entries i * num_groups + g are group g's: scheduler_svc.kv.manager.KVCacheManager)."""
+        groups, bs, device = pool.groups, pool.geometry.block_size, pool.kv.device
+        ng = groups.num_groups
+        if ng == 1:
+            return cls(pool.kv, AttentionMetadata.build(query_lens, seq_lens, block_tables, bs, device), backend,
+                       pool.scales)
+        metas = tuple(AttentionMetadata.build(query_lens, seq_lens, [t[g::ng] for t in block_tables], bs, device)
+                      for g in range(ng))
+        return cls(pool.kv, metas[0], backend, pool.scales, metas, groups.layer_slots)
 
 
 class ModelRunner:
@@ -91,7 +117,7 @@ class ModelRunner:
         """Checks and applies a plan (block moves included); returns its scheduled sequences."""
         pool = self.pool
         check_plan(plan, self.batch.seqs, pool.num_blocks, pool.num_cpu_blocks, pool.geometry.block_size,
-                   self.loaded.vocab_size)
+                   self.loaded.vocab_size, pool.groups)
         scheduled = self.batch.apply(plan)
         # NOTE: order matters: blocks swapped out this step may be reused as swap-in or copy targets.
         pool.swap_out(plan.swap_out)
@@ -102,16 +128,16 @@ class ModelRunner:
     def _forward(self, scheduled: list, rows: Callable[[np.ndarray], np.ndarray]) -> torch.Tensor:
         """One packed forward of the scheduled tokens (their KV written into the pool): the logits of the packed
         rows rows(query_start_loc) picks."""
-        bs = self.pool.geometry.block_size
         q_lens = np.fromiter((s.num_scheduled_tokens for s in scheduled), np.int64, len(scheduled))
         starts = np.fromiter((s.num_computed_tokens for s in scheduled), np.int64, len(scheduled))
-        meta = AttentionMetadata.build(q_lens, starts + q_lens, [s.block_ids for s in scheduled], bs, self.device)
+        step = StepContext.build(self.pool, self.backend, q_lens, starts + q_lens, [s.block_ids for s in scheduled])
+        meta = step.meta
         input_ids = np.concatenate([np.asarray(s.token_ids[s.num_computed_tokens:s.num_computed_tokens
                                                           + s.num_scheduled_tokens]) for s in scheduled])
         keep = torch.from_numpy(rows(meta.query_start_loc_host)).to(self.device)
         return self._logits(torch.from_numpy(input_ids).to(self.device, torch.long),
                             torch.from_numpy(meta.positions_host).to(self.device, torch.long),
-                            StepContext(self.pool.kv, meta, self.backend, self.pool.scales), keep)
+                            step, keep)
 
     @staticmethod
     def _advance(scheduled: list) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+from pagedserve_common.kv_geometry import KVGroups
 from pagedserve_common.sampling import SamplingParams
 from pagedserve_common.step import NewSequence, SequenceDelta, StepPlan
 
@@ -18,17 +19,18 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 RANDOM = SamplingParams(temperature=0.8, top_p=0.9, top_k=40, min_p=0.01, logprobs=2, max_tokens=8)
 
 
-def warm_up_plans(block_size: int, num_blocks: int, vocab_size: int) -> list[StepPlan]:
+def warm_up_plans(block_size: int, num_blocks: int, vocab_size: int, groups: KVGroups | None = None) -> list[StepPlan]:
     """The warm-up's plans: sequence A (a prompt of one block and a half) prefills, then decodes beside sequence B,
     which shares A's first block as a cached prefix; the last plan drops both. Empty when the pool is too small
-    (fewer than 3 blocks)."""
-    if num_blocks < 3:
+    (fewer than 3 logical blocks). `groups`: the pool's KV groups (None: one), a block per group per logical block."""
+    table = (groups or KVGroups.of((0,))).table
+    if num_blocks < len(table(range(3))):
         return []
     prompt = [(7 * i + 3) % vocab_size for i in range(block_size + block_size // 2)]
     other = prompt[:block_size] + [(11 * i + 5) % vocab_size for i in range(block_size // 2 + 1)]
-    a = NewSequence(seq_id=0, token_ids=prompt, block_ids=[0, 1], num_computed_tokens=0,
+    a = NewSequence(seq_id=0, token_ids=prompt, block_ids=table([0, 1]), num_computed_tokens=0,
                     num_scheduled_tokens=len(prompt), sampling=GREEDY, seed=1)
-    b = NewSequence(seq_id=1, token_ids=other, block_ids=[0, 2], num_computed_tokens=block_size,
+    b = NewSequence(seq_id=1, token_ids=other, block_ids=table([0, 2]), num_computed_tokens=block_size,
                     num_scheduled_tokens=len(other) - block_size, sampling=RANDOM, seed=2)
     plans = [StepPlan(step_id=0, new_seqs=[a])]
     plans.append(StepPlan(step_id=1, new_seqs=[b], running=[SequenceDelta(0, [], 1)]))
@@ -48,7 +50,7 @@ def warm_up(runner, after_step: Callable[[], None] | None = None) -> tuple[int, 
     its first step until the governor, ticking only between plans, gave a thread up. Ticking here, it settles
     before the worker registers."""
     geometry = runner.pool.geometry
-    plans = warm_up_plans(geometry.block_size, runner.pool.num_blocks, runner.loaded.vocab_size)
+    plans = warm_up_plans(geometry.block_size, runner.pool.num_blocks, runner.loaded.vocab_size, runner.pool.groups)
     t0 = time.perf_counter()
     try:
         for plan in plans:

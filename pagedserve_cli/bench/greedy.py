@@ -44,18 +44,19 @@ def greedy_tokens(runner, prompts: Sequence[Sequence[int]], num_new: int = 128,
                   batch: int = 16) -> list[list[int]]:
     """Each prompt's num_new greedy tokens, decoded `batch` prompts at a time through ModelRunner.step: one
     prefill step, then one decode step per token, as the scheduler drives a worker (EOS does not stop them)."""
-    bs = runner.pool.geometry.block_size
+    bs, table = runner.pool.geometry.block_size, runner.pool.groups.table
     out: list[list[int]] = []
     step_id = 0
     for first in range(0, len(prompts), batch):
         group = prompts[first:first + batch]
-        need = [-(-(len(p) + num_new) // bs) for p in group]
-        if sum(need) > runner.pool.num_blocks:
-            raise ValueError(f"{len(group)} prompts of {num_new} new tokens need {sum(need)} blocks; the pool "
+        need = [-(-(len(p) + num_new) // bs) for p in group]  # logical blocks: one block per KV group each
+        num_needed = len(table(range(sum(need))))
+        if num_needed > runner.pool.num_blocks:
+            raise ValueError(f"{len(group)} prompts of {num_new} new tokens need {num_needed} blocks; the pool "
                              f"has {runner.pool.num_blocks}")
         new_seqs, next_block = [], 0
         for i, (p, n) in enumerate(zip(group, need)):
-            new_seqs.append(NewSequence(first + i, list(p), list(range(next_block, next_block + n)), 0, len(p),
+            new_seqs.append(NewSequence(first + i, list(p), table(range(next_block, next_block + n)), 0, len(p),
                                         GREEDY, num_prompt_tokens=len(p)))
             next_block += n
         ids = [s.seq_id for s in new_seqs]

@@ -32,7 +32,8 @@ class LocalDriver:
             block_size=runner.pool.geometry.block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=enable_prefix_caching,
             eos_token_ids=runner.loaded.eos_token_ids if eos_token_ids is None else eos_token_ids,
-            num_cpu_blocks=num_cpu_blocks, speculative=speculative, num_speculative_tokens=num_speculative_tokens))
+            num_cpu_blocks=num_cpu_blocks, speculative=speculative, num_speculative_tokens=num_speculative_tokens,
+            kv_group_windows=runner.pool.groups.windows))
         self.pending: list[tuple[int, Request]] = []  # (arrival step, request) not yet submitted
         self.outputs: dict[str, list[list[int]]] = {}
         # Each generated token's logprobs, for the requests whose sampling asks for them (logprobs not None).

@@ -77,7 +77,7 @@ def window_logits(runner, token_ids: Sequence[int], window: int = 1024,
         tokens = list(token_ids[start:start + window])
         if len(tokens) < 2:
             break
-        blocks = list(range(-(-len(tokens) // bs)))
+        blocks = runner.pool.groups.table(range(-(-len(tokens) // bs)))
         if len(blocks) > runner.pool.num_blocks:
             raise ValueError(f"a {len(tokens)}-token window needs {len(blocks)} blocks; the pool has "
                              f"{runner.pool.num_blocks}")

@@ -29,6 +29,8 @@ class SchedulerConfig:
     # NOTE: admission order, checked in one place: WaitingQueue (core.waiting) refuses a policy it does not know
     scheduling_policy: str = default_of(EngineOptions, "scheduling_policy")
     priority_max_wait: float = default_of(EngineOptions, "priority_max_wait")  # priority: a wait's bound, seconds
+    # Each KV group's sliding window, 0 for full attention (the worker's KVGeometry.groups); one group by default
+    kv_group_windows: tuple[int, ...] = (0,)
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens is None:
@@ -46,4 +48,4 @@ class SchedulerConfig:
                    eos_token_ids=engine.eos_token_ids, num_cpu_blocks=reg.num_cpu_blocks,
                    kv_allocation=engine.kv_allocation, speculative=engine.speculative,
                    num_speculative_tokens=engine.num_speculative_tokens, scheduling_policy=engine.scheduling_policy,
-                   priority_max_wait=engine.priority_max_wait)
+                   priority_max_wait=engine.priority_max_wait, kv_group_windows=reg.kv_geometry.groups.windows)

@@ -25,7 +25,7 @@ class SequenceBlocks:
 
     request_id: str
     seq_id: int
-    block_ids: list[int]
+    block_ids: list[int]  # the blocks it holds, in table order (KV groups: without the freed sliding ones)
     num_tokens: int  # tokens the table covers (those of the step in flight included)
     tenant: str = ""  # whose service it counts as (the fair policy); "": the shared tenant
 
@@ -50,6 +50,7 @@ class KVPoolSnapshot:
     waiting_for_blocks: bool = False  # the last step left the queue head waiting for free blocks
     kv_cache_dtype: str = ""  # the worker's cache element type ("int8", ...), as it registered
     bytes_per_token: int = 0  # KV bytes per token, an 8-bit cache's scales included
+    num_kv_groups: int = 1  # blocks per logical block (KVGeometry.groups): a sliding-window model's may be more
 
 
 def ref_count_bytes(ref_cnt: list[int]) -> bytes:
@@ -76,7 +77,7 @@ def snapshot(worker_id: str, scheduler: Scheduler, geometry: KVGeometry | None =
     pool = kv.pool
     # NOTE: running sequences hold block tables (swapped-out and waiting ones hold none), in admission order. A
     # sequence shows the id its client sent, not the engine's tenant-scoped one.
-    sequences = [SequenceBlocks(req.client_request_id, req.seq_id, kv.block_table(req.seq_id),
+    sequences = [SequenceBlocks(req.client_request_id, req.seq_id, kv.held_block_ids(req.seq_id),
                                 kv.num_tokens(req.seq_id), req.tenant)
                  for req in scheduler.running if req.seq_id in kv and tenant in (None, req.tenant)]
     # NOTE: blocks never handed out have no stored state (BlockPool): zeros, written in C, not walked.
@@ -90,4 +91,5 @@ def snapshot(worker_id: str, scheduler: Scheduler, geometry: KVGeometry | None =
         prefix_hit_tokens=kv.prefix_hit_tokens, num_evictions=pool.num_evictions,
         num_preemptions=scheduler.num_preemptions, num_prefill_tokens=scheduler.num_prefill_tokens,
         time=time.time(), waiting_for_blocks=scheduler.waiting_for_blocks,
-        kv_cache_dtype=geometry.dtype if geometry else "", bytes_per_token=geometry.bytes_per_token if geometry else 0)
+        kv_cache_dtype=geometry.dtype if geometry else "", bytes_per_token=geometry.bytes_per_token if geometry else 0,
+        num_kv_groups=len(scheduler.config.kv_group_windows))

@@ -51,13 +51,19 @@ class Scheduler:
         self.static = config.kv_allocation in STATIC_KV_ALLOCATIONS
         self.spec = Speculator(config.num_speculative_tokens) if config.speculative == "ngram" else None
         self.kv: KVCacheManager | StaticKVCacheManager
+        windows = config.kv_group_windows
+        if (len(windows) > 1 or any(windows)) and (self.static or config.num_cpu_blocks):
+            # NOTE: a swap or a reservation would move or reserve the stale entries of freed sliding blocks too
+            raise ValueError(f"KV groups {windows} (sliding-window layers) support neither swap space (num_cpu_blocks "
+                             f"{config.num_cpu_blocks}) nor kv_allocation {config.kv_allocation}: preemption "
+                             "recomputes; use kv_allocation paged")
         if self.static:
             if config.num_cpu_blocks:
                 raise ValueError(f"kv_allocation {config.kv_allocation} does not support swap space (num_cpu_blocks "
                                  f"{config.num_cpu_blocks}): a reservation is never swapped out")
             self.kv = StaticKVCacheManager(config.num_blocks, config.block_size)
         else:
-            self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+            self.kv = KVCacheManager(config.num_blocks, config.block_size, config.enable_prefix_caching, windows)
         # NOTE: CPU swap blocks hold no prefix cache: a plain pool of ids.
         self.cpu_pool = BlockPool(config.num_cpu_blocks) if config.num_cpu_blocks else None
         self.num_swaps = 0
@@ -289,14 +295,16 @@ class Scheduler:
                 alloc, num_new = self._draft(req, num_new, min(num_draft_room, budget - num_new), room.step.drafted)
                 num_draft_room -= len(req.draft_token_ids)
             if alloc is None:
-                alloc = kv.allocate(req.seq_id, self._num_table_tokens(req, num_new), tokens)
+                alloc = kv.allocate(req.seq_id, self._num_table_tokens(req, num_new), tokens,
+                                    num_computed=req.num_computed_tokens)
             while alloc is None:  # out of blocks: recompute-preempt the most recently admitted sequence
                 victim = running.pop()
                 self._preempt(victim, plan)
                 room.num_preempted += 1
                 if victim is req:
                     break
-                alloc = kv.allocate(req.seq_id, self._num_table_tokens(req, num_new), tokens)
+                alloc = kv.allocate(req.seq_id, self._num_table_tokens(req, num_new), tokens,
+                                    num_computed=req.num_computed_tokens)
             if alloc is None:
                 break  # it was the last one itself
             if alloc.copies:
@@ -341,7 +349,8 @@ class Scheduler:
             if self.static and not self._reserve(req, num_new):
                 self.waiting_for_blocks = True  # no free run that long, though the holes may add up to enough
                 break
-            if kv.allocate(req.seq_id, hit.num_tokens + num_new, req.all_token_ids, hit, req.cache_salt) is None:
+            if kv.allocate(req.seq_id, hit.num_tokens + num_new, req.all_token_ids, hit, req.cache_salt,
+                           num_computed=hit.num_tokens) is None:
                 self.waiting_for_blocks = True  # wait for running sequences to finish
                 break
             self._admitted(req, hit.num_tokens)
@@ -371,7 +380,8 @@ class Scheduler:
         for child in req.children:
             if room.budget <= 0:
                 break
-            alloc = self.kv.allocate(child.seq_id, child.num_computed_tokens + 1, child.all_token_ids)
+            alloc = self.kv.allocate(child.seq_id, child.num_computed_tokens + 1, child.all_token_ids,
+                                     num_computed=child.num_computed_tokens)
             if alloc is None:
                 break
             room.step.plan.copies.extend(alloc.copies)
@@ -386,7 +396,8 @@ class Scheduler:
             if room.budget <= 0:
                 break
             num_new = min(req.num_target_tokens() - req.num_computed_tokens, room.budget, room.cap)
-            alloc = self.kv.allocate(req.seq_id, self._num_table_tokens(req, num_new), req.all_token_ids)
+            alloc = self.kv.allocate(req.seq_id, self._num_table_tokens(req, num_new), req.all_token_ids,
+                                     num_computed=req.num_computed_tokens)
             if alloc is None:
                 continue
             plan.copies.extend(alloc.copies)
@@ -432,7 +443,8 @@ class Scheduler:
         drafts = self.spec.drafts(req, num_room, self.config.max_model_len)
         if not drafts:
             return None, num_new
-        alloc = self.kv.allocate(req.seq_id, self._num_table_tokens(req, 1 + len(drafts)), req.all_token_ids)
+        alloc = self.kv.allocate(req.seq_id, self._num_table_tokens(req, 1 + len(drafts)), req.all_token_ids,
+                                 num_computed=req.num_computed_tokens)
         if alloc is None:
             return None, num_new
         req.draft_token_ids = drafts
@@ -450,7 +462,8 @@ class Scheduler:
     def _swap_in(self, req: Request, step: ScheduledStep, num_new: int) -> bool:
         """Admits a swapped-out sequence: fresh device blocks, its KV restored from CPU before the forward."""
         cpu_ids = req.cpu_block_ids
-        alloc = self.kv.allocate(req.seq_id, req.num_computed_tokens + num_new, req.all_token_ids)
+        alloc = self.kv.allocate(req.seq_id, req.num_computed_tokens + num_new, req.all_token_ids,
+                                 num_computed=req.num_computed_tokens)
         if alloc is None:
             return False
         self.waiting.popleft()

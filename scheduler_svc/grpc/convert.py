@@ -229,7 +229,7 @@ def kv_state_to_pb(snap: KVPoolSnapshot) -> generate_pb2.KVState:
         prefix_hit_tokens=snap.prefix_hit_tokens, num_evictions=snap.num_evictions,
         num_preemptions=snap.num_preemptions, num_prefill_tokens=snap.num_prefill_tokens, time=snap.time,
         waiting_for_blocks=snap.waiting_for_blocks, kv_cache_dtype=snap.kv_cache_dtype,
-        bytes_per_token=snap.bytes_per_token)
+        bytes_per_token=snap.bytes_per_token, num_kv_groups=snap.num_kv_groups)
     add = pb.sequences.add
     for s in snap.sequences:
         add(request_id=s.request_id, seq_id=s.seq_id, block_ids=s.block_ids, num_tokens=s.num_tokens,

@@ -32,7 +32,7 @@ class KVPlan:
     scale_bytes_per_token: int  # of which scales (0 for a float cache)
     bytes_per_block: int
     blocks_per_sequence: int
-    bytes_per_sequence: int  # whole blocks: what paging reserves for one sequence of seq_len tokens
+    bytes_per_sequence: int  # whole blocks: what paging holds for one sequence of seq_len tokens (decoding)
     memory: int | None = None
     num_blocks: int | None = None
     num_tokens: int | None = None
@@ -50,13 +50,18 @@ def plan(geometry: KVGeometry, seq_len: int, memory: int | None = None, max_mode
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     per_token, block_size = geometry.bytes_per_token, geometry.block_size
-    per_block = per_token * block_size
-    blocks_per_seq = -(-seq_len // block_size)
+    per_block = geometry.bytes_per_block  # KV groups: one group's layers
+    # NOTE: a sliding group (KVGeometry.groups) holds at most ceil(window / block_size) + 1 blocks of a decoding
+    # sequence (scheduler_svc.kv.manager frees the rest); a full group, every block
+    num_logical = -(-seq_len // block_size)
+    blocks_per_seq = sum(min(num_logical, -(-w // block_size) + 1) if w else num_logical
+                         for w in geometry.groups.windows)
     fit = {}
     if memory is not None:
         num_blocks = memory // per_block
         max_len = max_model_len or seq_len
-        fit = dict(memory=memory, num_blocks=num_blocks, num_tokens=num_blocks * block_size,
+        fit = dict(memory=memory, num_blocks=num_blocks,
+                   num_tokens=num_blocks // geometry.groups.num_groups * block_size,  # of every layer
                    num_sequences=num_blocks // blocks_per_seq, max_model_len=max_len,
                    contiguous_num_sequences=memory // (max_len * per_token))
     return KVPlan(num_layers=geometry.num_layers, num_kv_heads=geometry.num_kv_heads, head_dim=geometry.head_dim,

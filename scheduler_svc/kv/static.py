@@ -62,10 +62,11 @@ class StaticKVCacheManager(BlockTables):
         return True
 
     def allocate(self, request_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None,
-                 hit: PrefixHit | None = None, extra_key: object = None) -> Allocation | None:
+                 hit: PrefixHit | None = None, extra_key: object = None,
+                 num_computed: int | None = None) -> Allocation | None:
         """Covers `num_tokens` tokens of `request_id`; None (and no change) when it can't. A sequence not yet
         reserved first reserves exactly `num_tokens`. The first call hands out the whole run as new_block_ids;
-        later ones return NO_CHANGE while the run covers the tokens. `token_ids`, `hit` and `extra_key` are
+        later ones return NO_CHANGE while the run covers the tokens. `token_ids`, `hit`, `extra_key` and `num_computed` are
         accepted for KVCacheManager's interface (hits are always empty here)."""
         run = self._seqs.get(request_id)
         if run is None:

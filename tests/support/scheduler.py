@@ -45,10 +45,13 @@ class FakeWorker:
     like the real pool, so a wrong prefix hit, copy or swap shows up as a sequence that cannot read itself back.
     Drafts (speculative decoding) are computed like known tokens, then accepted while each is the token next_token
     gives for its position (`num_accepted`: the last step's counts), as a greedy worker verifies them.
+    KV groups (`group_windows`, as SchedulerConfig.kv_group_windows): a table's entries i * num_groups + g are group
+    g's blocks; every group's slot is written, and a sliding group's (window w) is read back only from the window
+    of the step's first query on (start - w + 1), as the attention backends read it.
     """
 
-    def __init__(self, next_token=position_token, block_size: int = BS) -> None:
-        self.next_token, self.block_size = next_token, block_size
+    def __init__(self, next_token=position_token, block_size: int = BS, group_windows: tuple[int, ...] = (0,)) -> None:
+        self.next_token, self.block_size, self.group_windows = next_token, block_size, group_windows
         self.seqs: dict[int, dict] = {}
         self.kv: dict[tuple[int, int], tuple[int, ...]] = {}  # (device block, slot) -> prefix
         self.cpu: dict[tuple[int, int], tuple[int, ...]] = {}  # (cpu block, slot) -> prefix
@@ -62,6 +65,10 @@ class FakeWorker:
                 else:
                     dst_mem.pop((dst, slot), None)
 
+    def _kv_value(self, group: int, prefix: list[int]) -> tuple:
+        """What a slot of `group` holds for a token: the prefix its K/V depends on (and its group, with several)."""
+        return tuple(prefix) if len(self.group_windows) == 1 else (group, tuple(prefix))
+
     def step(self, plan: StepPlan) -> dict[int, int]:
         for seq_id in [*plan.finished_seq_ids, *plan.preempted_seq_ids]:
             del self.seqs[seq_id]  # NOTE: KeyError = told to drop a sequence it never had
@@ -69,10 +76,11 @@ class FakeWorker:
         self._move(self.kv, self.cpu, plan.swap_out)
         self._move(self.cpu, self.kv, plan.swap_in)
         self._move(dict(self.kv), self.kv, plan.copies)
-        sampled, bs = {}, self.block_size
+        sampled, bs, ng = {}, self.block_size, len(self.group_windows)
+        starts = {}
         for p in plan.new_seqs:
             assert p.seq_id not in self.seqs, f"seq {p.seq_id} sent whole while the worker holds it"
-            assert len(p.block_ids) * bs >= p.num_computed_tokens + p.num_scheduled_tokens
+            assert len(p.block_ids) // ng * bs >= p.num_computed_tokens + p.num_scheduled_tokens
             self.seqs[p.seq_id] = dict(tokens=list(p.token_ids), blocks=list(p.block_ids),
                                        computed=p.num_computed_tokens, scheduled=p.num_scheduled_tokens)
         for r in plan.running:
@@ -85,10 +93,11 @@ class FakeWorker:
         for p in [*plan.new_seqs, *plan.running]:
             s = self.seqs[p.seq_id]
             start, end, tokens, blocks = s["computed"], s["computed"] + s["scheduled"], s["tokens"], s["blocks"]
-            assert len(blocks) * bs >= end
+            assert len(blocks) // ng * bs >= end
             for pos in range(start, end):  # the forward writes this step's K/V
-                self.kv[(blocks[pos // bs], pos % bs)] = tuple(tokens[:pos + 1])
-            s["computed"] = end
+                for g in range(ng):
+                    self.kv[(blocks[pos // bs * ng + g], pos % bs)] = self._kv_value(g, tokens[:pos + 1])
+            s["computed"], starts[p.seq_id] = end, start
         self.num_accepted = {}
         for p in plan.running:  # drafts: kept while each is what the model gives, the KV valid up to the last kept
             s = self.seqs[p.seq_id]
@@ -103,8 +112,10 @@ class FakeWorker:
         for p in [*plan.new_seqs, *plan.running]:  # every context read back whole: hits, copies and swaps were right
             s = self.seqs[p.seq_id]
             tokens, blocks = s["tokens"], s["blocks"]
-            for pos in range(s["computed"]):
-                assert self.kv.get((blocks[pos // bs], pos % bs)) == tuple(tokens[:pos + 1]), (p.seq_id, pos)
+            for g, window in enumerate(self.group_windows):
+                for pos in range(max(0, starts[p.seq_id] - window + 1) if window else 0, s["computed"]):
+                    assert self.kv.get((blocks[pos // bs * ng + g], pos % bs)) == self._kv_value(g, tokens[:pos + 1]), \
+                        (p.seq_id, g, pos)
             if s["computed"] == len(tokens):
                 tok = self.next_token(p.seq_id, len(tokens))
                 tokens.append(tok)
@@ -132,7 +143,8 @@ def step(s: Scheduler, worker: FakeWorker) -> tuple[StepPlan, list]:
 def random_steps(s: Scheduler, rng, new_request, num_iterations: int, check) -> tuple[FakeWorker, list[Request]]:
     """Drives `s` with random arrivals (up to 20, from new_request(i); those that never fit are skipped) and
     aborts, a step at a time, calling check(worker) after each; returns the worker and the requests added."""
-    w, reqs = FakeWorker(lambda seq_id, position: rng.randrange(3, 40)), []
+    w = FakeWorker(lambda seq_id, position: rng.randrange(3, 40), group_windows=s.config.kv_group_windows)
+    reqs = []
     for _ in range(num_iterations):
         if len(reqs) < 20 and rng.random() < 0.3:
             r = new_request(len(reqs))

@@ -74,3 +74,26 @@ def test_bad_token_bitmasks_are_refused_naming_their_sequence(bitmasks, message)
 def test_good_token_bitmasks_pass_for_new_and_running_sequences():
     check(StepPlan(1, new_seqs=[NewSequence(1, [1, 2], [2], 0, 2)], running=[SequenceDelta(0, [], 1)],
                    token_bitmasks={1: b"\x00\x02\x00\x00", 0: b"\xff\x03\x00\x00"}))  # token 9; tokens 0..9
+
+
+def test_with_kv_groups_a_freed_sliding_block_may_come_back_but_a_live_one_may_not_stand_twice():
+    from pagedserve_common.kv_geometry import KVGroups
+
+    groups = KVGroups.of((0, 4))  # layer 0 full, layer 1 a 4-token window: 2 groups; blocks of BS = 4 tokens
+    batch = PersistentBatch()
+    # 12 tokens computed: logical blocks 0..2 as (group 0, group 1) = (0, 1), (2, 3), (4, 5)
+    batch.apply(StepPlan(0, new_seqs=[NewSequence(0, list(range(13)), [0, 1, 2, 3, 4, 5], 0, 12)]))
+    batch.seqs[0].num_computed_tokens, batch.seqs[0].num_scheduled_tokens = 12, 0
+
+    def grouped(plan: StepPlan) -> None:
+        check_plan(plan, batch.seqs, NUM_BLOCKS, NUM_CPU_BLOCKS, BS, VOCAB, groups)
+
+    # the query at 12 sees 9..12: group 1's blocks of logical 0 and 1 (1, 3) are out of its window, so the
+    # scheduler may have handed block 1 back to this very sequence
+    grouped(StepPlan(1, running=[SequenceDelta(0, [6, 1], 1)]))
+    with pytest.raises(BadPlan, match="seq 0: block 5 would stand twice"):  # logical 2 of group 1 is live
+        grouped(StepPlan(1, running=[SequenceDelta(0, [6, 5], 1)]))
+    with pytest.raises(BadPlan, match="seq 0: block 0 would stand twice"):  # a full group's block is always live
+        grouped(StepPlan(1, running=[SequenceDelta(0, [0, 7], 1)]))
+    with pytest.raises(BadPlan, match="13 tokens need 4 blocks, its table has 3"):  # logical blocks: 6 entries / 2
+        grouped(StepPlan(1, running=[SequenceDelta(0, [], 1)]))

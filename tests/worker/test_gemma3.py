@@ -44,13 +44,16 @@ PATHS = {"lean as stored": (True, "auto", "cpu"), "lean float32": (True, "float3
          "transformers+cpu": (False, "auto", "cpu"), "transformers+torch": (False, "auto", "torch")}
 
 
-def paged_runner(model_dir: str, path: str) -> ModelRunner:
+def paged_runner(model_dir: str, path: str, num_blocks: int = 96 * 6) -> ModelRunner:
     lean, weight_dtype, backend = PATHS[path]
     loaded = load_model(model_dir, dtype="float32", weight_dtype=weight_dtype, lean=lean)
     assert loaded.model_type == "gemma3_text"
     # the GGUF's blocks run as stored only on the lean forward (the quantised kernel; a CPU with AVX2, FMA, F16C)
     assert loaded.runs_quantized == (lean and weight_dtype == "auto"), loaded.weights_reason
-    pool = KVPool(loaded.kv_geometry(16), 96)
+    geometry = loaded.kv_geometry(16)
+    # the memory of 96 blocks of all 18 layers: 96 blocks of each of the 6 KV groups (3 layers each)
+    assert geometry.groups.num_groups == 6
+    pool = KVPool(geometry, num_blocks)
     runner = ModelRunner(loaded, pool, make_backend(backend, "cpu", pool.geometry), lean=lean)
     assert runner.forward_path == ("lean" if lean else "transformers"), runner.lean_skip_reason
     return runner
@@ -71,6 +74,35 @@ def test_gemma3_greedy_matches_transformers_across_the_sliding_window(gemma3_dir
     for request_id, ref in zip(ids, refs):
         assert_same_greedy(out[request_id][0], *ref)
     assert len(out[ids[2]][0]) == LONG_NEW and len(prompts[2]) + LONG_NEW > 512 + 64
+
+
+def test_sliding_blocks_out_of_the_window_are_freed_and_reused_with_the_same_tokens(gemma3_dir, reference):
+    """The long sequence (560 + 40 tokens: 38 blocks of 16 in each of the 6 KV groups, 228 blocks) through the
+    scheduler and the worker in a pool of only 216 blocks: it fits because the scheduler frees the 5 sliding groups'
+    blocks that no query can see any more, and the worker reuses them (the prompt's blocks were cached: reusing them
+    evicts them); its greedy tokens are still transformers'. Chunks of 32 tokens: the admission check's bound, a
+    sliding group holds at most ceil((511 + 32) / 16) + 1 = 35 blocks, so 38 + 5 x 35 = 213 fit."""
+    tok = AutoTokenizer.from_pretrained(gemma3_dir)
+    prompt = long_prompt(tok)
+    ref = reference_greedy(reference, prompt, LONG_NEW)
+    driver = LocalDriver(paged_runner(gemma3_dir, "lean as stored", num_blocks=216), max_num_batched_tokens=32)
+    request_id = driver.add(prompt, LONG_NEW)
+    kv, held = driver.scheduler.kv, []
+    while driver.pending or driver.scheduler.has_unfinished_requests():
+        driver.run(max_steps=driver.step_id + 1)
+        seq_id = driver.requests[request_id].seq_id
+        if seq_id in kv:
+            held.append((kv.num_tokens(seq_id), len(kv.held_block_ids(seq_id)), len(kv.block_table(seq_id))))
+    assert_same_greedy(driver.outputs[request_id][0], *ref)
+    assert len(driver.outputs[request_id][0]) == LONG_NEW
+    # the prompt's chunks from 480 and from 512 (whose first query still sees position 1: nothing freed yet) hold
+    # every group's 32, then 34 blocks: the most it ever holds; from the next step on, sliding blocks are freed
+    assert held[15:17] == [(512, 32 * 6, 32 * 6), (544, 34 * 6, 34 * 6)]
+    assert max(n for _, n, _ in held) == 34 * 6
+    # the last step seen holding it (the one after frees it) computes position 597: its window starts at 86, in
+    # block 5, so each sliding group holds blocks 5..37 (33) beside the full group's 38; the table lists all 38 x 6
+    assert held[-1] == (598, 38 + 5 * 33, 38 * 6)
+    assert kv.pool.num_evictions == 12  # blocks 36 and 37 of each group: the pool's 216 fresh ids were spent
 
 
 def test_the_long_prompt_needs_the_window(gemma3_dir, reference):
@@ -110,7 +142,6 @@ def test_the_lean_forward_names_what_of_a_gemma3_config_it_cannot_run():
 def test_the_lean_forward_is_batch_invariant_across_the_window(gemma3_dir):
     """The production path's logits of a long prompt's last position are the same bits whether it is prefilled alone
     in one chunk, or in two chunks (the second past the window) packed beside another sequence's prefill and decode."""
-    from worker_svc.attention import AttentionMetadata
     from worker_svc.runner import StepContext
 
     tok = AutoTokenizer.from_pretrained(gemma3_dir)
@@ -118,13 +149,14 @@ def test_the_lean_forward_is_batch_invariant_across_the_window(gemma3_dir):
     other = torch.tensor(tok(SHORT[1])["input_ids"])
     runner = paged_runner(gemma3_dir, "lean as stored")
     assert runner.batch_invariant, runner.batch_invariant_reason
-    n, m, bs = len(tokens), len(other), 16
-    table, table2 = list(range(36)), list(range(40, 44))
+    n, m = len(tokens), len(other)
+    ng = runner.pool.groups.num_groups  # a table holds one block per KV group per logical block
+    table, table2 = list(range(36 * ng)), list(range(40 * ng, 44 * ng))
 
     def run(chunks):  # [(ids, positions, query_lens, seq_lens, tables, keep)] -> the last chunk's logits
         for ids, pos, q_lens, s_lens, tables, keep in chunks:
-            meta = AttentionMetadata.build(q_lens, s_lens, tables, bs)
-            out = runner.lean.forward(ids, pos, StepContext(runner.pool.kv, meta, runner.backend), torch.tensor(keep))
+            step = StepContext.build(runner.pool, runner.backend, q_lens, s_lens, tables)
+            out = runner.lean.forward(ids, pos, step, torch.tensor(keep))
         return out
 
     with torch.inference_mode():

@@ -43,3 +43,13 @@ def test_the_plans_exercise_prefill_a_prefix_hit_and_decode():
     assert all(d.num_seqs == 2 and d.num_scheduled_tokens == 2 for d in decodes) and decodes
     assert sorted(last.finished_seq_ids) == [0, 1]
     assert warm_up_plans(block_size=16, num_blocks=2, vocab_size=512) == []  # a pool too small: none
+
+
+def test_with_kv_groups_each_logical_block_takes_one_block_per_group():
+    from pagedserve_common.kv_geometry import KVGroups
+
+    groups = KVGroups.of((512, 512, 0))  # one full layer, two sliding ones: 1 layer a group, 3 groups
+    first, mixed, *_ = warm_up_plans(block_size=16, num_blocks=64, vocab_size=512, groups=groups)
+    assert first.new_seqs[0].block_ids == [0, 1, 2, 3, 4, 5]  # logical 0: 0, 1, 2; logical 1: 3, 4, 5
+    assert mixed.new_seqs[0].block_ids == [0, 1, 2, 6, 7, 8]  # A's first logical block shared, then its own
+    assert warm_up_plans(block_size=16, num_blocks=8, vocab_size=512, groups=groups) == []  # 9 blocks needed

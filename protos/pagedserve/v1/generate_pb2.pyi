@@ -235,7 +235,7 @@ class KVSequence(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., seq_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., tenant: _Optional[str] = ...) -> None: ...
 
 class KVState(_message.Message):
-    __slots__ = ("worker_id", "block_size", "num_blocks", "ref_counts", "cached", "sequences", "kv_allocation", "num_steps", "num_waiting", "prefix_query_tokens", "prefix_hit_tokens", "num_evictions", "num_preemptions", "num_prefill_tokens", "time", "waiting_for_blocks", "kv_cache_dtype", "bytes_per_token")
+    __slots__ = ("worker_id", "block_size", "num_blocks", "ref_counts", "cached", "sequences", "kv_allocation", "num_steps", "num_waiting", "prefix_query_tokens", "prefix_hit_tokens", "num_evictions", "num_preemptions", "num_prefill_tokens", "time", "waiting_for_blocks", "kv_cache_dtype", "bytes_per_token", "num_kv_groups")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -254,6 +254,7 @@ class KVState(_message.Message):
     WAITING_FOR_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_GROUPS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     block_size: int
     num_blocks: int
@@ -272,4 +273,5 @@ class KVState(_message.Message):
     waiting_for_blocks: bool
     kv_cache_dtype: str
     bytes_per_token: int
-    def __init__(self, worker_id: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., ref_counts: _Optional[bytes] = ..., cached: _Optional[bytes] = ..., sequences: _Optional[_Iterable[_Union[KVSequence, _Mapping]]] = ..., kv_allocation: _Optional[str] = ..., num_steps: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., time: _Optional[float] = ..., waiting_for_blocks: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ...) -> None: ...
+    num_kv_groups: int
+    def __init__(self, worker_id: _Optional[str] = ..., block_size: _Optional[int] = ..., num_blocks: _Optional[int] = ..., ref_counts: _Optional[bytes] = ..., cached: _Optional[bytes] = ..., sequences: _Optional[_Iterable[_Union[KVSequence, _Mapping]]] = ..., kv_allocation: _Optional[str] = ..., num_steps: _Optional[int] = ..., num_waiting: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_evictions: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_prefill_tokens: _Optional[int] = ..., time: _Optional[float] = ..., waiting_for_blocks: _Optional[bool] = ..., kv_cache_dtype: _Optional[str] = ..., bytes_per_token: _Optional[int] = ..., num_kv_groups: _Optional[int] = ...) -> None: ...

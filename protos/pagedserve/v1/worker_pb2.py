@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagedserve.v1 import generate_pb2 as pagedserve_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/worker.proto\x12\rpagedserve.v1\x1a\x1cpagedserve/v1/generate.proto\"\xd5\x01\n\rWorkerMessage\x12\x39\n\x0cregistration\x18\x01 \x01(\x0b\x32!.pagedserve.v1.WorkerRegistrationH\x00\x12+\n\x06result\x18\x02 \x01(\x0b\x32\x19.pagedserve.v1.StepResultH\x00\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x18.pagedserve.v1.StepErrorH\x00\x12)\n\x07leaving\x18\x04 \x01(\x0b\x32\x16.pagedserve.v1.LeavingH\x00\x42\x06\n\x04kind\"\x97\x01\n\tStepError\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x04kind\x18\x02 \x01(\x0e\x32\x1d.pagedserve.v1.StepError.Kind\x12\x0f\n\x07message\x18\x03 \x01(\t\";\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x42\x41\x44_PLAN\x10\x01\x12\x0f\n\x0bSTEP_FAILED\x10\x02\"\x19\n\x07Leaving\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xc3\x01\n\x12WorkerRegistration\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12.\n\x0bkv_geometry\x18\t \x01(\x0b\x32\x19.pagedserve.v1.KVGeometry\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x07 \x01(\r\x12\x0c\n\x04name\x18\x08 \x01(\tJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"k\n\nKVGeometry\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\"\xd8\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\r\"m\n\rSequenceDelta\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x04 \x03(\r\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xe3\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12,\n\x08new_seqs\x18\x02 \x03(\x0b\x32\x1a.pagedserve.v1.NewSequence\x12-\n\x07running\x18\x03 \x03(\x0b\x32\x1c.pagedserve.v1.SequenceDelta\x12\x18\n\x10\x66inished_seq_ids\x18\x04 \x03(\x04\x12\x19\n\x11preempted_seq_ids\x18\x05 \x03(\x04\x12(\n\x06\x63opies\x18\x06 \x03(\x0b\x32\x18.pagedserve.v1.BlockCopy\x12*\n\x08swap_out\x18\x07 \x03(\x0b\x32\x18.pagedserve.v1.BlockCopy\x12)\n\x07swap_in\x18\x08 \x03(\x0b\x32\x18.pagedserve.v1.BlockCopy\x12\x33\n\x0etoken_bitmasks\x18\t \x03(\x0b\x32\x1b.pagedserve.v1.TokenBitmask\"/\n\x0cTokenBitmask\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x62itmask\x18\x02 \x01(\x0c\"\x80\x01\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x31\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\x12\x1b\n\x13num_accepted_drafts\x18\x04 \x01(\r\"\xae\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x06tokens\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.SampledToken\x12\x14\n\x0cstep_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x04 \x01(\x01\x12\x36\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1d.pagedserve.v1.PromptLogprobs\"l\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12\x32\n\tpositions\x18\x03 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs2T\n\rWorkerControl\x12\x43\n\x06\x41ttach\x12\x1c.pagedserve.v1.WorkerMessage\x1a\x17.pagedserve.v1.StepPlan(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/worker.proto\x12\rpagedserve.v1\x1a\x1cpagedserve/v1/generate.proto\"\xd5\x01\n\rWorkerMessage\x12\x39\n\x0cregistration\x18\x01 \x01(\x0b\x32!.pagedserve.v1.WorkerRegistrationH\x00\x12+\n\x06result\x18\x02 \x01(\x0b\x32\x19.pagedserve.v1.StepResultH\x00\x12)\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x18.pagedserve.v1.StepErrorH\x00\x12)\n\x07leaving\x18\x04 \x01(\x0b\x32\x16.pagedserve.v1.LeavingH\x00\x42\x06\n\x04kind\"\x97\x01\n\tStepError\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x04kind\x18\x02 \x01(\x0e\x32\x1d.pagedserve.v1.StepError.Kind\x12\x0f\n\x07message\x18\x03 \x01(\t\";\n\x04Kind\x12\x14\n\x10KIND_UNSPECIFIED\x10\x00\x12\x0c\n\x08\x42\x41\x44_PLAN\x10\x01\x12\x0f\n\x0bSTEP_FAILED\x10\x02\"\x19\n\x07Leaving\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xc3\x01\n\x12WorkerRegistration\x12\x10\n\x08model_id\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x05 \x01(\r\x12\x0e\n\x06\x64\x65vice\x18\x06 \x01(\t\x12.\n\x0bkv_geometry\x18\t \x01(\x0b\x32\x19.pagedserve.v1.KVGeometry\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x16\n\x0enum_cpu_blocks\x18\x07 \x01(\r\x12\x0c\n\x04name\x18\x08 \x01(\tJ\x04\x08\x03\x10\x04J\x04\x08\x04\x10\x05\"\x82\x01\n\nKVGeometry\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x02 \x01(\r\x12\x10\n\x08head_dim\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\rlayer_windows\x18\x06 \x03(\r\"\xd8\x01\n\x0bNewSequence\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x11\n\tblock_ids\x18\x03 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x04 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x05 \x01(\r\x12/\n\x08sampling\x18\x06 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x07 \x01(\x04\x12\x19\n\x11num_prompt_tokens\x18\x08 \x01(\r\"m\n\rSequenceDelta\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\r\x12\x17\n\x0f\x64raft_token_ids\x18\x04 \x03(\r\"%\n\tBlockCopy\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xe3\x02\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12,\n\x08new_seqs\x18\x02 \x03(\x0b\x32\x1a.pagedserve.v1.NewSequence\x12-\n\x07running\x18\x03 \x03(\x0b\x32\x1c.pagedserve.v1.SequenceDelta\x12\x18\n\x10\x66inished_seq_ids\x18\x04 \x03(\x04\x12\x19\n\x11preempted_seq_ids\x18\x05 \x03(\x04\x12(\n\x06\x63opies\x18\x06 \x03(\x0b\x32\x18.pagedserve.v1.BlockCopy\x12*\n\x08swap_out\x18\x07 \x03(\x0b\x32\x18.pagedserve.v1.BlockCopy\x12)\n\x07swap_in\x18\x08 \x03(\x0b\x32\x18.pagedserve.v1.BlockCopy\x12\x33\n\x0etoken_bitmasks\x18\t \x03(\x0b\x32\x1b.pagedserve.v1.TokenBitmask\"/\n\x0cTokenBitmask\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x0f\n\x07\x62itmask\x18\x02 \x01(\x0c\"\x80\x01\n\x0cSampledToken\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x10\n\x08token_id\x18\x02 \x01(\r\x12\x31\n\x08logprobs\x18\x03 \x01(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs\x12\x1b\n\x13num_accepted_drafts\x18\x04 \x01(\r\"\xae\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12+\n\x06tokens\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.SampledToken\x12\x14\n\x0cstep_seconds\x18\x03 \x01(\x01\x12\x14\n\x0cidle_seconds\x18\x04 \x01(\x01\x12\x36\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x1d.pagedserve.v1.PromptLogprobs\"l\n\x0ePromptLogprobs\x12\x0e\n\x06seq_id\x18\x01 \x01(\x04\x12\x16\n\x0e\x66irst_position\x18\x02 \x01(\r\x12\x32\n\tpositions\x18\x03 \x03(\x0b\x32\x1f.pagedserve.v1.PositionLogprobs2T\n\rWorkerControl\x12\x43\n\x06\x41ttach\x12\x1c.pagedserve.v1.WorkerMessage\x1a\x17.pagedserve.v1.StepPlan(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -42,24 +42,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LEAVING']._serialized_end=470
   _globals['_WORKERREGISTRATION']._serialized_start=473
   _globals['_WORKERREGISTRATION']._serialized_end=668
-  _globals['_KVGEOMETRY']._serialized_start=670
-  _globals['_KVGEOMETRY']._serialized_end=777
-  _globals['_NEWSEQUENCE']._serialized_start=780
-  _globals['_NEWSEQUENCE']._serialized_end=996
-  _globals['_SEQUENCEDELTA']._serialized_start=998
-  _globals['_SEQUENCEDELTA']._serialized_end=1107
-  _globals['_BLOCKCOPY']._serialized_start=1109
-  _globals['_BLOCKCOPY']._serialized_end=1146
-  _globals['_STEPPLAN']._serialized_start=1149
-  _globals['_STEPPLAN']._serialized_end=1504
-  _globals['_TOKENBITMASK']._serialized_start=1506
-  _globals['_TOKENBITMASK']._serialized_end=1553
-  _globals['_SAMPLEDTOKEN']._serialized_start=1556
-  _globals['_SAMPLEDTOKEN']._serialized_end=1684
-  _globals['_STEPRESULT']._serialized_start=1687
-  _globals['_STEPRESULT']._serialized_end=1861
-  _globals['_PROMPTLOGPROBS']._serialized_start=1863
-  _globals['_PROMPTLOGPROBS']._serialized_end=1971
-  _globals['_WORKERCONTROL']._serialized_start=1973
-  _globals['_WORKERCONTROL']._serialized_end=2057
+  _globals['_KVGEOMETRY']._serialized_start=671
+  _globals['_KVGEOMETRY']._serialized_end=801
+  _globals['_NEWSEQUENCE']._serialized_start=804
+  _globals['_NEWSEQUENCE']._serialized_end=1020
+  _globals['_SEQUENCEDELTA']._serialized_start=1022
+  _globals['_SEQUENCEDELTA']._serialized_end=1131
+  _globals['_BLOCKCOPY']._serialized_start=1133
+  _globals['_BLOCKCOPY']._serialized_end=1170
+  _globals['_STEPPLAN']._serialized_start=1173
+  _globals['_STEPPLAN']._serialized_end=1528
+  _globals['_TOKENBITMASK']._serialized_start=1530
+  _globals['_TOKENBITMASK']._serialized_end=1577
+  _globals['_SAMPLEDTOKEN']._serialized_start=1580
+  _globals['_SAMPLEDTOKEN']._serialized_end=1708
+  _globals['_STEPRESULT']._serialized_start=1711
+  _globals['_STEPRESULT']._serialized_end=1885
+  _globals['_PROMPTLOGPROBS']._serialized_start=1887
+  _globals['_PROMPTLOGPROBS']._serialized_end=1995
+  _globals['_WORKERCONTROL']._serialized_start=1997
+  _globals['_WORKERCONTROL']._serialized_end=2081
 # @@protoc_insertion_point(module_scope)
