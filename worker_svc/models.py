@@ -8,7 +8,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM  # NOTE: lazy names: no modeling code until used
 
 from pagedserve_common.kv_geometry import KVGeometry
 from worker_svc.checkpoint_tree import checkpoint_tree, static_rope
@@ -208,7 +207,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", 
                          f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
     hf_quantized = load_hf_quantized(model_dir, config)  # GPTQ / AWQ / compressed-tensors, read into GGML blocks
     quantized = hf_quantized.weights or load_quantized(model_dir)
-    hf_config = resolved_config(model_dir) or AutoConfig.from_pretrained(model_dir)
+    hf_config = resolved_config(model_dir) or _auto_config(model_dir)
     why_not = _why_not_quantized(device, lean, hf_config) if quantized else ""
     if quantized and not why_not and device.startswith("cuda") and weight_dtype == "auto":
         why_not = GPU_AUTO_DEQUANTISES
@@ -220,11 +219,7 @@ def load_model(model_dir: str | Path, dtype: str = "auto", device: str = "cpu", 
                                     hf_quantized.tensor_names)
     model.eval()
     cfg = model.config
-    eos = cfg.eos_token_id if cfg.eos_token_id is not None else []
-    gen_cfg = getattr(model, "generation_config", None)
-    if gen_cfg is not None and gen_cfg.eos_token_id is not None:
-        eos = gen_cfg.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    eos_ids = _eos_token_ids(model_dir, cfg)
     return LoadedModel(model=model, model_id=model_id or str(model_dir), model_type=model_type,
                        dtype=choice.dtype, max_model_len=int(getattr(cfg, "max_position_embeddings", 2048)),
                        vocab_size=int(cfg.vocab_size), eos_token_ids=eos_ids, dtype_reason=choice.reason,
@@ -241,10 +236,9 @@ def _build_model(model_dir: Path, hf_config, dtype: torch.dtype, device: str, ke
     skip = set(quantized) | packed_names
     if keep_quantized and static_rope(hf_config):
         model = checkpoint_tree(model_dir, hf_config, dtype, quantized, _float_files(model_dir), device, packed_names)
-        model.generation_config = _generation_config(model_dir)
         return model, quantized
     if isinstance(hf_config, ResolvedConfig):  # NOTE: transformers' modules take its own config class
-        hf_config = AutoConfig.from_pretrained(model_dir)
+        hf_config = _auto_config(model_dir)
     if keep_quantized:
         model = _model_without(model_dir, hf_config, dtype, skip, quantized, device)
     elif packed_names:
@@ -254,6 +248,8 @@ def _build_model(model_dir: Path, hf_config, dtype: torch.dtype, device: str, ke
             setattr(model.get_submodule(module_name), param,
                     torch.nn.Parameter(w.dequantize().to(device=device, dtype=dtype), requires_grad=False))
     else:
+        from transformers import AutoModelForCausalLM
+
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device)
     use_paged_attention(model)
     return model, quantized if keep_quantized else {}
@@ -267,6 +263,7 @@ def _model_without(model_dir: Path, config, dtype: torch.dtype, skip: set[str],
     meta device, so non-persistent buffers (the rotary embedding's inverse frequencies) are made again on `device`;
     anything else left unloaded is an error. (model.to(device) cannot run: a meta tensor has no data to copy.)"""
     from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
@@ -291,7 +288,6 @@ def _model_without(model_dir: Path, config, dtype: torch.dtype, skip: set[str],
     left = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta and name not in skip]
     if left:
         raise ValueError(f"{model_dir}: no weights for {', '.join(left[:5])}{' ...' if len(left) > 5 else ''}")
-    model.generation_config = _generation_config(model_dir) or model.generation_config
     return model
 
 
@@ -299,12 +295,26 @@ def _float_files(model_dir: Path) -> list[Path]:
     return [path for path in sorted(model_dir.glob("*.safetensors")) if path.name != QUANTIZED_FILE]
 
 
-def _generation_config(model_dir: Path):
-    """generation_config.json's GenerationConfig, None where the dir has none (the config's defaults stand, as
-    from_pretrained keeps them)."""
-    from transformers import GenerationConfig
+def _auto_config(model_dir: Path):
+    """transformers' config of `model_dir`. NOTE: imported here: `import transformers` alone holds ~22 MB of a worker
+    that serves a converted model's blocks (resolved_config.py), which never needs it."""
+    from transformers import AutoConfig
 
-    try:
-        return GenerationConfig.from_pretrained(model_dir)
-    except OSError:
-        return None
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def _eos_token_ids(model_dir: Path, cfg) -> tuple[int, ...]:
+    """What a sample stops at: generation_config.json's eos_token_id where the dir has one naming any (what
+    transformers' generate stops at), else the config's; () where neither names one."""
+    eos = cfg.eos_token_id
+    path = model_dir / "generation_config.json"
+    if path.is_file():
+        try:
+            named = json.loads(path.read_text()).get("eos_token_id")
+        except (json.JSONDecodeError, AttributeError):
+            raise ValueError(f"{path}: not a JSON object") from None
+        eos = eos if named is None else named
+    ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+    if not all(type(i) is int and i >= 0 for i in ids):
+        raise ValueError(f"{model_dir}: eos_token_id {eos!r} is not token ids")
+    return ids

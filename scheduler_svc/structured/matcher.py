@@ -6,8 +6,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.numpy as lnp
-import numpy as np
 import structlog
 
 
@@ -72,6 +70,10 @@ def fill_bitmasks(constraints: Sequence[Constraint], vocab_size: int) -> list[by
     """Each constraint's allowed next tokens as a StepPlan bitmask (little-endian uint32 words, ceil(vocab/32)),
     computed in parallel. A constraint whose matcher fails here (its step ran out of work) gets a mask of EOS
     alone, so its sample ends at once."""
+    # NOTE: imported at the first structured output, not with the module: numpy holds ~11 MB of a scheduler's memory
+    import llguidance.numpy as lnp
+    import numpy as np
+
     num_words = (vocab_size + 31) // 32
     masks = np.zeros((len(constraints), num_words), dtype=np.int32)
     if len(constraints) == 1:
