@@ -4,6 +4,7 @@ in the CPU kernel library that worker_svc/cpu_build.py builds, called via ctypes
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -99,17 +100,34 @@ class CpuAttentionBackend(TorchAttentionBackend):
         if int8_qk and int8_qk_width(self.lib) == 0:
             raise ValueError("the int8 Q.K path needs a kernel built for a CPU with AVX-512 VNNI or AVX-VNNI")
         self.int8_qk = int8_qk  # int8 caches only: Q.K in int8 with 32-bit accumulation
+        # NOTE: the step's metadata as the kernel takes it, computed on its first layer and reused by the others
+        # (every layer of a step shares one read-only AttentionMetadata): (meta, _StepArgs)
+        self._step: tuple[AttentionMetadata, _StepArgs] | None = None
+
+    def _step_args(self, meta: AttentionMetadata) -> _StepArgs:
+        if self._step is not None and self._step[0] is meta:
+            return self._step[1]
+        qsl, lens = np.ascontiguousarray(meta.query_start_loc_host), np.ascontiguousarray(meta.seq_lens_host)
+        bt = meta.block_tables
+        slots = meta.slot_mapping.to(dtype=torch.int64).contiguous()
+        args = _StepArgs(qsl, lens, slots, qsl.ctypes.data, lens.ctypes.data, bt.data_ptr(),
+                         bt.stride(0) if bt.dim() == 2 else 0, meta.num_seqs, meta.num_tokens, meta.max_query_len)
+        self._step = (meta, args)
+        return args
 
     def write_kv(
         self, kv_layer: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slot_mapping: torch.Tensor,
         kv_scales: torch.Tensor | None = None,
     ) -> None:
         two, num_blocks, block_size, kvh, hd = kv_layer.shape
-        rows_ok = all(x.dtype == kv_layer.dtype and x.dim() == 3 and x.shape[1:] == (kvh, hd) and x.stride(2) == 1
-                      and x.stride(1) == hd for x in (key, value))
+        rows_ok = _rows_ok(key, kv_layer.dtype, kvh, hd) and _rows_ok(value, kv_layer.dtype, kvh, hd)
         if kv_scales is not None or not rows_ok or not kv_layer.is_contiguous() or key.shape[0] != value.shape[0]:
             return super().write_kv(kv_layer, key, value, slot_mapping, kv_scales)
-        slots = slot_mapping.to(dtype=torch.int64).contiguous()
+        step = self._step
+        if step is not None and step[0].slot_mapping is slot_mapping:  # NOTE: the step's, converted once
+            slots = step[1].slots
+        else:
+            slots = slot_mapping.to(dtype=torch.int64).contiguous()
         if slots.shape != (key.shape[0],):
             raise ValueError(f"slot_mapping has shape {tuple(slot_mapping.shape)}, key {key.shape[0]} tokens")
         size = kv_layer.element_size()
@@ -130,8 +148,9 @@ class CpuAttentionBackend(TorchAttentionBackend):
         num_heads, num_kv_heads, head_dim = check_shapes(query, kv_layer, kv_scales)
         if window < 0:
             raise ValueError(f"window must be 0 (none) or positive, got {window}")
-        if query.shape[0] != meta.num_tokens:
-            raise ValueError(f"query has {query.shape[0]} tokens, metadata {meta.num_tokens}")
+        step = self._step_args(meta)
+        if query.shape[0] != step.num_tokens:
+            raise ValueError(f"query has {query.shape[0]} tokens, metadata {step.num_tokens}")
         if not kv_layer.is_contiguous() or kv_layer.dtype not in POOL_DTYPES:
             raise ValueError("the CPU kernel needs a contiguous float32, bfloat16, int8 or float8 pool layer")
         if kv_scales is not None and not kv_scales.is_contiguous():
@@ -141,22 +160,41 @@ class CpuAttentionBackend(TorchAttentionBackend):
         io_bf16 = query.dtype == torch.bfloat16 and query.stride(2) == 1
         q = query if io_bf16 or (query.dtype == torch.float32 and query.stride(2) == 1) else query.float().contiguous()
         out = torch.empty((q.shape[0], num_heads, head_dim), dtype=q.dtype)
-        bt = meta.block_tables
-        qsl, lens = np.ascontiguousarray(meta.query_start_loc_host), np.ascontiguousarray(meta.seq_lens_host)
         int8_qk = self.int8_qk and kv_layer.dtype == torch.int8
         max_q_len = NO_Q_LEN_LIMIT if self.batch_invariant else MAX_KERNEL_Q_LEN
         rc = self._fn(q.data_ptr(), q.stride(0), q.stride(1), kv_layer.data_ptr(), POOL_DTYPES[kv_layer.dtype],
                       None if kv_scales is None else kv_scales.data_ptr(), int(int8_qk),
-                      out.data_ptr(), qsl.ctypes.data, lens.ctypes.data,
-                      bt.data_ptr(), bt.stride(0) if bt.dim() == 2 else 0, meta.num_seqs, num_heads,
-                      num_kv_heads, head_dim, kv_layer.shape[1], kv_layer.shape[2], float(scale), Q_TILE,
+                      out.data_ptr(), step.qsl_ptr, step.lens_ptr, step.bt_ptr, step.bt_stride, step.num_seqs,
+                      num_heads, num_kv_heads, head_dim, kv_layer.shape[1], kv_layer.shape[2], float(scale), Q_TILE,
                       max_q_len, int(io_bf16), int(self.batch_invariant), int(window))
         if rc != 0:
             raise ValueError(f"paged_attention_cpu rejected the shapes (code {rc})")
-        if meta.max_query_len > max_q_len:
+        if step.max_query_len > max_q_len:
             self._prefills(q, kv_layer, meta, scale, out, min_q_len=MAX_KERNEL_Q_LEN + 1, kv_scales=kv_scales,
                            window=window)
         return out if out.dtype == query.dtype else out.to(query.dtype)
+
+
+@dataclass(slots=True)
+class _StepArgs:
+    """One step's metadata as ps_paged_attention and ps_write_kv take it (the arrays keep the pointers alive)."""
+
+    qsl: np.ndarray  # int64 [B+1], contiguous
+    lens: np.ndarray  # int64 [B], contiguous
+    slots: torch.Tensor  # int64 [T], contiguous: the step's slot_mapping
+    qsl_ptr: int
+    lens_ptr: int
+    bt_ptr: int
+    bt_stride: int
+    num_seqs: int
+    num_tokens: int
+    max_query_len: int
+
+
+def _rows_ok(x: torch.Tensor, dtype: torch.dtype, kvh: int, hd: int) -> bool:
+    """Whether x is [T, kvh, hd] of `dtype` with contiguous heads (any row stride): what ps_write_kv copies."""
+    return x.dtype == dtype and x.dim() == 3 and x.shape[1] == kvh and x.shape[2] == hd and x.stride(2) == 1 \
+        and x.stride(1) == hd
 
 
 if __name__ == "__main__":  # python -m worker_svc.attention.cpu_backend --prebuild [DIR] (the image's build step)

@@ -32,6 +32,9 @@ class QuantKernel:
         self._linear = {torch.float32: fn("linear_f32"), torch.bfloat16: fn("linear_bf16")}
         for fn in self._linear.values():
             fn.argtypes, fn.restype = [_int, _ptr, _i64, _i64, _ptr, _i64, _ptr, _ptr], _int
+        # NOTE: (ggml_type, out_features, in_features, packed bytes) that passed linear's size check: a weight's
+        # panels do not change after pack, so its size is checked on its first call, not on every one
+        self._sizes_ok: set[tuple[int, int, int, int]] = set()
 
     def width(self) -> int:
         """512 (float activations: AVX-512; int8: AVX-512 VNNI), 256 (AVX2 + FMA + F16C) or 0: no kernel runs here
@@ -57,14 +60,19 @@ class QuantKernel:
     def linear(self, ggml_type: int, x: torch.Tensor, packed: torch.Tensor, out_features: int,
                bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] (float32 or bfloat16, contiguous) @ W.T (+ bias, x's dtype): [M, out_features] of x's dtype."""
+        # NOTE: the lone-stream decode calls this ~120 times a step: checks on plain attributes (is_cpu, not
+        # device.type), the packed size checked once per (weight, K) (_sizes_ok)
         fn = self._linear.get(x.dtype)
-        if fn is None or x.dim() != 2 or not x.is_contiguous() or x.device.type != "cpu":
+        if fn is None or x.dim() != 2 or not x.is_contiguous() or not x.is_cpu:
             raise ValueError("quant kernel: x is a contiguous float32 or bfloat16 [M, K] CPU tensor")
         if bias is not None and (bias.dtype != x.dtype or not bias.is_contiguous() or bias.numel() != out_features):
             raise ValueError(f"quant kernel: the bias is a contiguous {x.dtype} tensor of {out_features}")
         m, k = x.shape
-        if packed.numel() != self.packed_size(ggml_type, out_features, k):
-            raise ValueError(f"quant kernel: x has {k} features, the packed weight {packed.numel()} bytes")
+        size_key = (ggml_type, out_features, k, packed.numel())
+        if size_key not in self._sizes_ok:
+            if packed.numel() != self.packed_size(ggml_type, out_features, k):
+                raise ValueError(f"quant kernel: x has {k} features, the packed weight {packed.numel()} bytes")
+            self._sizes_ok.add(size_key)
         out = torch.empty((m, out_features), dtype=x.dtype)
         rc = fn(ggml_type, x.data_ptr(), m, k, packed.data_ptr(), out_features,
                 None if bias is None else bias.data_ptr(), out.data_ptr())

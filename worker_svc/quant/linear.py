@@ -37,7 +37,9 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
-        bias = None if self.bias is None else self.bias.to(x.dtype)
+        bias = self.bias
+        if bias is not None and bias.dtype != x.dtype:
+            bias = bias.to(x.dtype)
         if len(self.parts) == 1:
             p = self.parts[0]
             return self.kernel.linear(p.ggml_type, x, p.packed, p.out_features, bias)
