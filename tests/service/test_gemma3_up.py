@@ -16,21 +16,12 @@ from pagedserve.v1 import generate_pb2 as pb
 from pagedserve.v1 import generate_pb2_grpc
 from pagedserve_common.ports import free_port
 from tests.support.gemma3 import gemma3_dir as converted_gemma3
-from tests.support.gemma3 import gemma3_gguf
+from tests.support.gemma3 import gemma3_gguf, long_prompt
 from tests.support.processes import stop_all, up
 from tests.support.worker import assert_same_greedy, reference_greedy, reference_model
 
 pytestmark = pytest.mark.slow
-TOWNS = ["Amberley", "Brookfield", "Castleton", "Dunmore", "Elmstead", "Fairhaven", "Glenrock", "Hollowmere"]
 LONG_TOKENS = 600  # past the 512-token window
-
-
-def long_prompt(tok) -> list[int]:
-    text = " ".join(f"In {1700 + 3 * i}, {TOWNS[i % 8]} built {i % 7 + 2} bridges and {TOWNS[(5 * i + 3) % 8]} "
-                    f"answered with {(i * i) % 11 + 1} mills." for i in range(130))
-    ids = tok(text)["input_ids"]
-    assert len(ids) > LONG_TOKENS
-    return ids[:LONG_TOKENS]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +53,7 @@ def generate(listen: str, prompt_ids: list[int], max_tokens: int) -> list[int]:
 def test_up_serves_gemma3_from_its_gguf_exactly_across_the_sliding_window(served, gemma3_dir):
     torch.set_num_threads(1)
     tok = AutoTokenizer.from_pretrained(gemma3_dir)
-    prompts, new = [tok("The capital of France is")["input_ids"], long_prompt(tok)], [20, 24]
+    prompts, new = [tok("The capital of France is")["input_ids"], long_prompt(tok, LONG_TOKENS)], [20, 24]
     with ThreadPoolExecutor(2) as pool:  # at once: the short one decodes beside the long one's prefill chunks
         got = list(pool.map(lambda p, n: generate(served, p, n), prompts, new))
     reference = reference_model(gemma3_dir)

@@ -22,3 +22,16 @@ def gemma3_dir() -> Path:
     from worker_svc.model_store import resolve_model
 
     return resolve_model(str(gemma3_gguf()))
+
+
+TOWNS = ["Amberley", "Brookfield", "Castleton", "Dunmore", "Elmstead", "Fairhaven", "Glenrock", "Hollowmere"]
+
+
+def long_prompt(tok, num_tokens: int) -> list[int]:
+    """`num_tokens` tokens (at most ~1,500) of a varied, deterministic chronicle (BOS first), cut mid-sentence: past
+    Gemma 3's 512-token window, the sliding layers' first keys fall out of it."""
+    text = " ".join(f"In {1700 + 3 * i}, {TOWNS[i % 8]} built {i % 7 + 2} bridges and {TOWNS[(5 * i + 3) % 8]} "
+                    f"answered with {(i * i) % 11 + 1} mills." for i in range(120))
+    ids = tok(text)["input_ids"]
+    assert len(ids) > num_tokens
+    return ids[:num_tokens]

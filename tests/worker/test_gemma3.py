@@ -11,6 +11,7 @@ import torch
 from transformers import AutoTokenizer
 
 from pagedserve_cli.bench.local_driver import LocalDriver
+from tests.support.gemma3 import long_prompt
 from tests.support.worker import assert_same_greedy, reference_greedy, reference_model
 from worker_svc.kv_pool import KVPool
 from worker_svc.models import load_model
@@ -21,16 +22,6 @@ pytestmark = pytest.mark.slow
 SHORT = ["The capital of France is", "def fibonacci(n):"]
 LONG_TOKENS = 560  # past the 512-token window: the sliding layers' first keys fall out of it while prefilling
 LONG_NEW = 40
-TOWNS = ["Amberley", "Brookfield", "Castleton", "Dunmore", "Elmstead", "Fairhaven", "Glenrock", "Hollowmere"]
-
-
-def long_prompt(tok) -> list[int]:
-    """LONG_TOKENS tokens of a varied, deterministic chronicle (BOS first), cut mid-sentence."""
-    text = " ".join(f"In {1700 + 3 * i}, {TOWNS[i % 8]} built {i % 7 + 2} bridges and {TOWNS[(5 * i + 3) % 8]} "
-                    f"answered with {(i * i) % 11 + 1} mills." for i in range(120))
-    ids = tok(text)["input_ids"]
-    assert len(ids) > LONG_TOKENS
-    return ids[:LONG_TOKENS]
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +53,7 @@ def paged_runner(model_dir: str, path: str, num_blocks: int = 96 * 6) -> ModelRu
 @pytest.mark.parametrize("path", list(PATHS))
 def test_gemma3_greedy_matches_transformers_across_the_sliding_window(gemma3_dir, reference, path):
     tok = AutoTokenizer.from_pretrained(gemma3_dir)
-    prompts = [tok(t)["input_ids"] for t in SHORT] + [long_prompt(tok)]
+    prompts = [tok(t)["input_ids"] for t in SHORT] + [long_prompt(tok, LONG_TOKENS)]
     new = [24, 24, LONG_NEW]
     assert all(p[0] == tok.bos_token_id for p in prompts)
     refs = [reference_greedy(reference, p, n) for p, n in zip(prompts, new)]
@@ -83,7 +74,7 @@ def test_sliding_blocks_out_of_the_window_are_freed_and_reused_with_the_same_tok
     evicts them); its greedy tokens are still transformers'. Chunks of 32 tokens: the admission check's bound, a
     sliding group holds at most ceil((511 + 32) / 16) + 1 = 35 blocks, so 38 + 5 x 35 = 213 fit."""
     tok = AutoTokenizer.from_pretrained(gemma3_dir)
-    prompt = long_prompt(tok)
+    prompt = long_prompt(tok, LONG_TOKENS)
     ref = reference_greedy(reference, prompt, LONG_NEW)
     driver = LocalDriver(paged_runner(gemma3_dir, "lean as stored", num_blocks=216), max_num_batched_tokens=32)
     request_id = driver.add(prompt, LONG_NEW)
@@ -109,7 +100,7 @@ def test_the_long_prompt_needs_the_window(gemma3_dir, reference):
     """The long prompt's next-token logits with every layer attending to everything differ from the sliding ones
     by far more than float32 rounding: a forward that ignored the window could not match the tokens above."""
     tok = AutoTokenizer.from_pretrained(gemma3_dir)
-    ids = torch.tensor([long_prompt(tok)])
+    ids = torch.tensor([long_prompt(tok, LONG_TOKENS)])
     with torch.inference_mode():
         sliding = reference(ids).logits[0, -1]
         reference.config.sliding_window = 10**6
@@ -145,7 +136,7 @@ def test_the_lean_forward_is_batch_invariant_across_the_window(gemma3_dir):
     from worker_svc.runner import StepContext
 
     tok = AutoTokenizer.from_pretrained(gemma3_dir)
-    tokens = torch.tensor(long_prompt(tok))
+    tokens = torch.tensor(long_prompt(tok, LONG_TOKENS))
     other = torch.tensor(tok(SHORT[1])["input_ids"])
     runner = paged_runner(gemma3_dir, "lean as stored")
     assert runner.batch_invariant, runner.batch_invariant_reason
