@@ -78,6 +78,13 @@ class KVGeometry:
         return kv_memory // self.bytes_per_block
 
 
+def blocks_before_window(num_computed: int, window: int, block_size: int) -> int:
+    """The leading blocks of a sliding layer (`window` > 0) that no query from position num_computed on can see:
+    each wholly before that query's window (its last token < num_computed - window + 1). The scheduler frees them
+    (scheduler_svc.kv.manager); the worker never reads their stale table entries (worker_svc.batch.live_entries)."""
+    return max(0, num_computed - window + 1) // block_size
+
+
 @dataclass(slots=True, frozen=True)
 class KVGroups:
     """The layers split into KV groups of equal size (vLLM's hybrid KV cache idea): every layer of a group has the

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from pagedserve_common.kv_geometry import KVGroups
+from pagedserve_common.kv_geometry import KVGroups, blocks_before_window
 from pagedserve_common.step import StepPlan
 from pagedserve_common.sampling import SamplingParams
 from worker_svc.logits import TokenCounts, allows_any, bitmask_num_bytes, needs_processing
@@ -161,9 +161,9 @@ def live_entries(block_ids: list[int], num_computed: int, groups: KVGroups | Non
     blocks wholly before that query's window (the scheduler may have freed them: scheduler_svc.kv.manager)."""
     if groups is None or not any(groups.windows):
         return block_ids
-    ng, windows = groups.num_groups, groups.windows
-    return [b for k, b in enumerate(block_ids)
-            if not windows[k % ng] or (k // ng + 1) * block_size > num_computed - windows[k % ng] + 1]
+    ng = groups.num_groups
+    stale = [blocks_before_window(num_computed, w, block_size) if w else 0 for w in groups.windows]
+    return [b for k, b in enumerate(block_ids) if k // ng >= stale[k % ng]]
 
 
 def _no_repeats(seq_id: int, table: Iterable[int], new: Iterable[int]) -> None:

@@ -7,6 +7,7 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 from pagedserve_common.defaults import DEFAULT_BLOCK_SIZE
+from pagedserve_common.kv_geometry import blocks_before_window
 from scheduler_svc.kv.block_pool import BlockPool
 
 VALID_BLOCK_SIZES = tuple(2**i for i in range(3, 9))  # 8 .. 256
@@ -79,7 +80,7 @@ class BlockTables:
 
     def held_block_ids(self, request_id: Hashable) -> list[int]:
         """The blocks the request holds a reference on, in table order (here: its whole table)."""
-        return list(self._seqs[request_id].block_ids)
+        return self.block_table(request_id)
 
     def num_tokens(self, request_id: Hashable) -> int:
         return self._seqs[request_id].num_tokens
@@ -135,7 +136,7 @@ class KVCacheManager(BlockTables):
         """Leading logical blocks wholly before the window of a query at position num_computed (and every later one)."""
         if not self.window or num_computed is None:
             return 0
-        return max(0, num_computed - self.window + 1) // self.block_size
+        return blocks_before_window(num_computed, self.window, self.block_size)
 
     def _drop(self, seq: _Seq, num_computed: int | None) -> None:
         """Frees the sliding groups' blocks no query from position num_computed on can see, oldest first (so
@@ -206,17 +207,16 @@ class KVCacheManager(BlockTables):
         """The shared partial blocks (one per group) to copy before writing up to `num_tokens`."""
         if not seq.cow_pending or num_tokens <= seq.num_tokens:
             return 0
-        return sum(self._needs_copy(seq, num_tokens, b) for b in seq.block_ids[-self.num_groups:])
+        return sum(self._needs_copy(b) for b in seq.block_ids[-self.num_groups:])
 
-    def _needs_copy(self, seq: _Seq, num_tokens: int, last: int) -> bool:
-        """Whether writing up to `num_tokens` must first copy the partial block `last` the request was forked onto.
+    def _needs_copy(self, last: int) -> bool:
+        """Whether a forked request's first write (cow_pending, past its tokens) must first copy the partial block
+        `last` it was forked onto.
 
         NOTE: only the fork's parent writes such a block in place. A child writes in place only when it is the
         last holder and the block never entered the prefix cache: otherwise slots it would overwrite may be
         read by another request, or by a future prefix hit on the content the parent completed.
         """
-        if not seq.cow_pending or num_tokens <= seq.num_tokens:
-            return False
         return self.pool._refs[last] > 1 or self.pool._keys[last] is not None
 
     def allocate(self, request_id: Hashable, num_tokens: int, token_ids: Sequence[int] | None = None,
@@ -255,7 +255,7 @@ class KVCacheManager(BlockTables):
             if num_new + self._num_copies(seq, num_tokens) > pool.num_free_blocks:
                 return None
             for k in range(len(block_ids) - ng, len(block_ids)):  # the last logical block: one per group
-                if self._needs_copy(seq, num_tokens, block_ids[k]):
+                if self._needs_copy(block_ids[k]):
                     src, dst = block_ids[k], pool.allocate(1)[0]
                     pool.free((src,))
                     block_ids[k] = dst
