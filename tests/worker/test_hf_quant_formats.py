@@ -22,7 +22,7 @@ from worker_svc.quant.from_hf import load_hf_quantized
 from worker_svc.quant.int_groups import IntGroups, to_blocks
 from worker_svc.quant.kernel import QuantKernel
 
-GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q8_0": GGMLQuantizationType.Q8_0}
+GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q5_0": GGMLQuantizationType.Q5_0, "q8_0": GGMLQuantizationType.Q8_0}
 U32 = 2.0 ** -24
 
 
@@ -56,7 +56,7 @@ def test_gptq_v1_packs_inputs_lowest_bits_first_and_stores_zero_minus_one(tmp_pa
     # qzeros 0x76543210: output o's stored zero is o, so its zero is o + 1 (v1's "zeros - 1")
     read = hand_gptq(tmp_path, 0x76543210)
     w = read.weights["m.weight"]
-    assert (w.format.name, w.shape, read.origin) == ("q8_0", (8, 32), "GPTQ 4-bit asym, group 32")
+    assert (w.format.name, w.shape, read.origin) == ("q5_0", (8, 32), "GPTQ 4-bit asym, group 32")
     assert read.tensor_names == {"m.qweight", "m.qzeros", "m.scales", "m.g_idx"}
     np.testing.assert_array_equal(w.dequantize().numpy(), hand_weight(lambda o: o + 1))
 
@@ -77,11 +77,12 @@ def test_awq_packs_outputs_in_its_interleaved_order(tmp_path):
                                                             "zero_point": True, "version": "gemm"}))
     quant_of_output = np.array([0, 4, 1, 5, 2, 6, 3, 7])
     want = 0.25 * (np.repeat(quant_of_output[:, None], 32, axis=1) - 1)
+    assert read.weights["m.weight"].format.name == "q5_0"
     np.testing.assert_array_equal(read.weights["m.weight"].dequantize().numpy(), want)
 
 
-@pytest.mark.parametrize("bits,group,sym,fmt", [(4, 32, True, "q4_0"), (4, 128, True, "q4_0"), (4, 64, False, "q8_0"),
-                                                (8, 96, True, "q8_0")])
+@pytest.mark.parametrize("bits,group,sym,fmt", [(4, 32, True, "q4_0"), (4, 128, True, "q4_0"), (4, 64, False, "q5_0"),
+                                                (4, 32, False, "q5_0"), (8, 96, True, "q8_0")])
 def test_blocks_dequantise_to_the_checkpoints_weight_exactly(bits, group, sym, fmt):
     rng = np.random.default_rng(bits * group)
     q, scale, zero = rtn(rng.standard_normal((48, 320)).astype(np.float32) * 0.05, bits, group, sym)
@@ -89,6 +90,34 @@ def test_blocks_dequantise_to_the_checkpoints_weight_exactly(bits, group, sym, f
     w = to_blocks(groups, "w")
     assert w.format.name == fmt
     # gguf-py's dequantisation of the blocks (not ours) against the float64 s * (q - z)
+    np.testing.assert_array_equal(gguf_dequantize(w.blocks.numpy(), GGML[fmt]).astype(np.float64),
+                                  groups.dequantize())
+
+
+def test_asymmetric_int4_is_q5_0_blocks_byte_for_byte():
+    # two blocks of one row, scale 0.5 (fp16 0x3800): block 0's zero 16 (GPTQ v1's largest) with q_j = j % 16, so
+    # its 5-bit quants q - z + 16 are j % 16, no fifth bit; block 1's zero 7 with q_j = 15 - j % 16, quants
+    # 24 - j % 16, whose fifth bit (bit j of qh) is set for j % 16 <= 8. qs byte j: weight j's low nibble | weight
+    # 16 + j's high
+    j = np.arange(32)
+    q = np.concatenate([j % 16, 15 - j % 16]).astype(np.uint8)[None, :]
+    groups = IntGroups(32, q, np.full((1, 2), 0.5, np.float32), np.array([[16, 7]], np.int32))
+    w = to_blocks(groups, "w")
+    nibbles = np.arange(16)
+    want = [0x00, 0x38, 0, 0, 0, 0, *(nibbles * 0x11),
+            0x00, 0x38, 0xFF, 0x01, 0xFF, 0x01, *((8 - nibbles) % 16 * 0x11)]
+    assert (w.format.name, w.shape, w.blocks.tolist()) == ("q5_0", (1, 64), [want])
+    np.testing.assert_array_equal(gguf_dequantize(w.blocks.numpy(), GGML["q5_0"]).astype(np.float64),
+                                  groups.dequantize())
+
+
+@pytest.mark.parametrize("zero,fmt", [(16, "q5_0"), (0, "q5_0"), (17, "q8_0"), (8, "q4_0")])
+def test_4_bit_quants_take_q5_0_only_where_every_q_minus_zero_is_in_its_range(zero, fmt):
+    # q 0..15 against one zero: q - z spans -zero .. 15 - zero; Q5_0 holds -16..15, Q8_0 the rest of int8
+    q = np.tile(np.arange(16, dtype=np.uint8), 2)[None, :]
+    groups = IntGroups(32, q, np.full((1, 1), 0.125, np.float32), np.full((1, 1), zero, np.int32))
+    w = to_blocks(groups, "w")
+    assert w.format.name == fmt
     np.testing.assert_array_equal(gguf_dequantize(w.blocks.numpy(), GGML[fmt]).astype(np.float64),
                                   groups.dequantize())
 
@@ -190,7 +219,7 @@ def test_compressed_tensors_blocks_are_its_own_dequantisation(tmp_path, bits, gr
         x_q, zp = tensors["weight"], None
     want = dequantize(x_q, tensors["weight_scale"].float(), zp, args=args, dtype=torch.float32)
     w = read.weights["m.weight"]
-    assert w.format.name == ("q4_0" if sym and bits == 4 else "q8_0")
+    assert w.format.name == ("q8_0" if bits == 8 else "q4_0" if sym else "q5_0")
     assert torch.equal(w.dequantize(), want)
     scheme = "W8A8 (its per-token int8 activations not applied) sym, per channel" if bits == 8 else \
         f"W4A16 {'sym' if sym else 'asym'}, group {group}"
