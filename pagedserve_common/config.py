@@ -290,9 +290,9 @@ class RunnerOptions:
                         choices=DTYPES, up=ALWAYS)
     weight_dtype: str = option("auto", "the weights a matmul reads: as-stored runs a quantised checkpoint's blocks "
                                        "(GGUF Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K; Hugging Face GPTQ, AWQ and "
-                                       "compressed-tensors int4/int8, as Q4_0 or Q8_0) on the quantised kernel (CPU: "
-                                       "C++; GPU: cuda/quant_gemm.cu through CuPy), dequantised in registers (refused "
-                                       "where it cannot run); bfloat16 or float32 dequantise "
+                                       "compressed-tensors int4/int8, as Q4_0, Q5_0 or Q8_0) on the quantised "
+                                       "kernel (CPU: C++; GPU: cuda/quant_gemm.cu through CuPy), dequantised in "
+                                       "registers (refused where it cannot run); bfloat16 or float32 dequantise "
                                        "them at load into that dtype (then also the compute dtype); auto: as-stored "
                                        "where it runs on a CPU, else (and on a GPU, until the CUDA kernel is "
                                        "measured) dequantised to --dtype. The start-up line says which "

@@ -20,7 +20,7 @@ from worker_svc.cpu_build import load_library
 from worker_svc.cpu_features import cpu_flags
 from worker_svc.quant.from_hf import load_hf_quantized
 from worker_svc.quant.int_groups import IntGroups, to_blocks
-from worker_svc.quant.kernel import QuantKernel
+from worker_svc.quant.kernel import QuantKernel, shared_kernel
 
 GGML = {"q4_0": GGMLQuantizationType.Q4_0, "q5_0": GGMLQuantizationType.Q5_0, "q8_0": GGMLQuantizationType.Q8_0}
 U32 = 2.0 ** -24
@@ -136,6 +136,26 @@ def test_the_kernel_is_within_float32s_bound_of_the_checkpoints_weight(path, sym
     # one float32 FMA chain of k = 256 terms on exact weights: |error| <= gamma_k * sum |x w|
     bound = 256 * U32 / (1 - 256 * U32) * (np.abs(x.double().numpy()) @ np.abs(groups.dequantize()).T)
     assert (np.abs(out - ref) <= bound).all()
+
+
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_the_cpu_kernels_pack_q5_0_into_the_panels_of_q8_0_holding_q_minus_zero(int8_activations):
+    # both CPU kernels widen Q5_0's quants to int8 (q5 - 16 = q - z) under its d: the panels, so every output, are
+    # those the Q8_0 blocks of the same weight (d = s, int8 q - z) give (and as large: 8 bits a weight there)
+    kernel = shared_kernel(int8_activations)
+    if kernel is None:
+        pytest.skip("no quantised kernel of this kind on this CPU")
+    rng = np.random.default_rng(11)
+    q, scale, zero = rtn(rng.standard_normal((96, 128)).astype(np.float32), 4, 64, False)
+    groups = IntGroups(64, q, scale.astype(np.float32), zero.astype(np.int32))
+    w = to_blocks(groups, "w")
+    d = groups.expand(groups.scale)[:, ::32].astype(np.float16).view(np.uint8).reshape(96, -1, 2)
+    diff = (q.astype(np.int32) - groups.expand(groups.zero)).astype(np.int8).view(np.uint8).reshape(96, -1, 32)
+    q8_0 = torch.from_numpy(np.concatenate([d, diff], axis=2).reshape(96, -1))
+    np.testing.assert_array_equal(gguf_dequantize(q8_0.numpy(), GGML["q8_0"]), w.dequantize().numpy())
+    assert w.format.name == "q5_0" and w.blocks.numel() == 96 * 128 // 32 * 22
+    assert torch.equal(kernel.pack(w.format.ggml_type, w.blocks, 128),
+                       kernel.pack(GGMLQuantizationType.Q8_0, q8_0, 128))
 
 
 def test_the_packing_round_trips_through_the_reader(tmp_path):

@@ -23,11 +23,11 @@ pytestmark = [pytest.mark.slow,
 # name: (method, bits, group, sym, gptq_v2, activations), the worker's weights_reason (its last word: the blocks)
 CHECKPOINTS = {
     "gptq-sym": (("gptq", 4, 128, True, False, False), "auto: as stored (GPTQ 4-bit sym, group 128 as 210 q4_0)"),
-    "gptq-asym-v2": (("gptq", 4, 32, False, True, False), "auto: as stored (GPTQ 4-bit asym, group 32 as 210 q8_0)"),
+    "gptq-asym-v2": (("gptq", 4, 32, False, True, False), "auto: as stored (GPTQ 4-bit asym, group 32 as 210 q5_0)"),
     "gptq-8bit": (("gptq", 8, 64, True, False, False), "auto: as stored (GPTQ 8-bit sym, group 64 as 210 q8_0)"),
-    "awq": (("awq", 4, 128, False, False, False), "auto: as stored (AWQ 4-bit asym, group 128 as 210 q8_0)"),
+    "awq": (("awq", 4, 128, False, False, False), "auto: as stored (AWQ 4-bit asym, group 128 as 210 q5_0)"),
     "ct-w4a16": (("compressed-tensors", 4, 64, False, False, False),
-                 "auto: as stored (compressed-tensors W4A16 asym, group 64 as 210 q8_0)"),
+                 "auto: as stored (compressed-tensors W4A16 asym, group 64 as 210 q5_0)"),
     "ct-w8a8": (("compressed-tensors", 8, -1, True, False, True),
                 "auto: as stored (compressed-tensors W8A8 (its per-token int8 activations not applied) sym, per "
                 "channel as 210 q8_0)"),
@@ -68,16 +68,16 @@ def test_weights_stay_quantised_in_their_blocks(checkpoints, name):
     assert {w.format.name for w in loaded.quantized.values()} == {fmt}
     layer_weights = 576 * (576 + 192 + 192 + 576) + 3 * 576 * 1536  # q, k, v, o; gate, up, down
     held = sum(w.blocks.numel() for w in loaded.quantized.values())
-    assert held == 30 * layer_weights // 32 * {"q4_0": 18, "q8_0": 34}[fmt]  # a block's bytes per 32 weights
+    assert held == 30 * layer_weights // 32 * {"q4_0": 18, "q5_0": 22, "q8_0": 34}[fmt]  # bytes a 32-weight block
     # each is the checkpoint's weight s * (q - z), exactly
     reference = load_file(str(root / "float" / "model.safetensors"))
     for param, w in loaded.quantized.items():
         assert torch.equal(w.dequantize(), reference[param]), param
 
 
-# One checkpoint a block format (every checkpoint's weights are its reference's exactly, above): the kernel over
-# them computes the float model's bits
-@pytest.mark.parametrize("name", ["gptq-sym", "ct-w4a16"])
+# Each block format, Q5_0 from two checkpoint kinds (every checkpoint's weights are its reference's exactly, above):
+# the kernel over them computes the float model's bits
+@pytest.mark.parametrize("name", ["gptq-sym", "awq", "ct-w4a16", "gptq-8bit"])  # q4_0, q5_0, q5_0, q8_0
 def test_float32_logits_are_the_dequantised_models_bit_for_bit(checkpoints, runners, name):
     reference = runner_for(str(checkpoints(name) / "float"), "auto")
     assert not reference.loaded.quantized
@@ -101,7 +101,7 @@ def test_a_float_weight_dtype_dequantises_to_the_checkpoints_weights(checkpoints
     loaded = load_model(root / "quantised", dtype="float32", weight_dtype="float32")
     assert not loaded.quantized
     assert loaded.weights_reason == \
-        "--weight-dtype float32: AWQ 4-bit asym, group 128 as 210 q8_0 dequantised to float32"
+        "--weight-dtype float32: AWQ 4-bit asym, group 128 as 210 q5_0 dequantised to float32"
     state = loaded.model.state_dict()
     for name, want in load_file(str(root / "float" / "model.safetensors")).items():
         assert torch.equal(state[name], want), name
