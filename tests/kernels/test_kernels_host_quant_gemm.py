@@ -20,11 +20,13 @@ import numpy as np
 import pytest
 import torch
 
+from tests.support.hf_quant import q8_0_blocks, rtn
 from tests.support.quant_blocks import random_blocks
 from tests.support.quant_gemm_reference import quant_gemm
 from worker_svc.attention.cupy_backend import DTYPE_TAGS
 from worker_svc.quant.cupy_kernel import CupyQuantKernel
 from worker_svc.quant.formats import FORMATS, dequantize
+from worker_svc.quant.int_groups import IntGroups, to_blocks
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -88,6 +90,21 @@ def test_quant_gemm_is_the_contract_bit_for_bit(launcher, name, dtype):
         assert torch.equal(bits(out), bits(expected)), f"seed {seed}, shape {(m, n, k)}, bias {bias is not None}"
         assert launcher.launches[-1] == (f"quant_gemm_{name}_{DTYPE_TAGS[dtype]}",
                                          (-(-n // kernel.warps), -(-m // 8), 1), 32 * kernel.warps)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_quant_gemm_asymmetric_int4_as_q5_0_gives_the_bits_of_its_q8_0_blocks(launcher, dtype):
+    # a Hugging Face asymmetric int4 weight (worker_svc/quant/int_groups.py: Q5_0, once Q8_0 holding int8 q - z):
+    # both dequantise to the same float32 weights, so the kernel's outputs are the same bits
+    rng, seed = fresh_rng()
+    q, scale, zero = rtn(rng.standard_normal((13, 96)).astype(np.float32), 4, 32, False)
+    groups = IntGroups(32, q, scale.astype(np.float32), zero.astype(np.int32))
+    w = to_blocks(groups, "w")
+    assert w.format == FORMATS["q5_0"]
+    kernel = CupyQuantKernel(launcher, warps=int(rng.integers(1, 5)))
+    x = activations(rng, 9, 96, dtype)
+    got = run(kernel, w.format, x, w.blocks.numpy())
+    assert torch.equal(bits(got), bits(run(kernel, FORMATS["q8_0"], x, q8_0_blocks(groups).numpy()))), f"seed {seed}"
 
 
 @pytest.mark.parametrize("name", ["q4_0", "q4_k", "q6_k"])

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from worker_svc.quant.int_groups import AWQ_ORDER
+from worker_svc.quant.int_groups import AWQ_ORDER, IntGroups
 
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 COPIED = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
@@ -37,6 +37,17 @@ def rtn(w: np.ndarray, bits: int, group: int, sym: bool) -> tuple[np.ndarray, np
         zero = np.round(-lo / scale.astype(np.float64)).astype(np.int64)
     q = np.clip(np.round(wg / scale[:, :, None]) + zero[:, :, None], 0, maxq).reshape(out, -1)[:, :num_in]
     return np.ascontiguousarray(q.astype(np.uint8)), scale, zero
+
+
+def q8_0_blocks(groups: IntGroups) -> torch.Tensor:
+    """The Q8_0 blocks of the weight (d = s, int8 q - z: how asymmetric int4 was held before Q5_0), built apart from
+    int_groups.to_blocks, for the kernels' tests that Q5_0 changes no output bit."""
+    out = groups.q.shape[0]
+    d = groups.expand(groups.scale)[:, ::32].astype(np.float16).view(np.uint8).reshape(out, -1, 2)
+    diff = groups.q.astype(np.int32) - groups.expand(groups.zero)
+    assert diff.min() >= -128 and diff.max() <= 127
+    quants = diff.astype(np.int8).view(np.uint8).reshape(out, -1, 32)
+    return torch.from_numpy(np.concatenate([d, quants], axis=2).reshape(out, -1))
 
 
 def pack(fields: np.ndarray, bits: int, axis: int, order: tuple[int, ...] | None = None) -> np.ndarray:

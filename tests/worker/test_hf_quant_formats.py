@@ -14,7 +14,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 from safetensors.torch import save_file
 
-from tests.support.hf_quant import pack, pack_compressed, quantization_config, rtn
+from tests.support.hf_quant import pack, pack_compressed, q8_0_blocks, quantization_config, rtn
 from worker_svc import cpu_path
 from worker_svc.cpu_build import load_library
 from worker_svc.cpu_features import cpu_flags
@@ -149,9 +149,7 @@ def test_the_cpu_kernels_pack_q5_0_into_the_panels_of_q8_0_holding_q_minus_zero(
     q, scale, zero = rtn(rng.standard_normal((96, 128)).astype(np.float32), 4, 64, False)
     groups = IntGroups(64, q, scale.astype(np.float32), zero.astype(np.int32))
     w = to_blocks(groups, "w")
-    d = groups.expand(groups.scale)[:, ::32].astype(np.float16).view(np.uint8).reshape(96, -1, 2)
-    diff = (q.astype(np.int32) - groups.expand(groups.zero)).astype(np.int8).view(np.uint8).reshape(96, -1, 32)
-    q8_0 = torch.from_numpy(np.concatenate([d, diff], axis=2).reshape(96, -1))
+    q8_0 = q8_0_blocks(groups)
     np.testing.assert_array_equal(gguf_dequantize(q8_0.numpy(), GGML["q8_0"]), w.dequantize().numpy())
     assert w.format.name == "q5_0" and w.blocks.numel() == 96 * 128 // 32 * 22
     assert torch.equal(kernel.pack(w.format.ggml_type, w.blocks, 128),
