@@ -24,9 +24,9 @@ from worker_svc import cpu_features, cpu_path
 SOURCE_ROOT = Path(__file__).parent
 # The translation units, one library: the attention kernel (its parts are kernels/attention/*.h), the fused
 # bfloat16 and float32 ops, the bfloat16 AMX matmuls, the float32 / bfloat16 panel matmuls, the quantised-weight
-# matmuls (float and int8 activations), the CPU path's cap.
+# matmuls (float and int8 activations), the lean forward's layer loop, the CPU path's cap.
 UNITS = ("attention/paged_attention_cpu.cpp", "cpu_ops.cpp", "amx_gemm.cpp", "f32_gemm.cpp", "f32_ops.cpp",
-         "q_gemm.cpp", "q8a_gemm.cpp", "cpu_path.cpp")
+         "q_gemm.cpp", "q8a_gemm.cpp", "lean_stack.cpp", "cpu_path.cpp")
 HEADERS = "kernels"  # the headers the units include (relative includes: no -I), below SOURCE_ROOT
 LIBRARY = "paged_attention_cpu"  # the library files' name (cache and prebuilt)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC", "-std=c++17")

@@ -137,6 +137,10 @@ class CpuOps:
         """The panel kernel that runs here: 512 (AVX-512), 256 (AVX2 + FMA) or 0 (none). Both give the same bits."""
         return int(self._f32_ok())
 
+    def panel_size(self, out_features: int, in_features: int) -> int:
+        """The elements f32_pack / bf16_pack make of a [out_features, in_features] weight."""
+        return int(self._f32_size(out_features, in_features))
+
     def f32_pack(self, weight: torch.Tensor) -> torch.Tensor:
         """weight [N, K] float32 (any strides) in the panel kernel's order: a new 1-D tensor (N rounded up to 48
         columns)."""

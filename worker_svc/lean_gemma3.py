@@ -33,6 +33,7 @@ class LeanGemma3(LeanModel):
         cfg = model.config
         inner = model.model
         self.ops = None  # NOTE: the fused CPU ops compute Llama's norm (times weight) and SiLU: not Gemma's
+        self.stack = None  # NOTE: lean_stack.cpp's loop is Llama's
         self.embed_scale = inner.embed_tokens.embed_scale.detach().to(self.dtype)
         self.layer_types = list(cfg.layer_types)
         self.windows = [int(cfg.sliding_window) if t == "sliding_attention" else 0 for t in self.layer_types]

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_svc.cpu_ops import FUSED_DTYPES, shared_ops
+from worker_svc.lean_stack import LeanStack
 from worker_svc.linear import Linear, f32_copies_fit, make_linear, transposed
 from worker_svc.quant.cupy_kernel import shared_gpu_kernel
 from worker_svc.quant.kernel import shared_kernel
@@ -149,6 +150,8 @@ class LeanModel:
                                                                               layer.down))]
         self.batch_invariant = batch_invariant and all(lin.invariant for lin in linears)
         self._quant = {}  # NOTE: packed into the kernels' panels: the blocks go (lean_build releases its own refs)
+        # the layer loop in one C++ call where every matmul runs on the kernel library (None: the Python loop)
+        self.stack = LeanStack.build(self) if device.type == "cpu" else None
 
     def _linear(self, modules: list[torch.nn.Linear], f32_copy: bool, invariant: bool) -> Linear | QuantLinear:
         """One matmul for `modules` side by side (a fused QKV or gate/up): on the quantised kernel where their weights
@@ -183,6 +186,9 @@ class LeanModel:
         if ops is not None:  # the CPU path: fused norms, residual adds, SiLU product and rotary
             cos2, sin2 = cos[0].contiguous(), sin[0].contiguous()  # [T, hd]
             h = ops.rms_norm(x, self.layers[0].input_norm, eps)
+            down = None if self.stack is None else self.stack.run(x, h, cos2, sin2, step)
+            if down is not None:  # NOTE: the loop below, op for op, in C++ (x updated in place)
+                return self._head(x + down, keep)
         cos, sin = cos[0][:, None, :], sin[0][:, None, :]  # [T, 1, hd]: broadcast over heads
         kv, scales, meta, backend = step.kv, step.kv_scales, step.meta, step.backend
         last = len(self.layers) - 1
@@ -215,7 +221,10 @@ class LeanModel:
             gu = layer.gate_up(h)
             inter = gu.shape[1] // 2
             x = x + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
-        x = _norm(x.index_select(0, keep), self.final_norm, eps)  # NOTE: rows are independent past here
+        return self._head(x, keep)
+
+    def _head(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        x = _norm(x.index_select(0, keep), self.final_norm, self.eps)  # NOTE: rows are independent past here
         return self.lm_head(x)
 
 

@@ -104,7 +104,8 @@ class CpuAttentionBackend(TorchAttentionBackend):
         # (every layer of a step shares one read-only AttentionMetadata): (meta, _StepArgs)
         self._step: tuple[AttentionMetadata, _StepArgs] | None = None
 
-    def _step_args(self, meta: AttentionMetadata) -> _StepArgs:
+    def step_args(self, meta: AttentionMetadata) -> _StepArgs:
+        """`meta` as the kernel takes it (also lean_stack.py's), converted on the step's first call."""
         if self._step is not None and self._step[0] is meta:
             return self._step[1]
         qsl, lens = np.ascontiguousarray(meta.query_start_loc_host), np.ascontiguousarray(meta.seq_lens_host)
@@ -148,7 +149,7 @@ class CpuAttentionBackend(TorchAttentionBackend):
         num_heads, num_kv_heads, head_dim = check_shapes(query, kv_layer, kv_scales)
         if window < 0:
             raise ValueError(f"window must be 0 (none) or positive, got {window}")
-        step = self._step_args(meta)
+        step = self.step_args(meta)
         if query.shape[0] != step.num_tokens:
             raise ValueError(f"query has {query.shape[0]} tokens, metadata {step.num_tokens}")
         if not kv_layer.is_contiguous() or kv_layer.dtype not in POOL_DTYPES:
