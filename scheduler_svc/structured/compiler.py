@@ -9,14 +9,15 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-
-import llguidance
-from llguidance.gbnf_to_lark import any_to_lark
+from typing import TYPE_CHECKING
 
 from pagedserve_common.sampling import InvalidField, StructuredOutput
 from scheduler_svc import json_text
 from scheduler_svc.errors import EngineError, ErrorCode
 from scheduler_svc.structured.matcher import Grammar
+
+if TYPE_CHECKING:
+    import llguidance
 
 FIELD = "structured_output"
 COMPILE_TIMEOUT_SECONDS = 10.0  # a compile (queued on the pool included) that takes longer is refused
@@ -43,6 +44,8 @@ LIMITS = dict(max_grammar_size=500_000, initial_lexer_fuel=1_000_000, step_lexer
 def grammar_text(so: StructuredOutput) -> str:
     """The llguidance grammar (its JSON form) of a spec; raises InvalidField naming structured_output when the
     spec is malformed before any compiling (not JSON, not a JSON object schema)."""
+    import llguidance  # NOTE: at the first structured output, not at start (matcher.py says why)
+
     so.validate()
     kind = so.kind
     if kind == "json_schema":
@@ -65,6 +68,8 @@ def grammar_text(so: StructuredOutput) -> str:
     if kind == "choice":
         # NOTE: JSON string literals are Lark's too; so any character of a choice stands for itself
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in so.choices))
+    from llguidance.gbnf_to_lark import any_to_lark
+
     try:  # grammar: Lark (llguidance's dialect), or GBNF (llama.cpp's, as vLLM clients also send), converted
         return llguidance.LLMatcher.grammar_from_lark(any_to_lark(so.spec))
     except Exception as e:  # noqa: BLE001 - the converter raises whatever a malformed GBNF grammar trips
@@ -184,6 +189,8 @@ class GrammarCompiler:
     def _tokenizer(self) -> llguidance.LLTokenizer:
         with self._lltok_lock:  # NOTE: built once, at the first compile (~0.25 s for a 49k vocabulary)
             if self._lltok is None:
+                import llguidance
+
                 text = self._tokenizer_json() if callable(self._tokenizer_json) else self._tokenizer_json
                 self._lltok = llguidance.LLTokenizer(text, n_vocab=self.vocab_size,
                                                      eos_token=self.eos_token_ids or None)
@@ -196,6 +203,8 @@ class GrammarCompiler:
             text = grammar_text(so)
         except InvalidField as e:
             return e
+        import llguidance
+
         tok = self._tokenizer()
         matcher = llguidance.LLMatcher(tok, text, log_level=0, limits=llguidance.LLParserLimits(**LIMITS))
         first = 0.0

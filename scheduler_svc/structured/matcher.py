@@ -4,10 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import llguidance
 import structlog
 
+if TYPE_CHECKING:
+    import llguidance
 
 log = structlog.get_logger("pagedserve.scheduler")
 
@@ -18,6 +20,8 @@ _EXECUTOR: llguidance.LLExecutor | None = None
 def _executor() -> llguidance.LLExecutor:
     global _EXECUTOR
     if _EXECUTOR is None:
+        import llguidance
+
         _EXECUTOR = llguidance.LLExecutor()
     return _EXECUTOR
 
@@ -70,7 +74,8 @@ def fill_bitmasks(constraints: Sequence[Constraint], vocab_size: int) -> list[by
     """Each constraint's allowed next tokens as a StepPlan bitmask (little-endian uint32 words, ceil(vocab/32)),
     computed in parallel. A constraint whose matcher fails here (its step ran out of work) gets a mask of EOS
     alone, so its sample ends at once."""
-    # NOTE: imported at the first structured output, not with the module: numpy holds ~11 MB of a scheduler's memory
+    # NOTE: imported at the first structured output, not with the module, as llguidance itself (the compiler's):
+    # numpy holds ~11 MB of a scheduler's memory, llguidance ~5 MB (a server never asked for one never loads them)
     import llguidance.numpy as lnp
     import numpy as np
 

@@ -139,6 +139,25 @@ def test_the_structured_package_leaves_torch_and_transformers_out():
     assert out.strip() == "[]"
 
 
+def test_the_grammar_engine_loads_at_the_first_compile_not_with_the_scheduler(default_model):
+    # NOTE: llguidance (~5 MB resident) and numpy (~11 MB) stay out of a scheduler never asked for structured output
+    code = ("import asyncio, sys\n"
+            "import pagedserve_cli.main, scheduler_svc.engine, scheduler_svc.http.app, scheduler_svc.server\n"
+            "from pagedserve_common.sampling import StructuredOutput\n"
+            "from scheduler_svc.frontend.tokenizer import Tokenizer\n"
+            "from scheduler_svc.structured import GrammarCompiler\n"
+            "loaded = lambda: sorted(m for m in ('llguidance', 'numpy') if m in sys.modules)\n"
+            "print(loaded())\n"
+            f"compiler = GrammarCompiler(Tokenizer.from_model_dir(sys.argv[1]).to_json(), {VOCAB}, [{EOS}])\n"
+            "print(loaded())\n"
+            "asyncio.run(compiler.compile(StructuredOutput('regex', 'a+')))\n"
+            "print(loaded())\n"
+            "compiler.close()\n")
+    out = subprocess.run([sys.executable, "-c", code, str(default_model)], check=True, capture_output=True,
+                         text=True).stdout
+    assert out.split("\n")[:3] == ["[]", "[]", "['llguidance']"]
+
+
 def test_compiles_beyond_the_pending_bound_are_refused_at_once(tokenizer):
     c = GrammarCompiler(tokenizer.to_json, VOCAB, [EOS], max_pending=2)
 
