@@ -130,6 +130,8 @@ class LeanStack:
         if t > self.max_rows or step.kv_scales is not None or step.layer_slots or type(backend) is not \
                 CpuAttentionBackend or kv.dtype != self.dtype or not kv.is_contiguous() or x.dtype != self.dtype:
             return None
+        if not (x.is_contiguous() and h.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()):
+            return None  # NOTE: the forward makes them so; the kernels take plain rows
         args = backend.step_args(step.meta)
         max_q_len = NO_Q_LEN_LIMIT if backend.batch_invariant else MAX_KERNEL_Q_LEN
         if args.max_query_len > max_q_len or args.num_tokens != t or args.slots.shape[0] != t:
