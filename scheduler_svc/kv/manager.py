@@ -105,7 +105,8 @@ class KVCacheManager(BlockTables):
     group (one group: the table is exactly the logical one). A sliding group's block that no future query can see
     (its last token < num_computed - window + 1, allocate()'s num_computed) is freed: its entry stays in the table,
     stale, and the worker's attention never reads it (every backend skips the blocks wholly before a window).
-    A logical block is a prefix hit only when every group's block for it is cached.
+    A logical block is a prefix hit when every group's block for it is cached, but for the sliding groups' blocks
+    wholly before the window of the hit's first query (find_prefix).
     """
 
     def __init__(self, num_blocks: int, block_size: int = DEFAULT_BLOCK_SIZE, enable_prefix_caching: bool = True,
@@ -167,22 +168,49 @@ class KVCacheManager(BlockTables):
         cached, chain_id = self.pool._cached, self.pool._chains
         block_ids: list[int] = []
         limit = len(token_ids) - 1 if max_tokens is None else min(len(token_ids) - 1, max_tokens)
-        ng = self.num_groups
+        if self.num_groups > 1:
+            return self._find_grouped(token_ids, parent, limit)
         for start in range(0, limit // bs * bs, bs):
-            tokens = block_tokens(token_ids, start, start + bs)
-            bid = cached.get((parent, tokens))
+            bid = cached.get((parent, block_tokens(token_ids, start, start + bs)))
             if bid is None:
                 break
-            if ng > 1:  # NOTE: every group's block, or no hit
-                others = [cached.get(((parent, g), tokens)) for g in range(1, ng)]
-                if None in others:
-                    break
-                block_ids.append(bid)
-                block_ids.extend(others)
-            else:
-                block_ids.append(bid)
+            block_ids.append(bid)
             parent = chain_id[bid]
-        return PrefixHit(block_ids, len(block_ids) // ng * bs, parent)
+        return PrefixHit(block_ids, len(block_ids) * bs, parent)
+
+    def _find_grouped(self, token_ids: Sequence[int], parent: object, limit: int) -> PrefixHit:
+        """find_prefix with KV groups: a logical block hits when every group's block for it is cached, except a
+        sliding group's block wholly before the window of the hit's first query (at the hit's end), which no query
+        reads: that entry is stale from the start (never referenced, as _hit_seq makes it) and, where its block was
+        evicted, holds group 0's block id of the same logical block instead (any id in the pool would do: no one
+        reads it). Group 0's chain links the blocks; a sliding group 0 is needed whole (its chain is the key)."""
+        bs, ng, cached, chain_id = self.block_size, self.num_groups, self.pool._cached, self.pool._chains
+        optional = tuple(g for g in self._sliding_groups if g)  # needed only inside the window
+        rows: list[list[int | None]] = []
+        incomplete: list[int] = []  # the logical blocks with an optional group's block missing, ascending
+        chain = [parent]
+        for start in range(0, limit // bs * bs, bs):
+            tokens = block_tokens(token_ids, start, start + bs)
+            row = [cached.get((chain[-1], tokens))]
+            if row[0] is None:
+                break
+            row.extend(cached.get(((chain[-1], g), tokens)) for g in range(1, ng))
+            if any(row[g] is None for g in range(1, ng) if g not in optional):
+                break
+            if any(row[g] is None for g in optional):
+                incomplete.append(len(rows))
+            rows.append(row)
+            chain.append(chain_id[row[0]])
+        # the longest hit of n logical blocks whose blocks inside the window of a query at n * bs are all cached:
+        # where block m < n is incomplete and inside that window, every hit of m + 1 .. n blocks is too (the window's
+        # start only moves back as n shrinks), so the next candidate is m blocks
+        n = len(rows)
+        while incomplete and incomplete[-1] < n:
+            if incomplete[-1] < blocks_before_window(n * bs, self.window, bs):
+                break
+            n = incomplete.pop()
+        block_ids = [b if b is not None else row[0] for row in rows[:n] for b in row]
+        return PrefixHit(block_ids, n * bs, chain[n])
 
     # -- allocation ---------------------------------------------------------------------------------------
     def _blocks_needed(self, request_id: Hashable, num_tokens: int, hit: PrefixHit | None,

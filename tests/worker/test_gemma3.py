@@ -22,6 +22,8 @@ pytestmark = pytest.mark.slow
 SHORT = ["The capital of France is", "def fibonacci(n):"]
 LONG_TOKENS = 560  # past the 512-token window: the sliding layers' first keys fall out of it while prefilling
 LONG_NEW = 40
+# a pool in which the long sequence (228 blocks when nothing is freed) evicts exactly 10 cached blocks
+NUM_BLOCKS_EVICTING_2 = 218
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +96,28 @@ def test_sliding_blocks_out_of_the_window_are_freed_and_reused_with_the_same_tok
     # block 5, so each sliding group holds blocks 5..37 (33) beside the full group's 38; the table lists all 38 x 6
     assert held[-1] == (598, 38 + 5 * 33, 38 * 6)
     assert kv.pool.num_evictions == 12  # blocks 36 and 37 of each group: the pool's 216 fresh ids were spent
+
+
+def test_a_prefix_hit_after_the_early_sliding_blocks_were_evicted_gives_the_same_tokens(gemma3_dir, reference):
+    """The long prompt again, after its first run freed the sliding groups' early blocks and the pool evicted them
+    (they go first): the second request still hits its 34 full blocks (544 tokens: the window of the query at 544
+    starts at 33, so the sliding groups' blocks of tokens 0..31 are not needed; their table entries are stale), and
+    its greedy tokens are still transformers'."""
+    tok = AutoTokenizer.from_pretrained(gemma3_dir)
+    prompt = long_prompt(tok, LONG_TOKENS)
+    ref = reference_greedy(reference, prompt, LONG_NEW)
+    driver = LocalDriver(paged_runner(gemma3_dir, "lean as stored", num_blocks=NUM_BLOCKS_EVICTING_2),
+                         max_num_batched_tokens=32)
+    first = driver.add(prompt, LONG_NEW)
+    driver.run()
+    kv = driver.scheduler.kv
+    assert kv.pool.num_evictions == 10  # the 5 sliding groups' blocks 0 and 1
+    second = driver.add(prompt, LONG_NEW, arrival_step=driver.step_id)
+    hits = kv.prefix_hit_tokens
+    driver.run()
+    assert kv.prefix_hit_tokens - hits == 544
+    for request_id in (first, second):
+        assert_same_greedy(driver.outputs[request_id][0], *ref)
 
 
 def test_the_long_prompt_needs_the_window(gemma3_dir, reference):

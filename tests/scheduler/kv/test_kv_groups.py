@@ -1,7 +1,7 @@
 """Spec tests for KV groups (pagedserve_common.kv_geometry.KVGroups) in the KV manager: logical block i owns the table
 entries i * num_groups + g, and a sliding group's blocks that no future query can see are freed (exact ids, ref
-counts, eviction order), prefix hits need every group's block, and how many blocks a 4096-token sequence of Gemma 3
-270M's shape holds."""
+counts, eviction order), prefix hits need every group's block but the sliding ones out of the window of the hit's
+end, and how many blocks a 4096-token sequence of Gemma 3 270M's shape holds."""
 
 import pytest
 
@@ -83,8 +83,46 @@ def test_a_prefix_hit_needs_every_groups_block_and_never_references_the_ones_out
     assert mgr.pool.eviction_order() == [1]
     # the 6 fresh ids, the 2 freed uncached ones, then block 1 (group 1's copy of tokens 0..7) is evicted
     assert mgr.pool.allocate(9)[-1] == 1
-    assert mgr.pool.block_key[0] is not None  # group 0's copy is still cached ...
-    assert mgr.find_prefix(prompt).block_ids == []  # ... but without every group's block nothing is a hit
+    # the hit's first query (at 24) does not see tokens 0..7: the entry is stale, group 0's id stands in for it
+    hit = mgr.find_prefix(prompt)
+    assert (hit.block_ids, hit.num_tokens) == ([0, 0, 2, 3, 4, 5], 24)
+
+
+def test_a_prefix_hit_needs_the_sliding_blocks_inside_the_window_of_its_end_only():
+    mgr = KVCacheManager(num_blocks=12, block_size=BS, group_windows=TWO)
+    prompt = toks(0, 33)
+    mgr.allocate("a", 24, prompt, num_computed=0)
+    mgr.allocate("a", 33, prompt, num_computed=24)  # the query at 24 sees 9..24: block 1 is freed first
+    assert mgr.block_table("a") == list(range(10)) and mgr.pool.eviction_order() == [1]
+    mgr.free("a")  # tail first: 9, 8 (tokens 32.., never cached), then the cached 7 .. 2, 0 after block 1
+    assert mgr.pool.eviction_order() == [1, 7, 6, 5, 4, 3, 2, 0]
+    taken = mgr.pool.allocate(5)
+    assert taken == [10, 11, 9, 8, 1]  # the fresh ids, the uncached ones, then block 1 is evicted
+    mgr.pool.free(taken)
+    # 4 blocks (32 tokens) hit: the query at 32 sees 17..32, so group 1's blocks of tokens 0..15 are not needed
+    hit = mgr.find_prefix(prompt)
+    assert (hit.block_ids, hit.num_tokens) == ([0, 0, 2, 3, 4, 5, 6, 7], 32)
+    mgr.allocate("b", 33, prompt, hit, num_computed=32)
+    assert mgr.block_table("b")[:8] == [0, 0, 2, 3, 4, 5, 6, 7]
+    held = mgr.held_block_ids("b")
+    assert held[:6] == [0, 2, 4, 5, 6, 7] and len(held) == 8  # the stale entries hold no reference
+    assert refs(mgr, 8) == [1, 0, 1, 0, 1, 1, 1, 1]
+    assert mgr.pool.eviction_order() == [3]  # group 1's copy of tokens 8..15 stays cached, free
+    mgr.free("b")
+    assert refs(mgr, 8) == [0] * 8
+
+
+def test_a_sliding_block_missing_inside_the_window_shortens_the_hit():
+    mgr = KVCacheManager(num_blocks=12, block_size=BS, group_windows=TWO)
+    prompt = toks(0, 33)
+    mgr.allocate("a", 24, prompt, num_computed=0)
+    mgr.allocate("a", 33, prompt, num_computed=24)
+    mgr.free("a")
+    assert mgr.pool.allocate(6) == [10, 11, 9, 8, 1, 7]  # block 7: group 1's copy of tokens 24..31
+    # 4 blocks would need it (the query at 32 sees 17..32); 3 blocks (the query at 24 sees 9..24) do not
+    hit = mgr.find_prefix(prompt)
+    assert (hit.block_ids, hit.num_tokens) == ([0, 0, 2, 3, 4, 5], 24)
+    assert mgr.cached_prefix_len(prompt) == 24
 
 
 def test_a_fork_shares_the_live_blocks_and_copies_each_groups_partial_block():
