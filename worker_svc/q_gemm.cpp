@@ -6,9 +6,10 @@
 // groups of G k-steps (G = 32; 16 for Q6_K, whose scales change every 16 weights): a group's header (the scales of
 // its 48 columns, as the file holds them: fp16 d and m, 6-bit sub-block scales) and then its quants, k-step by
 // k-step (4-bit formats: 24 bytes a step, byte j of each 8-byte run holding columns j and j + 8; 8-bit: 48 bytes).
-// Q6_K's 6-bit quants and Q5_0's 5-bit ones are widened to int8 (8 bits a weight instead of 6.56 and 5.5): a Q5_0
-// weight is then packed as a Q8_0 one (q - 16, its scale d), whose arithmetic it shares. The other formats keep
-// their size.
+// Q5_0 keeps its 5 bits: its low 4 as the 4-bit formats' nibbles, then, after the group's nibbles, its fifth bits as
+// a bit plane (6 bytes a k-step, bit j of the step's 48 bits column j): 5.5 bits a weight, the file's size (it was
+// widened to int8, 8.5 bits, until the plane). Q6_K's 6-bit quants are widened to int8 (8 bits a weight instead of
+// 6.56). The other formats keep their size.
 //
 // Arithmetic: a group is dequantised into 32 x 48 floats in L1, each weight the float32 value GGML's own
 // dequantisation gives, in its order of operations (so a weight's bits are the reference's, gguf-py's
@@ -44,7 +45,9 @@ void put_quants(const Layout& lay, const Decoded& dec, int g, int j, uint8_t* q)
     const int v = dec.q[g * lay.group + kk];
     if (lay.nibbles) {  // step kk: 24 bytes; column j in run j / 16, byte j % 8, low nibble for j % 16 < 8
       uint8_t& byte = q[kk * (kCols / 2) + (j / 16) * 8 + (j % 8)];
-      byte = (j % 16) < 8 ? static_cast<uint8_t>((byte & 0xF0) | v) : static_cast<uint8_t>((byte & 0x0F) | (v << 4));
+      const int nib = v & 0xF;
+      byte = (j % 16) < 8 ? static_cast<uint8_t>((byte & 0xF0) | nib) : static_cast<uint8_t>((byte & 0x0F) | (nib << 4));
+      put_plane_bits(lay, v, kk * kCols + j, q + lay.group * (kCols / 2));  // a plane: step kk 6 bytes, column j bit j
     } else {
       q[kk * kCols + j] = static_cast<uint8_t>(static_cast<int8_t>(v));
     }
@@ -56,19 +59,27 @@ void put_quants(const Layout& lay, const Decoded& dec, int g, int j, uint8_t* q)
 #define PS_Q256 __attribute__((target("avx2,fma,f16c")))
 
 // -- dequantising a group ------------------------------------------------------------------------------------------
-// Columns [16c, 16c + 16) of k-step kk of a group whose quants start at q.
-PS_Q512 inline __m512 quants16(const uint8_t* q, bool nibbles, int kk, int c) {
-  if (nibbles) {
+// Columns [16c, 16c + 16) of k-step kk of a group whose quants start at q (a quant: its nibble plus its planes' bits,
+// each plane's 16 bits of the step a mask; int8 as it is).
+PS_Q512 inline __m512 quants16(const Layout& lay, const uint8_t* q, int kk, int c) {
+  if (lay.nibbles) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * (kCols / 2) + 8 * c));
     const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
     const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F));
-    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi64(lo, hi)));
+    __m128i v = _mm_unpacklo_epi64(lo, hi);
+    const uint8_t* plane = q + lay.group * (kCols / 2) + kk * (kCols / 8) + 2 * c;
+    for (int p = 0; p < lay.planes; ++p) {
+      uint16_t bits;
+      std::memcpy(&bits, plane + p * lay.plane_bytes(), 2);
+      v = _mm_mask_add_epi8(v, bits, v, _mm_set1_epi8(static_cast<char>(16 << p)));
+    }
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));
   }
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kk * kCols + 16 * c))));
 }
-PS_Q512 inline __m512 weight16(int fmt, const uint8_t* q, bool nibbles, int kk, int c, __m512 a, __m512 b) {
-  const __m512 v = quants16(q, nibbles, kk, c);
-  if (fmt == kQ4_0) return _mm512_mul_ps(a, _mm512_sub_ps(v, _mm512_set1_ps(8.0f)));
+PS_Q512 inline __m512 weight16(int fmt, const Layout& lay, const uint8_t* q, int kk, int c, __m512 a, __m512 b) {
+  const __m512 v = quants16(lay, q, kk, c);
+  if (zero_of(fmt)) return _mm512_mul_ps(a, _mm512_sub_ps(v, _mm512_set1_ps(static_cast<float>(zero_of(fmt)))));
   if (fmt == kQ4_1 || fmt == kQ4_K) return _mm512_fmadd_ps(a, v, b);
   return _mm512_mul_ps(a, v);
 }
@@ -79,16 +90,22 @@ PS_Q512 void dequant_group512(int fmt, const Layout& lay, const uint8_t* grp, fl
   for (int c = 0; c < 3; ++c) {
     __m512 a, b;
     scales16(fmt, grp, c, a, b);
-    for (int kk = 0; kk < lay.group; ++kk) _mm512_store_ps(w + kk * kCols + 16 * c, weight16(fmt, q, lay.nibbles, kk, c, a, b));
+    for (int kk = 0; kk < lay.group; ++kk) _mm512_store_ps(w + kk * kCols + 16 * c, weight16(fmt, lay, q, kk, c, a, b));
   }
 }
 
 // The AVX2 copy: 8 columns at a time, the same operations on the same values (the same bits).
-PS_Q256 inline __m256 quants8(const uint8_t* q, bool nibbles, int kk, int h) {
+PS_Q256 inline __m256 quants8(const Layout& lay, const uint8_t* q, int kk, int h) {
   const int c = h / 2, upper = h % 2;
-  if (nibbles) {
+  if (lay.nibbles) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * (kCols / 2) + 8 * c));
-    const __m128i v = upper ? _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F)) : _mm_and_si128(b, _mm_set1_epi8(0x0F));
+    __m128i v = upper ? _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F)) : _mm_and_si128(b, _mm_set1_epi8(0x0F));
+    const uint8_t* plane = q + lay.group * (kCols / 2) + kk * (kCols / 8) + h;
+    const __m128i bit = _mm_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));  // byte i: bit i
+    for (int p = 0; p < lay.planes; ++p) {  // the plane's byte spread over the 8 columns: 0xFF where set
+      const __m128i set = _mm_cmpeq_epi8(_mm_and_si128(_mm_set1_epi8(static_cast<char>(plane[p * lay.plane_bytes()])), bit), bit);
+      v = _mm_add_epi8(v, _mm_and_si128(set, _mm_set1_epi8(static_cast<char>(16 << p))));
+    }
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
   }
   return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * kCols + 8 * h))));
@@ -99,8 +116,8 @@ PS_Q256 void dequant_group256(int fmt, const Layout& lay, const uint8_t* grp, fl
     __m256 a, b;
     scales8(fmt, grp, h, a, b);
     for (int kk = 0; kk < lay.group; ++kk) {
-      __m256 v = quants8(q, lay.nibbles, kk, h);
-      if (fmt == kQ4_0) v = _mm256_mul_ps(a, _mm256_sub_ps(v, _mm256_set1_ps(8.0f)));
+      __m256 v = quants8(lay, q, kk, h);
+      if (zero_of(fmt)) v = _mm256_mul_ps(a, _mm256_sub_ps(v, _mm256_set1_ps(static_cast<float>(zero_of(fmt)))));
       else if (fmt == kQ4_1 || fmt == kQ4_K) v = _mm256_fmadd_ps(a, v, b);
       else v = _mm256_mul_ps(a, v);
       _mm256_store_ps(w + kk * kCols + 8 * h, v);
@@ -168,8 +185,8 @@ constexpr FmaFn<T> kFma256[kRows2 + 1] = {nullptr, fma_block256<1, T>, fma_block
 constexpr int kDirectRows = 4;
 template <int FMT, int R, typename T>
 PS_Q512 void direct512(const Layout& lay, const T* x, int64_t lda, const uint8_t* pan, int64_t groups, float* acc) {
-  constexpr int kGroup = layout_of(FMT).group;  // the layout's, as constants: the k-loop unrolled, no branches
-  constexpr bool kNibbles = layout_of(FMT).nibbles;
+  constexpr Layout kLay = layout_of(FMT);  // the layout's, as constants: the k-loop unrolled, no branches
+  constexpr int kGroup = kLay.group;
   __m512 s[R][3];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 3; ++c) s[r][c] = _mm512_setzero_ps();
@@ -181,8 +198,8 @@ PS_Q512 void direct512(const Layout& lay, const T* x, int64_t lda, const uint8_t
     const T* xg = x + g * kGroup;
 #pragma GCC unroll 4
     for (int kk = 0; kk < kGroup; ++kk) {
-      const __m512 w0 = weight16(FMT, q, kNibbles, kk, 0, a[0], b[0]), w1 = weight16(FMT, q, kNibbles, kk, 1, a[1], b[1]),
-                   w2 = weight16(FMT, q, kNibbles, kk, 2, a[2], b[2]);
+      const __m512 w0 = weight16(FMT, kLay, q, kk, 0, a[0], b[0]), w1 = weight16(FMT, kLay, q, kk, 1, a[1], b[1]),
+                   w2 = weight16(FMT, kLay, q, kk, 2, a[2], b[2]);
       for (int r = 0; r < R; ++r) {
         const __m512 xv = _mm512_set1_ps(widen(xg[r * lda + kk]));
         s[r][0] = _mm512_fmadd_ps(xv, w0, s[r][0]);
@@ -211,6 +228,7 @@ PS_Q512 void direct512_any(int fmt, const Layout& lay, const T* x, int64_t m, in
   switch (fmt) {
     case kQ4_0: direct512_rows<kQ4_0>(lay, x, m, k, pan, acc); break;
     case kQ4_1: direct512_rows<kQ4_1>(lay, x, m, k, pan, acc); break;
+    case kQ5_0: direct512_rows<kQ5_0>(lay, x, m, k, pan, acc); break;
     case kQ8_0: direct512_rows<kQ8_0>(lay, x, m, k, pan, acc); break;
     case kQ4_K: direct512_rows<kQ4_K>(lay, x, m, k, pan, acc); break;
     default: direct512_rows<kQ6_K>(lay, x, m, k, pan, acc); break;
@@ -297,7 +315,7 @@ int run_linear(int fmt, const T* x, int64_t m, int64_t k, const uint8_t* packed,
   if (width == 0) return 2;
   if (m == 0) return 0;
 #if defined(__x86_64__)
-  linear(width, packed_format(fmt), x, m, k, packed, n, bias, out);
+  linear(width, fmt, x, m, k, packed, n, bias, out);
 #endif
   return 0;
 }
