@@ -2,24 +2,27 @@
 matmuls (float and int8 activations) and, for a model kept quantised, the resident bytes of its packed weights.
 
     python bench/quant_panels.py --base REV [--format q5_0] [--shapes 1536x576,576x1536] [--ms 1,8,64]
-                                 [--rounds 7] [--budget-ms 30] [--threads 1] [--model DIR]
+                                 [--rounds 7] [--budget-ms 30] [--threads 1] [--stream-mb 128] [--model DIR]
 
 REV's kernel sources (`git archive REV worker_svc`) and this tree's are each built into a kernel library
 (cpu_build.build_library, cached under PAGEDSERVE_CACHE by source) and loaded side by side. Speed: for each kernel,
 weight shape (N x K, random blocks of --format) and M, the two libraries alternate for --rounds rounds, each a loop
 of calls lasting --budget-ms; a side's time is its best round (a busy neighbour only slows some rounds), and the line
-gives base / new (above 1: the new panels are faster). Memory (--model, default Gemma 3 270M's GGUF, converted):
+gives base / new (above 1: the new panels are faster). Twice: `weights=cached`, one weight called again and again
+(it stays in L2/L3: the kernel's arithmetic), and `weights=streamed`, each call the next of as many copies of it as
+--stream-mb of the base's panels take (past the L3: read from memory, as a model's decode step reads its layers). Memory (--model, default Gemma 3 270M's GGUF, converted):
 the lean forward is built over the model kept quantised, and the packed bytes of its matmuls' panels (the lm_head
 and every layer's) are summed as this tree packs them and as REV's ps_q_packed_size sizes the same weights; the
 embedding, whose blocks stay as the file holds them, is given apart. Lines:
 
-    quant_panels speed kernel=float|int8 shape=NxK m=M base_us=... new_us=... base_over_new=...
-    quant_panels memory panels_base=... panels_new=... new_over_base=... embedding=... (bytes)
+    quant_panels speed kernel=float|int8 shape=NxK m=M weights=cached|streamed base_us=... new_us=... base_over_new=...
+    quant_panels memory lm_head_base=... lm_head_new=... layers_base=... layers_new=... embedding_blocks=... (bytes)
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import subprocess
 import sys
@@ -40,6 +43,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=7, help="alternations of the two libraries per point")
     ap.add_argument("--budget-ms", type=float, default=30.0, help="each round's loop of calls, ms")
     ap.add_argument("--threads", type=int, default=1, help="OpenMP threads (default 1: steadier on a shared machine)")
+    ap.add_argument("--stream-mb", type=float, default=128.0, help="the streamed weights' copies, MB of base panels")
     ap.add_argument("--model", default="", help="a model dir kept quantised (default: Gemma 3 270M's GGUF); "
                                                 "'none' skips the memory figure")
     return ap.parse_args(argv)
@@ -68,12 +72,12 @@ def libraries(rev: str, tmp: Path):
 
 
 def time_call(fn, budget_s: float) -> float:
-    """Seconds a call of fn, over a loop lasting budget_s."""
-    fn()
+    """Seconds a call of fn(i) (i = 0, 1, ...: the call's number), over a loop lasting budget_s."""
+    fn(0)
     calls, start = 0, time.perf_counter()
     while (elapsed := time.perf_counter() - start) < budget_s:
-        fn()
         calls += 1
+        fn(calls)
     return elapsed / calls
 
 
@@ -94,16 +98,21 @@ def speed(args: argparse.Namespace, base_lib, new_lib) -> None:
             blocks[:, 0:2] = (rng.standard_normal((len(blocks), 1)) * 0.02).astype("<f2").view(np.uint8)
             blocks = torch.from_numpy(blocks.reshape(n, -1))
             packed = [kern.pack(fmt.ggml_type, blocks, k) for kern in kernels]
+            num_copies = max(1, math.ceil(args.stream_mb * 1e6 / packed[0].numel()))
+            streamed = [[p.clone() for _ in range(num_copies)] for p in packed]
             for m in map(int, args.ms.split(",")):
                 x = torch.randn(m, k)
-                calls = [lambda kern=kern, p=p: kern.linear(fmt.ggml_type, x, p, n) for kern, p in zip(kernels, packed)]
-                best = [float("inf"), float("inf")]
-                for _ in range(args.rounds):
-                    for side, call in enumerate(calls):
-                        best[side] = min(best[side], time_call(call, args.budget_ms / 1e3))
-                print(f"quant_panels speed kernel={'int8' if int8 else 'float'} shape={n}x{k} m={m} "
-                      f"base_us={best[0] * 1e6:.1f} new_us={best[1] * 1e6:.1f} base_over_new={best[0] / best[1]:.3f}",
-                      flush=True)
+                for weights, ring in (("cached", [[p] for p in packed]), ("streamed", streamed)):
+                    calls = [lambda i, kern=kern, ps=ps: kern.linear(fmt.ggml_type, x, ps[i % len(ps)], n)
+                             for kern, ps in zip(kernels, ring)]
+                    best = [float("inf"), float("inf")]
+                    for _ in range(args.rounds):
+                        for side, call in enumerate(calls):
+                            best[side] = min(best[side], time_call(call, args.budget_ms / 1e3))
+                    print(f"quant_panels speed kernel={'int8' if int8 else 'float'} shape={n}x{k} m={m} "
+                          f"weights={weights} base_us={best[0] * 1e6:.1f} new_us={best[1] * 1e6:.1f} "
+                          f"base_over_new={best[0] / best[1]:.3f}", flush=True)
+            del streamed
 
 
 def memory(model: str, base_lib) -> None:
@@ -129,17 +138,19 @@ def memory(model: str, base_lib) -> None:
                                          ((layer.qkv, hidden), (layer.o, inner), (layer.gate_up, hidden),
                                           (layer.down, int(cfg.intermediate_size))))]
     new_kernel, base_kernel = lean.lm_head.kernel, QuantKernel(base_lib)
-    new = base = 0
-    for lin, k in matmuls:
+    sizes = {"lm_head": [0, 0], "layers": [0, 0]}  # base, new
+    for i, (lin, k) in enumerate(matmuls):
         if not isinstance(lin, QuantLinear):
             continue
         for part in lin.parts:
             assert part.packed.numel() == new_kernel.packed_size(part.ggml_type, part.out_features, k)
-            new += part.packed.numel()
-            base += base_kernel.packed_size(part.ggml_type, part.out_features, k)
+            size = sizes["lm_head" if i == 0 else "layers"]
+            size[0] += base_kernel.packed_size(part.ggml_type, part.out_features, k)
+            size[1] += part.packed.numel()
     embedding = lean.embed.weight.blocks.numel() if isinstance(lean.embed, QuantEmbedding) else 0
-    print(f"quant_panels memory panels_base={base} panels_new={new} new_over_base={new / base:.3f} "
-          f"embedding={embedding}", flush=True)
+    figures = " ".join(f"{what}_base={base} {what}_new={new} {what}_new_over_base={new / base:.3f}"
+                       for what, (base, new) in sizes.items() if base)
+    print(f"quant_panels memory {figures} embedding_blocks={embedding}", flush=True)
 
 
 def main(argv: list[str]) -> None:
