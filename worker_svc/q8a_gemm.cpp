@@ -112,6 +112,7 @@ PS_Q8A512 void rows512(const Rows& x, int64_t r0, const uint8_t* pan, float* acc
     const uint8_t* grp = pan + g * lay.group_bytes();
     const uint8_t* q = grp + lay.header;
     const uint8_t* plane = q + kGroup * (kCols / 2);
+    prefetch_group(grp + 2 * lay.group_bytes(), lay.group_bytes());
     __m512i acc_i[R][3];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 3; ++c) acc_i[r][c] = _mm512_setzero_si512();
@@ -195,6 +196,7 @@ PS_Q8A256 void row256(const Rows& x, int64_t r, const uint8_t* pan, float* acc) 
     const uint8_t* grp = pan + g * lay.group_bytes();
     const uint8_t* q = grp + lay.header;
     const uint8_t* plane = q + kGroup * (kCols / 2);
+    prefetch_group(grp + 2 * lay.group_bytes(), lay.group_bytes());
     __m256i acc_i[6];
     for (int h = 0; h < 6; ++h) acc_i[h] = _mm256_setzero_si256();
     for (int i = 0; i < kGroup / 4; ++i) {

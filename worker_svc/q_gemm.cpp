@@ -220,6 +220,7 @@ PS_Q512 void direct512(const Layout& lay, const T* x, int64_t lda, const uint8_t
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* grp = pan + g * lay.group_bytes();
     const uint8_t* q = grp + lay.header;
+    prefetch_group(grp + lay.group_bytes(), lay.group_bytes());
     __m512 a[3], b[3];
     for (int c = 0; c < 3; ++c) scales16(FMT, grp, c, a[c], b[c]);
     const T* xg = x + g * kGroup;
@@ -301,6 +302,7 @@ void grouped(int width, int fmt, const Layout& lay, const T* x, int64_t m, int64
   std::memset(acc, 0, sizeof(float) * static_cast<size_t>(m * kCols));
   for (int64_t g = 0; g < k / lay.group; ++g) {
     const uint8_t* grp = pan + g * lay.group_bytes();
+    prefetch_group(grp + lay.group_bytes(), lay.group_bytes());
     if (width == 512) dequant_group512(fmt, lay, grp, w);
     else dequant_group256(fmt, lay, grp, w);
     const T* xg = x + g * lay.group;
