@@ -10,10 +10,11 @@ weight shape (N x K, random blocks of --format) and M, the two libraries alterna
 of calls lasting --budget-ms; a side's time is its best round (a busy neighbour only slows some rounds), and the line
 gives base / new (above 1: the new panels are faster). Twice: `weights=cached`, one weight called again and again
 (it stays in L2/L3: the kernel's arithmetic), and `weights=streamed`, each call the next of as many copies of it as
---stream-mb of the base's panels take (past the L3: read from memory, as a model's decode step reads its layers). Memory (--model, default Gemma 3 270M's GGUF, converted):
-the lean forward is built over the model kept quantised, and the packed bytes of its matmuls' panels (the lm_head
-and every layer's) are summed as this tree packs them and as REV's ps_q_packed_size sizes the same weights; the
-embedding, whose blocks stay as the file holds them, is given apart. Lines:
+--stream-mb of the base's panels take (past the L3: read from memory, as a model's decode step reads its layers).
+Memory (--model, default Gemma 3 270M's GGUF, converted): the lean forward is built over the model kept quantised,
+and the packed bytes of its matmuls' panels (the lm_head and every layer's) are summed as this tree packs them and as
+REV's ps_q_packed_size sizes the same weights; the embedding, whose blocks stay as the file holds them, is given
+apart. Lines:
 
     quant_panels speed kernel=float|int8 shape=NxK m=M weights=cached|streamed base_us=... new_us=... base_over_new=...
     quant_panels memory lm_head_base=... lm_head_new=... layers_base=... layers_new=... embedding_blocks=... (bytes)
@@ -31,13 +32,13 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-D_FIRST = ("q4_0", "q5_0", "q8_0")  # the formats whose blocks hold one fp16 field, d, first
+D_OFFSET = {"q4_0": 0, "q5_0": 0, "q8_0": 0, "q6_k": 208}  # the formats whose blocks hold one fp16 field, d, here
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--base", required=True, help="the commit to compare against (e.g. main)")
-    ap.add_argument("--format", default="q5_0", choices=sorted(D_FIRST), help="the weights' GGML format")
+    ap.add_argument("--format", default="q5_0", choices=sorted(D_OFFSET), help="the weights' GGML format")
     ap.add_argument("--shapes", default="1536x576,576x1536", help="N x K of the weights, comma-separated")
     ap.add_argument("--ms", default="1,8,64", help="rows of x, comma-separated")
     ap.add_argument("--rounds", type=int, default=7, help="alternations of the two libraries per point")
@@ -95,7 +96,8 @@ def speed(args: argparse.Namespace, base_lib, new_lib) -> None:
         for shape in args.shapes.split(","):
             n, k = map(int, shape.split("x"))
             blocks = rng.integers(0, 256, (n * k // fmt.block_size, fmt.block_bytes), dtype=np.uint8)
-            blocks[:, 0:2] = (rng.standard_normal((len(blocks), 1)) * 0.02).astype("<f2").view(np.uint8)
+            at = D_OFFSET[args.format]
+            blocks[:, at:at + 2] = (rng.standard_normal((len(blocks), 1)) * 0.02).astype("<f2").view(np.uint8)
             blocks = torch.from_numpy(blocks.reshape(n, -1))
             packed = [kern.pack(fmt.ggml_type, blocks, k) for kern in kernels]
             num_copies = max(1, math.ceil(args.stream_mb * 1e6 / packed[0].numel()))

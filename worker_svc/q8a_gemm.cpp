@@ -49,7 +49,8 @@ void put_quants(const Layout& lay, const Decoded& dec, int g, int j, uint8_t* q)
     if (lay.nibbles) {  // run kk / 8; the high nibble for kk % 8 >= 4
       uint8_t& byte = q[((kk / 8) * kCols + j) * 4 + kk % 4];
       const int nib = v & 0xF;
-      byte = (kk % 8) < 4 ? static_cast<uint8_t>((byte & 0xF0) | nib) : static_cast<uint8_t>((byte & 0x0F) | (nib << 4));
+      byte = (kk % 8) < 4 ? static_cast<uint8_t>((byte & 0xF0) | nib)
+                          : static_cast<uint8_t>((byte & 0x0F) | (nib << 4));
       // a plane: the bit at the place the weight's byte has in the int8 order (4 k-steps of a column adjacent)
       put_plane_bits(lay, v, ((kk / 4) * kCols + j) * 4 + kk % 4, q + lay.group * (kCols / 2));
     } else {

@@ -119,12 +119,14 @@ PS_Q512 void dequant_group512(int fmt, const Layout& lay, const uint8_t* grp, fl
 PS_Q256 inline __m256 quants8(const Layout& lay, const uint8_t* q, int kk, int h) {
   const int c = h / 2, upper = h % 2;
   if (lay.planes) {
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + (kk / 2) * kCols + 8 * h)));
+    const __m128i pair = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + (kk / 2) * kCols + 8 * h));
+    const __m256i b = _mm256_cvtepu8_epi32(pair);
     __m256i v = kk % 2 ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(0xF));
     const uint8_t* plane = q + lay.group * (kCols / 2) + kk * (kCols / 8) + h;
     const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);  // lane i: bit i of the plane's byte
     for (int p = 0; p < lay.planes; ++p) {
-      const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(plane[p * lay.plane_bytes()]), bit), bit);
+      const __m256i byte = _mm256_set1_epi32(plane[p * lay.plane_bytes()]);
+      const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(byte, bit), bit);
       v = _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi32(16 << p)));
     }
     return _mm256_cvtepi32_ps(v);

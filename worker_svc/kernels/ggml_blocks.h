@@ -208,10 +208,11 @@ PS_GGML256 inline void scales8(int fmt, const uint8_t* grp, int h, __m256& a, __
 }
 
 // The packed group at `grp` (`bytes`) fetched towards L1 ahead of its use: a kernel asks for a group ahead of the
-// one it works on (q_gemm: the next; q8a_gemm, whose groups take less time: the one after). NOTE: a weight streamed from memory (a model's layers, past the L3) otherwise stalls on each group's
-// first lines: the grouped path's FMA phase issues no loads, so the hardware prefetcher falls behind (the float
-// kernel at 8 rows, 1536 x 576 Q8_0 or Q5_0 weights: ~1.3x the time of the same weight in cache without it). A
-// prefetch past the panel's end is harmless (it never faults).
+// one it works on (q_gemm: the next; q8a_gemm, whose groups take less time: the one after). NOTE: a weight streamed
+// from memory (a model's layers, past the L3) otherwise stalls on each group's first lines: the grouped path's FMA
+// phase issues no loads, so the hardware prefetcher falls behind (the float kernel at 8 rows, 1536 x 576 Q8_0 or
+// Q5_0 weights: ~1.3x the time of the same weight in cache without it). A prefetch past the panel's end is harmless
+// (it never faults).
 inline void prefetch_group(const uint8_t* grp, int64_t bytes) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(grp + b), _MM_HINT_T0);
 }
