@@ -16,9 +16,12 @@
 //
 // Layout (ps_q8a_pack): q_gemm.cpp's panels of 48 output columns and groups of G k-steps with the same headers, but
 // the quants of a group in VNNI order: 4 consecutive k-steps of one column are 4 adjacent bytes, so one 32-bit lane
-// of vpdpbusd is one output column. int8 formats (Q8_0, Q5_0 widened to int8 as q - 16, Q6_K as q - 32): G / 4 runs
-// of 48 x 4 signed bytes; 4-bit formats: k-steps 8p..8p+3 in the low nibbles and 8p+4..8p+7 in the high nibbles of
-// run p (4 runs of 48 x 4 bytes). Same size as q_gemm's packing (ps_q_packed_size).
+// of vpdpbusd is one output column. int8 formats (Q8_0, Q6_K widened to int8 as q - 32): G / 4 runs of 48 x 4 signed
+// bytes; 4-bit formats: k-steps 8p..8p+3 in the low nibbles and 8p+4..8p+7 in the high nibbles of run p (4 runs of
+// 48 x 4 bytes). Q5_0: its low 4 bits as the 4-bit formats', then its fifth bits as a bit plane in the int8 order (bit
+// ((kk / 4) * 48 + j) * 4 + kk % 4 for k-step kk of column j: one bit a byte of a vpdpbusd operand, a byte mask),
+// added to the nibbles as 16 to make the unsigned 5-bit q; the - 16 comes off the integer sum as Q4_0's - 8 does.
+// Same size as q_gemm's packing (ps_q_packed_size).
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -45,7 +48,11 @@ void put_quants(const Layout& lay, const Decoded& dec, int g, int j, uint8_t* q)
     const int v = dec.q[g * lay.group + kk];
     if (lay.nibbles) {  // run kk / 8; the high nibble for kk % 8 >= 4
       uint8_t& byte = q[((kk / 8) * kCols + j) * 4 + kk % 4];
-      byte = (kk % 8) < 4 ? static_cast<uint8_t>((byte & 0xF0) | v) : static_cast<uint8_t>((byte & 0x0F) | (v << 4));
+      const int nib = v & 0xF;
+      byte = (kk % 8) < 4 ? static_cast<uint8_t>((byte & 0xF0) | nib)
+                          : static_cast<uint8_t>((byte & 0x0F) | (nib << 4));
+      // a plane: the bit at the place the weight's byte has in the int8 order (4 k-steps of a column adjacent)
+      put_plane_bits(lay, v, ((kk / 4) * kCols + j) * 4 + kk % 4, q + lay.group * (kCols / 2));
     } else {
       q[((kk / 4) * kCols + j) * 4 + kk % 4] = static_cast<uint8_t>(static_cast<int8_t>(v));
     }
@@ -85,7 +92,7 @@ struct Rows {  // the quantised activations of the rows a call multiplies
 // integer sum the instructions give (VNNI: int8 weights offset by 128; AVX2: signed), s the group's activation sum.
 constexpr bool has_min(int fmt) { return fmt == kQ4_1 || fmt == kQ4_K; }
 constexpr int offset_of(int fmt, bool offset_int8) {
-  return fmt == kQ4_0 ? 8 : (fmt == kQ8_0 || fmt == kQ6_K) && offset_int8 ? 128 : 0;
+  return zero_of(fmt) ? zero_of(fmt) : (fmt == kQ8_0 || fmt == kQ6_K) && offset_int8 ? 128 : 0;
 }
 
 #if defined(__x86_64__)
@@ -105,6 +112,8 @@ PS_Q8A512 void rows512(const Rows& x, int64_t r0, const uint8_t* pan, float* acc
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* grp = pan + g * lay.group_bytes();
     const uint8_t* q = grp + lay.header;
+    const uint8_t* plane = q + kGroup * (kCols / 2);
+    prefetch_group(grp + 2 * lay.group_bytes(), lay.group_bytes());
     __m512i acc_i[R][3];
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < 3; ++c) acc_i[r][c] = _mm512_setzero_si512();
@@ -115,6 +124,11 @@ PS_Q8A512 void rows512(const Rows& x, int64_t r0, const uint8_t* pan, float* acc
         if constexpr (lay.nibbles) {
           const __m512i v = _mm512_loadu_si512(q + ((i / 2) * kCols + 16 * c) * 4);
           w[c] = i % 2 ? _mm512_and_si512(_mm512_srli_epi16(v, 4), low4) : _mm512_and_si512(v, low4);
+          for (int p = 0; p < lay.planes; ++p) {  // bits (i * 48 + 16c) * 4 on: one a byte of w, a mask
+            uint64_t bits;
+            std::memcpy(&bits, plane + p * lay.plane_bytes() + i * (kCols / 2) + 8 * c, 8);
+            w[c] = _mm512_mask_add_epi8(w[c], bits, w[c], _mm512_set1_epi8(static_cast<char>(16 << p)));
+          }
         } else {  // signed int8 as unsigned: q + 128 (the offset comes off below)
           w[c] = _mm512_xor_si512(_mm512_loadu_si512(q + (i * kCols + 16 * c) * 4), flip);
         }
@@ -158,9 +172,19 @@ PS_Q8A512 void panel512(const Rows& x, int64_t m, const uint8_t* pan, float* acc
   }
 }
 
+// 32 bits spread over 32 bytes: byte n 0xFF where bit n is set, else 0.
+PS_Q8A256 inline __m256i spread_bits(uint32_t bits) {
+  const __m256i pick = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3,
+                                        3, 3, 3, 3, 3);
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ull));  // byte n: bit n % 8
+  const __m256i v = _mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int32_t>(bits)), pick);
+  return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
+}
+
 // The AVX2 kernel: one row, 8 columns a vector, vpmaddubsw (unsigned x signed byte pairs summed into int16, which
-// cannot saturate here: 4-bit weights give at most 2 x 15 x 127; int8 weights go in as |w| against x with w's sign,
-// at most 2 x 128 x 127) and vpmaddwd by ones into int32: the same integer sums as vpdpbusd, the same epilogue.
+// cannot saturate here: 4-bit weights give at most 2 x 15 x 127, Q5_0's 5-bit ones 2 x 31 x 127; int8 weights go in
+// as |w| against x with w's sign, at most 2 x 128 x 127) and vpmaddwd by ones into int32: the same integer sums as
+// vpdpbusd, the same epilogue.
 template <int FMT>
 PS_Q8A256 void row256(const Rows& x, int64_t r, const uint8_t* pan, float* acc) {
   constexpr Layout lay = layout_of(FMT);
@@ -172,6 +196,8 @@ PS_Q8A256 void row256(const Rows& x, int64_t r, const uint8_t* pan, float* acc) 
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* grp = pan + g * lay.group_bytes();
     const uint8_t* q = grp + lay.header;
+    const uint8_t* plane = q + kGroup * (kCols / 2);
+    prefetch_group(grp + 2 * lay.group_bytes(), lay.group_bytes());
     __m256i acc_i[6];
     for (int h = 0; h < 6; ++h) acc_i[h] = _mm256_setzero_si256();
     for (int i = 0; i < kGroup / 4; ++i) {
@@ -182,7 +208,12 @@ PS_Q8A256 void row256(const Rows& x, int64_t r, const uint8_t* pan, float* acc) 
         __m256i pairs;
         if constexpr (lay.nibbles) {
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + ((i / 2) * kCols + 8 * h) * 4));
-          const __m256i w = i % 2 ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low4) : _mm256_and_si256(v, low4);
+          __m256i w = i % 2 ? _mm256_and_si256(_mm256_srli_epi16(v, 4), low4) : _mm256_and_si256(v, low4);
+          for (int p = 0; p < lay.planes; ++p) {  // bits (i * 48 + 8h) * 4 on: one a byte of w
+            uint32_t bits;
+            std::memcpy(&bits, plane + p * lay.plane_bytes() + i * (kCols / 2) + 4 * h, 4);
+            w = _mm256_add_epi8(w, _mm256_and_si256(spread_bits(bits), _mm256_set1_epi8(static_cast<char>(16 << p))));
+          }
           pairs = _mm256_maddubs_epi16(w, xv);
         } else {
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (i * kCols + 8 * h) * 4));
@@ -218,6 +249,7 @@ PanelFn panel_fn(int width, int fmt) {
   switch (fmt) {
     case kQ4_0: return width == 512 ? panel512<kQ4_0> : panel256<kQ4_0>;
     case kQ4_1: return width == 512 ? panel512<kQ4_1> : panel256<kQ4_1>;
+    case kQ5_0: return width == 512 ? panel512<kQ5_0> : panel256<kQ5_0>;
     case kQ8_0: return width == 512 ? panel512<kQ8_0> : panel256<kQ8_0>;
     case kQ4_K: return width == 512 ? panel512<kQ4_K> : panel256<kQ4_K>;
     case kQ6_K: return width == 512 ? panel512<kQ6_K> : panel256<kQ6_K>;
@@ -258,7 +290,7 @@ int run_linear(int fmt, const T* x, int64_t m, int64_t k, const uint8_t* packed,
   for (int64_t r = 0; r < m; ++r)
     quantize_row(x + r * k, k, qx.data() + r * k, dx.data() + r * (k / kActBlock), sx.data() + r * (k / 16));
   const Rows rows{qx.data(), dx.data(), sx.data(), k};
-  const PanelFn fn = panel_fn(width, packed_format(fmt));
+  const PanelFn fn = panel_fn(width, fmt);
   const int64_t panels = (n + kCols - 1) / kCols, panel_bytes = k / lay.group * lay.group_bytes();
 #pragma omp parallel if (panels > 1)
   {

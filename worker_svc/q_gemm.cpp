@@ -6,9 +6,11 @@
 // groups of G k-steps (G = 32; 16 for Q6_K, whose scales change every 16 weights): a group's header (the scales of
 // its 48 columns, as the file holds them: fp16 d and m, 6-bit sub-block scales) and then its quants, k-step by
 // k-step (4-bit formats: 24 bytes a step, byte j of each 8-byte run holding columns j and j + 8; 8-bit: 48 bytes).
-// Q6_K's 6-bit quants and Q5_0's 5-bit ones are widened to int8 (8 bits a weight instead of 6.56 and 5.5): a Q5_0
-// weight is then packed as a Q8_0 one (q - 16, its scale d), whose arithmetic it shares. The other formats keep
-// their size.
+// Q5_0 keeps its 5 bits: its low 4 in nibbles by pairs of k-steps (pair t: 48 bytes, byte j column j, k-step 2t in
+// the low nibble and 2t + 1 in the high one: one load gives two steps, and a zero-extended byte is already a table
+// index, see q5_pair16), then its fifth bits as a bit plane (6 bytes a k-step, bit j column j): 5.5 bits a weight,
+// the file's size (it was widened to int8, 8.5 bits, until the plane). Q6_K's 6-bit quants are widened to int8 (8
+// bits a weight instead of 6.56). The other formats keep their size.
 //
 // Arithmetic: a group is dequantised into 32 x 48 floats in L1, each weight the float32 value GGML's own
 // dequantisation gives, in its order of operations (so a weight's bits are the reference's, gguf-py's
@@ -42,7 +44,10 @@ constexpr int kMaxGroup = 32;
 void put_quants(const Layout& lay, const Decoded& dec, int g, int j, uint8_t* q) {
   for (int kk = 0; kk < lay.group; ++kk) {
     const int v = dec.q[g * lay.group + kk];
-    if (lay.nibbles) {  // step kk: 24 bytes; column j in run j / 16, byte j % 8, low nibble for j % 16 < 8
+    if (lay.planes) {  // Q5_0: k-steps 2t, 2t + 1 in byte j of pair t's 48 (low, high nibble); plane: step kk 6 bytes
+      q[(kk / 2) * kCols + j] |= static_cast<uint8_t>((v & 0xF) << (4 * (kk % 2)));
+      put_plane_bits(lay, v, kk * kCols + j, q + lay.group * (kCols / 2));
+    } else if (lay.nibbles) {  // step kk: 24 bytes; column j in run j / 16, byte j % 8, low nibble for j % 16 < 8
       uint8_t& byte = q[kk * (kCols / 2) + (j / 16) * 8 + (j % 8)];
       byte = (j % 16) < 8 ? static_cast<uint8_t>((byte & 0xF0) | v) : static_cast<uint8_t>((byte & 0x0F) | (v << 4));
     } else {
@@ -56,8 +61,8 @@ void put_quants(const Layout& lay, const Decoded& dec, int g, int j, uint8_t* q)
 #define PS_Q256 __attribute__((target("avx2,fma,f16c")))
 
 // -- dequantising a group ------------------------------------------------------------------------------------------
-// Columns [16c, 16c + 16) of k-step kk of a group whose quants start at q.
-PS_Q512 inline __m512 quants16(const uint8_t* q, bool nibbles, int kk, int c) {
+// Columns [16c, 16c + 16) of k-step kk of a group whose quants start at q (a layout without planes).
+PS_Q512 inline __m512 quants16(bool nibbles, const uint8_t* q, int kk, int c) {
   if (nibbles) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * (kCols / 2) + 8 * c));
     const __m128i lo = _mm_and_si128(b, _mm_set1_epi8(0x0F));
@@ -66,11 +71,27 @@ PS_Q512 inline __m512 quants16(const uint8_t* q, bool nibbles, int kk, int c) {
   }
   return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + kk * kCols + 16 * c))));
 }
-PS_Q512 inline __m512 weight16(int fmt, const uint8_t* q, bool nibbles, int kk, int c, __m512 a, __m512 b) {
-  const __m512 v = quants16(q, nibbles, kk, c);
+PS_Q512 inline __m512 weight16(int fmt, bool nibbles, const uint8_t* q, int kk, int c, __m512 a, __m512 b) {
+  const __m512 v = quants16(nibbles, q, kk, c);
   if (fmt == kQ4_0) return _mm512_mul_ps(a, _mm512_sub_ps(v, _mm512_set1_ps(8.0f)));
   if (fmt == kQ4_1 || fmt == kQ4_K) return _mm512_fmadd_ps(a, v, b);
   return _mm512_mul_ps(a, v);
+}
+
+// Q5_0's weights of columns [16c, 16c + 16), k-steps 2t (even) and 2t + 1 (odd), of a group whose quants start at q:
+// each a * float(q - 16), the nibble indexing a table of q - 16 for a clear fifth bit (-16..-1) or a set one
+// (0..15), the fifth bits of the step a mask (vpermps reads an index's low 4 bits only: no nibble masking).
+PS_Q512 inline void q5_pair16(const uint8_t* q, int group, int t, int c, __m512 a, __m512& even, __m512& odd) {
+  const __m512i idx = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + t * kCols + 16 * c)));
+  const uint8_t* plane = q + group * (kCols / 2) + 2 * t * (kCols / 8) + 2 * c;
+  uint16_t even_bits, odd_bits;
+  std::memcpy(&even_bits, plane, 2);
+  std::memcpy(&odd_bits, plane + kCols / 8, 2);
+  const __m512 clear = _mm512_setr_ps(-16, -15, -14, -13, -12, -11, -10, -9, -8, -7, -6, -5, -4, -3, -2, -1);
+  const __m512 set = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i idx_odd = _mm512_srli_epi32(idx, 4);
+  even = _mm512_mul_ps(a, _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(idx, clear), even_bits, idx, set));
+  odd = _mm512_mul_ps(a, _mm512_mask_permutexvar_ps(_mm512_permutexvar_ps(idx_odd, clear), odd_bits, idx_odd, set));
 }
 
 // w [G][48] = the group at `grp` dequantised.
@@ -79,14 +100,38 @@ PS_Q512 void dequant_group512(int fmt, const Layout& lay, const uint8_t* grp, fl
   for (int c = 0; c < 3; ++c) {
     __m512 a, b;
     scales16(fmt, grp, c, a, b);
-    for (int kk = 0; kk < lay.group; ++kk) _mm512_store_ps(w + kk * kCols + 16 * c, weight16(fmt, q, lay.nibbles, kk, c, a, b));
+    if (lay.planes) {
+      for (int t = 0; t < lay.group / 2; ++t) {
+        __m512 even, odd;
+        q5_pair16(q, lay.group, t, c, a, even, odd);
+        _mm512_store_ps(w + 2 * t * kCols + 16 * c, even);
+        _mm512_store_ps(w + (2 * t + 1) * kCols + 16 * c, odd);
+      }
+    } else {
+      for (int kk = 0; kk < lay.group; ++kk)
+        _mm512_store_ps(w + kk * kCols + 16 * c, weight16(fmt, lay.nibbles, q, kk, c, a, b));
+    }
   }
 }
 
 // The AVX2 copy: 8 columns at a time, the same operations on the same values (the same bits).
-PS_Q256 inline __m256 quants8(const uint8_t* q, bool nibbles, int kk, int h) {
+// (Q5_0: the quant q, its nibble from its pair's byte and its fifth bit from the step's plane byte.)
+PS_Q256 inline __m256 quants8(const Layout& lay, const uint8_t* q, int kk, int h) {
   const int c = h / 2, upper = h % 2;
-  if (nibbles) {
+  if (lay.planes) {
+    const __m128i pair = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + (kk / 2) * kCols + 8 * h));
+    const __m256i b = _mm256_cvtepu8_epi32(pair);
+    __m256i v = kk % 2 ? _mm256_srli_epi32(b, 4) : _mm256_and_si256(b, _mm256_set1_epi32(0xF));
+    const uint8_t* plane = q + lay.group * (kCols / 2) + kk * (kCols / 8) + h;
+    const __m256i bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);  // lane i: bit i of the plane's byte
+    for (int p = 0; p < lay.planes; ++p) {
+      const __m256i byte = _mm256_set1_epi32(plane[p * lay.plane_bytes()]);
+      const __m256i set = _mm256_cmpeq_epi32(_mm256_and_si256(byte, bit), bit);
+      v = _mm256_or_si256(v, _mm256_and_si256(set, _mm256_set1_epi32(16 << p)));
+    }
+    return _mm256_cvtepi32_ps(v);
+  }
+  if (lay.nibbles) {
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + kk * (kCols / 2) + 8 * c));
     const __m128i v = upper ? _mm_and_si128(_mm_srli_epi16(b, 4), _mm_set1_epi8(0x0F)) : _mm_and_si128(b, _mm_set1_epi8(0x0F));
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
@@ -99,8 +144,8 @@ PS_Q256 void dequant_group256(int fmt, const Layout& lay, const uint8_t* grp, fl
     __m256 a, b;
     scales8(fmt, grp, h, a, b);
     for (int kk = 0; kk < lay.group; ++kk) {
-      __m256 v = quants8(q, lay.nibbles, kk, h);
-      if (fmt == kQ4_0) v = _mm256_mul_ps(a, _mm256_sub_ps(v, _mm256_set1_ps(8.0f)));
+      __m256 v = quants8(lay, q, kk, h);
+      if (zero_of(fmt)) v = _mm256_mul_ps(a, _mm256_sub_ps(v, _mm256_set1_ps(static_cast<float>(zero_of(fmt)))));
       else if (fmt == kQ4_1 || fmt == kQ4_K) v = _mm256_fmadd_ps(a, v, b);
       else v = _mm256_mul_ps(a, v);
       _mm256_store_ps(w + kk * kCols + 8 * h, v);
@@ -168,26 +213,45 @@ constexpr FmaFn<T> kFma256[kRows2 + 1] = {nullptr, fma_block256<1, T>, fma_block
 constexpr int kDirectRows = 4;
 template <int FMT, int R, typename T>
 PS_Q512 void direct512(const Layout& lay, const T* x, int64_t lda, const uint8_t* pan, int64_t groups, float* acc) {
-  constexpr int kGroup = layout_of(FMT).group;  // the layout's, as constants: the k-loop unrolled, no branches
-  constexpr bool kNibbles = layout_of(FMT).nibbles;
+  constexpr Layout kLay = layout_of(FMT);  // the layout's, as constants: the k-loop unrolled, no branches
+  constexpr int kGroup = kLay.group;
+  constexpr bool kNibbles = kLay.nibbles;
   __m512 s[R][3];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 3; ++c) s[r][c] = _mm512_setzero_ps();
   for (int64_t g = 0; g < groups; ++g) {
     const uint8_t* grp = pan + g * lay.group_bytes();
     const uint8_t* q = grp + lay.header;
+    prefetch_group(grp + lay.group_bytes(), lay.group_bytes());
     __m512 a[3], b[3];
     for (int c = 0; c < 3; ++c) scales16(FMT, grp, c, a[c], b[c]);
     const T* xg = x + g * kGroup;
+    if constexpr (kLay.planes) {  // Q5_0: k-steps by pairs, each pair's quants one load
+#pragma GCC unroll 2
+      for (int t = 0; t < kGroup / 2; ++t) {
+        __m512 even[3], odd[3];
+        for (int c = 0; c < 3; ++c) q5_pair16(q, kGroup, t, c, a[c], even[c], odd[c]);
+        for (int r = 0; r < R; ++r) {
+          const __m512 xv = _mm512_set1_ps(widen(xg[r * lda + 2 * t]));
+          for (int c = 0; c < 3; ++c) s[r][c] = _mm512_fmadd_ps(xv, even[c], s[r][c]);
+        }
+        for (int r = 0; r < R; ++r) {
+          const __m512 xv = _mm512_set1_ps(widen(xg[r * lda + 2 * t + 1]));
+          for (int c = 0; c < 3; ++c) s[r][c] = _mm512_fmadd_ps(xv, odd[c], s[r][c]);
+        }
+      }
+    } else {
 #pragma GCC unroll 4
-    for (int kk = 0; kk < kGroup; ++kk) {
-      const __m512 w0 = weight16(FMT, q, kNibbles, kk, 0, a[0], b[0]), w1 = weight16(FMT, q, kNibbles, kk, 1, a[1], b[1]),
-                   w2 = weight16(FMT, q, kNibbles, kk, 2, a[2], b[2]);
-      for (int r = 0; r < R; ++r) {
-        const __m512 xv = _mm512_set1_ps(widen(xg[r * lda + kk]));
-        s[r][0] = _mm512_fmadd_ps(xv, w0, s[r][0]);
-        s[r][1] = _mm512_fmadd_ps(xv, w1, s[r][1]);
-        s[r][2] = _mm512_fmadd_ps(xv, w2, s[r][2]);
+      for (int kk = 0; kk < kGroup; ++kk) {
+        const __m512 w0 = weight16(FMT, kNibbles, q, kk, 0, a[0], b[0]),
+                     w1 = weight16(FMT, kNibbles, q, kk, 1, a[1], b[1]),
+                     w2 = weight16(FMT, kNibbles, q, kk, 2, a[2], b[2]);
+        for (int r = 0; r < R; ++r) {
+          const __m512 xv = _mm512_set1_ps(widen(xg[r * lda + kk]));
+          s[r][0] = _mm512_fmadd_ps(xv, w0, s[r][0]);
+          s[r][1] = _mm512_fmadd_ps(xv, w1, s[r][1]);
+          s[r][2] = _mm512_fmadd_ps(xv, w2, s[r][2]);
+        }
       }
     }
   }
@@ -211,6 +275,7 @@ PS_Q512 void direct512_any(int fmt, const Layout& lay, const T* x, int64_t m, in
   switch (fmt) {
     case kQ4_0: direct512_rows<kQ4_0>(lay, x, m, k, pan, acc); break;
     case kQ4_1: direct512_rows<kQ4_1>(lay, x, m, k, pan, acc); break;
+    case kQ5_0: direct512_rows<kQ5_0>(lay, x, m, k, pan, acc); break;
     case kQ8_0: direct512_rows<kQ8_0>(lay, x, m, k, pan, acc); break;
     case kQ4_K: direct512_rows<kQ4_K>(lay, x, m, k, pan, acc); break;
     default: direct512_rows<kQ6_K>(lay, x, m, k, pan, acc); break;
@@ -239,6 +304,7 @@ void grouped(int width, int fmt, const Layout& lay, const T* x, int64_t m, int64
   std::memset(acc, 0, sizeof(float) * static_cast<size_t>(m * kCols));
   for (int64_t g = 0; g < k / lay.group; ++g) {
     const uint8_t* grp = pan + g * lay.group_bytes();
+    prefetch_group(grp + lay.group_bytes(), lay.group_bytes());
     if (width == 512) dequant_group512(fmt, lay, grp, w);
     else dequant_group256(fmt, lay, grp, w);
     const T* xg = x + g * lay.group;
@@ -297,7 +363,7 @@ int run_linear(int fmt, const T* x, int64_t m, int64_t k, const uint8_t* packed,
   if (width == 0) return 2;
   if (m == 0) return 0;
 #if defined(__x86_64__)
-  linear(width, packed_format(fmt), x, m, k, packed, n, bias, out);
+  linear(width, fmt, x, m, k, packed, n, bias, out);
 #endif
   return 0;
 }

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.support.q8a_reference import ACT_BLOCK, q8a_linear, quantize_activations
-from tests.support.quant_blocks import random_blocks
+from tests.support.quant_blocks import q5_0_widened_to_q8_0, random_blocks
 from worker_svc import cpu_path
 from worker_svc.cpu_build import load_library
 from worker_svc.cpu_features import cpu_flags
@@ -57,6 +57,20 @@ def test_the_output_is_the_contracts_bit_for_bit(kernels, fmt, rows, out, inp):
     want = q8a_linear(x, blocks, FORMATS[fmt], bias)
     for path, kernel in kernels.items():
         got = run(kernel, fmt, blocks, torch.from_numpy(x), torch.from_numpy(bias)).numpy()
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=path)
+
+
+@pytest.mark.parametrize("rows,out,inp", SHAPES)
+def test_q5_0_gives_the_bits_of_its_int8_widening_in_5_5_bits_a_weight(kernels, rows, out, inp):
+    """Q5_0 packed with its fifth bits in a bit plane (5.5 bits a weight, the output columns padded to whole panels
+    of 48; q_gemm's size) multiplies to the bits of the same weights held as Q8_0 (q - 16 as int8, d)."""
+    blocks, x, bias = case("q5_0", rows, out, inp, rows * 3 + out)
+    wide = q5_0_widened_to_q8_0(blocks)
+    for path, kernel in kernels.items():
+        packed = kernel.pack(FORMATS["q5_0"].ggml_type, torch.from_numpy(blocks), inp)
+        assert packed.numel() == -(-out // 48) * 48 * inp * 11 // 16
+        got = run(kernel, "q5_0", blocks, torch.from_numpy(x), torch.from_numpy(bias)).numpy()
+        want = run(kernel, "q8_0", wide, torch.from_numpy(x), torch.from_numpy(bias)).numpy()
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=path)
 
 

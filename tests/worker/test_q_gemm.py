@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from tests.support.quant_blocks import FP16_FIELDS
+from tests.support.quant_blocks import FP16_FIELDS, q5_0_widened_to_q8_0
 from worker_svc import cpu_path
 from worker_svc.cpu_build import load_library
 from worker_svc.cpu_features import cpu_flags
@@ -102,6 +102,28 @@ def test_avx2_and_avx512_kernels_give_the_same_bits(kernels, fmt):
     got = [q.linear(FORMATS[fmt].value, x, q.pack(FORMATS[fmt].value, blocks, 768), 200, bias)
            for q, _ in kernels.values()]
     assert torch.equal(got[0], got[1])
+
+
+@pytest.mark.parametrize("out,inp,panels", [(48, 256, 1), (100, 512, 3), (576, 1536, 12), (1536, 576, 32)])
+def test_q5_0_panels_hold_5_5_bits_a_weight(kernels, out, inp, panels):
+    """Each weight's nibble, its fifth bit in a bit plane and its block's fp16 d: 5.5 bits a weight, as the file holds
+    it (22 bytes a block of 32), the output columns padded to whole panels of 48; not 8.5 (int8 quants)."""
+    for q, _ in kernels.values():
+        assert q.packed_size(FORMATS["q5_0"].value, out, inp) == panels * 48 * inp * 11 // 16
+        blocks = torch.from_numpy(random_blocks("q5_0", out, inp, 1))
+        assert q.pack(FORMATS["q5_0"].value, blocks, inp).numel() == panels * 48 * inp * 11 // 16
+
+
+@pytest.mark.parametrize("rows,out,inp", SHAPES)
+def test_q5_0_gives_the_bits_of_its_int8_widening(kernels, rows, out, inp):
+    """Q5_0 kept at 5 bits multiplies to the bits of the same weights held as Q8_0 (q - 16 as int8, d): the direct
+    (few rows) and grouped paths, both instruction sets."""
+    blocks, _, x, bias = case("q5_0", rows, out, inp, rows * 3 + out)
+    wide = torch.from_numpy(q5_0_widened_to_q8_0(blocks.numpy()))
+    q5, q8 = FORMATS["q5_0"].value, FORMATS["q8_0"].value
+    for q, _ in kernels.values():
+        assert torch.equal(q.linear(q5, x, q.pack(q5, blocks, inp), out, bias),
+                           q.linear(q8, x, q.pack(q8, wide, inp), out, bias))
 
 
 @pytest.mark.parametrize("fmt", ["q4_1", "q4_k"])

@@ -24,7 +24,13 @@ struct Layout {
   int group = 0;                     // k-steps a packed group
   int header = 0;                    // header bytes a packed group (48 columns)
   bool nibbles = false;              // 4-bit quants (else int8)
-  int64_t group_bytes() const { return header + group * (nibbles ? kCols / 2 : kCols); }
+  // Bit planes after a group's nibbles, one a bit above them (Q5_0: 1, the fifth bit): a quant is its nibble | plane
+  // 0's bit << 4 | ..., unsigned; each plane one bit a weight (group * 48 / 8 bytes), in the kernel's own order.
+  int planes = 0;
+  constexpr int64_t plane_bytes() const { return group * kCols / 8; }
+  constexpr int64_t group_bytes() const {
+    return header + group * (nibbles ? kCols / 2 : kCols) + planes * plane_bytes();
+  }
 };
 
 constexpr Layout layout_of(int fmt) {
@@ -32,21 +38,29 @@ constexpr Layout layout_of(int fmt) {
     case kQ4_0: return {32, 18, 32, 2 * kCols, true};
     case kQ4_1: return {32, 20, 32, 4 * kCols, true};
     case kQ8_0: return {32, 34, 32, 2 * kCols, false};
-    case kQ5_0: return {32, 22, 32, 2 * kCols, false};  // packed as Q8_0 (packed_format)
+    case kQ5_0: return {32, 22, 32, 2 * kCols, true, 1};  // d (fp16); nibbles and the fifth bits' plane: 5.5 bits
     case kQ4_K: return {256, 144, 32, 6 * kCols, true};  // d, dmin (fp16), sc, mn (6-bit, a byte each)
     case kQ6_K: return {256, 210, 16, 3 * kCols, false};  // d (fp16), sc (int8)
     default: return {};
   }
 }
 
-// The format a packed weight is multiplied as: Q5_0's quants, widened to int8 at packing, are Q8_0's.
-inline int packed_format(int fmt) { return fmt == kQ5_0 ? kQ8_0 : fmt; }
+// The unsigned quant that dequantises to 0 (Q4_0: 8, Q5_0: 16), which the kernels subtract; 0: the quants are signed
+// or a min is added.
+constexpr int zero_of(int fmt) { return fmt == kQ4_0 ? 8 : fmt == kQ5_0 ? 16 : 0; }
+
+// Quant v's bits above its nibble into the planes at `planes` (the layout's count, plane_bytes() apart), as bit
+// `bit` of each: the place a kernel's own order gives the weight.
+inline void put_plane_bits(const Layout& lay, int v, int64_t bit, uint8_t* planes) {
+  for (int p = 0; p < lay.planes; ++p)
+    planes[p * lay.plane_bytes() + bit / 8] |= static_cast<uint8_t>(((v >> (4 + p)) & 1) << (bit % 8));
+}
 
 inline void store(float* p, float v) { *p = v; }
 inline void store(bf16* p, float v) { *p = narrow_bf16(v); }
 
-// One block of the file decoded: each weight's quant (4-bit formats: 0..15; Q8_0: int8; Q6_K: q - 32) and, per group
-// of the block, its header fields.
+// One block of the file decoded: each weight's quant (4-bit formats: 0..15; Q5_0: 0..31; Q8_0: int8; Q6_K: q - 32)
+// and, per group of the block, its header fields.
 struct Decoded {
   int q[256];
   uint16_t d[16], m[16];  // fp16 bits by group (m: Q4_1's min, Q4_K's dmin)
@@ -72,8 +86,8 @@ inline void decode_block(int fmt, const uint8_t* b, Decoded& out) {
       out.d[0] = u16(b);
       const uint32_t qh = b[2] | (b[3] << 8) | (b[4] << 16) | (static_cast<uint32_t>(b[5]) << 24);
       for (int j = 0; j < 16; ++j) {
-        out.q[j] = ((b[6 + j] & 0xF) | (((qh >> j) & 1) << 4)) - 16;
-        out.q[j + 16] = ((b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4)) - 16;
+        out.q[j] = (b[6 + j] & 0xF) | (((qh >> j) & 1) << 4);
+        out.q[j + 16] = (b[6 + j] >> 4) | (((qh >> (j + 16)) & 1) << 4);
       }
       return;
     }
@@ -124,7 +138,8 @@ inline void put_header(int fmt, const Decoded& dec, int g, int j, uint8_t* dst) 
 }
 
 // The file's blocks of W [n, k] repacked into panels of 48 columns and groups of the layout's k-steps at `packed`: each
-// group's header (put_header), then its quants as the kernel's put_quants(lay, dec, g, j, quants) lays them out.
+// group's header (put_header), then its quants (nibbles or int8, then any bit planes) as the kernel's
+// put_quants(lay, dec, g, j, quants) lays them out (it ORs plane bits into the zeroed group).
 // Columns past n are zero. 1: an unknown format or a k that is not whole blocks.
 template <typename PutQuants>
 int pack_panels(int fmt, const uint8_t* blocks, int64_t n, int64_t k, uint8_t* packed, PutQuants put_quants) {
@@ -154,7 +169,7 @@ int pack_panels(int fmt, const uint8_t* blocks, int64_t n, int64_t k, uint8_t* p
 #if defined(__x86_64__)
 // -- a packed group's scales, in registers --------------------------------------------------------------------------
 // Columns [16c, 16c + 16) (AVX-512) or [8h, 8h + 8) (AVX2) of a group: w = a * q + b (Q4_1, Q4_K), a * (q - 8)
-// (Q4_0: the - 8 is the kernel's), a * q (Q8_0, Q5_0 packed as it, Q6_K). The same operations in both widths and
+// (Q4_0: the - 8 is the kernel's; Q5_0: a * (q - 16)), a * q (Q8_0, Q6_K). The same operations in both widths and
 // both kernels: the same scale bits. NOTE: a function of fewer target features inlines into one of more.
 #define PS_GGML512 __attribute__((target("avx512f,avx512vl,avx512bw,fma,f16c")))
 #define PS_GGML256 __attribute__((target("avx2,fma,f16c")))
@@ -190,6 +205,16 @@ PS_GGML256 inline void scales8(int fmt, const uint8_t* grp, int h, __m256& a, __
     b = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(half8(grp, 1, h), bytes8(grp, 5 * kCols, h, false)));
   }
   if (fmt == kQ6_K) a = _mm256_mul_ps(a, bytes8(grp, 2 * kCols, h, true));
+}
+
+// The packed group at `grp` (`bytes`) fetched towards L1 ahead of its use: a kernel asks for a group ahead of the
+// one it works on (q_gemm: the next; q8a_gemm, whose groups take less time: the one after). NOTE: a weight streamed
+// from memory (a model's layers, past the L3) otherwise stalls on each group's first lines: the grouped path's FMA
+// phase issues no loads, so the hardware prefetcher falls behind (the float kernel at 8 rows, 1536 x 576 Q8_0 or
+// Q5_0 weights: ~1.3x the time of the same weight in cache without it). A prefetch past the panel's end is harmless
+// (it never faults).
+inline void prefetch_group(const uint8_t* grp, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(reinterpret_cast<const char*>(grp + b), _MM_HINT_T0);
 }
 
 // -- the CPU's features -------------------------------------------------------------------------------------------
