@@ -139,9 +139,9 @@ def test_the_kernel_is_within_float32s_bound_of_the_checkpoints_weight(path, sym
 
 
 @pytest.mark.parametrize("int8_activations", [False, True])
-def test_the_cpu_kernels_pack_q5_0_into_the_panels_of_q8_0_holding_q_minus_zero(int8_activations):
-    # both CPU kernels widen Q5_0's quants to int8 (q5 - 16 = q - z) under its d: the panels, so every output, are
-    # those the Q8_0 blocks of the same weight (d = s, int8 q - z) give (and as large: 8 bits a weight there)
+def test_the_cpu_kernels_give_q5_0_the_outputs_of_q8_0_holding_q_minus_zero_in_fewer_bytes(int8_activations):
+    # both CPU kernels rebuild a Q5_0 weight's q5 - 16 = q - z under its d: every output is that of the Q8_0 blocks
+    # of the same weight (d = s, int8 q - z), from panels of 5.5 bits a weight (nibbles and a fifth-bit plane)
     kernel = shared_kernel(int8_activations)
     if kernel is None:
         pytest.skip("no quantised kernel of this kind on this CPU")
@@ -152,8 +152,12 @@ def test_the_cpu_kernels_pack_q5_0_into_the_panels_of_q8_0_holding_q_minus_zero(
     q8_0 = q8_0_blocks(groups)
     np.testing.assert_array_equal(gguf_dequantize(q8_0.numpy(), GGML["q8_0"]), w.dequantize().numpy())
     assert w.format.name == "q5_0" and w.blocks.numel() == 96 * 128 // 32 * 22
-    assert torch.equal(kernel.pack(w.format.ggml_type, w.blocks, 128),
-                       kernel.pack(GGMLQuantizationType.Q8_0, q8_0, 128))
+    packed_q5 = kernel.pack(w.format.ggml_type, w.blocks, 128)
+    packed_q8 = kernel.pack(GGMLQuantizationType.Q8_0, q8_0, 128)
+    assert packed_q5.numel() < 0.7 * packed_q8.numel()
+    x = torch.from_numpy(rng.standard_normal((5, 128)).astype(np.float32))
+    assert torch.equal(kernel.linear(w.format.ggml_type, x, packed_q5, 96),
+                       kernel.linear(GGMLQuantizationType.Q8_0, x, packed_q8, 96))
 
 
 def test_the_packing_round_trips_through_the_reader(tmp_path):
