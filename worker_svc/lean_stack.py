@@ -18,7 +18,7 @@ import torch
 from worker_svc.attention.cpu_backend import MAX_KERNEL_Q_LEN, NO_Q_LEN_LIMIT, POOL_DTYPES, Q_TILE, \
     CpuAttentionBackend
 from worker_svc.cpu_build import load_library
-from worker_svc.cpu_ops import CpuOps
+from worker_svc.cpu_ops import FUSED_DTYPES, CpuOps
 from worker_svc.linear import Linear
 from worker_svc.quant.kernel import QuantKernel
 from worker_svc.quant.linear import QuantLinear
@@ -60,8 +60,9 @@ _STAGES = {1: "the QKV matmul", 2: "the O matmul", 3: "the gate/up matmul", 4: "
 
 
 def _matmul(lin, dtype: torch.dtype, in_features: int) -> tuple[_Matmul, int] | None:
-    """lin's descriptor and the most rows it takes on that kernel (as lin's own __call__ picks it), or None where it
-    runs on torch (or a GPU) at every row count."""
+    """lin's descriptor and the most rows it takes on that kernel, or None where it runs on torch (or a GPU) at every
+    row count. NOTE: the choice linear.Linear.__call__ and QuantLinear.__call__ make, in their order (panels first,
+    then AMX): a change there is a change here."""
     bias = getattr(lin, "bias", None)
     if bias is not None and (bias.dtype != dtype or not bias.is_contiguous() or bias.numel() != lin.out_features):
         return None  # NOTE: QuantLinear converts such a bias at each call: the Python loop's job
@@ -101,7 +102,7 @@ class LeanStack:
     @classmethod
     def build(cls, lean) -> LeanStack | None:
         """The C++ loop for `lean` (a LeanModel), or None where its layers are not all on the library's kernels."""
-        if lean.ops is None or lean.dtype not in POOL_DTYPES or lean.dtype not in (torch.float32, torch.bfloat16):
+        if lean.ops is None or lean.dtype not in FUSED_DTYPES:  # NOTE: the fused ops' dtypes, the pool's too
             return None
         if any(layer.q_norm is not None for layer in lean.layers) or not lean.layers:
             return None

@@ -81,6 +81,7 @@ class Linear:
     invariant: bool = False
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        # NOTE: lean_stack._matmul makes the same choice of the library's kernels for its C++ layer loop
         if self.panels is not None and x.shape[0] <= self.panel_rows:
             return self.ops.panel_linear(x.contiguous(), self.panels, self.out_features, self.bias)
         if self.kind == "mm":

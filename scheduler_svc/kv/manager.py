@@ -163,13 +163,13 @@ class KVCacheManager(BlockTables):
         parent = _root(extra_key)
         if not self.enable_prefix_caching:
             return PrefixHit([], 0, parent)
+        limit = len(token_ids) - 1 if max_tokens is None else min(len(token_ids) - 1, max_tokens)
+        if self.num_groups > 1:
+            return self._find_grouped(token_ids, parent, limit)
         bs = self.block_size
         # NOTE: reads the pool's key map and chain ids directly: this loop runs once per block of every prompt.
         cached, chain_id = self.pool._cached, self.pool._chains
         block_ids: list[int] = []
-        limit = len(token_ids) - 1 if max_tokens is None else min(len(token_ids) - 1, max_tokens)
-        if self.num_groups > 1:
-            return self._find_grouped(token_ids, parent, limit)
         for start in range(0, limit // bs * bs, bs):
             bid = cached.get((parent, block_tokens(token_ids, start, start + bs)))
             if bid is None:
