@@ -1,4 +1,5 @@
-// C ABI over the host-shim build of paged_attention.cu and quant_gemm.cu, for the CPU tests (loaded with ctypes).
+// C ABI over the host-shim build of paged_attention.cu, quant_gemm.cu and dense_gemm.cu, for the CPU tests (loaded
+// with ctypes).
 //
 //   int host_<kernel>(const unsigned cfg[4], void** args)
 // cfg = (grid.x, grid.y, grid.z, block.x); args[i] points at the i-th kernel argument, exactly like
@@ -82,3 +83,10 @@ extern "C" void host_fp8_encode(int fmt, const float* x, unsigned char* out, lon
     for (long long i = 0; i < n; ++i)
         out[i] = fmt ? paged::float_to_fp8<paged::fp8_e5m2>(x[i]) : paged::float_to_fp8<paged::fp8_e4m3>(x[i]);
 }
+
+// dense_gemm.cu: the batch-invariant float matmul and RMSNorm
+#include "dense_gemm.cu"
+#define EXPORT_DENSE(TN) EXPORT(dense_gemm_##TN) EXPORT(rms_norm_##TN)
+EXPORT_DENSE(f32)
+EXPORT_DENSE(f16)
+EXPORT_DENSE(bf16)

@@ -1,5 +1,5 @@
-"""Builds cuda/paged_attention.cu and cuda/quant_gemm.cu for the host (cuda/host_shim.h) once per session; nvcc
-device builds of each too.
+"""Builds cuda/paged_attention.cu, cuda/quant_gemm.cu and cuda/dense_gemm.cu for the host (cuda/host_shim.h) once per
+session; nvcc device builds of each too.
 
 HostLauncher runs the kernels by name with the argument list CupyAttentionBackend builds for CuPy, so the CPU
 tests exercise the backend's planning code as well as the kernel logic.
@@ -17,10 +17,11 @@ import numpy as np
 import pytest
 
 from tests.support.cuda import cuda_home
-from worker_svc.attention.cupy_backend import CUDA_DIR, KERNEL_SOURCE, QUANT_GEMM_SOURCE
+from worker_svc.attention.cupy_backend import CUDA_DIR, DENSE_GEMM_SOURCE, KERNEL_SOURCE, QUANT_GEMM_SOURCE
 
 ARCHS = ("sm_80", "sm_90")
 QUANT_PREFIX = "quant_"  # build keys of quant_gemm.cu's cubins: quant_sm_80, quant_sm_90
+DENSE_PREFIX = "dense_"  # build keys of dense_gemm.cu's cubins: dense_sm_80, dense_sm_90
 
 
 def nvcc_path() -> str | None:
@@ -53,7 +54,8 @@ class Builds:
         )  # fmt: skip
         if nvcc_path():
             for arch in ARCHS:
-                for key, source in ((arch, KERNEL_SOURCE), (QUANT_PREFIX + arch, QUANT_GEMM_SOURCE)):
+                for key, source in ((arch, KERNEL_SOURCE), (QUANT_PREFIX + arch, QUANT_GEMM_SOURCE),
+                                    (DENSE_PREFIX + arch, DENSE_GEMM_SOURCE)):
                     self.procs[key] = subprocess.Popen(
                         nvcc_command(arch, self.dir / f"{key}.cubin", source),
                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,

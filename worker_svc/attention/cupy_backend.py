@@ -31,6 +31,7 @@ from worker_svc.attention.metadata import AttentionMetadata
 CUDA_DIR = Path(os.environ.get("PAGEDSERVE_CUDA_DIR") or Path(__file__).resolve().parents[2] / "cuda")
 KERNEL_SOURCE = CUDA_DIR / "paged_attention.cu"
 QUANT_GEMM_SOURCE = CUDA_DIR / "quant_gemm.cu"  # the quantised-weight matmuls (worker_svc/quant/cupy_kernel.py)
+DENSE_GEMM_SOURCE = CUDA_DIR / "dense_gemm.cu"  # the batch-invariant float matmul and norm (worker_svc/dense_gpu.py)
 
 DTYPE_TAGS = {torch.float32: "f32", torch.float16: "f16", torch.bfloat16: "bf16"}
 # 8-bit caches: kernel names are <kind>_<query tag>_<cache tag>_d<HD> and write_kv_<query tag>_<cache tag>.
