@@ -9,6 +9,8 @@ so this module's argument checks and grid sizing run on every test run."""
 
 from __future__ import annotations
 
+import importlib.util
+
 import numpy as np
 import torch
 
@@ -20,6 +22,7 @@ GEMM_THREADS = 256  # DG_THREADS
 MAX_GRID_X = 2**31 - 1
 MAX_GRID_Y = 65535
 MAX_INT32 = 2**31 - 1  # M, N, K and H are int arguments
+DENSE_DTYPES = tuple(DTYPE_TAGS)  # the kernels' entries: float32, float16, bfloat16
 
 
 class CupyDenseKernel:
@@ -99,6 +102,14 @@ def shared_dense_kernel(device: torch.device) -> CupyDenseKernel:
     if index not in _SHARED:
         _SHARED[index] = CupyDenseKernel(device=torch.device("cuda", index))
     return _SHARED[index]
+
+
+def gpu_dense_kernel(device: torch.device) -> CupyDenseKernel | None:
+    """shared_dense_kernel(device) for a CUDA device where CuPy is installed, else None (the caller's matmuls and
+    norms are then not batch invariant: torch's)."""
+    if device.type != "cuda" or importlib.util.find_spec("cupy") is None:
+        return None
+    return shared_dense_kernel(device)
 
 
 def _tag(name: str, t: torch.Tensor, dims: int | None) -> str:

@@ -34,6 +34,10 @@ class LeanGemma3(LeanModel):
         inner = model.model
         self.ops = None  # NOTE: the fused CPU ops compute Llama's norm (times weight) and SiLU: not Gemma's
         self.stack = None  # NOTE: lean_stack.cpp's loop is Llama's
+        if self.final_norm.device.type != "cpu":
+            # NOTE: its (1 + weight) norms run on torch, whose row reductions on a GPU are configured by the row
+            # count (cuda/dense_gemm.cu's norm is Llama's): not batch invariant there, whatever the matmuls
+            self.batch_invariant = False
         self.embed_scale = inner.embed_tokens.embed_scale.detach().to(self.dtype)
         self.layer_types = list(cfg.layer_types)
         self.windows = [int(cfg.sliding_window) if t == "sliding_attention" else 0 for t in self.layer_types]

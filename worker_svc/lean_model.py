@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from worker_svc.cpu_ops import FUSED_DTYPES, shared_ops
+from worker_svc.dense_gpu import gpu_dense_kernel
 from worker_svc.lean_stack import LeanStack
 from worker_svc.linear import Linear, f32_copies_fit, make_linear, transposed
 from worker_svc.quant.cupy_kernel import shared_gpu_kernel
@@ -37,13 +38,14 @@ class LeanLayer:
     k_norm: torch.Tensor | None
 
 
-def _fuse(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _fuse(linears: list[torch.nn.Linear], cpu_layout: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One [sum(out), in] weight (and bias) for `linears`, whose own parameters become views into it.
 
     NOTE: the views keep the transformers modules working (and sharing memory) for the fallback path. A float32
     weight on the CPU is stored transposed (linear.py: what torch.mm wants), a view of it is returned.
     """
-    weight = _layout(torch.cat([m.weight.detach() for m in linears]))
+    weight = torch.cat([m.weight.detach() for m in linears])
+    weight = _layout(weight) if cpu_layout else weight
     biases = [m.bias for m in linears]
     bias = torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None
     if bias is None and any(b is not None for b in biases):
@@ -62,12 +64,12 @@ def _layout(weight: torch.Tensor) -> torch.Tensor:
     return transposed(weight) if weight.device.type == "cpu" and weight.dtype == torch.float32 else weight
 
 
-def _own(linear: torch.nn.Linear, f32_copy: bool, invariant: bool) -> Linear:
+def _own(linear: torch.nn.Linear, f32_copy: bool, invariant: bool, dense_kernel) -> Linear:
     """A Linear over `linear`'s weight, re-laid out (the module keeps a view of the new storage)."""
-    weight = _layout(linear.weight.detach())
+    weight = _layout(linear.weight.detach()) if dense_kernel is None else linear.weight.detach()
     if weight.data_ptr() != linear.weight.data_ptr():
         linear.weight = torch.nn.Parameter(weight, requires_grad=False)
-    return make_linear(weight, _bias(linear), f32_copy=f32_copy, invariant=invariant)
+    return make_linear(weight, _bias(linear), f32_copy=f32_copy, invariant=invariant, dense_kernel=dense_kernel)
 
 
 def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -88,13 +90,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class LeanModel:
     """forward(input_ids [T], positions [T], step, keep) -> logits [len(keep), vocab].
 
-    batch_invariant (asked for): every matmul on one M-invariant kernel (linear.invariant_linear); the norms, adds,
-    SiLU and rotary are row by row already. `self.batch_invariant` says whether that held for every weight (the
-    kernels exist on this CPU, the float32 copies fit)."""
+    batch_invariant (asked for): every matmul on one M-invariant kernel (linear.invariant_linear on a CPU; on a GPU
+    cuda/dense_gemm.cu, which also runs the RMSNorms, as torch's row reductions there are configured by the row
+    count); the CPU's norms, and the adds, SiLU and rotary everywhere, are row by row already. `self.batch_invariant`
+    says whether that held for every weight and norm (the kernels exist on this CPU, the float32 copies fit; CuPy on
+    a GPU). dense_kernel (tests: the GPU's dense_gpu.CupyDenseKernel on the host shim) is that GPU kernel, used
+    wherever the weights are (batch_invariant only)."""
 
     def __init__(self, model: torch.nn.Module, batch_invariant: bool = False,
                  quantized: dict[str, QuantWeight] | None = None, int8_activations: bool = False,
-                 quant_kernel=None) -> None:
+                 quant_kernel=None, dense_kernel=None) -> None:
         cfg = model.config
         self.model = model
         inner = model.model
@@ -107,6 +112,11 @@ class LeanModel:
         self._quant_kernel = quant_kernel
         if quant_kernel is None and self._quant and device.type == "cuda":
             self._quant_kernel = shared_gpu_kernel(device)
+        if dense_kernel is not None and not batch_invariant:
+            raise ValueError("dense_kernel: the batch-invariant matmul and norm, for batch_invariant=True only")
+        # NOTE: the GPU's invariant matmuls and norms (None elsewhere, or without CuPy: torch's, not invariant)
+        self._dense = dense_kernel if dense_kernel is not None else \
+            gpu_dense_kernel(device) if batch_invariant else None
         self._names = {id(m): name for name, m in model.named_modules()}
         embed_name = self._names[id(inner.embed_tokens)] + ".weight"
         self.embed = QuantEmbedding(self._quant[embed_name], self.dtype) if embed_name in self._quant else \
@@ -123,7 +133,7 @@ class LeanModel:
         if head_name not in self._quant and getattr(cfg, "tie_word_embeddings", False) and embed_name in self._quant:
             head_name = embed_name  # NOTE: tied: the lm_head multiplies by the embedding's blocks
         self.lm_head = self._quant_linear([head_name], None) if head_name in self._quant else \
-            make_linear(head, None, vocab=True, f32_copy=f32_copy, invariant=inv)
+            make_linear(head, None, vocab=True, f32_copy=f32_copy, invariant=inv, dense_kernel=self._dense)
         self.rotary = inner.rotary_emb
         self.eps = float(cfg.rms_norm_eps)
         first = inner.layers[0].self_attn
@@ -131,7 +141,8 @@ class LeanModel:
         self.num_heads = int(cfg.num_attention_heads)
         self.num_kv_heads = int(cfg.num_key_value_heads)
         self.scaling = float(first.scaling)
-        self.ops = shared_ops() if self.dtype in FUSED_DTYPES and device.type == "cpu" else None
+        cpu_ops = self.dtype in FUSED_DTYPES and device.type == "cpu" and self._dense is None
+        self.ops = shared_ops() if cpu_ops else None
         if self.ops is not None and self.dtype == torch.float32 and not self.ops.vector_f32():
             self.ops = None  # a build without AVX2: its scalar SiLU is slower than torch's
         self.layers: list[LeanLayer] = []
@@ -148,7 +159,8 @@ class LeanModel:
                 None if q_norm is None else q_norm.weight.detach(), None if k_norm is None else k_norm.weight.detach()))
         linears = [self.lm_head, *(lin for layer in self.layers for lin in (layer.qkv, layer.o, layer.gate_up,
                                                                               layer.down))]
-        self.batch_invariant = batch_invariant and all(lin.invariant for lin in linears)
+        norms_invariant = device.type == "cpu" or self._dense is not None
+        self.batch_invariant = batch_invariant and norms_invariant and all(lin.invariant for lin in linears)
         self._quant = {}  # NOTE: packed into the kernels' panels: the blocks go (lean_build releases its own refs)
         # the layer loop in one C++ call where every matmul runs on the kernel library (None: the Python loop)
         self.stack = LeanStack.build(self) if device.type == "cpu" else None
@@ -165,9 +177,9 @@ class LeanModel:
                 if name in self._quant:
                     m.weight = torch.nn.Parameter(self._quant[name].dequantize().to(self.dtype), requires_grad=False)
         if len(modules) == 1:
-            return _own(modules[0], f32_copy, invariant)
-        weight, bias = _fuse(modules)
-        return make_linear(weight, bias, f32_copy=f32_copy, invariant=invariant)
+            return _own(modules[0], f32_copy, invariant, self._dense)
+        weight, bias = _fuse(modules, self._dense is None)
+        return make_linear(weight, bias, f32_copy=f32_copy, invariant=invariant, dense_kernel=self._dense)
 
     def _quant_linear(self, names: list[str], bias: torch.Tensor | None) -> QuantLinear:
         kernel = self._quant_kernel or shared_kernel(self._int8_activations)
@@ -194,7 +206,7 @@ class LeanModel:
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             if ops is None:
-                h = _norm(x, layer.input_norm, eps)
+                h = self._norm(x, layer.input_norm)
             # NOTE: [T, heads, hd] views split off one view of the QKV rows (view ops cost ~1 us each a layer)
             qk, v = layer.qkv(h).view(t, nh + 2 * nkv, hd).split_with_sizes(qk_v, 1)
             if ops is not None and layer.q_norm is None:
@@ -203,7 +215,7 @@ class LeanModel:
             else:
                 q, k = qk.split_with_sizes(q_k, 1)
                 if layer.q_norm is not None:
-                    q, k = _norm(q, layer.q_norm, eps), _norm(k, layer.k_norm, eps)
+                    q, k = self._norm(q, layer.q_norm), self._norm(k, layer.k_norm)
                 q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
             layer_scales = None if scales is None else scales[i]
             backend.write_kv(kv[i], k, v, meta.slot_mapping, layer_scales)
@@ -217,15 +229,19 @@ class LeanModel:
                     x = x + down
                 continue
             x = x + o
-            h = _norm(x, layer.post_norm, eps)
+            h = self._norm(x, layer.post_norm)
             gu = layer.gate_up(h)
             inter = gu.shape[1] // 2
             x = x + layer.down(F.silu(gu[:, :inter]) * gu[:, inter:])
         return self._head(x, keep)
 
     def _head(self, x: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        x = _norm(x.index_select(0, keep), self.final_norm, self.eps)  # NOTE: rows are independent past here
+        x = self._norm(x.index_select(0, keep), self.final_norm)  # NOTE: rows are independent past here
         return self.lm_head(x)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """LlamaRMSNorm of x's rows: on the GPU's invariant kernel where there is one, else torch's ops."""
+        return _norm(x, weight, self.eps) if self._dense is None else self._dense.rms_norm(x, weight, self.eps)
 
 
 def _bias(linear: torch.nn.Linear) -> torch.Tensor | None:

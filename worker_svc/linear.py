@@ -39,9 +39,11 @@ import structlog
 import torch
 import torch.nn.functional as F
 
+from worker_svc.dense_gpu import DENSE_DTYPES, gpu_dense_kernel
+
 log = structlog.get_logger("pagedserve.worker")
 
-KINDS = ("linear", "mm", "onednn")
+KINDS = ("linear", "mm", "onednn", "dense")
 UNBOUNDED = 2**62  # an M-invariant kernel's row bound under batch invariance: every call
 PLAIN_ROWS = (256, 384, 512)  # the row counts an onednn shape is timed at against F.linear
 PLAIN_MARGIN = 1.15  # F.linear must be this much faster at a row count (and every larger one) to take it
@@ -65,13 +67,14 @@ class Linear:
     """y = x @ W.T + b for x [T, in], with W held in the layout `kind` wants."""
 
     kind: str  # one of KINDS
-    weight: torch.Tensor  # linear: [out, in]; mm: [in, out] contiguous; onednn: oneDNN's reordered tensor
+    # linear: [out, in]; mm: [in, out] contiguous; onednn: oneDNN's reordered tensor; dense: [out, in] contiguous
+    weight: torch.Tensor
     bias: torch.Tensor | None
     out_features: int
     plain: torch.Tensor | None = None  # onednn only: the [out, in] weight F.linear takes from plain_rows rows on
     plain_rows: int = 0
     amx: torch.Tensor | None = None  # onednn only: the weight in the AMX kernel's order, for calls of <= AMX_MAX_ROWS
-    ops: object | None = None  # the CpuOps that runs `amx` or `panels`
+    ops: object | None = None  # the CpuOps that runs `amx` or `panels`; dense: the GPU's dense_gpu.CupyDenseKernel
     small: torch.Tensor | None = None  # mm only: oneDNN's prepacked copy, for calls of F32_ONEDNN_ROWS rows
     panels: torch.Tensor | None = None  # the panel kernel's copy (f32_gemm.cpp: float32 or bfloat16), run by `ops`
     panel_rows: int = 0  # calls of at most this many rows take `panels`
@@ -82,6 +85,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         # NOTE: lean_stack._matmul makes the same choice of the library's kernels for its C++ layer loop
+        if self.kind == "dense":
+            return self.ops.linear(x, self.weight, self.bias)
         if self.panels is not None and x.shape[0] <= self.panel_rows:
             return self.ops.panel_linear(x.contiguous(), self.panels, self.out_features, self.bias)
         if self.kind == "mm":
@@ -130,13 +135,18 @@ def _check_onednn(dtype: torch.dtype) -> bool:
 
 
 def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, *, vocab: bool = False,
-                f32_copy: bool = False, invariant: bool = False) -> Linear:
+                f32_copy: bool = False, invariant: bool = False, dense_kernel=None) -> Linear:
     """The fastest layout for `weight` [out, in] on its device; vocab=True for the lm_head (a short K, a long N);
     f32_copy: a float32 weight also gets the panel kernel's copy (else, a layer's: oneDNN's prepacked copy) for
-    small calls (f32_copies_fit); invariant: one M-invariant kernel for every call where this CPU has one
-    (invariant_linear), else the fastest layout and Linear.invariant False."""
+    small calls (f32_copies_fit); invariant: one M-invariant kernel for every call where there is one (a GPU:
+    dense_kernel, default dense_gpu.gpu_dense_kernel's; a CPU: invariant_linear), else the fastest layout and
+    Linear.invariant False. dense_kernel (tests: the GPU kernel on the host shim) runs the weight wherever it is."""
     out = int(weight.shape[0])
     weight, bias = weight.detach(), None if bias is None else bias.detach()
+    if invariant and (dense_kernel is not None or weight.device.type == "cuda"):
+        lin = dense_linear(weight, bias, dense_kernel)
+        if lin is not None:
+            return lin
     if weight.device.type != "cpu":
         return Linear("linear", weight, bias, out)
     if invariant:
@@ -190,6 +200,17 @@ def invariant_linear(weight: torch.Tensor, bias: torch.Tensor | None, f32_copy: 
         return Linear("mm", wt, bias, out, ops=ops, panels=ops.f32_pack(weight), panel_rows=UNBOUNDED,
                       invariant=True)
     return None
+
+
+def dense_linear(weight: torch.Tensor, bias: torch.Tensor | None, kernel=None) -> Linear | None:
+    """A Linear whose every call runs the GPU's M-invariant matmul (cuda/dense_gemm.cu; `kernel`, default the
+    weight's GPU's), or None where it cannot: no CuPy, or a dtype it has no entry for."""
+    if kernel is None:
+        kernel = gpu_dense_kernel(weight.device)
+    ok = weight.dtype in DENSE_DTYPES and (bias is None or bias.dtype == weight.dtype)
+    if kernel is None or not ok:
+        return None
+    return Linear("dense", weight.contiguous(), bias, int(weight.shape[0]), ops=kernel, invariant=True)
 
 
 def _with_panels(lin: Linear, weight: torch.Tensor, rows: int) -> Linear:

@@ -87,7 +87,8 @@ class ModelRunner:
         if self.lean is None:
             return f"the transformers forward ({self.lean_skip_reason})"
         if not self.lean.batch_invariant:
-            return "a matmul without an M-invariant kernel on this CPU (or the float32 copies did not fit)"
+            return ("a matmul or norm without an M-invariant kernel here (a CPU: or the float32 copies did not fit; a "
+                    "GPU: no CuPy, or Gemma 3's norms)")
         if not getattr(self.backend, "batch_invariant", False):
             return f"the {getattr(self.backend, 'name', 'attention')} backend"
         return ""

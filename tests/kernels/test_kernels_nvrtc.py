@@ -1,5 +1,5 @@
-"""NVRTC (what CuPy's RawModule uses on the GPU machines) compiles cuda/paged_attention.cu and cuda/quant_gemm.cu
-without a device.
+"""NVRTC (what CuPy's RawModule uses on the GPU machines) compiles cuda/paged_attention.cu, cuda/quant_gemm.cu and
+cuda/dense_gemm.cu without a device.
 
 Uses libnvrtc through ctypes, found in an nvidia-cuda-nvrtc wheel (site-packages/nvidia/*/lib), the CUDA
 toolkit's lib64, or $PAGED_NVRTC_LIB; skipped when none is installed (nvcc's check in test_kernels_host.py
@@ -16,7 +16,8 @@ import site
 import pytest
 
 from tests.support.cuda import cuda_home
-from worker_svc.attention.cupy_backend import CUDA_DIR, KERNEL_SOURCE, QUANT_GEMM_SOURCE, _cuda_include_options
+from worker_svc.attention.cupy_backend import (CUDA_DIR, DENSE_GEMM_SOURCE, KERNEL_SOURCE, QUANT_GEMM_SOURCE,
+                                               _cuda_include_options)
 
 
 def find_nvrtc() -> str | None:
@@ -41,7 +42,7 @@ def nvrtc():
     return ctypes.CDLL(path)
 
 
-@pytest.mark.parametrize("source", [KERNEL_SOURCE, QUANT_GEMM_SOURCE], ids=lambda p: p.name)
+@pytest.mark.parametrize("source", [KERNEL_SOURCE, QUANT_GEMM_SOURCE, DENSE_GEMM_SOURCE], ids=lambda p: p.name)
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_kernel_nvrtc_compiles(nvrtc, arch, source):
     prog = ctypes.c_void_p()
