@@ -9,12 +9,13 @@ so this module's argument checks and grid sizing run on every test run."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import numpy as np
 import torch
 
-from worker_svc.attention.cupy_backend import DENSE_GEMM_SOURCE, DTYPE_TAGS, Launcher, i32, i64, ptr
+from worker_svc.attention.cupy_backend import DENSE_GEMM_SOURCE, DTYPE_TAGS, CupyLauncher, Launcher, i32, i64, ptr
 
 TILE_ROWS = 64  # DG_BM of dense_gemm.cu: grid.y = ceil(M / TILE_ROWS)
 TILE_COLS = 64  # DG_BN: grid.x = ceil(N / TILE_COLS)
@@ -27,17 +28,16 @@ DENSE_DTYPES = tuple(DTYPE_TAGS)  # the kernels' entries: float32, float16, bflo
 
 class CupyDenseKernel:
     """dense_gemm.cu's kernels. norm_threads: the RMSNorm's threads a row (a multiple of 32 in 32..1024); its sum's
-    order is this count's, so one kernel object gives every row the same order."""
+    order is this count's, so one kernel object gives every row the same order. device: the GPU the default launcher
+    compiles for (default: the current one; without a launcher only)."""
 
     def __init__(self, launcher: Launcher | None = None, norm_threads: int = 256,
                  device: torch.device | str | None = None) -> None:
         if norm_threads % 32 or not 32 <= norm_threads <= 1024:
             raise ValueError(f"dense kernel: norm_threads {norm_threads} is not a multiple of 32 in 32..1024")
-        if launcher is None:
-            from worker_svc.attention.cupy_backend import CupyLauncher
-
-            device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-            launcher = CupyLauncher(device, source=DENSE_GEMM_SOURCE)
+        if launcher is None:  # NOTE: CupyLauncher imports cupy when built, not at import
+            gpu = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+            launcher = CupyLauncher(gpu, source=DENSE_GEMM_SOURCE)
         self.launcher = launcher
         self.norm_threads = norm_threads
 
@@ -93,15 +93,14 @@ class CupyDenseKernel:
         return out.view(x.shape)
 
 
-_SHARED: dict[int, CupyDenseKernel] = {}
-
-
 def shared_dense_kernel(device: torch.device) -> CupyDenseKernel:
     """One CupyDenseKernel a GPU for the process (dense_gemm.cu compiled once); needs cupy."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SHARED:
-        _SHARED[index] = CupyDenseKernel(device=torch.device("cuda", index))
-    return _SHARED[index]
+    return _kernel_of_gpu(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _kernel_of_gpu(index: int) -> CupyDenseKernel:
+    return CupyDenseKernel(device=torch.device("cuda", index))
 
 
 def gpu_dense_kernel(device: torch.device) -> CupyDenseKernel | None:

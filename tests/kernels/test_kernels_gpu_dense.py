@@ -17,6 +17,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from pagedserve_cli.bench.tiny_model import TINY
+from tests.support.cuda import bits, skip_without_cupy_gpu
 from tests.support.dense_reference import dense_gemm, rms_norm
 from tests.support.quant_model import BLOCK_SIZE, prefill_then_decode_logits
 
@@ -28,16 +29,10 @@ PROMPT = [5, 77, 140, 3, 260, 12, 99, 31, 8]
 
 @pytest.fixture(scope="module")
 def gpu_kernel():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    pytest.importorskip("cupy")
+    skip_without_cupy_gpu()
     from worker_svc.dense_gpu import CupyDenseKernel
 
     return CupyDenseKernel(norm_threads=256)  # compiles dense_gemm.cu once for the module
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

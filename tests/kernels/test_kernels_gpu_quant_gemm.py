@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from pagedserve_common.startup import StartupError
+from tests.support.cuda import bits, skip_without_cupy_gpu
 from tests.support.quant_blocks import random_blocks
 from tests.support.quant_gemm_reference import quant_gemm
 from tests.support.quant_model import prefill_then_decode_logits, tiny_quantized_model
@@ -29,16 +30,10 @@ PROMPT = [5, 77, 140, 3, 260, 12, 99, 31, 8]
 
 @pytest.fixture(scope="module")
 def gpu_kernel():
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device")
-    pytest.importorskip("cupy")
+    skip_without_cupy_gpu()
     from worker_svc.quant.cupy_kernel import CupyQuantKernel
 
     return CupyQuantKernel()  # compiles quant_gemm.cu once for the module
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

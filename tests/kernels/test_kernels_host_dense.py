@@ -14,13 +14,13 @@ Small shapes only: the shim runs every CUDA thread as a fiber.
 
 from __future__ import annotations
 
-import re
 import secrets
 
 import numpy as np
 import pytest
 import torch
 
+from tests.support.cuda import assert_nvcc_entries_without_spills, bits
 from tests.support.dense_reference import dense_gemm, gemm_bound, rms_norm, rms_norm_bound, rms_norm_f64
 from worker_svc.attention.cupy_backend import DTYPE_TAGS
 from worker_svc.dense_gpu import CupyDenseKernel
@@ -36,10 +36,7 @@ EPS = 1e-6
 def test_dense_gemm_nvcc_builds_without_spills(builds, arch):
     rc, log = builds.result(f"dense_{arch}")  # conftest's key for dense_gemm.cu
     assert rc == 0, log
-    entries = re.findall(r"Compiling entry function '(\w+)' for '(\w+)'", log)
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert {e for e, _ in entries} == {f"{k}_{t}" for k in ("dense_gemm", "rms_norm") for t in ("f32", "f16", "bf16")}
-    assert len(spills) == len(entries) and all(st == "0" and ld == "0" for st, ld in spills), "register spills"
+    assert_nvcc_entries_without_spills(log, {f"{k}_{t}" for k in ("dense_gemm", "rms_norm") for t in ("f32", "f16", "bf16")})
     assert "warning" not in log.lower(), log
 
 
@@ -50,10 +47,6 @@ def fresh_rng():
 
 def randn(rng, shape, dtype, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
     return torch.from_numpy((rng.standard_normal(shape) * scale + shift).astype(np.float32)).to(dtype)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -16,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from pagedserve_cli.bench.tiny_model import TINY
+from tests.support.cuda import bits
 from tests.support.quant_model import BLOCK_SIZE, prefill_then_decode_logits
 from worker_svc.attention import AttentionMetadata
 from worker_svc.dense_gpu import CupyDenseKernel
@@ -89,5 +90,4 @@ def test_a_sequence_gets_the_same_logit_bits_alone_and_beside_others(model_dir, 
     others = [torch.randint(0, loaded.vocab_size, (n,), generator=gen).tolist() for n in (30, 40)]
     (alone,) = sequences_logits(lean, loaded, backend, [PROMPT])
     _, beside, _ = sequences_logits(lean, loaded, backend, [others[0], PROMPT, others[1]])  # rows 30..38 of 79
-    assert torch.equal(alone.view(torch.int16 if alone.dtype == torch.bfloat16 else torch.int32),
-                       beside.view(torch.int16 if beside.dtype == torch.bfloat16 else torch.int32))
+    assert torch.equal(bits(alone), bits(beside))

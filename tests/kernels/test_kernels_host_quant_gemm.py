@@ -13,13 +13,13 @@ Small shapes only (K <= 512, N <= 64): the shim runs every CUDA thread as a fibe
 
 from __future__ import annotations
 
-import re
 import secrets
 
 import numpy as np
 import pytest
 import torch
 
+from tests.support.cuda import assert_nvcc_entries_without_spills, bits
 from tests.support.hf_quant import q8_0_blocks, rtn
 from tests.support.quant_blocks import random_blocks
 from tests.support.quant_gemm_reference import quant_gemm
@@ -39,10 +39,7 @@ SHAPES_K = [(1, 5, 256), (9, 13, 512)]  # K-quants: whole 256-weight super-block
 def test_quant_gemm_nvcc_builds_without_spills(builds, arch):
     rc, log = builds.result(f"quant_{arch}")  # conftest's key for quant_gemm.cu
     assert rc == 0, log
-    entries = re.findall(r"Compiling entry function '(\w+)' for '(\w+)'", log)
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", log)
-    assert {e for e, _ in entries} == {f"quant_gemm_{f}_{t}" for f in FORMATS for t in ("f32", "f16", "bf16")}
-    assert len(spills) == len(entries) and all(st == "0" and ld == "0" for st, ld in spills), "register spills"
+    assert_nvcc_entries_without_spills(log, {f"quant_gemm_{f}_{t}" for f in FORMATS for t in ("f32", "f16", "bf16")})
 
 
 def fresh_rng():
@@ -62,10 +59,6 @@ def run(kernel, fmt, x: torch.Tensor, blocks: np.ndarray, bias: torch.Tensor | N
 
 def activations(rng, m, k, dtype) -> torch.Tensor:
     return torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32)).to(dtype)
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int32 if t.dtype == torch.float32 else torch.int16)
 
 
 def as_dtype(y32: np.ndarray, dtype) -> torch.Tensor:
