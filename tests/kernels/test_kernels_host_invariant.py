@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from tests.kernels.invariance_cases import decode_and_chunk_cases, make_scene
+from pagedserve_common.kv_geometry import KVGeometry
 from worker_svc.attention.cupy_backend import CupyAttentionBackend
+from worker_svc.worker import make_backend
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -50,3 +52,10 @@ def test_the_fast_mode_splits_decodes_by_the_batch_and_gives_other_bits(launcher
 def test_a_forced_split_and_batch_invariance_are_refused_together(launcher):
     with pytest.raises(ValueError, match="partition_size forces a decode split"):
         CupyAttentionBackend(launcher, partition_size=64, batch_invariant=True)
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_the_worker_gives_the_gpu_backend_its_batch_invariant_flag(invariant):
+    geometry = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16")
+    backend = make_backend("auto", "cuda:0", geometry, batch_invariant=invariant)  # cupy is imported lazily
+    assert isinstance(backend, CupyAttentionBackend) and backend.batch_invariant is invariant
