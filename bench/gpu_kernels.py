@@ -10,7 +10,8 @@ fraction of the measured device-to-device copy bandwidth, next to SDPA on the sa
 Targets: >= 80% of copy bandwidth at context >= 4k; faster than SDPA at every decode point.
 Prefill: a 512-token chunk over 4k cached tokens, TFLOP/s vs SDPA with a bottom-right causal mask.
 Then a sweep of the decode split size (CupyAttentionBackend's min_partition) at batch 1 and 32, contexts 4k and
-32k, float16, so that one GPU run also tells how to tune the default.
+32k, float16, so that one GPU run also tells how to tune the default, next to batch_invariant's one split (the cost
+of batch invariance in attention: issue 48).
 8-bit caches (issue 25; int8, fp8_e4m3, fp8_e5m2, float16 queries): the quantising write (4096 tokens), decode at
 batch {1, 32, 128} x context {4k, 32k} and the same prefill, each with its achieved bandwidth = bytes of codes +
 scales read (written, for the write) per second, the decode next to the float16 cache's time at the same point
@@ -313,18 +314,21 @@ def main() -> int:
         except Exception as exc:  # noqa: BLE001
             print(f"{name:9s} FAILED: {type(exc).__name__}: {exc}")
     quant_failed = quant_section(be, rng, float16_times)
-    print("\ndecode split sweep (float16): us per call by min_partition (keys per split, at least)")
-    sweep = (128, 256, 512, 1024)
-    print(f"{'batch':>5s} {'ctx':>6s} " + " ".join(f"{m:>8d}" for m in sweep))
+    print("\ndecode split sweep (float16): us per call by min_partition (keys per split, at least); invariant: "
+          "batch_invariant, one split (the worker's default)")
+    sweep = (128, 256, 512, 1024, "invariant")
+    print(f"{'batch':>5s} {'ctx':>6s} " + " ".join(f"{m:>9}" for m in sweep))
     for batch, ctx in SWEEP_POINTS:
         cells = []
         for m in sweep:
             try:
-                sweep_be = CupyAttentionBackend(be.launcher, min_partition=m)  # one compiled module for all
+                # one compiled module for all
+                sweep_be = CupyAttentionBackend(be.launcher, batch_invariant=True) if m == "invariant" else \
+                    CupyAttentionBackend(be.launcher, min_partition=m)
                 t = decode_case(sweep_be, torch.float16, batch, ctx, copy_bw, rng)[0]
-                cells.append(f"{t * 1e6:8.1f}")
+                cells.append(f"{t * 1e6:9.1f}")
             except Exception as exc:  # noqa: BLE001
-                cells.append(f"{type(exc).__name__[:8]:>8s}")
+                cells.append(f"{type(exc).__name__[:9]:>9s}")
                 torch.cuda.empty_cache()
         print(f"{batch:5d} {ctx:6d} " + " ".join(cells))
     print()

@@ -100,10 +100,15 @@ __device__ __forceinline__ void attend_rows(AttnSmem<HD, MAXR, Quant<T>::ENABLED
 #pragma unroll
         for (int i = 0; i < PV_VEC; ++i) acc[r][i] = 0.f;
 
-    for (int k0 = k_begin; k0 < k_end; k0 += TILE) {
+    // NOTE: tiles sit on the absolute grid (multiples of TILE), whatever k_begin is: a row's sums then run over the
+    // same tiles in the same order in every CTA that sees it (decode or prefill, any split of the CTA's rows), which
+    // is what makes its output batch invariant. Keys of a tile before k_begin (t < t_lo) are never loaded: their
+    // score is -inf, so they add exact zeros, as the row's own masked keys do.
+    for (int k0 = k_begin - k_begin % TILE; k0 < k_end; k0 += TILE) {
         const int tile_len = min(TILE, k_end - k0);
+        const int t_lo = max(0, k_begin - k0);
         // 0. block-table lookups for the tile.
-        for (int t = tid; t < tile_len; t += nt) {
+        for (int t = t_lo + tid; t < tile_len; t += nt) {
             const int pos = k0 + t;
             const i64 blk = bt[pos / block_size], slot = pos % block_size;
             sm.off[t] = blk * stride_block + slot * stride_slot;
@@ -118,7 +123,7 @@ __device__ __forceinline__ void attend_rows(AttnSmem<HD, MAXR, Quant<T>::ENABLED
         // 1. scores. The loop bound is uniform over the warp so every lane reaches the shuffles.
         for (int base = 0; base < tile_len; base += ngroups) {
             const int t = base + group;
-            const bool valid = t < tile_len;
+            const bool valid = t >= t_lo && t < tile_len;
             float kf[EPL];
             if (valid) {
                 if constexpr (QUANT)
@@ -138,6 +143,8 @@ __device__ __forceinline__ void attend_rows(AttnSmem<HD, MAXR, Quant<T>::ENABLED
                 // lo[r] <= key < lim[r], as one unsigned compare (a key before lo wraps to a huge offset)
                 if (valid && sub == 0)
                     sm.s[r][t] = (unsigned)(k0 + t - sm.lo[r]) < (unsigned)(sm.lim[r] - sm.lo[r]) ? dot : PAGED_NEG_INF;
+                else if (t < t_lo && sub == 0)
+                    sm.s[r][t] = PAGED_NEG_INF;
             }
         }
         __syncthreads();
@@ -178,7 +185,10 @@ __device__ __forceinline__ void attend_rows(AttnSmem<HD, MAXR, Quant<T>::ENABLED
 #pragma unroll
                     for (int i = 0; i < PV_VEC; ++i) acc[r][i] *= a;
                 }
+            // NOTE: key t always goes to part t % nparts (the grouping of the sums is fixed); before t_lo, p = 0 and
+            // V is not read (skipping adds the same exact zero)
             for (int t = part; t < tile_len; t += nparts) {
+                if (t < t_lo) continue;
                 float vf[PV_VEC];
                 if constexpr (QUANT)
                     load_dequant<T, PV_VEC>(v_base + sm.off[t] + d0, sm.v_scale[t], vf);

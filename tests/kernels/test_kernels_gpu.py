@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tests.kernels.cases import GQA, check_forward, make_case, make_quant_case
+from tests.kernels.invariance_cases import decode_and_chunk_cases, make_scene
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
@@ -148,3 +149,18 @@ def test_kernel_gpu_sliding_window(gpu_backend_cls, dtype, head_dim, partition):
     ref = reference_attention(query, pool, meta, scale, window=37)
     assert torch.isfinite(out).all(), f"seed {seed}"
     assert (torch.linalg.norm(out.double() - ref) / torch.linalg.norm(ref)).item() < TOL[dtype], f"seed {seed}"
+
+
+@pytest.mark.parametrize("window", [0, 37])
+@pytest.mark.parametrize("dtype,cache", [(torch.float16, None), (torch.bfloat16, None), (torch.float32, torch.int8)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kernel_gpu_rows_are_batch_invariant(gpu_backend_cls, head_dim, dtype, cache, window):
+    """test_kernels_host_invariant.py on the device: with batch_invariant, a row's bits do not depend on how its step
+    is made up (prefill, chunk, decode; alone or beside others)."""
+    rng = np.random.default_rng([head_dim, window, dtype.itemsize])
+    be = gpu_backend_cls(batch_invariant=True)
+    scene = make_scene(be, rng, dtype, cache, (8, 2), head_dim, device="cuda")
+    cases = dict(decode_and_chunk_cases(scene, be, window))
+    want = cases.pop("prefill")
+    for name, got in cases.items():
+        assert torch.equal(got, want), f"{name}: not the prefill's bits"

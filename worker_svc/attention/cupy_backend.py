@@ -142,6 +142,12 @@ class CupyAttentionBackend(AttentionBackend):
 
     launcher: default CupyLauncher() (GPU). num_threads: threads per attention CTA (multiple of 32, <= 256).
     partition_size: force the decode split size in keys (tests); default sized from the SM count.
+    batch_invariant: a row's output independent of the batch (the worker sets it from --batch-invariant). Every
+    kernel walks a row's keys in the same tiles of the absolute grid (paged_attention.cu), so a prefill row and a
+    decode row agree bit for bit, whatever else shares their CTA; what is left is the decode split, whose count
+    follows the batch (fewer sequences, more splits to fill the SMs) and whose merge is a different sum: invariant,
+    a decode never splits (vLLM's batch-invariant mode does the same with FlashAttention's num_splits=1). The cost
+    falls on long contexts at small batches, one CTA a (sequence, head group) walking the whole context.
     """
 
     name = "cupy"
@@ -153,9 +159,13 @@ class CupyAttentionBackend(AttentionBackend):
         partition_size: int | None = None,
         min_partition: int = 512,
         poison_workspace: bool = False,
+        batch_invariant: bool = False,
     ) -> None:
         if num_threads % 32 or not 32 <= num_threads <= 256:
             raise ValueError(f"num_threads must be a multiple of 32 in [32, 256], got {num_threads}")
+        if batch_invariant and partition_size is not None:
+            raise ValueError("partition_size forces a decode split, which batch_invariant rules out")
+        self.batch_invariant = batch_invariant
         self._launcher = launcher
         self.num_threads = num_threads
         self.partition_size = partition_size
@@ -335,6 +345,8 @@ class CupyAttentionBackend(AttentionBackend):
     def _decode_partition(self, max_ctx: int, ctas_per_split: int) -> tuple[int, int]:
         """(keys per split, number of splits) for the decode pass."""
         max_ctx = max(int(max_ctx), 1)
+        if self.batch_invariant:  # one split: see the class's docstring
+            return -(-max_ctx // TILE) * TILE, 1
         if self.partition_size is not None:
             return self.partition_size, -(-max_ctx // self.partition_size)
         # Enough CTAs for ~2 waves over the SMs, but no split shorter than min_partition keys.
