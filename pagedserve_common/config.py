@@ -23,7 +23,7 @@ ACTIVATION_DTYPES = ("auto", "int8")  # --activation-dtype (worker_svc.weights.c
 KV_CACHE_DTYPES = ("auto", *DTYPE_BYTES)  # --kv-cache-dtype: auto (the model's) or a cache element type
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "cupy")
 INT8_QK = ("auto", "on", "off")
-BATCH_INVARIANT = ("on", "off")
+BATCH_INVARIANT = ("auto", "on", "off")
 # worker_svc.cpu_path.PATHS, best first: what the CPU has, or a lesser CPU's path forced (tests, benchmarks)
 CPU_PATHS = ("native", "amx", "avx512-bf16", "avx512", "avx2")
 SPECULATIVE = ("none", "ngram")  # scheduler_svc.core.speculation
@@ -325,10 +325,12 @@ class RunnerOptions:
                           choices=INT8_QK)
     transformers_forward: bool = option(False, "run the model through the transformers modules instead of the "
                                                "lean forward (not batch invariant)")
-    batch_invariant: str = option("on", "on: a sequence's logits do not depend on the sequences sharing its steps, "
-                                        "how its prompt was chunked or whether it was recomputed (each matmul on "
-                                        "one M-invariant kernel, attention rows on one path); off: the fastest "
-                                        "kernel for each call's size (docs: the cost of on)",
+    batch_invariant: str = option("auto", "on: a sequence's logits do not depend on the sequences sharing its "
+                                          "steps, how its prompt was chunked or whether it was recomputed (each "
+                                          "matmul on one M-invariant kernel, attention rows on one path); off: the "
+                                          "fastest kernel for each call's size (docs: the cost of on); auto: on on "
+                                          "a CPU, off on a GPU, whose invariant matmul (a SIMT kernel, no tensor "
+                                          "cores) has not been measured against cuBLAS yet",
                                   choices=BATCH_INVARIANT, up=GIVEN)
     cpu_path: str = option("native", "the CPU kernels' path: native (the best this CPU has) or a lesser CPU's, "
                                      "forced to run and test it here (amx, avx512-bf16: no AMX, avx512: no BF16 "

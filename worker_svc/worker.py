@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import structlog
 import torch
 
-from pagedserve_common.config import CPU_KV_MEMORY, RunnerOptions
+from pagedserve_common.config import BATCH_INVARIANT, CPU_KV_MEMORY, RunnerOptions
 from worker_svc.attention import AttentionBackend, TorchAttentionBackend
 from pagedserve_common.kv_geometry import KVGeometry
 from pagedserve_common.registration import WorkerRegistration
@@ -72,6 +72,14 @@ def available_cores() -> int:
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def wants_batch_invariance(setting: str, device: str) -> bool:
+    """--batch-invariant: on and off as said; auto is on on a CPU (its invariant kernels' cost is measured:
+    docs/worker.md) and off on a GPU, until bench/gpu_invariant.py measures cuda/dense_gemm.cu there."""
+    if setting not in BATCH_INVARIANT:
+        raise ValueError(f"batch_invariant must be one of {', '.join(BATCH_INVARIANT)}, got {setting!r}")
+    return setting == "on" or (setting == "auto" and torch.device(device).type == "cpu")
 
 
 def make_backend(name: str, device: str, geometry: KVGeometry, int8_qk: str = "auto",
@@ -149,7 +157,10 @@ def create_runner(cfg: WorkerConfig, backend: AttentionBackend | None = None) ->
         else:
             kv_memory = CPU_KV_MEMORY
     pool = KVPool(geometry, geometry.num_blocks_for(kv_memory), cfg.device, geometry.num_blocks_for(cfg.swap_space))
-    invariant = cfg.batch_invariant == "on"
+    invariant = wants_batch_invariance(cfg.batch_invariant, cfg.device)
+    if cfg.batch_invariant == "auto" and not invariant:
+        log.info("batch invariance is off on a GPU by default (--batch-invariant auto): its invariant matmul "
+                 "(cuda/dense_gemm.cu, SIMT) is not measured against cuBLAS yet; --batch-invariant on runs it")
     backend = backend or make_backend(cfg.attention_backend, cfg.device, geometry, cfg.int8_qk, invariant)
     runner = ModelRunner(loaded, pool, backend, lean=not cfg.transformers_forward, batch_invariant=invariant)
     release_free_heap()  # NOTE: what loading freed (heap.py); before the warm-up, whose memory the steps reuse

@@ -14,7 +14,7 @@ import torch
 from tests.kernels.invariance_cases import decode_and_chunk_cases, make_scene
 from pagedserve_common.kv_geometry import KVGeometry
 from worker_svc.attention.cupy_backend import CupyAttentionBackend
-from worker_svc.worker import make_backend
+from worker_svc.worker import make_backend, wants_batch_invariance
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -59,3 +59,15 @@ def test_the_worker_gives_the_gpu_backend_its_batch_invariant_flag(invariant):
     geometry = KVGeometry(num_layers=2, num_kv_heads=2, head_dim=64, dtype="bfloat16")
     backend = make_backend("auto", "cuda:0", geometry, batch_invariant=invariant)  # cupy is imported lazily
     assert isinstance(backend, CupyAttentionBackend) and backend.batch_invariant is invariant
+
+
+@pytest.mark.parametrize("setting,device,want", [("auto", "cpu", True), ("auto", "cuda:0", False), ("on", "cuda", True),
+                                                 ("on", "cpu", True), ("off", "cpu", False), ("off", "cuda:1", False)])
+def test_batch_invariance_is_on_by_default_on_a_cpu_and_asked_for_on_a_gpu(setting, device, want):
+    """auto: on where the invariant kernels' cost is measured (the CPU); a GPU's dense_gemm.cu is not, yet."""
+    assert wants_batch_invariance(setting, device) is want
+
+
+def test_an_unknown_batch_invariant_setting_is_refused():
+    with pytest.raises(ValueError, match="batch_invariant must be one of auto, on, off, got 'yes'"):
+        wants_batch_invariance("yes", "cpu")
