@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from tests.support.attention import scattered_tables
 from worker_svc.attention import AttentionMetadata
 
 BLOCK = 16
@@ -31,13 +32,8 @@ class Scene:
 def make_scene(backend, rng, dtype, cache, heads, hd, device="cpu") -> Scene:
     num_heads, num_kv_heads = heads
     lens = [TARGET_LEN, 260, 90, 33, 201]
-    needed = [-(-n // BLOCK) for n in lens]
-    ids = rng.permutation(np.arange(1, sum(needed) + 1)).tolist()
-    tables, at = [], 0
-    for n in needed:
-        tables.append(ids[at:at + n])
-        at += n
-    shape = (2, sum(needed) + 1, BLOCK, num_kv_heads, hd)
+    tables, num_blocks = scattered_tables(rng, lens, BLOCK)
+    shape = (2, num_blocks, BLOCK, num_kv_heads, hd)
     kv = torch.zeros(shape, dtype=dtype if cache is None else cache, device=device)
     scales = None if cache is None else torch.zeros(shape[:-1], dtype=torch.float32, device=device)
     full = AttentionMetadata.build(lens, lens, tables, BLOCK, device=device)

@@ -19,12 +19,11 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from pagedserve_cli.bench.tiny_model import TINY
 from tests.support.cuda import bits, skip_without_cupy_gpu
 from tests.support.dense_reference import dense_gemm, rms_norm
-from tests.support.quant_model import BLOCK_SIZE, prefill_then_decode_logits
+from tests.support.quant_model import BLOCK_SIZE, PROMPT, prefill_then_decode_logits
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-PROMPT = [5, 77, 140, 3, 260, 12, 99, 31, 8]
 
 
 @pytest.fixture(scope="module")

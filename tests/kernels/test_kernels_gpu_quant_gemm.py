@@ -19,13 +19,12 @@ from pagedserve_common.startup import StartupError
 from tests.support.cuda import bits, skip_without_cupy_gpu
 from tests.support.quant_blocks import random_blocks
 from tests.support.quant_gemm_reference import quant_gemm
-from tests.support.quant_model import prefill_then_decode_logits, tiny_quantized_model
+from tests.support.quant_model import PROMPT, prefill_then_decode_logits, tiny_quantized_model
 from worker_svc.quant.formats import FORMATS
 
 pytestmark = [pytest.mark.gpu, pytest.mark.timeout(600)]
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-PROMPT = [5, 77, 140, 3, 260, 12, 99, 31, 8]
 
 
 @pytest.fixture(scope="module")

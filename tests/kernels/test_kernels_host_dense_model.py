@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3Config
 
 from pagedserve_cli.bench.tiny_model import TINY
 from tests.support.cuda import bits
-from tests.support.quant_model import BLOCK_SIZE, prefill_then_decode_logits
+from tests.support.quant_model import BLOCK_SIZE, PROMPT, prefill_then_decode_logits
 from worker_svc.attention import AttentionMetadata
 from worker_svc.dense_gpu import CupyDenseKernel
 from worker_svc.kv_pool import KVPool
@@ -27,7 +27,6 @@ from worker_svc.runner import StepContext
 from worker_svc.worker import make_backend
 
 pytestmark = pytest.mark.timeout(900)
-PROMPT = [5, 77, 140, 3, 260, 12, 99, 31, 8]
 CONFIGS = {"llama": lambda: LlamaConfig(**TINY), "qwen3": lambda: Qwen3Config(**TINY, head_dim=16)}
 
 

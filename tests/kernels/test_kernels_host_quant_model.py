@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pagedserve_common.startup import StartupError
-from tests.support.quant_model import FORMATS, prefill_then_decode_logits, tiny_quantized_model
+from tests.support.quant_model import FORMATS, PROMPT, prefill_then_decode_logits, tiny_quantized_model
 from worker_svc.lean_model import LeanModel
 from worker_svc.models import load_model
 from worker_svc.quant.cupy_kernel import CupyQuantKernel
@@ -25,7 +25,6 @@ from worker_svc.quant.store import load_quantized
 from worker_svc.worker import make_backend
 
 pytestmark = pytest.mark.timeout(900)
-PROMPT = [5, 77, 140, 3, 260, 12, 99, 31, 8]
 
 
 @pytest.fixture(scope="module")

@@ -74,13 +74,8 @@ def windowed_batch(rng, kinds, block_size, num_heads, num_kv_heads, head_dim, dt
         # a chunk starts at least a block past the window's length, so its first blocks are unseen too
         q_lens.append({"decode": 1, "chunk": int(rng.integers(2, s - window - block_size)), "prefill": s}[kind])
         s_lens.append(s)
-    needed = [-(-s // block_size) for s in s_lens]
-    ids = rng.permutation(np.arange(1, sum(needed) + 1)).tolist()
-    tables, at = [], 0
-    for n in needed:
-        tables.append(ids[at: at + n])
-        at += n
-    pool = torch.full((2, sum(needed) + 1, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
+    tables, num_blocks = scattered_tables(rng, s_lens, block_size)
+    pool = torch.full((2, num_blocks, block_size, num_kv_heads, head_dim), float("nan"), dtype=dtype)
     full = AttentionMetadata.build(s_lens, s_lens, tables, block_size)
     k = torch.from_numpy(rng.standard_normal((sum(s_lens), num_kv_heads, head_dim))).to(dtype)
     v = torch.from_numpy(rng.standard_normal((sum(s_lens), num_kv_heads, head_dim))).to(dtype)
@@ -106,3 +101,15 @@ def random_batches(heads, dtypes):
         head_dim=st.sampled_from([8, 16, 64]),
         dtype=st.sampled_from(dtypes),
     )(test))
+
+
+def scattered_tables(rng, seq_lens: list[int], block_size: int) -> tuple[list[list[int]], int]:
+    """Block tables for sequences of `seq_lens` keys over shuffled block ids 1..n (block 0 never used), and the
+    pool's block count n + 1."""
+    needed = [-(-s // block_size) for s in seq_lens]
+    ids = rng.permutation(np.arange(1, sum(needed) + 1)).tolist()
+    tables, at = [], 0
+    for n in needed:
+        tables.append(ids[at:at + n])
+        at += n
+    return tables, sum(needed) + 1

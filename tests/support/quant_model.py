@@ -18,6 +18,7 @@ HIDDEN, HEADS, KV_HEADS, INTER = 32, 2, 1, 256
 FORMATS = {"token_embd": "q8_0", "attn_q": "q4_0", "attn_k": "q4_1", "attn_v": "q5_0", "attn_output": "q4_1",
            "ffn_gate": "q4_0", "ffn_up": "q8_0", "blk.0.ffn_down": "q4_k", "blk.1.ffn_down": "q6_k"}
 BLOCK_SIZE = 16
+PROMPT = [5, 77, 140, 3, 260, 12, 99, 31, 8]  # the lean-forward checks' prompt: 9 tokens, a partial block
 
 
 def tiny_quantized_model(tmp: Path) -> Path:
