@@ -63,7 +63,7 @@ def target_rows(backend, scene: Scene, seq_len: int, q_len: int, neighbours: lis
     query = torch.cat(queries)
     out = backend.forward(query, scene.kv, meta, 1 / math.sqrt(query.shape[-1]), kv_scales=scene.scales,
                           window=window)
-    start = sum(q for i, _, q in seqs[:[i for i, _, _ in seqs].index(0)])
+    start = 0 if first else query.shape[0] - q_len  # the target is first or last
     return out[start:start + q_len]
 
 

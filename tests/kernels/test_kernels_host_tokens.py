@@ -58,18 +58,14 @@ def test_kernel_host_backend_is_batch_invariant_in_the_worker(kernel_model_dir, 
             ids.append(driver.add(p, NEW, greedy, arrival_step=i if crowded else 1000 * i))
         out = driver.run()
         logprobs = [[pos.sampled.logprob for pos in driver.logprobs[r][0]] for r in ids]
-        return [out[r][0] for r in ids], logprobs, driver.scheduler.num_preemptions
+        return [out[r][0] for r in ids], logprobs, driver.scheduler.num_preemptions, runner.batch_invariant_reason
 
     alone = run(64, 512, crowded=False)
     crowded = run(64, 16, crowded=True)  # decodes beside each other, 16-token chunks between them
     preempted = run(8, 7, crowded=True)
-    assert runner_invariant(loaded, backend)
+    assert alone[3] == ""  # the runner is batch invariant ('' : no reason it is not)
     assert preempted[2] > 0  # the small pool really preempted and recomputed
     for case in (crowded, preempted):
         assert case[0] == alone[0]
         assert case[1] == alone[1]  # float equality: the same bits
 
-
-def runner_invariant(loaded, backend) -> bool:
-    runner = ModelRunner(loaded, KVPool(loaded.kv_geometry(16, "auto"), 4), backend)
-    return runner.batch_invariant or pytest.fail(runner.batch_invariant_reason)
